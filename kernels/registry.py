@@ -1,0 +1,78 @@
+"""Attention backends behind one small interface, chosen by name."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from kernels.torch_ref import paged_attention_torch, write_kv_torch
+
+
+class AttentionBackend(ABC):
+    """Paged attention and KV writes for one device. Shapes: see kernels/torch_ref.py."""
+
+    name: str
+
+    @abstractmethod
+    def write_kv(self, key, value, key_cache, value_cache, slot_mapping) -> None:
+        """Write this step's K/V into the pool at `slot_mapping`."""
+
+    @abstractmethod
+    def attention(
+        self,
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        query_start_loc,
+        seq_lens,
+        scale,
+        out=None,
+    ) -> torch.Tensor:
+        """Causal paged attention over a flat variable-length batch."""
+
+
+class TorchBackend(AttentionBackend):
+    name = "torch"
+
+    def write_kv(self, key, value, key_cache, value_cache, slot_mapping) -> None:
+        write_kv_torch(key, value, key_cache, value_cache, slot_mapping)
+
+    def attention(
+        self,
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        query_start_loc,
+        seq_lens,
+        scale,
+        out=None,
+    ) -> torch.Tensor:
+        return paged_attention_torch(
+            query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale, out
+        )
+
+
+_BACKENDS: dict[str, type[AttentionBackend]] = {"torch": TorchBackend}
+
+
+def register_backend(cls: type[AttentionBackend]) -> type[AttentionBackend]:
+    _BACKENDS[cls.name] = cls
+    return cls
+
+
+def get_backend(name: str | None, device: torch.device | str = "cpu") -> AttentionBackend:
+    """The backend called `name`; None picks Triton on CUDA and torch elsewhere."""
+    if name is None:
+        name = (
+            "triton" if torch.device(device).type == "cuda" and "triton" in _BACKENDS else "torch"
+        )
+    if name == "triton" and name not in _BACKENDS:
+        import kernels.triton_attention  # noqa: F401  (registers itself)
+    if name not in _BACKENDS:
+        raise ValueError(
+            f"attention_backend {name!r} is unknown; choose one of {sorted(_BACKENDS)}"
+        )
+    return _BACKENDS[name]()

@@ -1,0 +1,1 @@
+"""The .proto files and their generated Python modules."""

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Installs pagefleet (editable) and, with --test, what the test suite needs.
+# On a machine without torch, the CPU build is installed first so that no multi-gigabyte
+# CUDA build is downloaded; a GPU machine installs its own torch before running this.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+
+if ! "$PY" -c "import torch" >/dev/null 2>&1; then
+    "$PY" -m pip install -q "torch==2.13.0" \
+        || "$PY" -m pip install -q torch --index-url https://download.pytorch.org/whl/cpu
+fi
+
+if [[ "${1:-}" == "--test" ]]; then
+    "$PY" -m pip install -q -e ".[test]"
+    if ! command -v redis-server >/dev/null 2>&1; then
+        SUDO=""; [[ $(id -u) -ne 0 ]] && SUDO="sudo"
+        $SUDO apt-get update -qq && $SUDO apt-get install -y -qq redis-server >/dev/null
+    fi
+else
+    "$PY" -m pip install -q -e .
+fi

@@ -1,0 +1,143 @@
+"""`pagefleet plan` run the way a user runs it, checked against seed 000's worked numbers."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pagefleet.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+KiB, MiB, GiB = 2**10, 2**20, 2**30
+SEED_SHAPE = ["--layers", "32", "--kv-heads", "8", "--head-dim", "128", "--dtype", "bfloat16"]
+
+
+def pagefleet(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "pagefleet", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def plan_json(*args: str) -> dict:
+    done = pagefleet("plan", *args, "--json")
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def test_plan_json_reproduces_seed_000():
+    out = plan_json(
+        *SEED_SHAPE,
+        *("--block-size", "16", "--lengths", "8192,4096,2048"),
+        *("--device-memory", "24GiB", "--reserved", "17GiB"),
+    )
+    assert out["bytes_per_token"] == 128 * KiB
+    assert out["block_bytes"] == 2 * MiB
+    assert [r["tokens"] for r in out["requests"]] == [8192, 4096, 2048]
+    assert [r["bytes"] for r in out["requests"]] == [GiB, GiB // 2, GiB // 4]
+    assert [r["blocks"] for r in out["requests"]] == [512, 256, 128]
+    assert [r["tail_waste_bytes"] for r in out["requests"]] == [0, 0, 0]
+    assert out["total_bytes"] == 1.75 * GiB
+    assert out["contiguous_reserved_bytes"] == 3 * GiB
+    assert out["pool_bytes"] == 7 * GiB
+    assert out["max_sequences"] == 7
+    assert out["per_device_bytes_per_token"] == 128 * KiB
+    assert out["shared_prefix_savings_bytes"] == 0
+
+
+def test_plan_json_37_tokens_tail_block():
+    (r,) = plan_json(*SEED_SHAPE, "--lengths", "37")["requests"]
+    assert (r["blocks"], r["allocated_bytes"]) == (3, 6 * MiB)
+    assert r["tail_waste_bytes"] == 1.375 * MiB
+
+
+def test_plan_json_shared_prefix():
+    out = plan_json(*SEED_SHAPE, "--lengths", "8192,8192", "--shared-prefix", "4096")
+    assert out["total_bytes"] == 2 * GiB
+    assert out["shared_prefix_savings_bytes"] == GiB // 2
+    assert out["total_bytes"] - out["shared_prefix_savings_bytes"] == 1.5 * GiB
+
+
+def test_plan_json_tensor_parallel():
+    sharded = plan_json(*SEED_SHAPE, "--lengths", "8192", "--tp", "2")
+    assert sharded["per_device_bytes_per_token"] == 64 * KiB
+    replicated = plan_json(
+        "--layers", "32", "--kv-heads", "2", "--head-dim", "128", "--lengths", "16", "--tp", "4"
+    )
+    assert replicated["local_kv_heads"] == 1
+    assert replicated["per_device_bytes_per_token"] == 2 * 32 * 128 * 2  # one bf16 head
+
+
+def test_plan_from_model_dir_matches_shape_flags(tmp_path):
+    from transformers import LlamaConfig  # writes config.json the way a hub model has it
+
+    LlamaConfig(
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        hidden_size=4096,
+        dtype="bfloat16",
+    ).save_pretrained(tmp_path)
+    from_model = plan_json("--model", str(tmp_path), "--lengths", "8192,4096,2048")
+    assert from_model["bytes_per_token"] == 128 * KiB
+    assert from_model["shape"]["kv_dtype"] == "bfloat16"
+    fp8 = plan_json("--model", str(tmp_path), "--dtype", "fp8", "--lengths", "8192")
+    assert fp8["bytes_per_token"] == 64 * KiB
+
+
+def test_plan_table_by_default():
+    done = pagefleet(
+        "plan", *SEED_SHAPE, "--lengths", "8192,4096,2048", "--device-memory", "24GiB",
+        "--reserved", "17GiB",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "128 KiB" in done.stdout
+    assert "1.75 GiB" in done.stdout
+    assert "7 sequences of 8,192 tokens" in done.stdout
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(done.stdout)
+
+
+def test_help_lists_commands():
+    done = pagefleet("--help")
+    assert done.returncode == 0
+    assert "plan" in done.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ([*SEED_SHAPE, "--lengths", "37", "--device-memory", "24XB"], "invalid size"),
+        (["--layers", "32", "--head-dim", "128", "--lengths", "37"], "--kv-heads"),
+        ([*SEED_SHAPE[:6], "--dtype", "fp4", "--lengths", "37"], "fp4"),
+        (["--layers", "32", "--kv-heads", "3", "--head-dim", "128", "--lengths", "37", "--tp", "2"],
+         "not divisible"),
+        ([*SEED_SHAPE, "--lengths", "8192,abc"], "abc"),
+        ([*SEED_SHAPE, "--lengths", "8192", "--max-len", "4096"], "max_len"),
+        ([*SEED_SHAPE, "--lengths", "8", "--device-memory", "1GiB", "--reserved", "2GiB"],
+         "reserved"),
+        ([*SEED_SHAPE], "max_len"),
+        (["--model", "/nonexistent/model", "--lengths", "8"], "config.json"),
+        (["--model", "/nonexistent/model", "--layers", "2", "--lengths", "8"], "not both"),
+    ],
+)  # fmt: skip
+def test_plan_bad_input_exits_2_with_a_message(args, message):
+    done = pagefleet("plan", *args)
+    assert done.returncode == 2
+    assert message in done.stderr
+    assert "Traceback" not in done.stderr
+    assert done.stdout == ""
+
+
+def test_main_returns_exit_codes(capsys):
+    assert main(["plan", *SEED_SHAPE, "--lengths", "37", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["requests"][0]["blocks"] == 3
+    assert main(["plan", *SEED_SHAPE, "--lengths", "37", "--tp", "3"]) == 2
+    assert main(["no-such-command"]) == 2

@@ -1,0 +1,1 @@
+"""Floor 2: the engine of one tensor-parallel worker group."""

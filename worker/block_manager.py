@@ -1,0 +1,255 @@
+"""The KV block manager of one group: ref counts, prefix cache, LRU eviction, KV events.
+
+Pure Python, no torch: it hands out block ids; the KV pool on each device owns the bytes.
+Built from predicate/action pairs that the scheduler calls in order:
+    match_prefix -> can_allocate -> allocate      (admit, given the cached prefix)
+    can_append -> append_slots                    (grow a running request)
+    free                                          (finish, abort or preempt)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from worker.block_pool import Block, FreeBlockQueue
+from worker.hashing import BlockHasher
+from worker.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventSink,
+    discard_events,
+)
+from worker.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class PrefixMatch:
+    """The leading cached blocks a request can reuse."""
+
+    blocks: tuple[Block, ...]
+    block_size: int
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.blocks) * self.block_size
+
+
+class BlockManager:
+    """Hands out the group's block ids and keeps full blocks reusable by hash."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        hasher: BlockHasher | None = None,
+        event_sink: KVEventSink = discard_events,
+    ) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if hasher is not None and hasher.block_size != block_size:
+            raise ValueError("the hasher's block size differs from the pool's")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.hasher = hasher  # None: prefix caching disabled
+        self.emit = event_sink
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+        self.cached: dict[bytes, Block] = {}  # prefix cache: block hash -> the block holding it
+        self.req_blocks: dict[str, list[Block]] = {}
+        self._req_block_ids: dict[str, list[int]] = {}  # the same tables as ids, kept in step
+        self._num_committed: dict[
+            str, int
+        ] = {}  # leading blocks of a request already offered to the cache
+        self.prefix_queries = 0  # tokens looked up at admission
+        self.prefix_hits = 0  # of which served from the cache
+
+    # ---- state -------------------------------------------------------------------------
+    @property
+    def enable_prefix_caching(self) -> bool:
+        return self.hasher is not None
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks with no reference: empty ones and cached ones that may be evicted."""
+        return len(self.free_queue)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self.cached)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def block_ids(self, request_id: str) -> list[int]:
+        """The request's block table (a live list: it grows with the request)."""
+        return self._req_block_ids.get(request_id, [])
+
+    def cached_hashes(self) -> Iterator[bytes]:
+        """Every hash in the prefix cache: the inventory a publisher republishes."""
+        return iter(list(self.cached))
+
+    # ---- admit -------------------------------------------------------------------------
+    def match_prefix(self, request: Request) -> PrefixMatch:
+        """Leading cached blocks of `request`; never the block holding its last token,
+        whose logits must be computed."""
+        if self.hasher is None:
+            return PrefixMatch((), self.block_size)
+        self._hash_known_blocks(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        blocks = []
+        for h in request.block_hashes[:max_blocks]:
+            block = self.cached.get(h)
+            if block is None:
+                break
+            blocks.append(block)
+        return PrefixMatch(tuple(blocks), self.block_size)
+
+    def can_allocate(
+        self, request: Request, match: PrefixMatch, num_new_tokens: int, reserve_blocks: int = 0
+    ) -> bool:
+        """Whether `request` fits with its cached prefix plus `num_new_tokens`, leaving
+        `reserve_blocks` free (the admission watermark)."""
+        new = cdiv(match.num_tokens + num_new_tokens, self.block_size) - len(match.blocks)
+        hits_on_free = sum(1 for b in match.blocks if b.ref_cnt == 0)
+        return new + hits_on_free + reserve_blocks <= self.num_free_blocks
+
+    def allocate(self, request: Request, match: PrefixMatch, num_new_tokens: int) -> list[int]:
+        """Take the cached prefix and enough new blocks for `num_new_tokens`; returns the
+        request's block table."""
+        rid = request.request_id
+        assert rid not in self.req_blocks, f"{rid} already holds blocks"
+        for block in match.blocks:
+            self._touch(block)
+        num_new = cdiv(match.num_tokens + num_new_tokens, self.block_size) - len(match.blocks)
+        blocks = list(match.blocks) + self._take_free(num_new)
+        self.req_blocks[rid] = blocks
+        self._req_block_ids[rid] = [b.block_id for b in blocks]
+        self._num_committed[rid] = len(match.blocks)
+        if self.hasher is not None:
+            self.prefix_queries += request.num_tokens
+            self.prefix_hits += match.num_tokens
+        self._commit_full_blocks(request, match.num_tokens + num_new_tokens)
+        return self._req_block_ids[rid]
+
+    # ---- grow --------------------------------------------------------------------------
+    def can_append(self, request: Request, num_new_tokens: int) -> bool:
+        return self._blocks_to_grow(request, num_new_tokens) <= self.num_free_blocks
+
+    def append_slots(self, request: Request, num_new_tokens: int) -> list[int]:
+        """Room for `num_new_tokens` after the computed ones; returns the new block ids.
+
+        Full blocks among the tokens computed by the end of this step join the prefix cache
+        now: every K/V write of a layer precedes its attention in the same forward, so another
+        request may already hit them in this very step.
+        """
+        rid = request.request_id
+        new_ids = []
+        if num := self._blocks_to_grow(request, num_new_tokens):
+            new_blocks = self._take_free(num)
+            self.req_blocks[rid].extend(new_blocks)
+            new_ids = [b.block_id for b in new_blocks]
+            self._req_block_ids[rid].extend(new_ids)
+        if self.hasher is not None:
+            self._commit_full_blocks(request, request.num_computed_tokens + num_new_tokens)
+        return new_ids
+
+    # ---- release -----------------------------------------------------------------------
+    def free(self, request: Request) -> None:
+        """Drop the request's references, tail first, so that a chain's tail is evicted
+        before its head. Cached blocks stay reusable until evicted; uncached ones are
+        reused first."""
+        blocks = self.req_blocks.pop(request.request_id, [])
+        self._req_block_ids.pop(request.request_id, None)
+        self._num_committed.pop(request.request_id, None)
+        for block in reversed(blocks):
+            block.ref_cnt -= 1
+            assert block.ref_cnt >= 0, f"{block} freed twice"
+            if block.ref_cnt == 0:
+                if block.block_hash is None:
+                    self.free_queue.appendleft(block)
+                else:
+                    self.free_queue.append(block)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block; refused (False) while any block is in use."""
+        if self.num_free_blocks != self.num_blocks:
+            return False
+        for block in self.cached.values():
+            block.block_hash = None
+        self.cached.clear()
+        self.emit(AllBlocksCleared())
+        return True
+
+    # ---- internals ---------------------------------------------------------------------
+    def _blocks_to_grow(self, request: Request, num_new_tokens: int) -> int:
+        held = len(self.req_blocks[request.request_id])
+        return max(0, cdiv(request.num_computed_tokens + num_new_tokens, self.block_size) - held)
+
+    def _touch(self, block: Block) -> None:
+        if block.ref_cnt == 0:
+            self.free_queue.remove(block)
+        block.ref_cnt += 1
+
+    def _take_free(self, n: int) -> list[Block]:
+        if n > self.num_free_blocks:
+            raise RuntimeError(f"asked for {n} blocks with {self.num_free_blocks} free")
+        taken, evicted = [], []
+        for _ in range(n):
+            block = self.free_queue.popleft()
+            if block.block_hash is not None:  # evict the least recently used cached block
+                del self.cached[block.block_hash]
+                evicted.append(block.block_hash)
+                block.block_hash = None
+            block.ref_cnt = 1
+            taken.append(block)
+        if evicted:
+            self.emit(BlockRemoved(tuple(evicted)))
+        return taken
+
+    def _hash_known_blocks(self, request: Request) -> None:
+        """Extend the request's hash chain over every full block of its known tokens."""
+        assert self.hasher is not None
+        hashes = request.block_hashes
+        if len(hashes) < request.num_tokens // self.block_size:
+            parent = hashes[-1] if hashes else request.hash_root
+            hashes += self.hasher.hash_blocks(request.all_token_ids, parent, len(hashes))
+
+    def _commit_full_blocks(self, request: Request, num_tokens: int) -> None:
+        """Offer the request's full blocks among its first `num_tokens` to the prefix cache."""
+        if self.hasher is None:
+            return
+        rid = request.request_id
+        start = self._num_committed[rid]
+        end = min(num_tokens, request.num_tokens) // self.block_size
+        if end <= start:
+            return
+        self._hash_known_blocks(request)
+        blocks, hashes = self.req_blocks[rid], request.block_hashes
+        run_start = None  # first index of a run of newly stored blocks
+        for i in range(start, end + 1):
+            stored = i < end and self._store(blocks[i], hashes[i])
+            if stored and run_start is None:
+                run_start = i
+            elif not stored and run_start is not None:
+                parent = hashes[run_start - 1] if run_start > 0 else None
+                self.emit(BlockStored(tuple(hashes[run_start:i]), parent))
+                run_start = None
+        self._num_committed[rid] = end
+
+    def _store(self, block: Block, block_hash: bytes) -> bool:
+        if block.block_hash is not None:  # a prefix hit: already cached
+            return False
+        if block_hash in self.cached:  # computed twice concurrently: keep the first copy
+            return False
+        block.block_hash = block_hash
+        self.cached[block_hash] = block
+        return True

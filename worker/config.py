@@ -1,0 +1,62 @@
+"""Frozen configuration of one group's engine. Environment variables are read only here."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+POLICIES = ("fcfs", "priority")
+CLUSTER_SECRET_ENV = "PAGEFLEET_CLUSTER_SECRET"
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048  # token budget of one step
+    max_num_seqs: int = 128  # running requests at most
+    max_model_len: int = 4096  # prompt + output tokens of one request
+    policy: str = "fcfs"
+    max_waiting: int = 4096  # beyond this, new requests are refused (QueueFullError)
+    watermark: float = 0.01  # fraction of blocks kept free when admitting, against thrash
+
+    def __post_init__(self) -> None:
+        _positive(self, "max_num_batched_tokens", "max_num_seqs", "max_model_len", "max_waiting")
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if not 0 <= self.watermark < 1:
+            raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    num_blocks: int | None = None  # None: sized from the memory budget
+    kv_cache_memory: int | None = None  # bytes for the pool per device; None: profile
+    memory_utilization: float = 0.9  # like vLLM's gpu_memory_utilization
+    kv_cache_dtype: str = "auto"  # "auto": the model's dtype
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        _positive(self, "block_size")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
+            raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
+        if not 0 < self.memory_utilization <= 1:
+            raise ValueError(f"memory_utilization must be in (0, 1], got {self.memory_utilization}")
+
+
+def cluster_secret(value: str | bytes | None = None) -> bytes:
+    """The key of every block hash: given, else $PAGEFLEET_CLUSTER_SECRET, else random (a
+    process of its own; a cluster passes one secret to all of its routers and groups)."""
+    if value is None:
+        value = os.environ.get(CLUSTER_SECRET_ENV)
+    if value is None or value == "" or value == b"":
+        return os.urandom(32)
+    return value.encode() if isinstance(value, str) else value
+
+
+def _positive(obj: object, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")

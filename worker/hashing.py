@@ -1,0 +1,105 @@
+"""Block hashes: one keyed chain over every earlier token and everything that changes K/V.
+
+Block i's hash is BLAKE2b-128, keyed with the cluster secret, over block i-1's hash and block i's
+token ids. The chain's root covers the model fingerprint (model id and revision, dtype, KV-cache
+dtype, block size), the adapter and the tenant's cache salt, so a block's name depends on all of
+them. The router and every group call this same code with the same secret, so they agree across
+processes; without the secret nobody can craft colliding prompts. Python's `hash()` is never used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+DIGEST_SIZE = 16  # 128-bit block hashes
+_MAX_KEY = 64  # BLAKE2b key limit
+_TOKEN_TYPECODE = "I"  # uint32: any vocabulary fits
+assert array(_TOKEN_TYPECODE).itemsize == 4
+
+
+@dataclass(frozen=True)
+class ModelFingerprint:
+    """Everything about the model and the cache layout that changes the K/V values of a block."""
+
+    model_id: str
+    revision: str = ""
+    dtype: str = "float32"
+    kv_cache_dtype: str = "auto"
+    block_size: int = 16
+
+    def encode(self) -> bytes:
+        fields = (
+            self.model_id,
+            self.revision,
+            self.dtype,
+            self.kv_cache_dtype,
+            str(self.block_size),
+        )
+        return _encode_fields("model", *fields)
+
+
+class BlockHasher:
+    """Computes the hash chains of one model under one cluster secret."""
+
+    def __init__(self, secret: bytes, fingerprint: ModelFingerprint) -> None:
+        if not isinstance(secret, bytes) or not secret:
+            raise ValueError("cluster secret must be non-empty bytes")
+        # Longer secrets are folded to the BLAKE2b key size.
+        self._key = secret if len(secret) <= _MAX_KEY else hashlib.blake2b(secret).digest()
+        self.fingerprint = fingerprint
+        self.block_size = fingerprint.block_size
+        self._model_key = fingerprint.encode()
+        self._keyed = hashlib.blake2b(key=self._key, digest_size=DIGEST_SIZE)
+
+    def root(self, adapter_id: str | None = None, cache_salt: str | None = None) -> bytes:
+        """The chain's seed: the parent of block 0 for this model, adapter and tenant."""
+        data = self._model_key + _encode_fields("extra", adapter_id or "", cache_salt or "")
+        return hashlib.blake2b(data, key=self._key, digest_size=DIGEST_SIZE).digest()
+
+    def hash_blocks(
+        self, token_ids: Sequence[int], parent: bytes, start_block: int = 0
+    ) -> list[bytes]:
+        """Hashes of the full blocks of `token_ids` from `start_block` on.
+
+        `parent` is the hash of block `start_block - 1`, or `root(...)` when starting at 0.
+        A trailing partial block is not hashed.
+        """
+        bs = self.block_size
+        end_block = len(token_ids) // bs
+        if end_block <= start_block:
+            return []
+        try:
+            raw = memoryview(array(_TOKEN_TYPECODE, token_ids[start_block * bs : end_block * bs]))
+        except OverflowError as e:
+            raise ValueError("token ids must be in [0, 2**32)") from e
+        raw, step = raw.cast("B"), bs * 4
+        keyed = self._keyed  # copying a keyed state skips the key's compression per block
+        hashes = []
+        for offset in range(0, len(raw), step):
+            h = keyed.copy()
+            h.update(parent)
+            h.update(raw[offset : offset + step])
+            parent = h.digest()
+            hashes.append(parent)
+        return hashes
+
+    def hash_prompt(
+        self,
+        token_ids: Sequence[int],
+        adapter_id: str | None = None,
+        cache_salt: str | None = None,
+    ) -> list[bytes]:
+        """The whole chain of a prompt's full blocks."""
+        return self.hash_blocks(token_ids, self.root(adapter_id, cache_salt))
+
+
+def _encode_fields(tag: str, *fields: str) -> bytes:
+    # Length-prefixed so that ("ab", "c") and ("a", "bc") never encode alike.
+    out = bytearray(tag.encode())
+    for f in fields:
+        b = f.encode()
+        out += len(b).to_bytes(4, "little") + b
+    return bytes(out)

@@ -1,0 +1,128 @@
+"""What a request asks of the sampler and of the stop checks; validated once, at the door."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+_GREEDY_EPS = 1e-5
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling and stopping.
+
+    temperature 0 means greedy. `max_tokens=None` means "up to the model's context".
+    Every bad value raises a ValueError that names the field.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: all tokens
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-n logprobs per generated token
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    include_stop_str_in_output: bool = False
+    extra: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        # Lists are accepted for convenience and frozen to tuples.
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        _check(
+            _is_number(self.temperature) and self.temperature >= 0,
+            "temperature",
+            "must be >= 0",
+            self.temperature,
+        )
+        _check(
+            _is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]", self.top_p
+        )
+        _check(
+            _is_int(self.top_k) and self.top_k >= -1,
+            "top_k",
+            "must be -1, 0 (disabled) or a positive integer",
+            self.top_k,
+        )
+        _check(
+            _is_number(self.min_p) and 0 <= self.min_p <= 1,
+            "min_p",
+            "must be in [0, 1]",
+            self.min_p,
+        )
+        _check(self.seed is None or _is_int(self.seed), "seed", "must be an integer", self.seed)
+        _check(
+            self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
+            "max_tokens",
+            "must be >= 1",
+            self.max_tokens,
+        )
+        _check(
+            all(isinstance(s, str) and s for s in self.stop),
+            "stop",
+            "must be non-empty strings",
+            self.stop,
+        )
+        _check(
+            all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+            "stop_token_ids",
+            "must be non-negative integers",
+            self.stop_token_ids,
+        )
+        _check(
+            self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
+            "logprobs",
+            "must be in [0, 20]",
+            self.logprobs,
+        )
+        _check(
+            _is_number(self.repetition_penalty) and self.repetition_penalty > 0,
+            "repetition_penalty",
+            "must be > 0",
+            self.repetition_penalty,
+        )
+        _check(
+            _is_number(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
+            "presence_penalty",
+            "must be in [-2, 2]",
+            self.presence_penalty,
+        )
+        _check(
+            _is_number(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
+            "frequency_penalty",
+            "must be in [-2, 2]",
+            self.frequency_penalty,
+        )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and x == x  # x == x: not NaN
+
+
+def _check(ok: bool, name: str, rule: str, value: object) -> None:
+    if not ok:
+        raise ValueError(f"SamplingParams.{name} {rule}, got {value!r}")

@@ -1,0 +1,283 @@
+"""Continuous batching: which tokens of which requests run in the next forward pass."""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+from worker.block_manager import BlockManager, cdiv
+from worker.config import SchedulerConfig
+from worker.request import Request, RequestStatus
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at its bound; the caller should retry later."""
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step. Filled by the scheduler; read by the model runner."""
+
+    request: Request
+    start: int  # first position computed this step (num_computed_tokens before the step)
+    num_tokens: int  # tokens computed this step: a prefill chunk or 1 decode token
+    block_ids: list[int]  # the whole block table after this step's allocation (live list)
+    new_block_ids: list[int]  # the blocks added this step (a diff for other ranks)
+    is_new: bool  # admitted (or resumed after preemption) in this step
+    samples: bool  # the step reaches the last known token, so a new token is sampled
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+    def slot_mapping(self, block_size: int) -> list[int]:
+        ids = self.block_ids
+        return [
+            ids[p // block_size] * block_size + p % block_size for p in range(self.start, self.end)
+        ]
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    num_batched_tokens: int = 0
+    preempted_ids: list[str] = field(default_factory=list)
+    finished_ids: list[str] = field(default_factory=list)  # left since the previous step
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class WaitingQueue:
+    """FCFS (preempted requests return to the front) or by (priority, arrival)."""
+
+    def __init__(self, by_priority: bool) -> None:
+        self.by_priority = by_priority
+        self._fifo: deque[Request] = deque()
+        self._heap: list[tuple[int, float, int, Request]] = []
+        self._tiebreak = itertools.count()
+
+    def push(self, request: Request, front: bool = False) -> None:
+        if self.by_priority:
+            heapq.heappush(self._heap, (*request.sort_key, next(self._tiebreak), request))
+        elif front:
+            self._fifo.appendleft(request)
+        else:
+            self._fifo.append(request)
+
+    def peek(self) -> Request:
+        return self._heap[0][-1] if self.by_priority else self._fifo[0]
+
+    def pop(self) -> Request:
+        return heapq.heappop(self._heap)[-1] if self.by_priority else self._fifo.popleft()
+
+    def remove(self, request: Request) -> None:
+        if self.by_priority:
+            self._heap = [e for e in self._heap if e[-1] is not request]
+            heapq.heapify(self._heap)
+        else:
+            self._fifo.remove(request)
+
+    def __len__(self) -> int:
+        return len(self._heap) if self.by_priority else len(self._fifo)
+
+    def __iter__(self) -> Iterator[Request]:
+        return (e[-1] for e in self._heap) if self.by_priority else iter(self._fifo)
+
+
+class Scheduler:
+    """Owns the waiting and running requests of one group and the group's block manager."""
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.bm = block_manager
+        self.block_size = block_manager.block_size
+        self.requests: dict[str, Request] = {}
+        self.waiting = WaitingQueue(by_priority=config.policy == "priority")
+        self.running: list[Request] = []  # in admission order
+        self._finished_ids: list[str] = []
+        self.num_preemptions = 0
+        self._reserve_blocks = int(config.watermark * block_manager.num_blocks)
+
+    # ---- requests in and out -----------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        """Queue a request, or refuse one that could never run (ValueError) or that finds
+        the queue full (QueueFullError)."""
+        rid = request.request_id
+        if rid in self.requests:
+            raise ValueError(f"request_id {rid!r} is already in use")
+        if request.num_prompt_tokens == 0:
+            raise ValueError("prompt is empty")
+        total = request.num_prompt_tokens + request.max_tokens
+        if total > self.config.max_model_len:
+            raise ValueError(
+                f"prompt ({request.num_prompt_tokens} tokens) plus max_tokens "
+                f"({request.max_tokens}) is {total} tokens, over the model's context of "
+                f"{self.config.max_model_len}"
+            )
+        if cdiv(total, self.block_size) > self.bm.num_blocks:
+            raise ValueError(
+                f"request needs {cdiv(total, self.block_size)} KV blocks of {self.block_size} "
+                f"tokens but the whole pool has {self.bm.num_blocks}"
+            )
+        if len(self.waiting) >= self.config.max_waiting:
+            raise QueueFullError(
+                f"waiting queue is full ({self.config.max_waiting} requests); retry later"
+            )
+        self.requests[rid] = request
+        self.waiting.push(request)
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
+        """End a request (abort, stop string): its blocks are freed at once."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self.bm.free(request)
+        request.status = status
+        self._finished_ids.append(request_id)
+        return request
+
+    def abort(self, request_ids: Iterable[str]) -> list[Request]:
+        ids = [request_ids] if isinstance(request_ids, str) else request_ids
+        done = (self.finish_request(rid, RequestStatus.FINISHED_ABORTED) for rid in ids)
+        return [r for r in done if r is not None]
+
+    # ---- one step ----------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        """Invariant: each request's computed tokens catch up with its known tokens, under a
+        token budget (max_num_batched_tokens), a sequence cap (max_num_seqs) and the free-block
+        budget. Chunked prefill, prefix hits, decodes and recompute after preemption are all
+        cases of this one rule. Order: running decodes, then unfinished prefills, then
+        admissions. A running request that cannot get a block preempts the newest (or lowest
+        priority) running request not yet scheduled, itself last."""
+        out = SchedulerOutput(finished_ids=self._finished_ids)
+        self._finished_ids = []
+        budget = self.config.max_num_batched_tokens
+        budget = self._schedule_running(out, budget)
+        if not out.preempted_ids:
+            self._schedule_waiting(out, budget)
+        out.num_batched_tokens = sum(s.num_tokens for s in out.scheduled)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        scheduled_ids: set[str] = set()
+        # Decodes first (stable sort keeps admission order within each kind).
+        for req in sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1):
+            if budget == 0:
+                break
+            if req.status != RequestStatus.RUNNING:  # preempted earlier in this step
+                continue
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.bm.can_append(req, n):
+                victim = self._pick_victim(exclude=scheduled_ids) or req
+                self._preempt(victim, out)
+                if victim is req:
+                    break
+            if req.status != RequestStatus.RUNNING:
+                continue
+            new_ids = self.bm.append_slots(req, n)
+            out.scheduled.append(self._record(req, n, new_ids, is_new=False))
+            scheduled_ids.add(req.request_id)
+            budget -= n
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting.peek()
+            match = self.bm.match_prefix(req)
+            n = min(req.num_tokens - match.num_tokens, budget)
+            if not self.bm.can_allocate(req, match, n, self._reserve_blocks):
+                break  # keep FCFS order: nobody overtakes the head of the queue
+            self.waiting.pop()
+            self.bm.allocate(req, match, n)
+            block_ids = self.bm.block_ids(req.request_id)
+            req.num_computed_tokens = match.num_tokens
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = min(match.num_tokens, req.num_prompt_tokens)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.scheduled.append(self._record(req, n, list(block_ids), is_new=True))
+            budget -= n
+
+    def _record(self, req: Request, n: int, new_ids: list[int], is_new: bool) -> ScheduledRequest:
+        start = req.num_computed_tokens
+        req.num_computed_tokens += n
+        return ScheduledRequest(
+            request=req,
+            start=start,
+            num_tokens=n,
+            block_ids=self.bm.block_ids(req.request_id),
+            new_block_ids=new_ids,
+            is_new=is_new,
+            samples=req.num_computed_tokens == req.num_tokens,
+        )
+
+    def _pick_victim(self, exclude: set[str]) -> Request | None:
+        candidates = [r for r in self.running if r.request_id not in exclude]
+        if not candidates:
+            return None
+        if self.waiting.by_priority:
+            return max(candidates, key=lambda r: r.sort_key)
+        return max(candidates, key=lambda r: r.arrival_time)
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        """Recompute later: free the blocks (cached ones stay reusable) and requeue at the head."""
+        self.running.remove(req)
+        self.bm.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.push(req, front=True)
+        out.preempted_ids.append(req.request_id)
+
+    # ---- after the forward -------------------------------------------------------------
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Append each sampled token and apply the stop conditions; returns finished requests."""
+        finished = []
+        for s in out.scheduled:
+            req = s.request
+            token = sampled.get(req.request_id)
+            if token is None or req.status != RequestStatus.RUNNING:
+                continue  # a prefill chunk that does not sample, or aborted meanwhile
+            req.append_token(token)
+            status = self._check_stop(req, token)
+            if status is not None:
+                finished.append(self.finish_request(req.request_id, status))
+        return finished
+
+    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
+        params = req.sampling_params
+        if token in req.eos_token_ids and not params.ignore_eos:
+            req.stop_reason = token
+            return RequestStatus.FINISHED_STOPPED
+        if token in params.stop_token_ids:
+            req.stop_reason = token
+            return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    # ---- load --------------------------------------------------------------------------
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def pending_prefill_tokens(self) -> int:
+        """Tokens still to compute before every request has its next token: the queued work."""
+        return sum(r.num_tokens - r.num_computed_tokens for r in self.requests.values())
