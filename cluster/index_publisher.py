@@ -1,0 +1,189 @@
+"""The group side of the prefix index: KV events, heartbeats and load, never failing the engine.
+
+The engine wires `publisher.sink` into its block manager as the KV-event sink and calls
+`publisher.tick(load)` once per step (from the engine thread; the publisher is not thread-safe).
+A tick publishes the step's events as one batch, in order, then sends a load report or a
+heartbeat when one is due.
+
+When the index is out of reach the publisher logs one warning, marks itself disconnected and
+drops its queue: events are not kept, because on reconnect (tried on later ticks, with
+exponential backoff) the publisher registers a new epoch and republishes the group's whole
+inventory, which supersedes every event it missed. The same resync happens when the index
+refuses the epoch (the heartbeat lapsed, or someone else registered the group).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from cluster.prefix_index import (
+    GroupLoad,
+    IndexUnavailableError,
+    PrefixIndex,
+    PrefixIndexError,
+    StaleEpochError,
+)
+from worker.kv_events import BlockStored, KVEvent
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PublisherConfig:
+    """How often a group talks to the index, and how it retries."""
+
+    # Must stay well under the index's heartbeat_ttl_s (default 3 s: three beats).
+    heartbeat_interval_s: float = 1.0
+    # Load changes every step; the router needs it fresh, but not at every step's rate.
+    load_interval_s: float = 0.1
+    retry_initial_s: float = 0.5
+    retry_max_s: float = 10.0
+    # Blocks per publish when republishing the inventory: bounds one script's run time.
+    republish_chunk: int = 4096
+
+    def __post_init__(self) -> None:
+        for name in ("heartbeat_interval_s", "load_interval_s", "retry_initial_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.retry_max_s < self.retry_initial_s:
+            raise ValueError(f"retry_max_s must be >= retry_initial_s, got {self.retry_max_s}")
+        if self.republish_chunk < 1:
+            raise ValueError(f"republish_chunk must be >= 1, got {self.republish_chunk}")
+
+
+class IndexPublisher:
+    """Publishes one group's KV events, load and liveness to a prefix index."""
+
+    def __init__(
+        self,
+        index: PrefixIndex,
+        group_id: str,
+        inventory: Callable[[], Iterable[bytes]],
+        config: PublisherConfig | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """`inventory` returns the hashes of every block the group's prefix cache holds now."""
+        self.index = index
+        self.group_id = group_id
+        self.config = config or PublisherConfig()
+        self._inventory = inventory
+        self._clock = clock
+        self._queue: list[KVEvent] = []
+        self._epoch: int | None = None
+        self._connected = False
+        self._warned = False  # one warning per outage
+        self._retry_at = 0.0
+        self._backoff = self.config.retry_initial_s
+        self._last_beat = self._last_load = float("-inf")
+        self._resync()
+
+    @property
+    def connected(self) -> bool:
+        return self._connected
+
+    @property
+    def epoch(self) -> int | None:
+        """The live registration's epoch; None before the first successful registration."""
+        return self._epoch
+
+    def sink(self, event: KVEvent) -> None:
+        """The block manager's KV-event sink; events wait for the next `flush`/`tick`."""
+        if self._connected:  # disconnected: the republished inventory will cover it
+            self._queue.append(event)
+
+    def flush(self) -> None:
+        """Publish the queued events as one batch (reconnecting first when it is time)."""
+        if not self._ensure_connected() or not self._queue:
+            return
+        events, self._queue = self._queue, []
+        self._call(lambda: self.index.publish(self.group_id, self._epoch, events))
+
+    def tick(self, load: GroupLoad | None = None) -> None:
+        """Once per engine step: flush, then a load report or heartbeat when one is due."""
+        self.flush()
+        if not self._connected:
+            return
+        now = self._clock()
+        if load is not None and now - self._last_load >= self.config.load_interval_s:
+            self._report_load(now, load)
+        elif now - self._last_beat >= self.config.heartbeat_interval_s:
+            self._heartbeat(now)
+
+    def close(self) -> None:
+        """Deregister (best effort): the group's entries leave the index at once."""
+        if self._connected and self._epoch is not None:
+            try:
+                self.index.deregister(self.group_id, self._epoch)
+            except PrefixIndexError as e:
+                logger.info("prefix index: deregistering %s failed: %s", self.group_id, e)
+        self._connected = False
+        self._queue.clear()
+
+    def _report_load(self, now: float, load: GroupLoad) -> None:
+        # A load report refreshes liveness too, so it resets the heartbeat clock.
+        if self._call(lambda: self.index.report_load(self.group_id, self._epoch, load)):
+            self._last_load = self._last_beat = now
+
+    def _heartbeat(self, now: float) -> None:
+        if self._call(lambda: self.index.heartbeat(self.group_id, self._epoch)):
+            self._last_beat = now
+
+    def _call(self, fn: Callable[[], None]) -> bool:
+        """Run one index call; on failure resync or disconnect instead of raising."""
+        try:
+            fn()
+            return True
+        except StaleEpochError as e:
+            logger.warning("prefix index: %s; registering %s again", e, self.group_id)
+            self._resync()
+        except IndexUnavailableError as e:
+            self._disconnect(e)
+        return False
+
+    def _ensure_connected(self) -> bool:
+        if self._connected:
+            return True
+        if self._clock() < self._retry_at:
+            return False
+        return self._resync()
+
+    def _resync(self) -> bool:
+        """Register a new epoch and republish the whole inventory; False if the index is out."""
+        self._queue.clear()  # the inventory snapshot below already reflects these events
+        try:
+            epoch = self.index.register_group(self.group_id)
+            hashes = tuple(self._inventory())
+            chunk = self.config.republish_chunk
+            for i in range(0, len(hashes), chunk):
+                self.index.publish(self.group_id, epoch, [BlockStored(hashes[i : i + chunk], None)])
+        except PrefixIndexError as e:  # a stale epoch here means a racing registration: retry
+            self._disconnect(e)
+            return False
+        if self._warned:
+            logger.warning(
+                "prefix index: %s reconnected as epoch %d, republished %d blocks",
+                self.group_id,
+                epoch,
+                len(hashes),
+            )
+        self._epoch, self._connected, self._warned = epoch, True, False
+        self._backoff = self.config.retry_initial_s
+        self._last_beat = self._clock()
+        return True
+
+    def _disconnect(self, error: Exception) -> None:
+        if not self._warned:
+            logger.warning(
+                "prefix index unavailable for %s (%s); serving continues and the inventory "
+                "will be republished on reconnect",
+                self.group_id,
+                error,
+            )
+            self._warned = True
+        self._connected = False
+        self._queue.clear()
+        self._retry_at = self._clock() + self._backoff
+        self._backoff = min(2 * self._backoff, self.config.retry_max_s)

@@ -1,0 +1,344 @@
+"""The prefix index: which live worker group holds how long a prefix of a block-hash chain.
+
+Groups publish the KV events of their block managers (worker/kv_events.py) in order; routers
+ask `match(chain)` and get, for every live group, how many leading blocks of the chain it holds,
+how many leading blocks are pending on it (placements other routers just made), and its latest
+load report. Two backends share these semantics: `InMemoryPrefixIndex` (the embedded default,
+one process) and `RedisPrefixIndex` (cluster/redis_index.py, shared by every router and group).
+
+Liveness and fencing: `register_group` hands out a new, larger epoch each time; every write
+names its (group, epoch) and is refused with `StaleEpochError` unless that pair is the group's
+live registration. A group is live while its heartbeat is younger than `heartbeat_ttl_s`; once
+it lapses the registration is dead for good (the group must register again and republish its
+inventory), so entries of dead groups and old epochs never match and may be dropped at any time.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+
+from worker.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+
+logger = logging.getLogger(__name__)
+
+# Names become parts of Redis keys: no separators, spaces or hash-tag braces.
+_NAME = re.compile(r"[A-Za-z0-9_.\-/@+=]{1,128}")
+
+
+def check_name(field_name: str, value: str) -> str:
+    """`value` if it is a usable cluster, model or group name, else ValueError naming the field."""
+    if not isinstance(value, str) or not _NAME.fullmatch(value):
+        raise ValueError(f"{field_name} must match {_NAME.pattern}, got {value!r}")
+    return value
+
+
+class PrefixIndexError(Exception):
+    """Base of the errors a prefix index raises for reasons outside the caller's arguments."""
+
+
+class StaleEpochError(PrefixIndexError):
+    """The (group, epoch) is not the group's live registration: superseded, expired or gone."""
+
+
+class IndexUnavailableError(PrefixIndexError):
+    """The shared index cannot be reached (Redis down, timed out, refusing writes)."""
+
+
+@dataclass(frozen=True)
+class PrefixIndexConfig:
+    """Liveness and pending-placement timing shared by both backends."""
+
+    # A group is dead once this long passes without a heartbeat, publish or load report;
+    # three heartbeat intervals tolerate two lost beats.
+    heartbeat_ttl_s: float = 3.0
+    # A placement shows as pending this long unless record_pending is given its own TTL; long
+    # enough for the group to prefill and publish the blocks, short enough to forget failures.
+    pending_ttl_s: float = 2.0
+    # Keys sampled with MEMORY USAGE by inventory_stats (Redis backend).
+    stats_sample_keys: int = 64
+
+    def __post_init__(self) -> None:
+        if not self.heartbeat_ttl_s > 0:
+            raise ValueError(f"heartbeat_ttl_s must be > 0, got {self.heartbeat_ttl_s}")
+        if not self.pending_ttl_s > 0:
+            raise ValueError(f"pending_ttl_s must be > 0, got {self.pending_ttl_s}")
+        if self.stats_sample_keys < 1:
+            raise ValueError(f"stats_sample_keys must be >= 1, got {self.stats_sample_keys}")
+
+
+@dataclass(frozen=True)
+class GroupLoad:
+    """A group's load at one engine step, as the router weighs it."""
+
+    waiting_prefill_tokens: int  # prompt tokens admitted or queued but not yet computed
+    running_seqs: int
+    waiting_seqs: int
+    free_blocks: int
+    total_blocks: int
+    timestamp: float = field(default_factory=time.time)  # wall clock (s) when measured
+
+    def __post_init__(self) -> None:
+        for name in ("waiting_prefill_tokens", "running_seqs", "waiting_seqs", "free_blocks"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not 0 <= self.free_blocks <= self.total_blocks:
+            raise ValueError(f"total_blocks must be >= free_blocks, got {self.total_blocks}")
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> GroupLoad:
+        return cls(**json.loads(text))
+
+
+@dataclass(frozen=True)
+class GroupMatch:
+    """What one live group holds of a queried chain."""
+
+    group_id: str
+    epoch: int
+    blocks: int  # leading blocks of the chain cached on the group
+    pending_blocks: int  # leading blocks of the chain pending (recently placed) on the group
+    load: GroupLoad | None  # latest load report; None until the group reports one
+
+    @property
+    def expected_blocks(self) -> int:
+        """Leading blocks the group holds or is about to hold."""
+        return max(self.blocks, self.pending_blocks)
+
+
+@dataclass(frozen=True)
+class InventoryStats:
+    """Size of the index over its live groups."""
+
+    entries: int  # (group, block) pairs
+    blocks: int  # distinct block hashes held by at least one group
+    groups: int  # live groups
+    bytes_per_block: float | None = None  # Redis memory per entry; None in memory
+    bytes_total: int | None = None  # Redis memory of all entries (MEMORY USAGE estimate)
+
+
+class PrefixIndex(ABC):
+    """Shared state that lets a router place a request where its prefix is already cached.
+
+    Writers are groups (through cluster/index_publisher.py); readers are routers. All block
+    hashes are the 16-byte chain hashes of worker/hashing.py.
+    """
+
+    @abstractmethod
+    def register_group(self, group_id: str) -> int:
+        """Start a new registration of `group_id`; returns its epoch, larger than any before.
+
+        Entries of the group's older epochs never match again.
+        """
+
+    @abstractmethod
+    def publish(self, group_id: str, epoch: int, events: Sequence[KVEvent]) -> None:
+        """Apply one step's KV events in order; counts as a heartbeat. StaleEpochError if fenced."""
+
+    @abstractmethod
+    def report_load(self, group_id: str, epoch: int, load: GroupLoad) -> None:
+        """Store the group's latest load; counts as a heartbeat. StaleEpochError if fenced."""
+
+    @abstractmethod
+    def heartbeat(self, group_id: str, epoch: int) -> None:
+        """Keep the registration live for another TTL. StaleEpochError once it lapsed."""
+
+    @abstractmethod
+    def deregister(self, group_id: str, epoch: int) -> None:
+        """End the registration and drop its entries; a no-op for a stale epoch."""
+
+    @abstractmethod
+    def match(self, block_hashes: Sequence[bytes]) -> dict[str, GroupMatch]:
+        """For every live group, its leading cached and pending blocks of the chain."""
+
+    @abstractmethod
+    def record_pending(
+        self, group_id: str, block_hashes: Sequence[bytes], ttl_s: float | None = None
+    ) -> None:
+        """Mark the chain as pending on the group for `ttl_s` (default: config.pending_ttl_s)."""
+
+    @abstractmethod
+    def cleanup(self) -> int:
+        """Drop the registrations and entries of dead groups; returns how many groups."""
+
+    @abstractmethod
+    def inventory_stats(self) -> InventoryStats:
+        """Entry counts and, where measurable, memory per cached block."""
+
+    def close(self) -> None:  # noqa: B027  (optional hook)
+        """Release connections; the index is unusable afterwards."""
+
+
+def leading_count(chain: Sequence[bytes], holds: Callable[[bytes], bool]) -> int:
+    """How many leading hashes of `chain` satisfy `holds`; the first miss ends the count."""
+    n = 0
+    for h in chain:
+        if not holds(h):
+            break
+        n += 1
+    return n
+
+
+@dataclass
+class _Registration:
+    epoch: int
+    deadline: float  # clock value at which the group is dead without another beat
+    load: GroupLoad | None = None
+    inventory: set[bytes] = field(default_factory=set)
+
+
+class InMemoryPrefixIndex(PrefixIndex):
+    """The prefix index of one process: dicts under a lock, liveness by clock deadlines."""
+
+    def __init__(
+        self,
+        config: PrefixIndexConfig | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config or PrefixIndexConfig()
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._epochs: dict[str, int] = {}  # group -> last epoch handed out; never shrinks
+        self._groups: dict[str, _Registration] = {}
+        self._pending: dict[str, dict[bytes, float]] = {}  # group -> block hash -> deadline
+
+    def register_group(self, group_id: str) -> int:
+        check_name("group_id", group_id)
+        with self._lock:
+            self._sweep_dead(self._clock())
+            self._drop(group_id)
+            epoch = self._epochs.get(group_id, 0) + 1
+            self._epochs[group_id] = epoch
+            deadline = self._clock() + self.config.heartbeat_ttl_s
+            self._groups[group_id] = _Registration(epoch, deadline)
+            return epoch
+
+    def publish(self, group_id: str, epoch: int, events: Sequence[KVEvent]) -> None:
+        with self._lock:
+            reg = self._live(group_id, epoch)
+            for event in events:
+                self._apply(reg, event)
+
+    def report_load(self, group_id: str, epoch: int, load: GroupLoad) -> None:
+        with self._lock:
+            self._live(group_id, epoch).load = load
+
+    def heartbeat(self, group_id: str, epoch: int) -> None:
+        with self._lock:
+            self._live(group_id, epoch)
+
+    def deregister(self, group_id: str, epoch: int) -> None:
+        with self._lock:
+            reg = self._groups.get(group_id)
+            if reg is not None and reg.epoch == epoch:
+                self._drop(group_id)
+
+    def match(self, block_hashes: Sequence[bytes]) -> dict[str, GroupMatch]:
+        with self._lock:
+            now = self._clock()
+            out = {}
+            for gid, reg in self._groups.items():
+                if reg.deadline <= now:
+                    continue
+                cached = leading_count(block_hashes, reg.inventory.__contains__)
+                deadlines = self._pending.get(gid, {})
+                pending = leading_count(block_hashes, lambda h, d=deadlines: d.get(h, 0.0) > now)
+                out[gid] = GroupMatch(gid, reg.epoch, cached, pending, reg.load)
+            return out
+
+    def record_pending(
+        self, group_id: str, block_hashes: Sequence[bytes], ttl_s: float | None = None
+    ) -> None:
+        check_name("group_id", group_id)
+        ttl = self.config.pending_ttl_s if ttl_s is None else ttl_s
+        if not ttl > 0:
+            raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
+        with self._lock:
+            now = self._clock()
+            # Expired placements go first, so the dict stays as small as the TTL allows.
+            deadlines = {h: d for h, d in self._pending.get(group_id, {}).items() if d > now}
+            for h in block_hashes:
+                deadlines[h] = max(deadlines.get(h, 0.0), now + ttl)
+            self._pending[group_id] = deadlines
+
+    def cleanup(self) -> int:
+        with self._lock:
+            return self._sweep_dead(self._clock())
+
+    def inventory_stats(self) -> InventoryStats:
+        with self._lock:
+            now = self._clock()
+            live = [reg for reg in self._groups.values() if reg.deadline > now]
+            entries = sum(len(reg.inventory) for reg in live)
+            distinct = len(set().union(*(reg.inventory for reg in live)))
+            return InventoryStats(entries=entries, blocks=distinct, groups=len(live))
+
+    # Internals; the lock is held.
+
+    def _live(self, group_id: str, epoch: int) -> _Registration:
+        """The live registration (group, epoch), its deadline pushed back; else StaleEpochError."""
+        reg = self._groups.get(group_id)
+        now = self._clock()
+        if reg is None or reg.epoch != epoch or reg.deadline <= now:
+            raise StaleEpochError(f"group {group_id!r} epoch {epoch} is not live")
+        reg.deadline = now + self.config.heartbeat_ttl_s
+        return reg
+
+    def _apply(self, reg: _Registration, event: KVEvent) -> None:
+        if isinstance(event, BlockStored):
+            reg.inventory.update(event.block_hashes)
+        elif isinstance(event, BlockRemoved):
+            reg.inventory.difference_update(event.block_hashes)
+        elif isinstance(event, AllBlocksCleared):
+            reg.inventory.clear()
+        else:
+            raise TypeError(f"unknown KV event {event!r}")
+
+    def _drop(self, group_id: str) -> None:
+        self._groups.pop(group_id, None)
+        self._pending.pop(group_id, None)
+
+    def _sweep_dead(self, now: float) -> int:
+        dead = [g for g, reg in self._groups.items() if reg.deadline <= now]
+        for g in dead:
+            self._drop(g)
+        return len(dead)
+
+
+def make_prefix_index(
+    redis_url: str | None,
+    cluster: str,
+    model: str,
+    config: PrefixIndexConfig | None = None,
+) -> PrefixIndex:
+    """The Redis index when `redis_url` is given and answers, else the in-process one.
+
+    Falling back is logged as a warning: routers in other processes will not share its state.
+    """
+    check_name("cluster", cluster)
+    check_name("model", model)
+    if redis_url is None:
+        return InMemoryPrefixIndex(config)
+    from cluster.redis_index import RedisPrefixIndex  # redis is only needed when asked for
+
+    try:
+        index = RedisPrefixIndex.from_url(redis_url, cluster, model, config)
+        index.ping()
+        return index
+    except PrefixIndexError as e:
+        logger.warning(
+            "prefix index: Redis at %s unavailable (%s); using the in-process index, "
+            "which routers in other processes do not share",
+            redis_url,
+            e,
+        )
+        return InMemoryPrefixIndex(config)

@@ -1,0 +1,384 @@
+"""The prefix index in Redis, shared by every router and group of one cluster and model.
+
+Data layout; every key starts with P = `pf:<cluster>:<model>:`; block hashes are stored as their
+raw 16 bytes (set members and script arguments are binary-safe, so no key contains a hash):
+
+    P epochs          hash  group -> last epoch handed out (HINCRBY; never shrinks)
+    P groups          hash  group -> epoch of its current registration
+    P hb:<group>      string  the registration's epoch, PX heartbeat_ttl: live while it exists
+    P load:<group>    string  GroupLoad as JSON, PX heartbeat_ttl
+    P inv:<group>     set   every block hash the current registration caches, PX heartbeat_ttl
+    P pend:<group>    zset  block hash -> deadline (Redis TIME, ms), PX the longest pending TTL
+
+A group is live when `hb:<group>` exists and equals `groups[group]`. Each heartbeat, load report
+or publish refreshes the TTLs of hb, load and inv together, so when a group dies all its keys
+expire by themselves; `cleanup()` only forgets its `groups` field.
+
+`match` is one EVALSHA whose argument is the chain's hashes concatenated. The script reads
+`groups` and the heartbeats, then for each live group asks SMISMEMBER over the chain (ZMSCORE
+for pending) in chunks of 32, 64, ... hashes, stopping at the group's first miss: a handful of
+C-level commands per group instead of a command per block. The layout is per group rather than
+per block for that reason (a per-block hash of holders costs one HGETALL per block in Lua: about
+3x the server time on a 2048-block chain) and because AllBlocksCleared, re-registration and death
+then each delete one key.
+
+Every write script first checks that (group, epoch) is live, so a group restarted under a new
+epoch fences off its old process. Scripts compute key names from P, so all keys of one index must
+live on one Redis (a single server or a replicated primary, not Redis Cluster).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+from collections.abc import Iterator, Sequence
+
+import redis
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
+
+from cluster.prefix_index import (
+    GroupLoad,
+    GroupMatch,
+    IndexUnavailableError,
+    InventoryStats,
+    PrefixIndex,
+    PrefixIndexConfig,
+    StaleEpochError,
+    check_name,
+)
+from worker.hashing import DIGEST_SIZE
+from worker.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+
+# Shared by every script: ARGV[1] is the key prefix P. A chain travels as one argument, its
+# 16-byte hashes concatenated (packing thousands of arguments costs redis-py more than the whole
+# match costs Redis). `unpack` is bounded by Lua's C stack (about 8000 values), hence CHUNK.
+_PRELUDE = """
+local P = ARGV[1]
+local CHUNK = 1024
+local W = DIGEST_SIZE
+-- Hashes first..last (1-based) of a blob of concatenated hashes.
+local function slice(blob, first, last)
+  local t = {}
+  for i = first, last do t[#t + 1] = string.sub(blob, (i - 1) * W + 1, i * W) end
+  return t
+end
+local function live_epoch(g)
+  local e = redis.call('HGET', P .. 'groups', g)
+  if e and redis.call('GET', P .. 'hb:' .. g) == e then return e end
+  return nil
+end
+local function drop_registration(g)
+  redis.call('HDEL', P .. 'groups', g)
+  redis.call('DEL', P .. 'hb:' .. g, P .. 'load:' .. g, P .. 'inv:' .. g, P .. 'pend:' .. g)
+end
+local function refresh(g, ttl)
+  for _, k in ipairs({'hb:', 'load:', 'inv:'}) do redis.call('PEXPIRE', P .. k .. g, ttl) end
+end
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+-- Apply `cmd key hash...` to every hash of `blob`, in chunks.
+local function each_chunk(cmd, key, blob)
+  local total = #blob / W
+  for i = 1, total, CHUNK do
+    redis.call(cmd, key, unpack(slice(blob, i, math.min(i + CHUNK - 1, total))))
+  end
+end
+-- How many leading hashes of the list `hs` pass `ok` on the replies of `cmd key hash...`;
+-- chunks grow from 32 so that an early miss costs little and a long hit few calls.
+local function leading(cmd, key, hs, ok)
+  local n, size, i = 0, 32, 1
+  while i <= #hs do
+    local last = math.min(i + size - 1, #hs)
+    local replies = redis.call(cmd, key, unpack(hs, i, last))
+    for _, r in ipairs(replies) do
+      if not ok(r) then return n end
+      n = n + 1
+    end
+    i, size = last + 1, math.min(2 * size, CHUNK)
+  end
+  return n
+end
+""".replace("DIGEST_SIZE", str(DIGEST_SIZE))
+
+# ARGV: P, group, ttl_ms -> the new epoch.
+_REGISTER = """
+local g, ttl = ARGV[2], ARGV[3]
+drop_registration(g)
+local e = redis.call('HINCRBY', P .. 'epochs', g, 1)
+redis.call('HSET', P .. 'groups', g, e)
+redis.call('SET', P .. 'hb:' .. g, e, 'PX', ttl)
+return e
+"""
+
+# ARGV: P, group, epoch, ttl_ms [, load_json] -> 1, or 0 when fenced. Heartbeat and load report.
+_BEAT = """
+local g, e, ttl = ARGV[2], ARGV[3], ARGV[4]
+if live_epoch(g) ~= e then return 0 end
+if ARGV[5] then redis.call('SET', P .. 'load:' .. g, ARGV[5]) end
+refresh(g, ttl)
+return 1
+"""
+
+# ARGV: P, group, epoch, ttl_ms, then events in order: 'S' blob | 'R' blob | 'C'.
+_PUBLISH = """
+local g, e, ttl = ARGV[2], ARGV[3], ARGV[4]
+if live_epoch(g) ~= e then return 0 end
+local inv = P .. 'inv:' .. g
+local i = 5
+while i <= #ARGV do
+  local op = ARGV[i]
+  if op == 'C' then
+    redis.call('DEL', inv)
+    i = i + 1
+  else
+    each_chunk(op == 'S' and 'SADD' or 'SREM', inv, ARGV[i + 1])
+    i = i + 2
+  end
+end
+refresh(g, ttl)
+return 1
+"""
+
+# ARGV: P, group, epoch -> 1 when the registration was dropped.
+_DEREGISTER = """
+local g, e = ARGV[2], ARGV[3]
+if redis.call('HGET', P .. 'groups', g) ~= e then return 0 end
+drop_registration(g)
+return 1
+"""
+
+# ARGV: P -> number of dead groups forgotten.
+_CLEANUP = """
+local groups = redis.call('HGETALL', P .. 'groups')
+local dropped = 0
+for i = 1, #groups, 2 do
+  local g, e = groups[i], groups[i + 1]
+  if redis.call('GET', P .. 'hb:' .. g) ~= e then
+    drop_registration(g)
+    dropped = dropped + 1
+  end
+end
+return dropped
+"""
+
+# ARGV: P, group, ttl_ms, blob.
+_PENDING = """
+local g, ttl, blob = ARGV[2], tonumber(ARGV[3]), ARGV[4]
+local k = P .. 'pend:' .. g
+local now = now_ms()
+redis.call('ZREMRANGEBYSCORE', k, '-inf', now)
+local total = #blob / W
+for i = 1, total, CHUNK do
+  local args = {}
+  for _, h in ipairs(slice(blob, i, math.min(i + CHUNK - 1, total))) do
+    args[#args + 1] = now + ttl
+    args[#args + 1] = h
+  end
+  redis.call('ZADD', k, 'GT', unpack(args))
+end
+if redis.call('PTTL', k) < ttl then redis.call('PEXPIRE', k, ttl) end
+return 1
+"""
+
+# ARGV: P, blob -> flat rows {group, epoch, cached, pending, load or ''} per live group.
+_MATCH = """
+local groups = redis.call('HGETALL', P .. 'groups')
+local hs = slice(ARGV[2], 1, #ARGV[2] / W)
+local now = now_ms()
+local out = {}
+for i = 1, #groups, 2 do
+  local g, e = groups[i], groups[i + 1]
+  if redis.call('GET', P .. 'hb:' .. g) == e then
+    local cached = leading('SMISMEMBER', P .. 'inv:' .. g, hs, function(r) return r == 1 end)
+    local pending = leading('ZMSCORE', P .. 'pend:' .. g, hs,
+      function(r) return r and tonumber(r) > now end)
+    local load = redis.call('GET', P .. 'load:' .. g) or ''
+    for _, v in ipairs({g, e, cached, pending, load}) do out[#out + 1] = v end
+  end
+end
+return out
+"""
+
+_SCRIPTS = {
+    "register": _REGISTER,
+    "beat": _BEAT,
+    "publish": _PUBLISH,
+    "deregister": _DEREGISTER,
+    "cleanup": _CLEANUP,
+    "pending": _PENDING,
+    "match": _MATCH,
+}
+
+# Errors that mean "the index is out of reach for now", as opposed to our own bugs.
+_UNAVAILABLE = (
+    redis.exceptions.ConnectionError,
+    redis.exceptions.TimeoutError,
+    redis.exceptions.ReadOnlyError,
+    redis.exceptions.OutOfMemoryError,
+    redis.exceptions.MasterDownError,
+    redis.exceptions.TryAgainError,
+)
+
+
+@contextlib.contextmanager
+def _unavailable_as_index_error() -> Iterator[None]:
+    try:
+        yield
+    except _UNAVAILABLE as e:
+        raise IndexUnavailableError(f"{type(e).__name__}: {e}") from e
+
+
+class RedisPrefixIndex(PrefixIndex):
+    """The prefix index over one Redis; every method is one round trip (scripts by EVALSHA).
+
+    Thread-safe: redis-py's client takes a pooled connection per call.
+    """
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        cluster: str,
+        model: str,
+        config: PrefixIndexConfig | None = None,
+    ) -> None:
+        self.config = config or PrefixIndexConfig()
+        self.client = client
+        self.prefix = f"pf:{check_name('cluster', cluster)}:{check_name('model', model)}:"
+        self._ttl_ms = _ms(self.config.heartbeat_ttl_s)
+        # Script objects run EVALSHA and reload the body on NOSCRIPT (e.g. a restarted Redis).
+        self._scripts = {
+            name: client.register_script(_PRELUDE + body) for name, body in _SCRIPTS.items()
+        }
+
+    @classmethod
+    def from_url(
+        cls,
+        url: str,
+        cluster: str,
+        model: str,
+        config: PrefixIndexConfig | None = None,
+        socket_timeout_s: float = 1.0,
+    ) -> RedisPrefixIndex:
+        """An index on a new client for `url` that fails fast: the caller decides on retries."""
+        client = redis.Redis.from_url(
+            url,
+            socket_timeout=socket_timeout_s,
+            socket_connect_timeout=socket_timeout_s,
+            # One quick retry rides over a dropped idle connection; redis-py's default
+            # (10 retries, backoff up to 10 s) would stall an engine step for a minute.
+            retry=Retry(ExponentialBackoff(cap=0.05, base=0.01), 1),
+            client_name=f"pagefleet-index-{uuid.uuid4().hex[:8]}",
+        )
+        return cls(client, cluster, model, config)
+
+    def ping(self) -> None:
+        """IndexUnavailableError unless Redis answers."""
+        with _unavailable_as_index_error():
+            self.client.ping()
+
+    def register_group(self, group_id: str) -> int:
+        check_name("group_id", group_id)
+        return int(self._run("register", group_id, self._ttl_ms))
+
+    def publish(self, group_id: str, epoch: int, events: Sequence[KVEvent]) -> None:
+        result = self._run("publish", group_id, epoch, self._ttl_ms, *_encode_events(events))
+        self._fenced("publish", group_id, epoch, result)
+
+    def report_load(self, group_id: str, epoch: int, load: GroupLoad) -> None:
+        result = self._run("beat", group_id, epoch, self._ttl_ms, load.to_json())
+        self._fenced("report_load", group_id, epoch, result)
+
+    def heartbeat(self, group_id: str, epoch: int) -> None:
+        self._fenced("heartbeat", group_id, epoch, self._run("beat", group_id, epoch, self._ttl_ms))
+
+    def deregister(self, group_id: str, epoch: int) -> None:
+        self._run("deregister", group_id, epoch)
+
+    def match(self, block_hashes: Sequence[bytes]) -> dict[str, GroupMatch]:
+        rows = self._run("match", _blob(block_hashes))
+        out = {}
+        for i in range(0, len(rows), 5):
+            gid, epoch, cached, pending, load = rows[i : i + 5]
+            gid = gid.decode()
+            out[gid] = GroupMatch(
+                gid,
+                int(epoch),
+                int(cached),
+                int(pending),
+                GroupLoad.from_json(load) if load else None,
+            )
+        return out
+
+    def record_pending(
+        self, group_id: str, block_hashes: Sequence[bytes], ttl_s: float | None = None
+    ) -> None:
+        check_name("group_id", group_id)
+        ttl = self.config.pending_ttl_s if ttl_s is None else ttl_s
+        if not ttl > 0:
+            raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
+        if block_hashes:
+            self._run("pending", group_id, _ms(ttl), _blob(block_hashes))
+
+    def cleanup(self) -> int:
+        return int(self._run("cleanup"))
+
+    def inventory_stats(self) -> InventoryStats:
+        """Counts by SCARD/SUNION and bytes by MEMORY USAGE of the groups' `inv` sets.
+
+        `bytes_per_block` is the memory of one (group, block) entry: the sets' MEMORY USAGE
+        (estimated from `stats_sample_keys` sampled members each) over the number of entries.
+        It does not include pending sets. SUNION copies every hash: not for the hot path.
+        """
+        c, p = self.client, self.prefix
+        with _unavailable_as_index_error():
+            groups = c.hgetall(p + "groups")
+            live = [g.decode() for g, e in groups.items() if c.get(f"{p}hb:{g.decode()}") == e]
+            inv_keys = [f"{p}inv:{g}" for g in live]
+            entries = sum(c.scard(k) for k in inv_keys)
+            blocks = len(c.sunion(inv_keys)) if inv_keys else 0
+            samples = self.config.stats_sample_keys
+            total = sum(c.memory_usage(k, samples=samples) or 0 for k in inv_keys)
+        if not entries:
+            return InventoryStats(0, 0, len(live))
+        return InventoryStats(entries, blocks, len(live), total / entries, total)
+
+    def close(self) -> None:
+        self.client.close()
+
+    def _run(self, script: str, *args: object) -> object:
+        with _unavailable_as_index_error():
+            return self._scripts[script](args=(self.prefix, *args))
+
+    @staticmethod
+    def _fenced(what: str, group_id: str, epoch: int, result: object) -> None:
+        if result != 1:
+            raise StaleEpochError(f"{what}: group {group_id!r} epoch {epoch} is not live")
+
+
+def _encode_events(events: Sequence[KVEvent]) -> list[str]:
+    """The publish script's ARGV tail: 'S' blob | 'R' blob | 'C', in event order."""
+    out: list[str | bytes] = []
+    for event in events:
+        if isinstance(event, BlockStored | BlockRemoved):
+            op = "S" if isinstance(event, BlockStored) else "R"
+            out += [op, _blob(event.block_hashes)]
+        elif isinstance(event, AllBlocksCleared):
+            out.append("C")
+        else:
+            raise TypeError(f"unknown KV event {event!r}")
+    return out
+
+
+def _blob(hashes: Sequence[bytes]) -> bytes:
+    """Hashes concatenated into one script argument; each must be DIGEST_SIZE bytes."""
+    blob = b"".join(hashes)
+    if len(blob) != DIGEST_SIZE * len(hashes):
+        raise ValueError(f"block_hashes must all be {DIGEST_SIZE}-byte hashes")
+    return blob
+
+
+def _ms(seconds: float) -> int:
+    return max(1, round(seconds * 1000))

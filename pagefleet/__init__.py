@@ -1,0 +1,31 @@
+"""pagefleet: a KV-cache-aware LLM serving cluster.
+
+Imports are lazy so that `pagefleet plan` and `pagefleet --help` start without torch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+__version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams", "RequestOutput"]
+
+_LAZY = {
+    "LLM": ("pagefleet.llm", "LLM"),
+    "SamplingParams": ("worker.sampling_params", "SamplingParams"),
+    "RequestOutput": ("worker.outputs", "RequestOutput"),
+}
+
+if TYPE_CHECKING:
+    from pagefleet.llm import LLM
+    from worker.outputs import RequestOutput
+    from worker.sampling_params import SamplingParams
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        module, attr = _LAZY[name]
+        return getattr(importlib.import_module(module), attr)
+    raise AttributeError(f"module 'pagefleet' has no attribute {name!r}")

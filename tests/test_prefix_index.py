@@ -1,0 +1,384 @@
+"""The prefix index against a real redis-server (and the in-process backend under the same
+tests), with block hashes from worker/hashing.py."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+
+import pytest
+import redis
+
+from cluster.index_publisher import IndexPublisher, PublisherConfig
+from cluster.prefix_index import (
+    GroupLoad,
+    InMemoryPrefixIndex,
+    PrefixIndexConfig,
+    StaleEpochError,
+    make_prefix_index,
+)
+from cluster.redis_index import RedisPrefixIndex
+from tests.redis_server import RedisServer, free_port
+from worker.hashing import BlockHasher, ModelFingerprint
+from worker.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+
+HASHER = BlockHasher(b"test-cluster-secret", ModelFingerprint("tiny-llama", block_size=4))
+
+
+def chain(n_blocks: int, first_token: int = 0, salt: str | None = None) -> list[bytes]:
+    tokens = list(range(first_token, first_token + n_blocks * HASHER.block_size))
+    return HASHER.hash_prompt(tokens, cache_salt=salt)
+
+
+def stored(hashes) -> BlockStored:
+    return BlockStored(tuple(hashes), None)
+
+
+def load(**kw) -> GroupLoad:
+    base = dict(waiting_prefill_tokens=0, running_seqs=0, waiting_seqs=0, free_blocks=8)
+    return GroupLoad(**{**base, "total_blocks": 8, **kw})
+
+
+def wait_until(predicate, timeout_s: float, step_s: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(step_s)
+    return predicate()
+
+
+def blocks(index, hashes) -> dict[str, int]:
+    return {g: m.blocks for g, m in index.match(hashes).items()}
+
+
+@pytest.fixture(scope="module")
+def redis_server():
+    with RedisServer() as server:
+        yield server
+
+
+@pytest.fixture(params=["memory", "redis"])
+def make_index(request):
+    """make_index(**config) -> a client of one shared index; each call is another 'router'.
+
+    In memory there is one process, so every call returns the same index.
+    """
+    namespace = f"t{uuid.uuid4().hex[:8]}"
+    made = []
+
+    def make(**config):
+        cfg = PrefixIndexConfig(**config)
+        if request.param == "memory":
+            if not made:
+                made.append(InMemoryPrefixIndex(cfg))
+            return made[0]
+        server = request.getfixturevalue("redis_server")
+        made.append(RedisPrefixIndex.from_url(server.url, namespace, "m1", cfg))
+        return made[-1]
+
+    yield make
+    for index in made:
+        index.close()
+
+
+def test_stored_events_become_entries_and_leave(make_index):
+    index = make_index()
+    c = chain(6)
+    epoch = index.register_group("g0")
+    index.publish("g0", epoch, [stored(c[:4])])
+    index.publish("g0", epoch, [BlockStored(tuple(c[4:]), c[3])])
+    assert blocks(index, c) == {"g0": 6}
+    assert index.inventory_stats().entries == 6
+    index.publish("g0", epoch, [BlockRemoved((c[5],))])
+    assert blocks(index, c) == {"g0": 5}
+    index.publish("g0", epoch, [AllBlocksCleared()])
+    assert blocks(index, c) == {"g0": 0}
+    assert index.inventory_stats().entries == 0
+    # One step's batch applies in order: the last event wins.
+    index.publish("g0", epoch, [stored(c[:3]), BlockRemoved(tuple(c[:3])), stored(c[:2])])
+    assert blocks(index, c) == {"g0": 2}
+
+
+def test_match_counts_leading_blocks_only(make_index):
+    index = make_index()
+    c = chain(6)
+    e0, e1 = index.register_group("g0"), index.register_group("g1")
+    index.register_group("g2")  # live, holds nothing
+    index.publish("g0", e0, [stored(c[:2] + c[3:])])  # gap at block 2
+    index.publish("g1", e1, [stored(c[1:])])  # everything but block 0
+    assert blocks(index, c) == {"g0": 2, "g1": 0, "g2": 0}
+    assert blocks(index, c[:1]) == {"g0": 1, "g1": 0, "g2": 0}
+    assert blocks(index, chain(6, first_token=1)) == {"g0": 0, "g1": 0, "g2": 0}
+    assert blocks(index, []) == {"g0": 0, "g1": 0, "g2": 0}
+    index.publish("g1", e1, [stored(c[:1])])
+    assert blocks(index, c)["g1"] == 6
+
+
+def test_load_reports_come_back_with_the_match(make_index):
+    index = make_index()
+    epoch = index.register_group("g0")
+    assert index.match(chain(1))["g0"].load is None
+    report = load(waiting_prefill_tokens=123, running_seqs=4, waiting_seqs=2, free_blocks=3)
+    index.report_load("g0", epoch, report)
+    assert index.match(chain(1))["g0"].load == report
+
+
+def test_lapsed_heartbeat_stops_matching_within_the_ttl(make_index):
+    ttl = 1.0
+    index = make_index(heartbeat_ttl_s=ttl)
+    c = chain(3)
+    beating, silent = index.register_group("beating"), index.register_group("silent")
+    publishing = index.register_group("publishing")
+    for gid, epoch in (("beating", beating), ("silent", silent), ("publishing", publishing)):
+        index.publish(gid, epoch, [stored(c)])
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 1.5 * ttl:  # two groups stay alive past the third's TTL
+        index.heartbeat("beating", beating)
+        index.publish("publishing", publishing, [])  # a step with no events still counts
+        time.sleep(ttl / 5)
+    assert blocks(index, c) == {"beating": 3, "publishing": 3}
+    with pytest.raises(StaleEpochError):
+        index.heartbeat("silent", silent)  # a lapsed registration is dead for good
+    with pytest.raises(StaleEpochError):
+        index.publish("silent", silent, [stored(c)])
+    assert index.cleanup() == 1
+    assert index.inventory_stats().entries == 6
+
+
+def test_reregistered_group_never_matches_its_old_epoch(make_index):
+    index = make_index()
+    c = chain(4)
+    old = index.register_group("g0")
+    index.publish("g0", old, [stored(c)])
+    new = index.register_group("g0")  # the group restarted
+    assert new > old
+    assert {g: (m.epoch, m.blocks) for g, m in index.match(c).items()} == {"g0": (new, 0)}
+    for fenced in (
+        lambda: index.publish("g0", old, [stored(c)]),
+        lambda: index.heartbeat("g0", old),
+        lambda: index.report_load("g0", old, load()),
+    ):
+        with pytest.raises(StaleEpochError):
+            fenced()
+    index.publish("g0", new, [stored(c[:2])])
+    index.deregister("g0", old)  # stale: a no-op
+    assert blocks(index, c) == {"g0": 2}
+    index.deregister("g0", new)
+    assert index.match(c) == {}
+
+
+def test_pending_placements_show_up_for_other_routers_and_expire(make_index):
+    router_a, router_b = make_index(), make_index()
+    c = chain(5)
+    e0 = router_a.register_group("g0")
+    router_a.register_group("g1")
+    router_a.publish("g0", e0, [stored(c[:2])])
+    router_a.record_pending("g1", c, ttl_s=1.0)
+    m = router_b.match(c)
+    assert (m["g1"].blocks, m["g1"].pending_blocks, m["g1"].expected_blocks) == (0, 5, 5)
+    assert (m["g0"].blocks, m["g0"].pending_blocks, m["g0"].expected_blocks) == (2, 0, 2)
+    assert router_b.match(c[:3])["g1"].pending_blocks == 3
+    assert router_b.match(chain(5, first_token=7))["g1"].pending_blocks == 0
+    router_a.record_pending("g1", c[:2], ttl_s=30.0)  # a second placement outlives the first
+    assert wait_until(lambda: router_b.match(c)["g1"].pending_blocks == 2, timeout_s=2.5)
+
+
+def test_tenants_with_different_salts_never_share_blocks(make_index):
+    index = make_index()
+    tenant_a, tenant_b = chain(8, salt="tenant-a"), chain(8, salt="tenant-b")
+    assert not set(tenant_a) & set(tenant_b)  # same prompt, disjoint chains
+    epoch = index.register_group("g0")
+    index.publish("g0", epoch, [stored(tenant_a)])
+    assert blocks(index, tenant_a) == {"g0": 8}
+    assert blocks(index, tenant_b) == {"g0": 0}
+
+
+def test_publisher_batches_per_step_and_rate_limits_heartbeats():
+    now = [0.0]
+    calls = {"report_load": 0, "heartbeat": 0, "publish": 0}
+
+    class CountingIndex(InMemoryPrefixIndex):  # the real index, with its calls counted
+        def publish(self, *a):
+            calls["publish"] += 1
+            super().publish(*a)
+
+        def report_load(self, *a):
+            calls["report_load"] += 1
+            super().report_load(*a)
+
+        def heartbeat(self, *a):
+            calls["heartbeat"] += 1
+            super().heartbeat(*a)
+
+    index = CountingIndex(PrefixIndexConfig(heartbeat_ttl_s=3.0), clock=lambda: now[0])
+    cache: set[bytes] = set()
+    config = PublisherConfig(heartbeat_interval_s=1.0, load_interval_s=0.1)
+    pub = IndexPublisher(index, "g0", lambda: set(cache), config, clock=lambda: now[0])
+    c = chain(4)
+    pub.sink(stored(c[:2]))
+    pub.sink(stored(c[2:]))
+    assert blocks(index, c) == {"g0": 0}  # buffered until the step ends
+    for _ in range(100):  # 100 steps of 10 ms with load, then 100 without
+        now[0] += 0.01
+        pub.tick(load())
+    for _ in range(100):
+        now[0] += 0.01
+        pub.tick()
+    assert blocks(index, c) == {"g0": 4}
+    assert calls["publish"] == 1
+    assert 9 <= calls["report_load"] <= 11 and calls["heartbeat"] == 1
+    # The engine stalled past the TTL: the next tick registers again and republishes.
+    cache.update(c)
+    now[0] += 5.0
+    assert index.match(c) == {}
+    pub.tick(load())
+    assert pub.epoch == 2 and blocks(index, c) == {"g0": 4}
+    pub.close()
+    assert index.match(c) == {}
+
+
+def test_two_routers_over_one_redis_see_the_same_answer(redis_server):
+    group_side, a, b = (RedisPrefixIndex.from_url(redis_server.url, "two", "m1") for _ in range(3))
+    c = chain(5)
+    for i, gid in enumerate(("g0", "g1", "g2")):
+        epoch = group_side.register_group(gid)
+        group_side.publish(gid, epoch, [stored(c[: i + 2])])
+        group_side.report_load(gid, epoch, load(running_seqs=i))
+    assert a.match(c) == b.match(c)
+    assert blocks(a, c) == {"g0": 2, "g1": 3, "g2": 4}
+
+
+def test_match_is_one_round_trip(redis_server):
+    router = RedisPrefixIndex.from_url(redis_server.url, "trip", "m1")
+    admin = redis.Redis.from_url(redis_server.url)
+    name = router.client.client_getname()
+    c = chain(64)
+    for i in range(4):
+        epoch = router.register_group(f"g{i}")
+        router.publish(f"g{i}", epoch, [stored(c[: 16 * (i + 1)])])
+    router.match(c)  # warm: connection handshake and script loading happen once
+    admin.config_set("slowlog-log-slower-than", 0)  # log every command with its client name
+    admin.slowlog_reset()
+    evalsha_before = admin.info("commandstats")["cmdstat_evalsha"]["calls"]
+    assert blocks(router, c) == {"g0": 16, "g1": 32, "g2": 48, "g3": 64}
+    evalsha_after = admin.info("commandstats")["cmdstat_evalsha"]["calls"]
+    sent = [e["command"] for e in admin.slowlog_get(1000) if e["client_name"] == name.encode()]
+    admin.config_set("slowlog-log-slower-than", 10000)
+    assert len(sent) == 1 and sent[0].startswith(b"EVALSHA")
+    assert evalsha_after - evalsha_before == 1
+
+
+def test_publisher_survives_redis_going_down_and_republishes(caplog):
+    c = chain(6)
+    cache: set[bytes] = set()
+    config = PublisherConfig(retry_initial_s=0.05, retry_max_s=0.2)
+    with RedisServer() as server:
+        group_side = RedisPrefixIndex.from_url(server.url, "down", "m1", socket_timeout_s=0.5)
+        router = RedisPrefixIndex.from_url(server.url, "down", "m1")
+        pub = IndexPublisher(group_side, "g0", lambda: set(cache), config)
+
+        def engine_step(event=None):  # what the block manager and engine loop do
+            if isinstance(event, BlockStored):
+                cache.update(event.block_hashes)
+            elif isinstance(event, BlockRemoved):
+                cache.difference_update(event.block_hashes)
+            if event is not None:
+                pub.sink(event)
+            pub.tick(load(running_seqs=len(cache)))
+
+        engine_step(stored(c[:3]))
+        assert blocks(router, c) == {"g0": 3}
+        server.stop()
+        with caplog.at_level(logging.WARNING, logger="cluster.index_publisher"):
+            engine_step(stored(c[3:]))  # must not raise
+            engine_step(BlockRemoved((c[5],)))
+            for _ in range(5):
+                engine_step()
+                time.sleep(0.05)
+        assert not pub.connected
+        assert len(caplog.records) == 1 and "unavailable" in caplog.records[0].getMessage()
+        server.start()  # back, empty: no keys, no scripts
+        assert wait_until(lambda: engine_step() or pub.connected, timeout_s=5.0)
+        m = router.match(c)  # the router's client reconnects and reloads the script
+        assert m["g0"].blocks == 5 and m["g0"].load.running_seqs == 5
+        pub.close()
+        assert router.match(c) == {}
+
+
+def test_a_dead_groups_keys_expire_by_themselves(redis_server):
+    index = RedisPrefixIndex.from_url(
+        redis_server.url, "keys", "m1", PrefixIndexConfig(heartbeat_ttl_s=0.6)
+    )
+    c = chain(4)
+    for gid in ("g0", "g1"):
+        epoch = index.register_group(gid)
+        index.publish(gid, epoch, [stored(c)])
+        index.report_load(gid, epoch, load())
+    index.record_pending("g0", c, ttl_s=0.3)
+    index.deregister("g1", epoch)
+
+    def keys():
+        return sorted(k.decode() for k in index.client.scan_iter(match="pf:keys:m1:*"))
+
+    assert keys() == [
+        f"pf:keys:m1:{k}" for k in ("epochs", "groups", "hb:g0", "inv:g0", "load:g0", "pend:g0")
+    ]
+    assert wait_until(lambda: keys() == ["pf:keys:m1:epochs", "pf:keys:m1:groups"], 3.0)
+    assert index.match(c) == {}
+    assert index.cleanup() == 1  # forgets the registration; the epoch counter stays
+    assert keys() == ["pf:keys:m1:epochs"]
+
+
+def test_namespaces_keep_models_apart(redis_server):
+    model_a = RedisPrefixIndex.from_url(redis_server.url, "ns", "model-a")
+    model_b = RedisPrefixIndex.from_url(redis_server.url, "ns", "model-b")
+    c = chain(2)
+    model_a.publish("g0", model_a.register_group("g0"), [stored(c)])
+    assert blocks(model_a, c) == {"g0": 2}
+    assert model_b.match(c) == {}
+
+
+def test_inventory_stats_measure_bytes_per_block(redis_server):
+    index = RedisPrefixIndex.from_url(redis_server.url, "stats", "m1")
+    admin = redis.Redis.from_url(redis_server.url)
+    c = chain(4000)
+    before = admin.info("memory")["used_memory"]
+    for gid, part in (("g0", c[:3000]), ("g1", c[1000:])):  # 2000 blocks held by both
+        epoch = index.register_group(gid)
+        index.publish(gid, epoch, [stored(part)])
+    grown = admin.info("memory")["used_memory"] - before
+    stats = index.inventory_stats()
+    assert (stats.entries, stats.blocks, stats.groups) == (6000, 4000, 2)
+    # MEMORY USAGE of the keys agrees with the allocator's growth within a factor of two.
+    assert 0.5 < stats.bytes_total / grown < 2.0, (stats, grown)
+    line = {"bench": "redis_prefix_index_memory", "entries": stats.entries}
+    line |= {"bytes_per_block": round(stats.bytes_per_block, 1)}
+    line |= {"used_memory_delta_per_block": round(grown / stats.entries, 1)}
+    print(json.dumps(line))
+
+
+def test_make_prefix_index_falls_back_to_memory(redis_server, caplog):
+    assert isinstance(make_prefix_index(None, "c", "m"), InMemoryPrefixIndex)
+    assert isinstance(make_prefix_index(redis_server.url, "c", "m"), RedisPrefixIndex)
+    with caplog.at_level(logging.WARNING, logger="cluster.prefix_index"):
+        index = make_prefix_index(f"redis://127.0.0.1:{free_port()}/0", "c", "m")
+    assert isinstance(index, InMemoryPrefixIndex)
+    assert "in-process" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("make", "field"),
+    [
+        (lambda: PrefixIndexConfig(heartbeat_ttl_s=0), "heartbeat_ttl_s"),
+        (lambda: PublisherConfig(retry_initial_s=1.0, retry_max_s=0.5), "retry_max_s"),
+        (lambda: load(free_blocks=9), "total_blocks"),
+        (lambda: InMemoryPrefixIndex().register_group("a:b"), "group_id"),
+        (lambda: make_prefix_index(None, "c", "has space"), "model"),
+    ],
+)
+def test_bad_configuration_names_the_field(make, field):
+    with pytest.raises(ValueError, match=field):
+        make()

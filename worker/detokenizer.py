@@ -1,0 +1,164 @@
+"""Incremental detokenization and stop strings, per request.
+
+Each step decodes a short window of token ids twice, without and with the new tokens, and
+emits the difference (the approach of vLLM's `detokenize_incrementally`, TGI and HF's
+TextStreamer), so the cost per token does not grow with the output. The window starts a few
+tokens before the text still to be read, because tokenizers render a token differently at the
+start of a text (SentencePiece drops the leading space) than in context.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from worker.sampling_params import SamplingParams
+
+# Prompt tokens decoded before the first output token, for context (as vLLM does).
+_PROMPT_CONTEXT_TOKENS = 5
+_REPLACEMENT_CHAR = "\ufffd"  # what decode gives for an incomplete UTF-8 sequence
+
+
+class IncrementalDetokenizer:
+    """Turns a request's output tokens into text deltas and watches for stop strings.
+
+    `text` is everything decoded so far (cut at a matched stop string); `step` returns the part
+    of it that is safe to show: it holds back an incomplete trailing UTF-8 character and the
+    longest tail that could still begin a stop string (at most max(len(stop)) - 1 characters).
+    Call `flush` when the request ends for another reason (EOS, length) to get what was held.
+
+    With `tokenizer=None` (token ids only), text stays empty and stop strings never match.
+    """
+
+    def __init__(
+        self,
+        tokenizer,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        skip_special_tokens: bool = True,
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._params = params
+        self._skip_special = skip_special_tokens
+        # Ids of the decode window: a little prompt context, then the output.
+        context = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
+        self._ids: list[int] = context
+        self._prefix_offset = 0  # window start: decoded only for context
+        self._read_offset = len(context)  # ids before this are already in `_pieces`
+        self._pieces: list[str] = []  # decoded output text, in order
+        self._unsent = ""  # tail of the text not yet returned by step(); bounded
+        self._stop_matched: str | None = None
+        self._finished = False
+
+    @property
+    def text(self) -> str:
+        """Output text so far; cut before a matched stop (after it with include_stop_str)."""
+        if len(self._pieces) > 1:
+            self._pieces = ["".join(self._pieces)]  # join once; later calls reuse it
+        return self._pieces[0] if self._pieces else ""
+
+    @property
+    def stop_matched(self) -> str | None:
+        """The stop string that ended the output, once it appears in the text."""
+        return self._stop_matched
+
+    def step(self, new_token_ids: Sequence[int]) -> str:
+        """Add tokens; return the new text that is safe to emit (possibly "")."""
+        if self._finished or self._tokenizer is None:
+            return ""
+        self._ids.extend(new_token_ids)
+        self._append(self._decode_new())
+        if self._stop_matched is not None:
+            return self._take(hold=0)
+        return self._take(hold=self._stop_prefix_len())
+
+    def flush(self) -> str:
+        """End the request: return everything held back, including an incomplete character."""
+        if self._finished or self._tokenizer is None:
+            self._finished = True
+            return ""
+        if self._read_offset < len(self._ids):
+            # Still incomplete at the end: emit it as decode() renders it (with U+FFFD).
+            prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
+            full = self._decode(self._ids[self._prefix_offset :])
+            self._read_offset = len(self._ids)
+            self._append(full[len(prefix) :])
+        delta = self._take(hold=0)
+        self._finished = True
+        return delta
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special)
+
+    def _decode_new(self) -> str:
+        """Text added by the ids after `_read_offset`; "" while the tail is incomplete."""
+        prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        full = self._decode(self._ids[self._prefix_offset :])
+        if len(full) <= len(prefix) or full.endswith(_REPLACEMENT_CHAR):
+            # Nothing new yet, or the last character's bytes are still arriving: keep the
+            # window and decode it again with the next tokens.
+            return ""
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        # Keep the id list bounded: drop what is left of the window.
+        del self._ids[: self._prefix_offset]
+        self._read_offset -= self._prefix_offset
+        self._prefix_offset = 0
+        return full[len(prefix) :]
+
+    def _append(self, new_text: str) -> None:
+        """Add decoded text and cut it at the earliest stop string, if one completes."""
+        if not new_text:
+            return
+        self._unsent += new_text
+        self._pieces.append(new_text)
+        cut = self._find_stop()
+        if cut is None:
+            return
+        stop, end = cut
+        self._stop_matched = stop
+        removed = len(self._unsent) - end
+        self._unsent = self._unsent[:end]
+        self._trim_pieces(removed)
+
+    def _find_stop(self) -> tuple[str, int] | None:
+        """The earliest stop string in the unsent text and where the text ends, or None.
+
+        Any occurrence lies entirely in `_unsent`: step() never sends a tail that could still
+        begin a stop string.
+        """
+        best: tuple[int, str] | None = None
+        for stop in self._params.stop:
+            at = self._unsent.find(stop)
+            if at != -1 and (best is None or at < best[0]):
+                best = (at, stop)
+        if best is None:
+            return None
+        at, stop = best
+        end = at + len(stop) if self._params.include_stop_str_in_output else at
+        return stop, end
+
+    def _trim_pieces(self, n: int) -> None:
+        """Remove the last n characters of the text."""
+        while n > 0:
+            last = self._pieces.pop()
+            if len(last) > n:
+                self._pieces.append(last[:-n])
+            n -= len(last)
+
+    def _stop_prefix_len(self) -> int:
+        """Length of the longest tail of the unsent text that begins some stop string."""
+        longest = 0
+        for stop in self._params.stop:
+            for k in range(min(len(stop) - 1, len(self._unsent)), longest, -1):
+                if self._unsent.endswith(stop[:k]):
+                    longest = k
+                    break
+        return longest
+
+    def _take(self, hold: int) -> str:
+        """Return the unsent text except its last `hold` characters."""
+        cut = len(self._unsent) - hold
+        delta, self._unsent = self._unsent[:cut], self._unsent[cut:]
+        if self._stop_matched is not None:
+            self._finished = True
+        return delta

@@ -1,0 +1,252 @@
+"""The engine of one group on one device: requests in, a step at a time, outputs out."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+from worker.block_manager import BlockManager
+from worker.config import CacheConfig, SchedulerConfig, cluster_secret
+from worker.detokenizer import IncrementalDetokenizer
+from worker.executor import Executor, LocalExecutor
+from worker.hashing import BlockHasher, ModelFingerprint
+from worker.kv_events import KVEvent
+from worker.kv_pool import check_pool_fits
+from worker.outputs import RequestMetrics, RequestOutput
+from worker.request import Request, RequestStatus
+from worker.sampler import TokenLogprobs
+from worker.sampling_params import SamplingParams
+from worker.scheduler import Scheduler, SchedulerOutput
+
+KVEventsCallback = Callable[[list[KVEvent]], None]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything one engine needs; `pagefleet.LLM(model, **options)` fills it."""
+
+    model: str
+    dtype: str = "auto"
+    device: str = "cpu"
+    attention_backend: str | None = None  # None: Triton on CUDA, torch elsewhere
+    max_model_len: int | None = None  # None: the model's context length
+    seed: int = 0
+    cluster_secret: bytes | str | None = None
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        if not Path(self.model).is_dir():
+            raise ValueError(
+                f"model {self.model!r} is not a directory with config.json and safetensors"
+            )
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+
+
+@dataclass
+class _Tracked:
+    """Engine-side companions of a request: detokenizer, timings, logprobs."""
+
+    detok: IncrementalDetokenizer
+    metrics: RequestMetrics
+    logprobs: list[TokenLogprobs] | None
+
+
+class LLMEngine:
+    """One tensor-parallel group of size 1: scheduler, block manager, KV pool, model."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        on_kv_events: KVEventsCallback | None = None,
+        executor: Executor | None = None,
+    ) -> None:
+        torch.manual_seed(config.seed)
+        self.config = config
+        self.executor = executor or LocalExecutor(config)
+        mc = self.model_config = self.executor.model_config
+        self.max_model_len = min(
+            config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
+        )
+        self.tokenizer = _load_tokenizer(config.model)
+        self.eos_token_ids = mc.eos_token_ids
+        self.layout = self.executor.layout
+
+        cache = config.cache
+        num_blocks = self.executor.determine_num_blocks()
+        check_pool_fits(num_blocks, self.layout, self.max_model_len)
+        self.executor.init_pool(num_blocks)
+
+        fingerprint = ModelFingerprint(
+            model_id=mc.model_id, revision=mc.revision, dtype=str(mc.torch_dtype if config.dtype == "auto" else config.dtype).removeprefix("torch."),
+            kv_cache_dtype=str(self.layout.dtype).removeprefix("torch."), block_size=cache.block_size,
+        )  # fmt: skip
+        self.hasher = BlockHasher(cluster_secret(config.cluster_secret), fingerprint)
+        self._events: list[KVEvent] = []
+        self.on_kv_events = on_kv_events
+        hasher = self.hasher if cache.enable_prefix_caching else None
+        bm = BlockManager(num_blocks, cache.block_size, hasher, self._events.append)
+        self.scheduler = Scheduler(replace(config.scheduler, max_model_len=self.max_model_len), bm)
+        self._tracked: dict[str, _Tracked] = {}
+        self._ids = itertools.count()
+
+    # ---- requests ----------------------------------------------------------------------
+    def add_request(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        block_hashes: Sequence[bytes] | None = None,
+        arrival_time: float | None = None,
+    ) -> str:
+        """Queue a prompt (text, when the model has a tokenizer, or token ids)."""
+        params = params or SamplingParams()
+        token_ids = self.tokenize(prompt)
+        self._check_tokens(token_ids)
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt is {len(token_ids)} tokens; the model's context is {self.max_model_len}"
+            )
+        max_tokens = params.max_tokens or self.max_model_len - len(token_ids)
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        req = Request(
+            rid, token_ids, params, max_tokens=max_tokens, eos_token_ids=self.eos_token_ids,
+            priority=priority, arrival_time=arrival_time, hash_root=self.hasher.root(None, cache_salt),
+            block_hashes=block_hashes or (),
+        )  # fmt: skip
+        self.scheduler.add_request(req)
+        self._tracked[rid] = _Tracked(
+            IncrementalDetokenizer(self.tokenizer, token_ids, params),
+            RequestMetrics(arrival_time=req.arrival_time),
+            [] if params.logprobs is not None else None,
+        )
+        return rid
+
+    def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(
+                    "prompt is text but the model directory has no tokenizer; pass token ids"
+                )
+            return self.tokenizer.encode(prompt)
+        return list(prompt)
+
+    def _check_tokens(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise ValueError("prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
+
+    def abort(self, request_ids: str | Sequence[str]) -> None:
+        for req in self.scheduler.abort(request_ids):
+            self._tracked.pop(req.request_id, None)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- one step ----------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run one forward pass, sample; returns the requests that progressed."""
+        out = self.scheduler.schedule()
+        self._flush_events()
+        now = time.monotonic()
+        for s in out.scheduled:
+            m = self._tracked[s.request.request_id].metrics
+            if m.first_scheduled_time is None:
+                m.first_scheduled_time = now
+        sampled = self.executor.execute(out)
+        tokens = {rid: tok for rid, (tok, _) in sampled.items()}
+        finished = {r.request_id for r in self.scheduler.update_from_output(out, tokens)}
+        by_id = {s.request.request_id: s.request for s in out.scheduled}
+        outputs = [
+            self._progress(by_id[rid], tok, lp, rid in finished)
+            for rid, (tok, lp) in sampled.items()
+        ]
+        self._flush_events()
+        return outputs
+
+    def _progress(
+        self, req: Request, token: int, lp: TokenLogprobs | None, finished: bool
+    ) -> RequestOutput:
+        rid = req.request_id
+        tracked = self._tracked[rid]
+        now = time.monotonic()
+        m = tracked.metrics
+        m.first_token_time = m.first_token_time or now
+        m.token_times.append(now)
+        if tracked.logprobs is not None:
+            tracked.logprobs.append(lp)
+        delta = tracked.detok.step([token])
+        if tracked.detok.stop_matched is not None and not finished:
+            self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
+            req.stop_reason = tracked.detok.stop_matched
+            finished = True
+        if finished:
+            delta += tracked.detok.flush()
+            m.finished_time = now
+            del self._tracked[rid]
+            self._flush_events()
+        return RequestOutput(
+            request_id=rid,
+            prompt_token_ids=req.prompt_token_ids,
+            token_ids=req.output_token_ids,
+            text=tracked.detok.text,
+            new_token_ids=[token],
+            new_text=delta,
+            finished=finished,
+            finish_reason=req.finish_reason if finished else None,
+            stop_reason=req.stop_reason,
+            num_cached_tokens=max(0, req.num_cached_tokens),
+            metrics=m,
+            logprobs=tracked.logprobs,
+        )
+
+    def _flush_events(self) -> None:
+        if self._events:
+            batch, self._events[:] = list(self._events), []
+            if self.on_kv_events is not None:
+                self.on_kv_events(batch)
+
+    # ---- introspection -----------------------------------------------------------------
+    def stats(self) -> dict:
+        bm, sched = self.scheduler.bm, self.scheduler
+        return {
+            "blocks_total": bm.num_blocks,
+            "blocks_free": bm.num_free_blocks,
+            "blocks_cached": bm.num_cached_blocks,
+            "blocks_used": bm.num_blocks - bm.num_free_blocks,
+            "prefix_cache_queries": bm.prefix_queries,
+            "prefix_cache_hits": bm.prefix_hits,
+            "preemptions": sched.num_preemptions,
+            "running": sched.num_running,
+            "waiting": sched.num_waiting,
+            "pending_prefill_tokens": sched.pending_prefill_tokens(),
+            "block_size": bm.block_size,
+            "kv_bytes_per_token": self.layout.bytes_per_token,
+            "kv_pool_bytes": self.executor.pool_bytes,
+        }
+
+
+def _load_tokenizer(model_dir: str):
+    path = Path(model_dir)
+    if not any(
+        (path / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+    ):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+__all__ = ["EngineConfig", "LLMEngine", "SchedulerOutput"]

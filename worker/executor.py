@@ -1,0 +1,107 @@
+"""Executors run the scheduler's steps on the group's devices.
+
+The engine talks to one `Executor`; a group of one device uses `LocalExecutor`, a
+tensor-parallel group an executor that hands each step to every rank (see worker/tp_*.py).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from kernels.registry import get_backend
+from worker.distributed import Collectives
+from worker.kv_pool import KVLayout, KVPool, layout_for, num_blocks_from_memory
+from worker.model_config import ModelConfig
+from worker.model_loader import load_model
+from worker.model_runner import ModelRunner, Sampled
+from worker.scheduler import SchedulerOutput
+
+
+class DeviceWorker:
+    """One device of a group: its shard of the model, its paged KV pool, its runner."""
+
+    def __init__(self, config, collectives: Collectives | None = None) -> None:
+        self.config = config  # an EngineConfig
+        self.device = torch.device(config.device)
+        backend = get_backend(config.attention_backend, self.device)
+        self.model, self.model_config = load_model(
+            config.model, config.dtype, self.device, collectives, backend
+        )
+        local_kv_heads = self.model.attention_layers()[0].num_kv_heads
+        model_dtype = next(self.model.parameters()).dtype
+        self.layout: KVLayout = layout_for(
+            self.model_config, config.cache, local_kv_heads, model_dtype
+        )
+        self.runner = ModelRunner(self.model, config.cache.block_size, self.device)
+        self.pool: KVPool | None = None
+
+    def determine_num_blocks(self) -> int:
+        """Blocks this device can hold under the configured budget."""
+        probe = KVPool(self.layout, 1, self.device)  # one block: enough for the profile step
+        probe.bind(self.model.attention_layers())
+        tokens = self.config.scheduler.max_num_batched_tokens
+
+        def profile() -> None:
+            self.runner.profile_step(tokens, self.model_config.vocab_size)
+
+        return num_blocks_from_memory(
+            self.config.cache, self.layout, self.model, self.device, profile
+        )
+
+    def init_pool(self, num_blocks: int) -> None:
+        self.pool = KVPool(self.layout, num_blocks, self.device)
+        self.pool.bind(self.model.attention_layers())
+
+    def execute(self, out: SchedulerOutput, sample: bool = True) -> Sampled:
+        return self.runner.execute(out, sample=sample)
+
+
+class Executor(ABC):
+    """What the engine needs from the devices of its group."""
+
+    model_config: ModelConfig
+    layout: KVLayout  # rank 0's pool layout (every rank holds the same share of KV heads)
+
+    @abstractmethod
+    def determine_num_blocks(self) -> int:
+        """The smallest block count over the group's devices."""
+
+    @abstractmethod
+    def init_pool(self, num_blocks: int) -> None:
+        """Allocate every device's pool with the same number of blocks (shared block ids)."""
+
+    @abstractmethod
+    def execute(self, out: SchedulerOutput) -> Sampled:
+        """Run one step on every device; returns rank 0's samples."""
+
+    @property
+    def pool_bytes(self) -> int:
+        """Bytes of one device's pool."""
+        return 0
+
+    def shutdown(self) -> None:  # noqa: B027  (nothing to release by default)
+        """Release the devices."""
+
+
+class LocalExecutor(Executor):
+    """A group of one device in this process."""
+
+    def __init__(self, config) -> None:
+        self.worker = DeviceWorker(config)
+        self.model_config = self.worker.model_config
+        self.layout = self.worker.layout
+
+    def determine_num_blocks(self) -> int:
+        return self.worker.determine_num_blocks()
+
+    def init_pool(self, num_blocks: int) -> None:
+        self.worker.init_pool(num_blocks)
+
+    def execute(self, out: SchedulerOutput) -> Sampled:
+        return self.worker.execute(out)
+
+    @property
+    def pool_bytes(self) -> int:
+        return self.worker.pool.total_bytes if self.worker.pool else 0

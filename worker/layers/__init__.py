@@ -1,0 +1,1 @@
+"""Tensor-parallel-ready building blocks of the Llama family (Megatron-named)."""
