@@ -1,0 +1,148 @@
+"""Worker groups as the router sees them: a handle to submit, stream, abort and inspect.
+
+A group is one engine over `tensor_parallel_size` devices. `LocalGroup` runs a TP=1 engine in
+this process (the embedded default and tests); a Ray-placed group (cluster/ray_group.py)
+implements the same interface. Each group publishes its KV events and load to the prefix index
+through an `IndexPublisher`, so the router's index knows which blocks it holds.
+"""
+
+from __future__ import annotations
+
+import itertools
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator
+from dataclasses import asdict, dataclass
+
+from cluster.index_publisher import IndexPublisher
+from cluster.prefix_index import GroupLoad, PrefixIndex
+from worker.async_engine import AsyncEngine, GenerationRequest
+from worker.engine import EngineConfig, LLMEngine
+from worker.outputs import RequestOutput
+
+_group_ids = itertools.count()
+
+
+@dataclass(frozen=True)
+class GroupStatus:
+    """A snapshot of one group, for the router's policy and for GetClusterStatus."""
+
+    group_id: str
+    alive: bool
+    tensor_parallel_size: int
+    devices: tuple[str, ...]  # e.g. ("cpu",) or ("cuda:0", "cuda:1"), with the node where known
+    blocks_total: int
+    blocks_free: int
+    blocks_cached: int
+    running: int
+    waiting: int
+    pending_prefill_tokens: int
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    preemptions: int = 0
+    error: str | None = None
+
+    def load(self) -> GroupLoad:
+        return GroupLoad(
+            waiting_prefill_tokens=self.pending_prefill_tokens,
+            running_seqs=self.running,
+            waiting_seqs=self.waiting,
+            free_blocks=self.blocks_free,
+            total_blocks=self.blocks_total,
+        )
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def status_from_stats(
+    group_id: str,
+    stats: dict,
+    alive: bool,
+    tp: int,
+    devices: tuple[str, ...],
+    error: str | None = None,
+) -> GroupStatus:
+    return GroupStatus(
+        group_id=group_id, alive=alive, tensor_parallel_size=tp, devices=devices,
+        blocks_total=stats.get("blocks_total", 0), blocks_free=stats.get("blocks_free", 0),
+        blocks_cached=stats.get("blocks_cached", 0), running=stats.get("running", 0),
+        waiting=stats.get("waiting", 0), pending_prefill_tokens=stats.get("pending_prefill_tokens", 0),
+        prefix_cache_queries=stats.get("prefix_cache_queries", 0),
+        prefix_cache_hits=stats.get("prefix_cache_hits", 0), preemptions=stats.get("preemptions", 0),
+        error=error,
+    )  # fmt: skip
+
+
+class GroupHandle(ABC):
+    """What the router needs from a worker group."""
+
+    group_id: str
+
+    @abstractmethod
+    def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
+        """Stream the request's outputs; leaving the stream early aborts the request."""
+
+    @abstractmethod
+    def abort(self, request_id: str) -> None:
+        """Abort a request; its blocks are freed at once."""
+
+    @abstractmethod
+    def status(self) -> GroupStatus:
+        """Latest load and liveness."""
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Stop the group and release its devices."""
+
+
+class LocalGroup(GroupHandle):
+    """A TP=1 group whose engine runs on a thread of this process."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        index: PrefixIndex | None = None,
+        group_id: str | None = None,
+    ) -> None:
+        self.group_id = group_id or f"group-{next(_group_ids)}"
+        self.config = config
+        engine = LLMEngine(config)
+        self.publisher = None
+        if index is not None:
+            self.publisher = IndexPublisher(index, self.group_id, engine.scheduler.bm.cached_hashes)
+            engine.on_kv_events = self._publish
+        self.engine = AsyncEngine(engine, on_step=self._tick)
+
+    @property
+    def hasher(self):
+        return self.engine.engine.hasher
+
+    @property
+    def tokenizer(self):
+        return self.engine.engine.tokenizer
+
+    def _publish(self, events) -> None:
+        for e in events:
+            self.publisher.sink(e)
+
+    def _tick(self, engine: LLMEngine) -> None:
+        if self.publisher is not None:
+            self.publisher.tick(self.status().load())
+
+    def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
+        return self.engine.generate(request)
+
+    def abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+
+    def status(self) -> GroupStatus:
+        dead = self.engine.dead
+        return status_from_stats(
+            self.group_id, self.engine.stats(), alive=dead is None, tp=1, devices=(self.config.device,),
+            error=None if dead is None else f"{type(dead).__name__}: {dead}",
+        )  # fmt: skip
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+        if self.publisher is not None:
+            self.publisher.close()

@@ -1,0 +1,204 @@
+"""The router: one front door over many worker groups.
+
+For each request it tokenizes (applying the chat template for chat messages, exactly as the
+engine would render them), computes the block hashes once with the same keyed function the
+groups use, asks the placement policy for a group, records the choice as pending in the prefix
+index, forwards the request with its hashes, and streams the results back. A group that fails
+before the first token is retried on another group.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+from cluster.group import GroupHandle, GroupStatus
+from cluster.prefix_index import PrefixIndex
+from router.policy import Placement, Policy, make_policy
+from worker.async_engine import EngineDeadError, GenerationRequest
+from worker.hashing import BlockHasher
+from worker.outputs import RequestOutput
+from worker.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class NoGroupAvailableError(RuntimeError):
+    """No live group can take the request (the server answers UNAVAILABLE)."""
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the front door tells clients about the served model."""
+
+    model: str
+    max_model_len: int
+    block_size: int
+    kv_cache_dtype: str
+    vocab_size: int
+    eos_token_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class RouteRequest:
+    """A request at the front door: exactly one of prompt, prompt_token_ids or messages."""
+
+    prompt: str | None = None
+    prompt_token_ids: Sequence[int] | None = None
+    messages: Sequence[dict] | None = None  # chat: [{"role": ..., "content": ...}, ...]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    request_id: str | None = None
+    priority: int = 0
+    cache_salt: str | None = None  # the tenant's salt: tenants never share blocks
+
+
+@dataclass
+class RouteRecord:
+    """What the router decided for one request, and what the engine then reported."""
+
+    request_id: str
+    group_id: str
+    reason: str
+    predicted_cached_tokens: int
+    actual_cached_tokens: int | None = None
+    decision_seconds: float = 0.0
+
+
+class Router:
+    """Places requests on groups by prefix and load; see the module docstring."""
+
+    def __init__(
+        self,
+        groups: Sequence[GroupHandle],
+        index: PrefixIndex,
+        hasher: BlockHasher,
+        model_info: ModelInfo,
+        tokenizer=None,
+        policy: Policy | str = "prefix_aware",
+        max_attempts: int = 2,
+    ) -> None:
+        if not groups:
+            raise ValueError("a router needs at least one group")
+        self.groups = {g.group_id: g for g in groups}
+        self.index = index
+        self.hasher = hasher
+        self.model_info = model_info
+        self.tokenizer = tokenizer
+        self.policy = make_policy(policy) if isinstance(policy, str) else policy
+        self.max_attempts = max_attempts
+        self.records: dict[str, RouteRecord] = {}  # recent decisions, for predicted vs actual
+        self._ids = itertools.count()
+
+    # ---- input -------------------------------------------------------------------------
+    def tokenize(self, request: RouteRequest) -> list[int]:
+        """The prompt's token ids: given, tokenized text, or the rendered chat template."""
+        given = [
+            x is not None for x in (request.prompt, request.prompt_token_ids, request.messages)
+        ]
+        if sum(given) != 1:
+            raise ValueError("give exactly one of prompt, prompt_token_ids or messages")
+        if request.prompt_token_ids is not None:
+            ids = list(request.prompt_token_ids)
+        else:
+            if self.tokenizer is None:
+                raise ValueError("the model has no tokenizer: send prompt_token_ids")
+            if request.messages is not None:
+                ids = self.render_chat(request.messages)
+            else:
+                ids = self.tokenizer.encode(request.prompt)
+        if not ids:
+            raise ValueError("prompt is empty")
+        vocab = self.model_info.vocab_size
+        bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
+        return ids
+
+    def render_chat(self, messages: Sequence[dict]) -> list[int]:
+        for i, m in enumerate(messages):
+            if (
+                not isinstance(m, dict)
+                or not isinstance(m.get("role"), str)
+                or not isinstance(m.get("content"), str)
+            ):
+                raise ValueError(f"messages[{i}] must have string 'role' and 'content'")
+        ids = self.tokenizer.apply_chat_template(
+            list(messages), add_generation_prompt=True, tokenize=True
+        )
+        if isinstance(ids, dict):  # BatchEncoding in newer transformers
+            ids = ids["input_ids"]
+        return list(ids)
+
+    # ---- placement ---------------------------------------------------------------------
+    def live_statuses(self) -> dict[str, GroupStatus]:
+        return {gid: s for gid, g in self.groups.items() if (s := g.status()).alive}
+
+    def place(self, block_hashes: Sequence[bytes], exclude: set[str] = frozenset()) -> Placement:
+        """Choose a group for a prompt's hash chain (one index round trip)."""
+        statuses = {gid: s for gid, s in self.live_statuses().items() if gid not in exclude}
+        if not statuses:
+            raise NoGroupAvailableError("no live worker group is available")
+        matches = self.index.match(block_hashes) if block_hashes else {}
+        placement = self.policy.choose(block_hashes, statuses, matches)
+        if block_hashes:
+            self.index.record_pending(placement.group_id, block_hashes)
+        return placement
+
+    # ---- one request -------------------------------------------------------------------
+    async def generate(self, request: RouteRequest) -> AsyncIterator[RequestOutput]:
+        """Tokenize, hash once, place, forward, stream. Errors: ValueError (bad input),
+        NoGroupAvailableError, and whatever the group raises (e.g. a full queue)."""
+        ids = self.tokenize(request)
+        rid = request.request_id or f"rt-{next(self._ids)}"
+        hashes = self.hasher.hash_prompt(ids, cache_salt=request.cache_salt)
+        tried: set[str] = set()
+        while True:
+            t0 = time.perf_counter()
+            placement = self.place(hashes, exclude=tried)
+            record = RouteRecord(
+                rid, placement.group_id, placement.reason,
+                predicted_cached_tokens=min(placement.cached_blocks * self.model_info.block_size, len(ids) - 1),
+                decision_seconds=time.perf_counter() - t0,
+            )  # fmt: skip
+            self.records[rid] = record
+            group = self.groups[placement.group_id]
+            forwarded = GenerationRequest(
+                ids, request.params, request_id=rid, priority=request.priority,
+                cache_salt=request.cache_salt, block_hashes=hashes,
+            )  # fmt: skip
+            started = False
+            try:
+                async for out in group.generate(forwarded):
+                    if not started:
+                        started = True
+                        record.actual_cached_tokens = out.num_cached_tokens
+                    yield out
+                return
+            except EngineDeadError as e:
+                tried.add(placement.group_id)
+                if started or len(tried) >= self.max_attempts:
+                    raise
+                log.warning(
+                    "group %s failed before the first token of %s (%s); retrying elsewhere",
+                    placement.group_id,
+                    rid,
+                    e,
+                )
+            finally:
+                self._trim_records()
+
+    def abort(self, request_id: str) -> None:
+        record = self.records.get(request_id)
+        if record is not None:
+            self.groups[record.group_id].abort(request_id)
+
+    def cluster_status(self) -> list[GroupStatus]:
+        return [g.status() for g in self.groups.values()]
+
+    def _trim_records(self, keep: int = 10_000) -> None:
+        if len(self.records) > keep:
+            for rid in list(self.records)[: len(self.records) - keep]:
+                del self.records[rid]
