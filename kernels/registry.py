@@ -6,7 +6,8 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from kernels.torch_ref import paged_attention_torch, write_kv_torch
+from kernels.torch_ref import write_kv_torch
+from kernels.torch_sdpa import paged_attention_sdpa
 
 
 class AttentionBackend(ABC):
@@ -34,6 +35,8 @@ class AttentionBackend(ABC):
 
 
 class TorchBackend(AttentionBackend):
+    """The CPU path: plain torch (fused SDPA and batched decode), tested against the reference."""
+
     name = "torch"
 
     def write_kv(self, key, value, key_cache, value_cache, slot_mapping) -> None:
@@ -50,7 +53,7 @@ class TorchBackend(AttentionBackend):
         scale,
         out=None,
     ) -> torch.Tensor:
-        return paged_attention_torch(
+        return paged_attention_sdpa(
             query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale, out
         )
 
@@ -63,12 +66,20 @@ def register_backend(cls: type[AttentionBackend]) -> type[AttentionBackend]:
     return cls
 
 
+def _triton_available() -> bool:
+    """Import (and so register) the Triton backend; False when Triton is not importable."""
+    if "triton" not in _BACKENDS:
+        try:
+            import kernels.triton_attention  # noqa: F401  (registers itself)
+        except ImportError:
+            return False
+    return True
+
+
 def get_backend(name: str | None, device: torch.device | str = "cpu") -> AttentionBackend:
     """The backend called `name`; None picks Triton on CUDA and torch elsewhere."""
     if name is None:
-        name = (
-            "triton" if torch.device(device).type == "cuda" and "triton" in _BACKENDS else "torch"
-        )
+        name = "triton" if torch.device(device).type == "cuda" and _triton_available() else "torch"
     if name == "triton" and name not in _BACKENDS:
         import kernels.triton_attention  # noqa: F401  (registers itself)
     if name not in _BACKENDS:

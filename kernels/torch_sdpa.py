@@ -1,0 +1,92 @@
+"""The CPU path: paged attention in plain torch built on fused kernels.
+
+Same signature and semantics as `kernels.torch_ref.paged_attention_torch` (the reference it is
+tested against), but fast enough to serve from: decodes (one query token per sequence) are
+gathered into one padded batch and attended with batched matmuls; prefill chunks run through
+`torch.nn.functional.scaled_dot_product_attention` per sequence, causal against their cached
+context.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+# Padded K/V of a decode batch is gathered in slices of at most this many elements, so that a
+# batch of long contexts does not double the memory of the pool it reads.
+_DECODE_GATHER_ELEMS = 1 << 24
+
+
+def paged_attention_sdpa(
+    query: torch.Tensor,  # (num_tokens, num_heads, head_dim)
+    key_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
+    value_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
+    block_tables: torch.Tensor,  # (num_seqs, max_blocks_per_seq) int32
+    query_start_loc: torch.Tensor,  # (num_seqs + 1,) int32
+    seq_lens: torch.Tensor,  # (num_seqs,) int32
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    if out is None:
+        out = torch.empty_like(query)
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    q_lens = [b - a for a, b in zip(starts, starts[1:], strict=False)]
+    decodes = [s for s, n in enumerate(q_lens) if n == 1]
+    if decodes:
+        _decode(query, key_cache, value_cache, block_tables, starts, lens, decodes, scale, out)
+    for s, n in enumerate(q_lens):
+        if n > 1:
+            _prefill(
+                query, key_cache, value_cache, block_tables[s], starts[s], n, lens[s], scale, out
+            )
+    return out
+
+
+def _gather(cache: torch.Tensor, blocks: torch.Tensor, length: int) -> torch.Tensor:
+    """(num_kv_heads, length, head_dim) of one sequence's cache."""
+    _, block_size, kvh, d = cache.shape
+    return cache[blocks].reshape(-1, kvh, d)[:length].transpose(0, 1)
+
+
+def _prefill(query, key_cache, value_cache, table, q_start, q_len, seq_len, scale, out) -> None:
+    block_size = key_cache.shape[1]
+    blocks = table[: (seq_len + block_size - 1) // block_size].long()
+    k = _gather(key_cache, blocks, seq_len).unsqueeze(0)  # (1, kvh, T, d)
+    v = _gather(value_cache, blocks, seq_len).unsqueeze(0)
+    q = query[q_start : q_start + q_len].transpose(0, 1).unsqueeze(0)  # (1, h, q, d)
+    k, v = k.to(q.dtype), v.to(q.dtype)
+    if seq_len == q_len:  # no cached context: plain causal
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    else:  # query i sits at position seq_len - q_len + i
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+        mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]  # (q, T)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    out[q_start : q_start + q_len] = o[0].transpose(0, 1)
+
+
+def _decode(query, key_cache, value_cache, block_tables, starts, lens, seqs, scale, out) -> None:
+    _, block_size, kvh, d = key_cache.shape
+    heads = query.shape[1]
+    group = heads // kvh
+    # Slices of sequences whose padded K/V stays under the gather budget.
+    max_len = max(lens[s] for s in seqs)
+    per_slice = max(1, _DECODE_GATHER_ELEMS // (max_len * kvh * d))
+    for i in range(0, len(seqs), per_slice):
+        part = seqs[i : i + per_slice]
+        part_lens = torch.tensor([lens[s] for s in part], device=query.device)
+        longest = int(part_lens.max())
+        nb = (longest + block_size - 1) // block_size
+        tables = block_tables[part, :nb].long()  # (S, nb)
+        k = key_cache[tables].reshape(len(part), nb * block_size, kvh, d)  # (S, L, kvh, d)
+        v = value_cache[tables].reshape(len(part), nb * block_size, kvh, d)
+        rows = torch.tensor([starts[s] for s in part], device=query.device)
+        q = query[rows].view(len(part), kvh, group, d).float()  # (S, kvh, g, d)
+        scores = torch.einsum("skgd,slkd->skgl", q, k.float()) * scale  # (S, kvh, g, L)
+        pad = (
+            torch.arange(nb * block_size, device=query.device)[None, :] >= part_lens[:, None]
+        )  # (S, L)
+        scores.masked_fill_(pad[:, None, None, :], float("-inf"))
+        probs = scores.softmax(dim=-1)
+        o = torch.einsum("skgl,slkd->skgd", probs, v.float())  # (S, kvh, g, d)
+        out[rows] = o.reshape(len(part), heads, d).to(out.dtype)

@@ -1,0 +1,89 @@
+"""The built-in model (with its tokenizer) through the synchronous and the streaming APIs."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from pagefleet.llm import LLM, engine_config
+from worker.async_engine import AsyncEngine, GenerationRequest
+from worker.engine import LLMEngine
+from worker.sampling_params import SamplingParams
+
+DOC = "The lighthouse keeper wrote down every ship that passed the rocks at night. " * 3
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(None, num_blocks=128, max_model_len=512)
+
+
+def test_text_prompts_and_stop_strings(llm):
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    full = llm.generate(DOC, greedy)[0]
+    assert full.text and full.text == llm.tokenizer.decode(full.token_ids, skip_special_tokens=True)
+    stop = full.text[len(full.text) // 2 : len(full.text) // 2 + 3]
+    assert stop.strip(), "pick a visible stop string"
+    cut = llm.generate(
+        DOC, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop])
+    )[0]
+    assert cut.finish_reason == "stop" and cut.stop_reason == stop
+    assert cut.text == full.text[: full.text.index(stop)]
+    kept = llm.generate(
+        DOC,
+        SamplingParams(
+            temperature=0,
+            max_tokens=24,
+            ignore_eos=True,
+            stop=[stop],
+            include_stop_str_in_output=True,
+        ),
+    )[0]
+    assert kept.text == full.text[: full.text.index(stop) + len(stop)]
+    assert llm.stats()["blocks_free"] == llm.stats()["blocks_total"]
+
+
+def test_streaming_equals_generate_and_cancel_frees_blocks(llm):
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    want = llm.generate(DOC + "Who kept the light?", params)[0]
+    engine = AsyncEngine(LLMEngine(engine_config(None, num_blocks=128, max_model_len=512)))
+
+    async def stream(prompt, p, rid):
+        tokens, text, last = [], "", None
+        async for out in engine.generate(GenerationRequest(prompt, p, request_id=rid)):
+            tokens += out.new_token_ids
+            text += out.new_text
+            last = out
+        return tokens, text, last
+
+    async def cancel_midway():
+        long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+        task = asyncio.create_task(stream(DOC, long, "to-cancel"))
+        while engine.stats()["running"] == 0:
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(200):
+            s = engine.stats()
+            if s["running"] == 0 and s["blocks_free"] == s["blocks_total"]:
+                return s
+            await asyncio.sleep(0.01)
+        raise AssertionError(f"blocks not freed after cancel: {engine.stats()}")
+
+    async def main():
+        (t1, x1, last1), (t2, _, _) = await asyncio.gather(
+            stream(DOC + "Who kept the light?", params, "a"),
+            stream("Another question", params, "b"),
+        )
+        assert t1 == want.token_ids and x1 == want.text and last1.finished
+        assert len(t2) == 16
+        await cancel_midway()
+        with pytest.raises(ValueError, match="empty"):
+            await stream([], params, "bad")
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.shutdown()
