@@ -274,6 +274,21 @@ class InMemoryPrefixIndex(PrefixIndex):
         with self._lock:
             return self._sweep_dead(self._clock())
 
+    def snapshot(self, group_id: str) -> tuple[int, frozenset[bytes], GroupLoad | None] | None:
+        """(epoch, cached hashes, load) of the group's live registration; None when not live.
+
+        What a failover index republishes into the shared index once it is back."""
+        with self._lock:
+            reg = self._groups.get(group_id)
+            if reg is None or reg.deadline <= self._clock():
+                return None
+            return reg.epoch, frozenset(reg.inventory), reg.load
+
+    def live_groups(self) -> list[str]:
+        with self._lock:
+            now = self._clock()
+            return [g for g, reg in self._groups.items() if reg.deadline > now]
+
     def inventory_stats(self) -> InventoryStats:
         with self._lock:
             now = self._clock()

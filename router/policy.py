@@ -1,20 +1,36 @@
-"""Placement policies: which group gets a request, given the index's matches and the loads."""
+"""Placement policies: which group gets a request, given the index's matches and the loads.
+
+`prefix_aware` (the default) picks the group with the lowest estimated time to first token:
+the prefill still to compute there (the prompt minus the blocks the group holds or has pending)
+on top of the group's queued prefill work, under its running decodes, plus a charge for the
+cached blocks the new ones would evict. A hot document's holder therefore keeps its questions
+until its queue costs more than prefilling the document elsewhere; then the request spills and
+the other group caches the document too (replication follows load), up to `max_replicas`
+holders. Ties go by rendezvous hashing of the chain's first block, so that idle groups split
+new documents evenly and every router replica breaks a tie the same way.
+
+Baselines: `round_robin`, `least_loaded`, `prefix_hash` (rendezvous hashing of the first block)
+and `oracle` (perfect document affinity, for the routing benchmark only).
+"""
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from cluster.group import GroupStatus
 from cluster.prefix_index import GroupMatch
+from cluster.sim_group import CostModel
 
 
 @dataclass(frozen=True)
 class Placement:
     group_id: str
-    reason: str  # why: "prefix_hit", "least_loaded", "round_robin", "spill", ...
+    reason: str  # why: "prefix_hit", "spill", "new_prefix", "least_loaded", "round_robin", ...
     cached_blocks: int = 0  # leading blocks the index says the group holds (or has pending)
 
 
@@ -22,6 +38,7 @@ class Policy(ABC):
     """Chooses a group among the live ones."""
 
     name: str
+    block_size: int = 16  # tokens per block; the router sets the model's
 
     @abstractmethod
     def choose(
@@ -31,6 +48,20 @@ class Policy(ABC):
         matches: Mapping[str, GroupMatch],
     ) -> Placement:
         """`statuses`: live groups (non-empty); `matches`: the index's answer per group."""
+
+
+def rendezvous(key: bytes, group_id: str) -> bytes:
+    """Highest-random-weight score of `group_id` for `key` (larger wins); the same everywhere."""
+    return hashlib.blake2b(key + group_id.encode(), digest_size=8).digest()
+
+
+def _first(block_hashes: Sequence[bytes]) -> bytes:
+    return block_hashes[0] if block_hashes else b""
+
+
+def _cached(matches: Mapping[str, GroupMatch], gid: str) -> int:
+    m = matches.get(gid)
+    return 0 if m is None else m.expected_blocks
 
 
 class RoundRobin(Policy):
@@ -46,40 +77,135 @@ class RoundRobin(Policy):
 
 
 class LeastLoaded(Policy):
+    """Fewest queued prefill tokens, then fewest running sequences; ties by rendezvous."""
+
     name = "least_loaded"
 
     def choose(self, block_hashes, statuses, matches) -> Placement:
+        key = _first(block_hashes)
         gid = min(
-            statuses, key=lambda g: (statuses[g].pending_prefill_tokens, statuses[g].running, g)
+            statuses,
+            key=lambda g: (
+                statuses[g].pending_prefill_tokens,
+                statuses[g].running,
+                bytes(255 - b for b in rendezvous(key, g)),
+            ),
         )
         return Placement(gid, self.name, _cached(matches, gid))
 
 
+class PrefixHash(Policy):
+    """Consistent (rendezvous) hashing of the first block over the live groups; load-blind."""
+
+    name = "prefix_hash"
+
+    def choose(self, block_hashes, statuses, matches) -> Placement:
+        key = _first(block_hashes)
+        gid = max(statuses, key=lambda g: rendezvous(key, g))
+        return Placement(gid, self.name, _cached(matches, gid))
+
+
+@dataclass(frozen=True)
+class PrefixAwareConfig:
+    """The time model behind `prefix_aware` (seconds from the group's calibrated cost model)."""
+
+    cost: CostModel = field(default_factory=CostModel)
+    max_num_batched_tokens: int = 2048  # a group's token budget per step
+    # Fraction of an evicted block's recompute charged to the placement that evicts it: the
+    # chance that the (least recently used) block would have been hit again.
+    eviction_weight: float = 0.5
+    # Most groups a prefix spills onto; None: half the live groups (at least 2).
+    max_replicas: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")  # fmt: skip
+        if not self.eviction_weight >= 0:
+            raise ValueError(f"eviction_weight must be >= 0, got {self.eviction_weight}")
+        if self.max_replicas is not None and self.max_replicas < 1:
+            raise ValueError(f"max_replicas must be >= 1, got {self.max_replicas}")
+
+
 class PrefixAware(Policy):
-    """The longest cached prefix wins, unless that group is much busier (a simple first rule;
-    the measured policy lives with the routing benchmark)."""
+    """Lowest estimated time to first token; see the module docstring."""
 
     name = "prefix_aware"
 
+    def __init__(self, config: PrefixAwareConfig | None = None) -> None:
+        self.config = config or PrefixAwareConfig()
+
+    def estimate(self, n_blocks: int, hit_blocks: int, status: GroupStatus) -> float:
+        """Estimated seconds to the first token of an `n_blocks` prompt on this group."""
+        c, bs = self.config.cost, self.block_size
+        new_tokens = (n_blocks - min(hit_blocks, n_blocks)) * bs + bs // 2  # + the partial tail
+        work = status.pending_prefill_tokens + new_tokens
+        steps = math.ceil(work / self.config.max_num_batched_tokens)
+        ttft = work * c.prefill_token_s + steps * (c.step_s + status.running * c.decode_seq_s)
+        # Blocks with no content and no reference; cached ones are counted as taken.
+        empty = max(0, status.blocks_free - status.blocks_cached)
+        evicted = max(0, math.ceil(new_tokens / bs) - empty)
+        return ttft + self.config.eviction_weight * evicted * bs * c.prefill_token_s
+
     def choose(self, block_hashes, statuses, matches) -> Placement:
-        def key(g: str):
-            s = statuses[g]
-            return (-_cached(matches, g), s.pending_prefill_tokens + s.running, g)
+        n, key = len(block_hashes), _first(block_hashes)
+        hits = {g: min(_cached(matches, g), n) for g in statuses}
+        best_hit = max(hits.values())
+        candidates = list(statuses)
+        if best_hit > 0:
+            holders = [g for g in statuses if 2 * hits[g] >= best_hit]
+            cap = self.config.max_replicas or max(2, len(statuses) // 2)
+            if len(holders) >= cap:  # replication is bounded: stay on the holders
+                candidates = holders
+        scored = {g: self.estimate(n, hits[g], statuses[g]) for g in candidates}
+        gid = min(candidates, key=lambda g: (scored[g], bytes(255 - b for b in rendezvous(key, g))))
+        if best_hit == 0:
+            reason = "new_prefix"
+        elif hits[gid] == best_hit:
+            reason = "prefix_hit"
+        else:
+            reason = "spill"
+        return Placement(gid, reason, hits[gid])
 
-        gid = min(statuses, key=key)
-        cached = _cached(matches, gid)
-        return Placement(gid, "prefix_hit" if cached else "least_loaded", cached)
+
+class Oracle(Policy):
+    """Perfect document affinity, for the routing benchmark: the benchmark names each request's
+    document with `expect(key, tokens)`; a document's first request goes to the group with the
+    fewest document tokens assigned so far, and every later one follows it. Requests without a
+    document go to the least loaded group."""
+
+    name = "oracle"
+
+    def __init__(self) -> None:
+        self._home: dict[str, str] = {}
+        self._assigned: dict[str, int] = {}
+        self._key: tuple[str, int] | None = None
+        self._fallback = LeastLoaded()
+
+    def expect(self, key: str | None, tokens: int = 0) -> None:
+        self._key = None if key is None else (key, tokens)
+
+    def choose(self, block_hashes, statuses, matches) -> Placement:
+        expected, self._key = self._key, None
+        if expected is None:
+            return self._fallback.choose(block_hashes, statuses, matches)
+        key, tokens = expected
+        home = self._home.get(key)
+        if home not in statuses:
+            home = min(statuses, key=lambda g: (self._assigned.get(g, 0), g))
+            self._home[key] = home
+            self._assigned[home] = self._assigned.get(home, 0) + tokens
+        return Placement(home, self.name, _cached(matches, home))
 
 
-def _cached(matches: Mapping[str, GroupMatch], gid: str) -> int:
-    m = matches.get(gid)
-    return 0 if m is None else m.expected_blocks
+POLICIES: dict[str, type[Policy]] = {
+    p.name: p for p in (RoundRobin, LeastLoaded, PrefixHash, PrefixAware, Oracle)
+}
 
 
-POLICIES: dict[str, type[Policy]] = {p.name: p for p in (RoundRobin, LeastLoaded, PrefixAware)}
-
-
-def make_policy(name: str) -> Policy:
+def make_policy(name: str, block_size: int = 16) -> Policy:
+    """A policy by name (see POLICIES) for blocks of `block_size` tokens."""
     if name not in POLICIES:
         raise ValueError(f"policy {name!r} is unknown; choose one of {sorted(POLICIES)}")
-    return POLICIES[name]()
+    policy = POLICIES[name]()
+    policy.block_size = block_size
+    return policy

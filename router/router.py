@@ -9,14 +9,15 @@ before the first token is retried on another group.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from cluster.group import GroupHandle, GroupStatus
-from cluster.prefix_index import PrefixIndex
+from cluster.prefix_index import PrefixIndex, PrefixIndexError
 from router.policy import Placement, Policy, make_policy
 from worker.async_engine import EngineDeadError, GenerationRequest
 from worker.hashing import BlockHasher
@@ -88,9 +89,13 @@ class Router:
         self.model_info = model_info
         self.tokenizer = tokenizer
         self.policy = make_policy(policy) if isinstance(policy, str) else policy
+        self.policy.block_size = model_info.block_size
         self.max_attempts = max_attempts
         self.records: dict[str, RouteRecord] = {}  # recent decisions, for predicted vs actual
         self._ids = itertools.count()
+        # Prompt tokens this router sent to each group that have not produced a first token:
+        # a group's own load report lags by up to a step, and a burst must not all see it idle.
+        self._in_flight: dict[str, int] = {}
 
     # ---- input -------------------------------------------------------------------------
     def tokenize(self, request: RouteRequest) -> list[int]:
@@ -134,17 +139,33 @@ class Router:
 
     # ---- placement ---------------------------------------------------------------------
     def live_statuses(self) -> dict[str, GroupStatus]:
-        return {gid: s for gid, g in self.groups.items() if (s := g.status()).alive}
+        """Live groups' statuses, with the prefill this router just sent them counted."""
+        out = {}
+        for gid, g in self.groups.items():
+            s = g.status()
+            if not s.alive:
+                continue
+            sent = self._in_flight.get(gid, 0)
+            if sent > s.pending_prefill_tokens:
+                s = replace(s, pending_prefill_tokens=sent)
+            out[gid] = s
+        return out
 
     def place(self, block_hashes: Sequence[bytes], exclude: set[str] = frozenset()) -> Placement:
         """Choose a group for a prompt's hash chain (one index round trip)."""
         statuses = {gid: s for gid, s in self.live_statuses().items() if gid not in exclude}
         if not statuses:
             raise NoGroupAvailableError("no live worker group is available")
-        matches = self.index.match(block_hashes) if block_hashes else {}
+        matches = {}
+        try:
+            if block_hashes:
+                matches = self.index.match(block_hashes)
+        except PrefixIndexError as e:  # route on load alone rather than refuse
+            log.warning("prefix index unavailable (%s); placing by load", e)
         placement = self.policy.choose(block_hashes, statuses, matches)
         if block_hashes:
-            self.index.record_pending(placement.group_id, block_hashes)
+            with contextlib.suppress(PrefixIndexError):
+                self.index.record_pending(placement.group_id, block_hashes)
         return placement
 
     # ---- one request -------------------------------------------------------------------
@@ -169,11 +190,14 @@ class Router:
                 ids, request.params, request_id=rid, priority=request.priority,
                 cache_salt=request.cache_salt, block_hashes=hashes,
             )  # fmt: skip
+            sent = len(ids) - record.predicted_cached_tokens
+            self._add_in_flight(placement.group_id, sent)
             started = False
             try:
                 async for out in group.generate(forwarded):
                     if not started:
                         started = True
+                        self._add_in_flight(placement.group_id, -sent)
                         record.actual_cached_tokens = out.num_cached_tokens
                     yield out
                 return
@@ -188,7 +212,12 @@ class Router:
                     e,
                 )
             finally:
+                if not started:
+                    self._add_in_flight(placement.group_id, -sent)
                 self._trim_records()
+
+    def _add_in_flight(self, group_id: str, tokens: int) -> None:
+        self._in_flight[group_id] = max(0, self._in_flight.get(group_id, 0) + tokens)
 
     def abort(self, request_id: str) -> None:
         record = self.records.get(request_id)

@@ -1,0 +1,288 @@
+"""Simulated worker groups: the real scheduler and block manager, a cost model for the forward.
+
+A `SimGroup` runs exactly what a group's engine runs on the CPU side (worker/scheduler.py and
+worker/block_manager.py, with the router's block hashes), publishes the block manager's real KV
+events to a prefix index, and replaces the forward pass by a `CostModel`: seconds per step, per
+prefill token and per decoding sequence, calibrated from the real engine
+(benchmarks/routing.py --calibrate). A `Simulation` advances simulated time from event to event
+(arrivals and step ends), so 64 groups and 100k requests take minutes, not days.
+
+Simulated groups live in simulated time: they have no asyncio stream (`generate` refuses); the
+driver places each arrival itself (e.g. with `Router.place`) and hands it to `SimGroup.submit`.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+from cluster.group import GroupHandle, GroupStatus
+from cluster.index_publisher import IndexPublisher
+from cluster.prefix_index import PrefixIndex
+from worker.block_manager import BlockManager
+from worker.config import SchedulerConfig
+from worker.hashing import BlockHasher
+from worker.request import Request
+from worker.sampling_params import SamplingParams
+from worker.scheduler import Scheduler, SchedulerOutput
+
+_SAMPLED_TOKEN = 0  # what every simulated decode "samples"; no EOS, so max_tokens ends requests
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Seconds of one engine step: step_s + prefill_token_s * prefill tokens
+    + decode_seq_s * decoding sequences (a least-squares fit to measured steps)."""
+
+    step_s: float = 2e-3
+    prefill_token_s: float = 5e-5
+    decode_seq_s: float = 2e-4
+
+    def __post_init__(self) -> None:
+        for name in ("step_s", "prefill_token_s", "decode_seq_s"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+
+    def step_seconds(self, prefill_tokens: int, decode_seqs: int) -> float:
+        return self.step_s + self.prefill_token_s * prefill_tokens + self.decode_seq_s * decode_seqs
+
+    @classmethod
+    def fit(cls, samples: Sequence[tuple[int, int, float]]) -> CostModel:
+        """Least squares over (prefill tokens, decoding sequences, seconds) step samples."""
+        import numpy as np  # only the calibration needs it
+
+        a = np.array([[1.0, p, d] for p, d, _ in samples])
+        y = np.array([s for _, _, s in samples])
+        coef, *_ = np.linalg.lstsq(a, y, rcond=None)
+        return cls(*(max(0.0, float(c)) for c in coef))
+
+
+@dataclass
+class SimRecord:
+    """What happened to one simulated request (simulated seconds)."""
+
+    request_id: str
+    group_id: str
+    arrival_s: float
+    prompt_tokens: int
+    cached_tokens: int = -1  # prompt tokens served from the prefix cache at admission
+    first_token_s: float | None = None
+    finished_s: float | None = None
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_s is None else self.first_token_s - self.arrival_s
+
+
+@dataclass(frozen=True)
+class SimGroupConfig:
+    """The simulated group's pool, scheduler limits and cost model."""
+
+    num_blocks: int
+    block_size: int = 16
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    cost: CostModel = field(default_factory=CostModel)
+
+    def __post_init__(self) -> None:
+        if self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+
+
+class SimGroup(GroupHandle):
+    """One group in simulated time: real scheduling and caching, modelled step durations."""
+
+    def __init__(
+        self,
+        group_id: str,
+        config: SimGroupConfig,
+        hasher: BlockHasher,
+        index: PrefixIndex | None = None,
+    ) -> None:
+        if hasher.block_size != config.block_size:
+            raise ValueError("the hasher's block size differs from config.block_size")
+        self.group_id = group_id
+        self.config = config
+        self.hasher = hasher
+        self.publisher: IndexPublisher | None = None
+        bm = BlockManager(config.num_blocks, config.block_size, hasher, self._on_event)
+        self.scheduler = Scheduler(config.scheduler, bm)
+        if index is not None:
+            self.publisher = IndexPublisher(index, group_id, bm.cached_hashes)
+        self.records: dict[str, SimRecord] = {}
+        self.busy_until: float | None = None  # end of the step in flight; None when idle
+        self._step: SchedulerOutput | None = None
+        self._dirty = False  # KV events queued since the last flush
+        self.prefill_tokens = 0  # prompt tokens computed (not served from the cache)
+        self.alive = True
+
+    # ---- the driver's side -------------------------------------------------------------
+    def submit(
+        self, request_id: str, prompt: Sequence[int], max_tokens: int, now: float,
+        block_hashes: Sequence[bytes] = (), cache_salt: str | None = None,
+    ) -> None:  # fmt: skip
+        """Queue a request that arrived at simulated time `now`."""
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+        req = Request(
+            request_id, prompt, params, max_tokens=max_tokens, arrival_time=now,
+            hash_root=self.hasher.root(None, cache_salt), block_hashes=block_hashes,
+        )  # fmt: skip
+        self.scheduler.add_request(req)
+        self.records[request_id] = SimRecord(request_id, self.group_id, now, len(prompt))
+
+    def start_step(self, now: float) -> float | None:
+        """Schedule the next step at `now`; returns when it ends, or None with nothing to run."""
+        if self.busy_until is not None or not self.scheduler.has_unfinished():
+            return None
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return None
+        decodes = sum(1 for s in out.scheduled if s.num_tokens == 1 and not s.is_new)
+        prefill = out.num_batched_tokens - decodes
+        self.prefill_tokens += prefill
+        for s in out.scheduled:
+            rec = self.records[s.request.request_id]
+            if rec.cached_tokens < 0 and s.request.num_cached_tokens >= 0:
+                rec.cached_tokens = s.request.num_cached_tokens
+        self._step = out
+        self.busy_until = now + self.config.cost.step_seconds(prefill, decodes)
+        return self.busy_until
+
+    def end_step(self) -> list[SimRecord]:
+        """Finish the step in flight at `busy_until`; returns the requests that finished."""
+        now, out = self.busy_until, self._step
+        assert now is not None and out is not None, "no step in flight"
+        sampled = {s.request.request_id: _SAMPLED_TOKEN for s in out.scheduled if s.samples}
+        for rid in sampled:
+            rec = self.records[rid]
+            rec.first_token_s = rec.first_token_s if rec.first_token_s is not None else now
+        finished = self.scheduler.update_from_output(out, sampled)
+        done = []
+        for req in finished:
+            rec = self.records.pop(req.request_id)
+            rec.finished_s = now
+            done.append(rec)
+        self.busy_until, self._step = None, None
+        return done
+
+    def flush(self) -> None:
+        """Publish queued KV events (the driver calls this before each placement)."""
+        if self._dirty and self.publisher is not None:
+            self.publisher.flush()
+        self._dirty = False
+
+    def tick(self) -> None:
+        """Wall-clock liveness: heartbeat (and load report) when due."""
+        if self.publisher is not None:
+            self.publisher.tick(self.status().load())
+
+    def _on_event(self, event) -> None:
+        if self.publisher is not None:
+            self.publisher.sink(event)
+            self._dirty = True
+
+    # ---- GroupHandle -------------------------------------------------------------------
+    def generate(self, request):
+        raise TypeError("a simulated group runs in simulated time; drive it with Simulation")
+
+    def abort(self, request_id: str) -> None:
+        self.scheduler.abort([request_id])
+        self.records.pop(request_id, None)
+
+    def status(self) -> GroupStatus:
+        bm, sched = self.scheduler.bm, self.scheduler
+        return GroupStatus(
+            group_id=self.group_id, alive=self.alive, tensor_parallel_size=1, devices=("sim",),
+            blocks_total=bm.num_blocks, blocks_free=bm.num_free_blocks,
+            blocks_cached=bm.num_cached_blocks, running=sched.num_running,
+            waiting=sched.num_waiting, pending_prefill_tokens=sched.pending_prefill_tokens(),
+            prefix_cache_queries=bm.prefix_queries, prefix_cache_hits=bm.prefix_hits,
+            preemptions=sched.num_preemptions,
+        )  # fmt: skip
+
+    def shutdown(self) -> None:
+        self.alive = False
+        if self.publisher is not None:
+            self.publisher.close()
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """One request of a trace, as the simulation replays it."""
+
+    request_id: str
+    arrival_s: float
+    prompt: Sequence[int]
+    max_tokens: int
+    cache_salt: str | None = None
+    key: str | None = None  # e.g. the document, for a benchmark-only oracle
+    block_hashes: Sequence[bytes] | None = None  # precomputed chain; None: hashed on arrival
+
+
+# place(arrival, block_hashes) -> the group that takes it
+PlaceFn = Callable[[Arrival, list[bytes]], SimGroup]
+
+
+class Simulation:
+    """Discrete-event replay of arrivals over simulated groups.
+
+    Before each placement every group's queued KV events are published, so the index is exact
+    as of the arrival (publishing costs no simulated time). Liveness runs on the wall clock:
+    every `tick_every_s` of wall time each group heartbeats.
+    """
+
+    def __init__(self, groups: Sequence[SimGroup], hasher: BlockHasher, tick_every_s: float = 0.25):
+        self.groups = list(groups)
+        self.hasher = hasher
+        self.tick_every_s = tick_every_s
+        self.finished: list[SimRecord] = []
+        self._heap: list[tuple[float, int, object]] = []
+        self._seq = itertools.count()
+
+    def run(self, arrivals: Iterable[Arrival], place: PlaceFn) -> list[SimRecord]:
+        """Replay `arrivals` (in arrival order; read lazily) to the end; returns every finished
+        record."""
+        pending = iter(arrivals)
+        self._push_next(pending)
+        last_tick = time.monotonic()
+        while self._heap:
+            now, _, item = heapq.heappop(self._heap)
+            if isinstance(item, Arrival):
+                self._arrive(now, item, place)
+                self._push_next(pending)
+            else:
+                self.finished += item.end_step()
+                self._start(item, now)
+            if time.monotonic() - last_tick > self.tick_every_s:
+                for g in self.groups:
+                    g.tick()
+                last_tick = time.monotonic()
+        return self.finished
+
+    def _push_next(self, pending: Iterator[Arrival]) -> None:
+        a = next(pending, None)
+        if a is not None:
+            self._push(a.arrival_s, a)
+
+    def _arrive(self, now: float, a: Arrival, place: PlaceFn) -> None:
+        for g in self.groups:
+            g.flush()
+        hashes = a.block_hashes
+        if hashes is None:
+            hashes = self.hasher.hash_prompt(a.prompt, cache_salt=a.cache_salt)
+        hashes = list(hashes)
+        group = place(a, hashes)
+        group.submit(a.request_id, a.prompt, a.max_tokens, now, hashes, a.cache_salt)
+        self._start(group, now)
+
+    def _start(self, group: SimGroup, now: float) -> None:
+        end = group.start_step(now)
+        if end is not None:
+            self._push(end, group)
+
+    def _push(self, t: float, item: object) -> None:
+        heapq.heappush(self._heap, (t, next(self._seq), item))

@@ -1,0 +1,88 @@
+"""Placement policies on real block hashes, index answers and group statuses."""
+
+from __future__ import annotations
+
+import pytest
+
+from cluster.group import GroupStatus
+from cluster.prefix_index import GroupMatch
+from router.policy import PrefixAware, PrefixAwareConfig, make_policy
+from worker.hashing import BlockHasher, ModelFingerprint
+
+HASHER = BlockHasher(b"policy-secret", ModelFingerprint("m", block_size=16))
+
+
+def chain(n_blocks: int, first: int = 0) -> list[bytes]:
+    return HASHER.hash_prompt(list(range(first, first + 16 * n_blocks)))
+
+
+def status(gid: str, queued: int = 0, running: int = 0, free: int = 1000, cached: int = 0):
+    return GroupStatus(
+        gid, True, 1, ("cpu",), blocks_total=1000, blocks_free=free, blocks_cached=cached,
+        running=running, waiting=0, pending_prefill_tokens=queued,
+    )  # fmt: skip
+
+
+def match(gid: str, blocks: int = 0, pending: int = 0) -> GroupMatch:
+    return GroupMatch(gid, 1, blocks, pending, None)
+
+
+def test_prefers_the_holder_and_counts_pending_blocks():
+    policy = make_policy("prefix_aware")
+    c = chain(100)
+    statuses = {g: status(g) for g in ("a", "b", "c")}
+    p = policy.choose(c, statuses, {"a": match("a"), "b": match("b", 80), "c": match("c")})
+    assert (p.group_id, p.reason, p.cached_blocks) == ("b", "prefix_hit", 80)
+    p = policy.choose(c, statuses, {"a": match("a"), "b": match("b"), "c": match("c", 0, 100)})
+    assert p.group_id == "c"  # a placement just made elsewhere counts
+
+
+def test_spills_when_the_holders_queue_costs_more_than_a_prefill_elsewhere():
+    policy = make_policy("prefix_aware")
+    c = chain(100)  # 1600 tokens
+    matches = {"a": match("a", 100), "b": match("b")}
+    light = {"a": status("a", queued=500), "b": status("b")}
+    assert policy.choose(c, light, matches).group_id == "a"
+    heavy = {"a": status("a", queued=20_000, running=50), "b": status("b")}
+    p = policy.choose(c, heavy, matches)
+    assert (p.group_id, p.reason) == ("b", "spill")
+
+
+def test_replication_is_bounded_by_max_replicas():
+    policy = PrefixAware(PrefixAwareConfig(max_replicas=2))
+    c = chain(100)
+    statuses = {g: status(g, queued=50_000 if g in "ab" else 0) for g in "abcd"}
+    matches = {g: match(g, 100 if g in "ab" else 0) for g in "abcd"}
+    assert policy.choose(c, statuses, matches).group_id in ("a", "b")  # two holders: cap hit
+    matches["b"] = match("b")
+    assert policy.choose(c, statuses, matches).group_id in ("c", "d")  # one holder: spill
+
+
+def test_new_prefixes_spread_and_a_full_cache_is_avoided():
+    policy = make_policy("prefix_aware")
+    statuses = {g: status(g) for g in "abcd"}
+    chosen = {policy.choose(chain(20, first=7 * i), statuses, {}).group_id for i in range(40)}
+    assert chosen == set("abcd")
+    full = {g: status(g, free=1000, cached=1000 if g != "c" else 0) for g in "abcd"}
+    assert policy.choose(chain(50), full, {}).group_id == "c"  # no eviction there
+
+
+def test_prefix_hash_is_consistent_and_follows_the_first_block():
+    policy = make_policy("prefix_hash")
+    statuses = {g: status(g) for g in "abcdef"}
+    c = chain(10)
+    first = policy.choose(c, statuses, {}).group_id
+    assert all(policy.choose(c[:k], statuses, {}).group_id == first for k in range(1, 10))
+    # Removing another group never moves the prefix (rendezvous hashing).
+    other = next(g for g in statuses if g != first)
+    fewer = {g: s for g, s in statuses.items() if g != other}
+    assert make_policy("prefix_hash").choose(c, fewer, {}).group_id == first
+    spread = {policy.choose(chain(4, first=i * 64), statuses, {}).group_id for i in range(60)}
+    assert len(spread) == 6
+
+
+def test_unknown_policy_names_the_choices():
+    with pytest.raises(ValueError, match="prefix_aware"):
+        make_policy("nope")
+    with pytest.raises(ValueError, match="max_replicas"):
+        PrefixAwareConfig(max_replicas=0)

@@ -1,0 +1,133 @@
+"""The router end to end over LocalGroups running the built-in model, with real Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+
+import pytest
+
+from cluster.group import LocalGroup
+from cluster.prefix_index import InMemoryPrefixIndex
+from cluster.redis_index import RedisPrefixIndex
+from pagefleet.llm import engine_config
+from router.index_fallback import FailoverPrefixIndex
+from router.router import ModelInfo, Router, RouteRequest
+from tests.redis_server import RedisServer
+from worker.sampling_params import SamplingParams
+
+SECRET = "router-test-secret"
+DOC = [(7 * i) % 1000 for i in range(160)]  # 10 blocks of 16
+
+
+def info() -> ModelInfo:
+    return ModelInfo("builtin", 4096, 16, "auto", 1024)
+
+
+def ask(router: Router, question: int, salt: str | None = None, rid: str | None = None):
+    req = RouteRequest(
+        prompt_token_ids=DOC + [question] * 5, cache_salt=salt, request_id=rid,
+        params=SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True),
+    )  # fmt: skip
+
+    async def run():
+        return [out async for out in router.generate(req)][-1]
+
+    out = asyncio.run(run())
+    return out, router.records[out.request_id]
+
+
+@pytest.fixture(scope="module")
+def groups():
+    index = InMemoryPrefixIndex()
+    config = engine_config(None, num_blocks=64, max_model_len=512, cluster_secret=SECRET)
+    made = [LocalGroup(config, index, group_id=f"g{i}") for i in range(2)]
+    yield index, made
+    for g in made:
+        g.shutdown()
+
+
+def wait_published(index, hashes, timeout_s=5.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if any(m.blocks for m in index.match(hashes).values()):
+            return
+        time.sleep(0.02)
+
+
+def test_repeat_questions_go_to_the_holder_and_the_prediction_holds(groups):
+    index, made = groups
+    router = Router(made, index, made[0].hasher, info(), policy="prefix_aware")
+    first, rec0 = ask(router, 901)
+    assert rec0.actual_cached_tokens == first.num_cached_tokens
+    wait_published(index, router.hasher.hash_prompt(DOC))
+    for q in (902, 903):
+        out, rec = ask(router, q)
+        assert rec.group_id == rec0.group_id
+        assert rec.predicted_cached_tokens == rec.actual_cached_tokens == out.num_cached_tokens
+        assert out.num_cached_tokens == len(DOC)
+
+
+def test_tenants_never_see_each_others_blocks(groups):
+    index, made = groups
+    router = Router(made, index, made[0].hasher, info())
+    ask(router, 950, salt="tenant-a")
+    wait_published(index, router.hasher.hash_prompt(DOC, cache_salt="tenant-a"))
+    out, rec = ask(router, 950, salt="tenant-b")
+    assert out.num_cached_tokens == 0 and rec.predicted_cached_tokens == 0
+    out, rec = ask(router, 950, salt="tenant-a")
+    assert out.num_cached_tokens > 0
+
+
+def test_a_group_failing_before_the_first_token_is_retried_elsewhere(caplog):
+    index = InMemoryPrefixIndex()
+    config = engine_config(None, num_blocks=64, max_model_len=512, cluster_secret=SECRET)
+    made = [LocalGroup(config, index, group_id=f"f{i}") for i in range(2)]
+    try:
+        router = Router(made, index, made[0].hasher, info(), policy="round_robin")
+        def lost_device(out):
+            raise RuntimeError("device lost")
+
+        made[0].engine.engine.executor.execute = lost_device  # its next step dies
+        with caplog.at_level(logging.WARNING):
+            out, rec = ask(router, 960)
+        assert rec.group_id == "f1" and out.finished
+        assert "retrying elsewhere" in caplog.text
+    finally:
+        for g in made:
+            g.shutdown()
+
+
+def test_two_routers_over_one_redis_decide_alike_and_redis_failover_converges(caplog):
+    with RedisServer() as server:
+        ns = f"r{uuid.uuid4().hex[:6]}"
+        shared = FailoverPrefixIndex(RedisPrefixIndex.from_url(server.url, ns, "m"), retry_s=0.2)
+        config = engine_config(None, num_blocks=64, max_model_len=512, cluster_secret=SECRET)
+        made = [LocalGroup(config, shared, group_id=f"h{i}") for i in range(2)]
+        try:
+            a = Router(made, shared, made[0].hasher, info())
+            b_index = RedisPrefixIndex.from_url(server.url, ns, "m")
+            b = Router(made, b_index, made[0].hasher, info())
+            _, rec = ask(a, 970)
+            hashes = a.hasher.hash_prompt(DOC + [971] * 5)
+            wait_published(b_index, hashes)
+            assert a.place(hashes).group_id == b.place(hashes).group_id == rec.group_id
+
+            server.stop()  # Redis goes down mid-run: serving continues on the local index
+            with caplog.at_level(logging.WARNING):
+                out, rec2 = ask(a, 972)
+            assert out.finished and rec2.group_id == rec.group_id
+            assert out.num_cached_tokens == len(DOC)
+            assert "unavailable" in caplog.text and not shared.shared_up
+
+            server.start()  # back, empty: the failover index republishes and converges
+            time.sleep(0.3)
+            ask(a, 973)
+            assert shared.shared_up
+            m = b_index.match(a.hasher.hash_prompt(DOC))
+            assert m[rec.group_id].blocks == len(DOC) // 16
+        finally:
+            for g in made:
+                g.shutdown()
