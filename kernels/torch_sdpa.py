@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-# Padded K/V of a decode batch is gathered in slices of at most this many elements, so that a
+# Padded K/V of a decode batch is gathered in groups of at most this many elements, so that a
 # batch of long contexts does not double the memory of the pool it reads.
 _DECODE_GATHER_ELEMS = 1 << 24
 
@@ -66,27 +66,45 @@ def _prefill(query, key_cache, value_cache, table, q_start, q_len, seq_len, scal
 
 
 def _decode(query, key_cache, value_cache, block_tables, starts, lens, seqs, scale, out) -> None:
+    for part in _length_buckets(seqs, lens, key_cache.shape[2] * key_cache.shape[3]):
+        _decode_bucket(query, key_cache, value_cache, block_tables, starts, lens, part, scale, out)
+
+
+def _length_buckets(seqs: list[int], lens: list[int], elems_per_token: int) -> list[list[int]]:
+    """Decodes grouped by context length, so that padding each group to its longest member
+    wastes at most ~30% of what it gathers, and each group stays under the gather budget."""
+    order = sorted(seqs, key=lambda s: lens[s])
+    buckets: list[list[int]] = []
+    for s in order:
+        cur = buckets[-1] if buckets else None
+        if cur is not None:
+            shortest, fits = lens[cur[0]], (len(cur) + 1) * lens[s] * elems_per_token
+            if lens[s] <= 1.3 * shortest + 16 and fits <= _DECODE_GATHER_ELEMS:
+                cur.append(s)
+                continue
+        buckets.append([s])
+    return buckets
+
+
+def _decode_bucket(
+    query, key_cache, value_cache, block_tables, starts, lens, part, scale, out
+) -> None:
     _, block_size, kvh, d = key_cache.shape
     heads = query.shape[1]
     group = heads // kvh
-    # Slices of sequences whose padded K/V stays under the gather budget.
-    max_len = max(lens[s] for s in seqs)
-    per_slice = max(1, _DECODE_GATHER_ELEMS // (max_len * kvh * d))
-    for i in range(0, len(seqs), per_slice):
-        part = seqs[i : i + per_slice]
-        part_lens = torch.tensor([lens[s] for s in part], device=query.device)
-        longest = int(part_lens.max())
-        nb = (longest + block_size - 1) // block_size
-        tables = block_tables[part, :nb].long()  # (S, nb)
-        k = key_cache[tables].reshape(len(part), nb * block_size, kvh, d)  # (S, L, kvh, d)
-        v = value_cache[tables].reshape(len(part), nb * block_size, kvh, d)
-        rows = torch.tensor([starts[s] for s in part], device=query.device)
-        q = query[rows].view(len(part), kvh, group, d).float()  # (S, kvh, g, d)
-        scores = torch.einsum("skgd,slkd->skgl", q, k.float()) * scale  # (S, kvh, g, L)
-        pad = (
-            torch.arange(nb * block_size, device=query.device)[None, :] >= part_lens[:, None]
-        )  # (S, L)
-        scores.masked_fill_(pad[:, None, None, :], float("-inf"))
-        probs = scores.softmax(dim=-1)
-        o = torch.einsum("skgl,slkd->skgd", probs, v.float())  # (S, kvh, g, d)
-        out[rows] = o.reshape(len(part), heads, d).to(out.dtype)
+    part_lens = torch.tensor([lens[s] for s in part], device=query.device)
+    longest = int(part_lens.max())
+    nb = (longest + block_size - 1) // block_size
+    tables = block_tables[part, :nb].long()  # (S, nb)
+    k = key_cache[tables].reshape(len(part), nb * block_size, kvh, d)  # (S, L, kvh, d)
+    v = value_cache[tables].reshape(len(part), nb * block_size, kvh, d)
+    rows = torch.tensor([starts[s] for s in part], device=query.device)
+    q = query[rows].view(len(part), kvh, group, d).float()  # (S, kvh, g, d)
+    scores = torch.einsum("skgd,slkd->skgl", q, k.float()) * scale  # (S, kvh, g, L)
+    pad = (
+        torch.arange(nb * block_size, device=query.device)[None, :] >= part_lens[:, None]
+    )  # (S, L)
+    scores.masked_fill_(pad[:, None, None, :], float("-inf"))
+    probs = scores.softmax(dim=-1)
+    o = torch.einsum("skgl,slkd->skgd", probs, v.float())  # (S, kvh, g, d)
+    out[rows] = o.reshape(len(part), heads, d).to(out.dtype)

@@ -8,15 +8,18 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "RequestOutput"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "Client", "AsyncClient"]
 
 _LAZY = {
     "LLM": ("pagefleet.llm", "LLM"),
     "SamplingParams": ("worker.sampling_params", "SamplingParams"),
     "RequestOutput": ("worker.outputs", "RequestOutput"),
+    "Client": ("pagefleet.client", "Client"),
+    "AsyncClient": ("pagefleet.client", "AsyncClient"),
 }
 
 if TYPE_CHECKING:
+    from pagefleet.client import AsyncClient, Client
     from pagefleet.llm import LLM
     from worker.outputs import RequestOutput
     from worker.sampling_params import SamplingParams

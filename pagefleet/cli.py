@@ -9,9 +9,10 @@ reported argparse style (``pagefleet NAME: error: ...``) with exit code 2, never
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 
 from cluster.planner import KVShape, Plan, format_bytes, parse_size, plan
 
@@ -140,6 +141,164 @@ def _b(n: int) -> str:
     return format_bytes(n) if n < 1024 else f"{format_bytes(n)} ({n:,} B)"
 
 
+# ---- serve --------------------------------------------------------------------------------
+
+_ENGINE_FLAGS = ("num_blocks", "block_size", "max_model_len", "max_num_seqs", "max_waiting")
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of `pagefleet serve`; a YAML --config takes the same keys (engine options under
+    `engine:`), and flags given on the command line override it."""
+    parser.add_argument("--config", metavar="YAML", help="serve options as a YAML mapping")
+    parser.add_argument("--model", metavar="DIR", help="Hugging Face model dir (default: built-in)")
+    parser.add_argument("--tp", type=_positive_int, help="devices per group (default 1)")
+    parser.add_argument("--groups", type=_positive_int, help="worker groups (default 1)")
+    parser.add_argument("--redis", metavar="URL", help="shared prefix index (default: in-process)")
+    parser.add_argument("--address", help="Ray cluster address, e.g. auto (default: no Ray)")
+    parser.add_argument("--host", help="gRPC bind address (default 127.0.0.1)")
+    parser.add_argument("--port", type=_non_negative_int, help="gRPC port (default 50151)")
+    parser.add_argument("--metrics-host", help="metrics bind address (default 127.0.0.1)")
+    parser.add_argument("--metrics-port", type=_non_negative_int, help="Prometheus /metrics port (default 9151)")  # fmt: skip
+    parser.add_argument("--no-metrics", action="store_true", help="serve no metrics endpoint")
+    parser.add_argument("--device", help="cpu (default) or cuda")
+    parser.add_argument("--policy", help="placement: prefix_aware (default), least_loaded, round_robin")  # fmt: skip
+    parser.add_argument("--grace", type=float, dest="grace_s", help="SIGTERM drain seconds (default 30)")  # fmt: skip
+    engine = parser.add_argument_group("engine of each group")
+    for name in _ENGINE_FLAGS:
+        engine.add_argument(f"--{name.replace('_', '-')}", type=_positive_int)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Serve until SIGTERM or Ctrl-C."""
+    import asyncio
+    import logging
+
+    from router.serve import load_config, serve
+
+    keys = ("model", "tp", "groups", "redis", "address", "host", "port", "metrics_host",
+            "metrics_port", "device", "policy", "grace_s")  # fmt: skip
+    overrides = {k: getattr(args, k) for k in keys}
+    config = load_config(args.config, overrides)
+    engine = {k: getattr(args, k) for k in _ENGINE_FLAGS if getattr(args, k) is not None}
+    config = replace(config, engine={**config.engine, **engine})
+    if args.no_metrics:
+        config = replace(config, metrics_port=None)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    return asyncio.run(serve(config, _engine_config))
+
+
+def _engine_config(model, **options):
+    from pagefleet.llm import engine_config  # torch: imported on the loading thread
+
+    return engine_config(model, **options)
+
+
+# ---- generate and demo (clients of a running server) -------------------------------------
+
+
+def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of `pagefleet generate`."""
+    parser.add_argument("prompt", nargs="?", help="prompt text (or a user message with --chat)")
+    parser.add_argument("--tokens", type=_token_ids, help="prompt as token ids: 1,2,3")
+    parser.add_argument("--chat", action="store_true", help="send the prompt as a chat message")
+    parser.add_argument("--system", help="system message (with --chat)")
+    _add_client_arguments(parser)
+    parser.add_argument("--max-tokens", type=_positive_int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float)
+    parser.add_argument("--seed", type=int)
+    parser.add_argument("--stop", action="append", help="stop string (repeatable)")
+    parser.add_argument("--tenant", help="prefix-cache tenant")
+    parser.add_argument("--json", action="store_true", help="print the result as one JSON object")
+
+
+def _add_client_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--server", default="127.0.0.1:50151", help="HOST:PORT of the server")
+    parser.add_argument("--timeout", type=float, default=120.0, help="seconds per request")
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    """Stream one generation to stdout; usage to stderr (or all of it as --json)."""
+    import grpc
+
+    from router.client import Client, Completion, _add
+
+    prompt = {"token_ids": args.tokens} if args.tokens else _prompt(args)
+    options = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                   seed=args.seed, stop=args.stop, tenant=args.tenant)  # fmt: skip
+    done = Completion(request_id="", text="", token_ids=[], finish_reason=None)
+    with Client(args.server, timeout=args.timeout) as client:
+        try:
+            for chunk in client.generate_stream(**prompt, **options):
+                _add(done, chunk)
+                if not args.json:
+                    print(chunk.text, end="", flush=True)
+        except grpc.RpcError as e:
+            print(f"pagefleet generate: error: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+    if args.json:
+        print(json.dumps({k: v for k, v in asdict(done).items() if k != "logprobs"}))
+    else:
+        print()
+        print(f"[{done.finish_reason}: {done.prompt_tokens} prompt tokens ({done.cached_tokens} "
+              f"cached), {done.completion_tokens} generated, TTFT {done.ttft_seconds * 1e3:.1f} ms, "
+              f"{done.group_id}]", file=sys.stderr)  # fmt: skip
+    return 0
+
+
+def _prompt(args: argparse.Namespace) -> dict:
+    if args.prompt is None:
+        raise ValueError("give a prompt, or --tokens")
+    if not args.chat:
+        return {"prompt": args.prompt}
+    messages = [("system", args.system)] if args.system else []
+    return {"messages": [*messages, ("user", args.prompt)]}
+
+
+DEMO_DOCUMENT = (
+    "The old mill stood by the river for two hundred years. It ground wheat for the town "
+    "until the river moved north after the great flood, and the mill wheel stopped. The "
+    "stone bridge was built by the miller's family so that carts could reach the market, "
+    "and the library now keeps the miller's books, maps and letters in its reading room."
+)
+DEMO_QUESTIONS = (
+    "Who built the stone bridge?",
+    "Why did the mill wheel stop?",
+    "Where are the miller's letters kept?",
+    "What did the mill grind?",
+)
+
+
+def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of `pagefleet demo`."""
+    _add_client_arguments(parser)
+    parser.add_argument("--max-tokens", type=_positive_int, default=24)
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    """A research assistant: one document, several questions. The document's KV blocks are
+    computed for the first question and served from the prefix cache for every later one."""
+    import grpc
+
+    from router.client import Client
+
+    with Client(args.server, timeout=args.timeout) as client:
+        try:
+            client.wait_ready(timeout=args.timeout)
+            print(f"document: {len(client.tokenize(DEMO_DOCUMENT))} tokens\n")
+            for question in DEMO_QUESTIONS:
+                prompt = f"{DEMO_DOCUMENT}\n\nQuestion: {question}\nAnswer:"
+                done = client.generate(prompt, max_tokens=args.max_tokens, temperature=0.0)
+                print(f"Q: {question}\nA: {done.text.strip()!r}")
+                print(f"   {done.prompt_tokens} prompt tokens, {done.cached_tokens} from the cache, "
+                      f"TTFT {done.ttft_seconds * 1e3:.1f} ms on {done.group_id}\n")  # fmt: skip
+        except (grpc.RpcError, TimeoutError) as e:
+            details = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.RpcError) else e
+            print(f"pagefleet demo: error: {details} (is `pagefleet serve` running?)", file=sys.stderr)  # fmt: skip
+            return 1
+    return 0
+
+
 # ---- argument types (argparse turns their errors into exit code 2) -----------------------
 
 
@@ -167,6 +326,15 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
+def _token_ids(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated token ids, got {text!r}"
+        ) from None
+
+
 def _int_list(text: str) -> tuple[int, ...]:
     parts = [part for part in text.split(",") if part.strip()]
     if not parts:
@@ -178,6 +346,24 @@ def _int_list(text: str) -> tuple[int, ...]:
 
 COMMANDS: list[Command] = [
     Command("plan", "KV-cache capacity plan (seed 000)", add_plan_arguments, run_plan),
+    Command(
+        "serve",
+        "serve the gRPC API (default: built-in model, one CPU group, port 50151)",
+        add_serve_arguments,
+        run_serve,
+    ),
+    Command(
+        "generate",
+        "stream one generation from a running server",
+        add_generate_arguments,
+        run_generate,
+    ),
+    Command(
+        "demo",
+        "research-assistant demo against a running server: cached tokens grow",
+        add_demo_arguments,
+        run_demo,
+    ),
 ]
 
 

@@ -13,7 +13,7 @@ import contextlib
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from cluster.group import GroupHandle, GroupStatus
@@ -133,7 +133,7 @@ class Router:
         ids = self.tokenizer.apply_chat_template(
             list(messages), add_generation_prompt=True, tokenize=True
         )
-        if isinstance(ids, dict):  # BatchEncoding in newer transformers
+        if isinstance(ids, Mapping):  # a BatchEncoding in newer transformers
             ids = ids["input_ids"]
         return list(ids)
 

@@ -1,0 +1,1 @@
+"""Protocol buffers of the `pagefleet` API, by version."""

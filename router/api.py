@@ -1,0 +1,215 @@
+"""Messages of the gRPC API to and from the router's types, with the checks of the front door.
+
+Every rejection names the field as a client wrote it (`sampling.top_p`, `token_ids[3]`,
+`messages[1].role`), with the status a client can act on: INVALID_ARGUMENT for a bad value,
+OUT_OF_RANGE for a prompt (or prompt + max_tokens) beyond the model's context.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING
+
+import grpc
+
+from protos.pagefleet.v1 import pagefleet_pb2 as pb
+
+if TYPE_CHECKING:
+    from cluster.group import GroupStatus
+    from router.router import ModelInfo, Router, RouteRecord, RouteRequest
+    from worker.outputs import RequestOutput
+
+_REQUEST_ID = re.compile(r"[A-Za-z0-9_.:\-]{1,128}")
+_TENANT = re.compile(r"[A-Za-z0-9_.\-]{1,128}")
+MAX_CACHE_SALT_CHARS = 256
+_SAMPLING_FIELDS = tuple(pb.SamplingParams.DESCRIPTOR.fields_by_name)
+_FINISH = {
+    "stop": pb.FINISH_REASON_STOP,
+    "length": pb.FINISH_REASON_LENGTH,
+    "abort": pb.FINISH_REASON_ABORT,
+}
+
+
+class Reject(Exception):
+    """A request refused at the door: a status code and a message naming the field."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def _invalid(message: str) -> Reject:
+    return Reject(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+def route_request(
+    request: pb.GenerateRequest, router: Router, default_id: str
+) -> tuple[RouteRequest, int]:
+    """A checked `RouteRequest` (prompt as token ids) and the requested output kind."""
+    from router.router import RouteRequest
+
+    if request.request_id and not _REQUEST_ID.fullmatch(request.request_id):
+        raise _invalid(f"request_id must match {_REQUEST_ID.pattern}, got {request.request_id!r}")
+    if request.output_kind not in pb.OutputKind.values():
+        raise _invalid(f"output_kind {request.output_kind} is not a known OutputKind value")
+    params = sampling_params(request.sampling)
+    ids = prompt_token_ids(request, router)
+    check_context(len(ids), params.max_tokens, router.model_info.max_model_len)
+    route = RouteRequest(
+        prompt_token_ids=ids, params=params, request_id=request.request_id or default_id,
+        priority=request.priority, cache_salt=cache_salt(request),
+    )  # fmt: skip
+    return route, request.output_kind
+
+
+def sampling_params(msg: pb.SamplingParams):
+    """`SamplingParams` from the fields the client set; its ValueError names the field."""
+    from worker.sampling_params import SamplingParams
+
+    values = {}
+    for name in _SAMPLING_FIELDS:
+        field = msg.DESCRIPTOR.fields_by_name[name]
+        if field.has_presence and not msg.HasField(name):
+            continue
+        value = getattr(msg, name)
+        values[name] = tuple(value) if field.is_repeated else value
+    try:
+        return SamplingParams(**values)
+    except ValueError as e:
+        raise _invalid(str(e).replace("SamplingParams.", "sampling.")) from None
+
+
+def prompt_token_ids(request: pb.GenerateRequest, router: Router) -> list[int]:
+    """The prompt as token ids: exactly one of text, token_ids or messages."""
+    from router.router import RouteRequest
+
+    given = [
+        name
+        for name, present in (
+            ("text", request.HasField("text")),
+            ("token_ids", len(request.token_ids) > 0),
+            ("messages", len(request.messages) > 0),
+        )
+        if present
+    ]
+    if len(given) != 1:
+        got = " and ".join(given) or "none"
+        raise _invalid(f"give exactly one of text, token_ids or messages (got {got})")
+    if request.HasField("text") and not request.text:
+        raise _invalid("text is empty")
+    vocab = router.model_info.vocab_size
+    for i, t in enumerate(request.token_ids):
+        if not 0 <= t < vocab:
+            raise _invalid(f"token_ids[{i}] = {t} is outside the vocabulary [0, {vocab})")
+    messages = [chat_message(i, m) for i, m in enumerate(request.messages)] or None
+    text = request.text if request.HasField("text") else None
+    try:
+        return router.tokenize(
+            RouteRequest(prompt=text, prompt_token_ids=list(request.token_ids) or None, messages=messages)
+        )  # fmt: skip
+    except ValueError as e:
+        raise _invalid(str(e)) from None
+
+
+def chat_message(i: int, m: pb.ChatMessage) -> dict:
+    if not m.role.strip():
+        raise _invalid(f"messages[{i}].role must not be empty")
+    return {"role": m.role, "content": m.content}
+
+
+def check_context(num_prompt: int, max_tokens: int | None, max_model_len: int) -> None:
+    """OUT_OF_RANGE unless the prompt, plus max_tokens when given, fits the context."""
+    if num_prompt >= max_model_len:
+        raise Reject(
+            grpc.StatusCode.OUT_OF_RANGE,
+            f"prompt is {num_prompt} tokens; the model's context is {max_model_len} tokens "
+            "(prompt + sampling.max_tokens must fit)",
+        )
+    if max_tokens is not None and num_prompt + max_tokens > max_model_len:
+        raise Reject(
+            grpc.StatusCode.OUT_OF_RANGE,
+            f"sampling.max_tokens ({max_tokens}) plus the prompt ({num_prompt} tokens) is "
+            f"over the model's context of {max_model_len} tokens; lower sampling.max_tokens "
+            f"to at most {max_model_len - num_prompt}",
+        )
+
+
+def cache_salt(request: pb.GenerateRequest) -> str | None:
+    """The request's cache salt: its cache_salt, or one derived from its tenant."""
+    salt, tenant = request.cache_salt, request.tenant
+    if salt and tenant:
+        raise _invalid("give cache_salt or tenant, not both")
+    if tenant:
+        if not _TENANT.fullmatch(tenant):
+            raise _invalid(f"tenant must match {_TENANT.pattern}, got {tenant!r}")
+        return f"tenant:{tenant}"
+    if salt and (len(salt) > MAX_CACHE_SALT_CHARS or not salt.isprintable()):
+        raise _invalid(
+            f"cache_salt must be 1-{MAX_CACHE_SALT_CHARS} printable characters, "
+            f"got {len(salt)} characters"
+        )
+    return salt or None
+
+
+# ---- responses ---------------------------------------------------------------------------
+
+
+def response_message(
+    out: RequestOutput, kind: int, record: RouteRecord | None, e2e_seconds: float
+) -> pb.GenerateResponse:
+    """One stream message: this step's delta (or, FINAL_ONLY, the whole output)."""
+    final_only = kind == pb.OUTPUT_KIND_FINAL_ONLY
+    ids = out.token_ids if final_only else out.new_token_ids
+    msg = pb.GenerateResponse(
+        request_id=out.request_id,
+        token_ids=ids,
+        text=out.text if final_only else out.new_text,
+        finished=out.finished,
+    )
+    if out.logprobs is not None:
+        msg.logprobs.extend(_logprob(lp) for lp in out.logprobs[len(out.logprobs) - len(ids) :])
+    if record is not None:
+        msg.placement.CopyFrom(
+            pb.Placement(group_id=record.group_id, reason=record.reason,
+                         predicted_cached_tokens=record.predicted_cached_tokens)
+        )  # fmt: skip
+    if out.finished:
+        msg.finish_reason = _FINISH.get(out.finish_reason, pb.FINISH_REASON_UNSPECIFIED)
+        if isinstance(out.stop_reason, str):
+            msg.stop_string = out.stop_reason
+        elif isinstance(out.stop_reason, int):
+            msg.stop_token_id = out.stop_reason
+        m = out.metrics
+        msg.usage.CopyFrom(
+            pb.Usage(
+                prompt_tokens=len(out.prompt_token_ids), completion_tokens=len(out.token_ids),
+                cached_tokens=out.num_cached_tokens, ttft_seconds=m.ttft or 0.0,
+                queue_seconds=m.queue_time or 0.0, e2e_seconds=e2e_seconds,
+            )
+        )  # fmt: skip
+    return msg
+
+
+def _logprob(lp) -> pb.TokenLogprob:
+    top = [pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top]
+    return pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, rank=lp.rank, top=top)
+
+
+def model_info_message(info: ModelInfo) -> pb.ModelInfo:
+    return pb.ModelInfo(
+        model=info.model, max_model_len=info.max_model_len, block_size=info.block_size,
+        kv_cache_dtype=info.kv_cache_dtype, vocab_size=info.vocab_size,
+        eos_token_ids=list(info.eos_token_ids),
+    )  # fmt: skip
+
+
+def status_message(s: GroupStatus) -> pb.GroupStatus:
+    return pb.GroupStatus(
+        group_id=s.group_id, alive=s.alive, tensor_parallel_size=s.tensor_parallel_size,
+        devices=list(s.devices), blocks_total=s.blocks_total, blocks_free=s.blocks_free,
+        blocks_cached=s.blocks_cached, running=s.running, waiting=s.waiting,
+        pending_prefill_tokens=s.pending_prefill_tokens,
+        prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
+        preemptions=s.preemptions, error=s.error or "",
+    )  # fmt: skip

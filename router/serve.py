@@ -1,0 +1,311 @@
+"""`pagefleet serve`: build the cluster from a `ServeConfig` and serve it over gRPC.
+
+The embedded default (no flags) is one TP=1 group on this machine's CPU, the in-process prefix
+index, the built-in small model, gRPC on 127.0.0.1:50151 and metrics on 127.0.0.1:9151. The
+same config with `model`, `tp`, `groups`, `redis` and `address` is the multi-node deployment:
+with `tp > 1` or a Ray `address`, groups are Ray-placed (`cluster/ray_group.py`).
+
+Start-up order, so that "ready" means ready: bind the gRPC port (health NOT_SERVING), load the
+groups on a thread, run one tiny generation through every group, start the metrics endpoint,
+then report SERVING. SIGTERM or SIGINT: NOT_SERVING, drain in-flight calls for `grace_s`, stop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import logging
+import os
+import re
+import signal
+import sys
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from router.server import DEFAULT_PORT, MAX_MESSAGE_BYTES, FrontDoor
+
+log = logging.getLogger(__name__)
+
+DEFAULT_METRICS_PORT = 9151
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """What `pagefleet serve` builds; flags and the YAML `--config` use these names."""
+
+    model: str | None = None  # Hugging Face model dir; None: the built-in small model
+    tp: int = 1  # devices per group (tensor parallel)
+    groups: int = 1
+    redis: str | None = None  # redis://host:port for the shared prefix index
+    address: str | None = None  # Ray address ("auto", "ray://head:10001"); None: no Ray
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_PORT
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int | None = DEFAULT_METRICS_PORT  # None: no metrics endpoint
+    device: str = "cpu"  # "cuda" gives group i device cuda:i (in-process groups)
+    policy: str = "prefix_aware"
+    cluster: str = "pagefleet"  # the prefix index's namespace
+    grace_s: float = 30.0  # SIGTERM: how long in-flight calls may finish
+    max_message_bytes: int = MAX_MESSAGE_BYTES
+    engine: Mapping[str, Any] = field(default_factory=dict, hash=False)  # num_blocks, ...
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "groups"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("port", "metrics_port"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, int) and 0 <= value < 65536):
+                raise ValueError(f"{name} must be a port number in [0, 65535], got {value!r}")
+        if not self.grace_s >= 0:
+            raise ValueError(f"grace_s must be >= 0, got {self.grace_s!r}")
+        if self.model is not None and not Path(self.model).is_dir():
+            raise ValueError(f"model {self.model!r} is not a directory")
+        if not isinstance(self.engine, Mapping):
+            raise ValueError(f"engine must be a mapping of engine options, got {self.engine!r}")
+
+    @property
+    def uses_ray(self) -> bool:
+        return self.tp > 1 or self.address is not None
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any]) -> ServeConfig:
+        """From a YAML mapping or flags; keys may use dashes (`metrics-port`)."""
+        known = {f.name for f in fields(cls)}
+        normal = {str(k).replace("-", "_"): v for k, v in values.items()}
+        unknown = sorted(set(normal) - known)
+        if unknown:
+            raise ValueError(f"unknown serve option(s) {unknown}; known: {sorted(known)}")
+        return cls(**normal)
+
+
+def load_config(path: str | None, overrides: Mapping[str, Any]) -> ServeConfig:
+    """The YAML file at `path` (if any), with `overrides` (flags the user gave) on top."""
+    values: dict[str, Any] = {}
+    if path is not None:
+        import yaml
+
+        try:
+            loaded = yaml.safe_load(Path(path).read_text()) or {}
+        except (OSError, yaml.YAMLError) as e:
+            raise ValueError(f"--config {path}: {e}") from None
+        if not isinstance(loaded, dict):
+            raise ValueError(f"--config {path}: expected a mapping of serve options")
+        values.update(loaded)
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    return ServeConfig.from_mapping(values)
+
+
+@dataclass
+class Cluster:
+    """What `build_cluster` made: the router, its groups and the index."""
+
+    router: Any  # router.router.Router
+    groups: list
+    index: Any
+    metrics: Any  # router.metrics.ServerMetrics
+
+    def shutdown(self) -> None:
+        for group in self.groups:
+            group.shutdown()
+        self.index.close()
+
+
+def build_cluster(config: ServeConfig, make_engine_config: Callable[..., Any]) -> Cluster:
+    """Load the groups and build the router (blocking: minutes for a large model).
+
+    `make_engine_config(model, **options)` is `pagefleet.llm.engine_config`: the face owns
+    how flat options become an `EngineConfig`."""
+    from cluster.prefix_index import make_prefix_index
+    from router.metrics import ServerMetrics
+    from router.router import Router
+
+    secret = os.environ.get("PAGEFLEET_CLUSTER_SECRET") or os.urandom(32).hex()
+    engine_options = {"cluster_secret": secret, **config.engine}
+    probe = make_engine_config(config.model, **engine_options)  # resolves the built-in model
+    name = _model_name(probe.model)
+    index = make_prefix_index(config.redis, config.cluster, name)
+    groups = _make_groups(config, make_engine_config, engine_options, index)
+    hasher, tokenizer, info = router_side(probe, name)
+    metrics = ServerMetrics(name)
+    metrics.watch_groups(lambda: [g.status() for g in groups])
+    router = Router(
+        groups, metrics.timed_index(index), hasher, info, tokenizer=tokenizer,
+        policy=config.policy,
+    )  # fmt: skip
+    return Cluster(router, groups, index, metrics)
+
+
+def router_side(engine_config, name: str):
+    """The router's hasher, tokenizer and ModelInfo, read from the model directory without
+    loading weights (groups may live in other processes). The fingerprint is built from the
+    same fields, resolved the same way, as `LLMEngine` builds its own (worker/engine.py)."""
+    import torch
+
+    from router.router import ModelInfo
+    from worker.config import cluster_secret
+    from worker.engine import _load_tokenizer
+    from worker.hashing import BlockHasher, ModelFingerprint
+    from worker.kv_pool import kv_torch_dtype
+    from worker.model_loader import read_model_config
+
+    mc = read_model_config(engine_config.model)
+    model_dtype = mc.torch_dtype if engine_config.dtype == "auto" else getattr(torch, engine_config.dtype)  # fmt: skip
+    kv_dtype = kv_torch_dtype(engine_config.cache.kv_cache_dtype, model_dtype)
+    fingerprint = ModelFingerprint(
+        model_id=mc.model_id, revision=mc.revision,
+        dtype=str(model_dtype).removeprefix("torch."),
+        kv_cache_dtype=str(kv_dtype).removeprefix("torch."),
+        block_size=engine_config.cache.block_size,
+    )  # fmt: skip
+    hasher = BlockHasher(cluster_secret(engine_config.cluster_secret), fingerprint)
+    max_len = mc.max_position_embeddings
+    info = ModelInfo(
+        model=name, max_model_len=min(engine_config.max_model_len or max_len, max_len),
+        block_size=engine_config.cache.block_size, kv_cache_dtype=fingerprint.kv_cache_dtype,
+        vocab_size=mc.vocab_size, eos_token_ids=tuple(mc.eos_token_ids),
+    )  # fmt: skip
+    return hasher, _load_tokenizer(engine_config.model), info
+
+
+def _make_groups(config, make_engine_config, options, index) -> list:
+    """TP=1 groups in this process, or Ray-placed groups for `tp > 1` or a Ray address."""
+    if config.uses_ray:
+        return _ray_groups(config, make_engine_config, options, index)
+    from cluster.group import LocalGroup
+
+    groups = []
+    for i in range(config.groups):
+        device = f"cuda:{i}" if config.device == "cuda" else config.device
+        engine_config = make_engine_config(config.model, **{**options, "device": device})
+        groups.append(LocalGroup(engine_config, index, group_id=f"group-{i}"))
+    return groups
+
+
+def check_deployment(config: ServeConfig) -> None:
+    """Fail before binding a port when the config asks for what this installation lacks."""
+    if config.uses_ray and importlib.util.find_spec("cluster.ray_group") is None:
+        raise ValueError(
+            "--tp > 1 and --address need Ray-placed groups (cluster/ray_group.py), which this "
+            "installation lacks; use --tp 1 without --address for in-process groups"
+        )
+
+
+def _ray_groups(config, make_engine_config, options, index) -> list:
+    """Ray-placed groups (cluster/ray_group.py) of `config.tp` devices each.
+
+    They do not publish KV events to `index` yet (RayGroup takes no index), so the router
+    places requests on them by load alone."""
+    from cluster.ray_group import RayGroup, RayGroupConfig
+    from cluster.ray_runtime import ensure_ray
+
+    ensure_ray(config.address)
+    engine_config = make_engine_config(config.model, **{"device": config.device, **options})
+    group_config = RayGroupConfig(tensor_parallel_size=config.tp)
+    return [RayGroup(engine_config, group_config, group_id=f"group-{i}") for i in range(config.groups)]  # fmt: skip
+
+
+def _model_name(model_dir: str) -> str:
+    """A label-safe model name: the model directory's name."""
+    return re.sub(r"[^A-Za-z0-9_.\-]", "_", Path(model_dir).name)[:128] or "model"
+
+
+async def warm_up(groups) -> None:
+    """One tiny greedy generation through every group: weights touched, kernels compiled."""
+    from worker.async_engine import GenerationRequest
+    from worker.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    for group in groups:
+        request = GenerationRequest([0], params, request_id=f"warmup-{group.group_id}")
+        async for _ in group.generate(request):
+            pass
+
+
+async def serve(config: ServeConfig, make_engine_config: Callable[..., Any]) -> int:
+    """Run the server until SIGTERM/SIGINT; returns the exit code."""
+    check_deployment(config)
+    door = FrontDoor(config.host, config.port, config.max_message_bytes)
+    port = await door.start()
+    _say(f"gRPC on {config.host}:{port}: loading {config.groups} group(s)")
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    cluster, metrics_http = None, None
+    try:
+        cluster = await _until_stopped(
+            _in_daemon_thread(build_cluster, config, make_engine_config), stop
+        )
+        if cluster is not None:
+            await warm_up(cluster.groups)
+            metrics_http = _serve_metrics(config, cluster.metrics)
+            await door.set_ready(cluster.router, cluster.metrics)
+            where = "" if metrics_http is None else (
+                f", metrics on http://{config.metrics_host}:{metrics_http.server_port}/metrics"
+            )  # fmt: skip
+            _say(f"ready: gRPC on {config.host}:{port}{where}")
+            await stop.wait()
+        _say(f"stopping: draining in-flight requests for up to {config.grace_s:g} s")
+        await door.stop(config.grace_s)
+        _say("stopped")
+        return 0
+    except BaseException:
+        await door.stop(0)
+        raise
+    finally:
+        if metrics_http is not None:
+            metrics_http.shutdown()
+        if cluster is not None:
+            cluster.shutdown()
+
+
+def _in_daemon_thread(fn: Callable, *args) -> asyncio.Future:
+    """`fn(*args)` on a daemon thread (a load cannot be interrupted, but must not keep a
+    stopped server's process alive), as a future of the running loop."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def run() -> None:
+        try:
+            result = fn(*args)
+        except BaseException as e:  # delivered to the awaiting coroutine
+            loop.call_soon_threadsafe(_settle, future, None, e)
+        else:
+            loop.call_soon_threadsafe(_settle, future, result, None)
+
+    threading.Thread(target=run, name="pagefleet-load", daemon=True).start()
+    return future
+
+
+def _settle(future: asyncio.Future, result, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
+async def _until_stopped(task: asyncio.Future, stop: asyncio.Event):
+    """`task`'s result, or None if `stop` is set first."""
+    stopper = asyncio.ensure_future(stop.wait())
+    done, _ = await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    stopper.cancel()
+    return task.result() if task in done else None
+
+
+def _serve_metrics(config: ServeConfig, metrics):
+    if config.metrics_port is None:
+        return None
+    from router.metrics import serve_metrics
+
+    return serve_metrics(metrics, config.metrics_host, config.metrics_port)
+
+
+def _say(message: str) -> None:
+    print(f"pagefleet serve: {message}", file=sys.stdout, flush=True)

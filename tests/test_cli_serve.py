@@ -1,0 +1,187 @@
+"""`pagefleet serve`, `generate` and `demo` run the way a user runs them: as commands.
+
+The server is `pagefleet serve` with no flags but its ports (free ones, so that tests never
+collide with a server someone is running): the embedded default of one CPU group, the
+in-process index and the built-in model. It must answer health within seconds of starting,
+report SERVING within a bound, stream to the `generate` and `demo` commands, and drain an
+in-flight request on SIGTERM before it exits cleanly.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+
+from router.client import Client
+from router.serve import ServeConfig, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+ANSWER_WITHIN_S = 15  # health answers (NOT_SERVING) this soon after the process starts
+READY_WITHIN_S = 240  # and SERVING within this, on a busy 2-core machine
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pagefleet(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "pagefleet", *args],
+        cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    port, metrics_port = free_port(), free_port()
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    started = time.monotonic()
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pagefleet", "serve", "--port", str(port),
+             "--metrics-port", str(metrics_port)],
+            cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    client = Client(f"127.0.0.1:{port}", timeout=60)
+    timings = {}
+    try:
+        while "answered" not in timings and time.monotonic() - started < ANSWER_WITHIN_S:
+            assert proc.poll() is None, log.read_text()
+            try:
+                client.health(timeout=1)
+                timings["answered"] = time.monotonic() - started
+            except grpc.RpcError:
+                time.sleep(0.05)
+        client.wait_ready(timeout=READY_WITHIN_S)
+        timings["ready"] = time.monotonic() - started
+        yield proc, client, metrics_port, timings, log
+    finally:
+        client.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+
+
+def test_serve_answers_within_a_bounded_time(served):
+    _, client, metrics_port, timings, log = served
+    assert timings.get("answered", 1e9) < ANSWER_WITHIN_S, log.read_text()
+    assert timings["ready"] < READY_WITHIN_S
+    info = client.model_info()
+    assert info.model == "builtin-v1"
+    (group,) = client.cluster_status()  # the embedded default: one TP=1 CPU group
+    assert group.alive and group.tensor_parallel_size == 1 and list(group.devices) == ["cpu"]
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10)
+    assert "pagefleet:num_requests_running{" in text.read().decode()
+    assert "ready: gRPC on 127.0.0.1:" in log.read_text()
+
+
+def test_generate_command_streams_what_the_client_gets(served):
+    _, client, _, _, _ = served
+    server = client.target
+    done = pagefleet("generate", "The baker starts work", "--server", server, "--max-tokens", "8")
+    assert done.returncode == 0, done.stderr
+    want = client.generate("The baker starts work", max_tokens=8, temperature=0.0)
+    assert done.stdout == want.text + "\n"
+    assert "8 generated" in done.stderr
+
+    as_json = pagefleet("generate", "--tokens", "5,6,7", "--server", server, "--max-tokens", "4", "--json")  # fmt: skip
+    assert as_json.returncode == 0, as_json.stderr
+    out = json.loads(as_json.stdout)
+    assert out["prompt_tokens"] == 3 and len(out["token_ids"]) == 4
+    want = client.generate(token_ids=[5, 6, 7], max_tokens=4, temperature=0.0)
+    assert out["token_ids"] == want.token_ids
+
+
+def test_generate_command_sends_chat_messages(served):
+    _, client, _, _, _ = served
+    done = pagefleet("generate", "Who built the bridge?", "--chat", "--server", client.target,
+                     "--max-tokens", "4", "--json")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    rendered = client.tokenize(messages=[("user", "Who built the bridge?")])
+    assert json.loads(done.stdout)["prompt_tokens"] == len(rendered)
+
+
+def test_generate_command_reports_bad_input_and_a_missing_server(served):
+    _, client, _, _, _ = served
+    bad = pagefleet("generate", "x", "--server", client.target, "--temperature", "-1")
+    assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr
+    assert "sampling.temperature" in bad.stderr and "Traceback" not in bad.stderr
+    gone = pagefleet("generate", "x", "--server", f"127.0.0.1:{free_port()}", "--timeout", "3")
+    assert gone.returncode == 1 and "UNAVAILABLE" in gone.stderr
+
+
+def test_demo_shows_cached_tokens_growing(served):
+    _, client, _, _, _ = served
+    done = pagefleet("demo", "--server", client.target, "--max-tokens", "4")
+    assert done.returncode == 0, done.stderr
+    usage = re.findall(r"(\d+) prompt tokens, (\d+) from the cache", done.stdout)
+    cached = [int(c) for _, c in usage]
+    document = int(re.search(r"document: (\d+) tokens", done.stdout).group(1))
+    block = client.model_info().block_size
+    assert len(cached) >= 3 and cached[0] == 0
+    # every later question reuses the document's full blocks
+    assert all(c >= document // block * block - block for c in cached[1:]), done.stdout
+
+
+def test_sigterm_drains_in_flight_requests_then_exits(served):
+    proc, client, _, _, log = served
+    stream = client.generate_stream("The teacher writes a problem", max_tokens=40, temperature=0.0)
+    ids = list(next(stream).token_ids)
+    proc.send_signal(signal.SIGTERM)
+    for chunk in stream:  # the request finishes although the server is stopping
+        ids.extend(chunk.token_ids)
+        last = chunk
+    assert len(ids) == 40 and last.finish_reason == 2  # FINISH_REASON_LENGTH
+    assert proc.wait(60) == 0, log.read_text()
+    assert "stopped" in log.read_text()
+    with pytest.raises(grpc.RpcError) as err:
+        client.generate("too late", max_tokens=1, timeout=5)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+# ---- configuration (no server) -------------------------------------------------------------
+
+
+def test_yaml_config_takes_the_flag_names_and_flags_win(tmp_path):
+    path = tmp_path / "serve.yaml"
+    path.write_text("groups: 2\nmetrics-port: 9999\nredis: redis://127.0.0.1:6379\n"
+                    "engine:\n  num_blocks: 64\n")  # fmt: skip
+    config = load_config(str(path), {"port": 50999, "groups": None})
+    assert config == ServeConfig(groups=2, metrics_port=9999, redis="redis://127.0.0.1:6379",
+                                 port=50999, engine={"num_blocks": 64})  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("yaml_text", "words"),
+    [
+        ("grups: 2\n", "grups"),
+        ("port: 70000\n", "port"),
+        ("tp: 0\n", "tp"),
+        ("- a list\n", "mapping"),
+        ("engine: 3\n", "engine"),
+    ],
+)
+def test_bad_config_is_refused_naming_the_key(tmp_path, yaml_text, words):
+    path = tmp_path / "serve.yaml"
+    path.write_text(yaml_text)
+    with pytest.raises(ValueError, match=words):
+        load_config(str(path), {})
+
+
+def test_serve_refuses_a_bad_config_before_loading_anything():
+    done = pagefleet("serve", "--config", "/nonexistent/serve.yaml", timeout=60)
+    assert done.returncode == 2 and "--config /nonexistent/serve.yaml" in done.stderr
+    done = pagefleet("serve", "--groups", "0", timeout=60)
+    assert done.returncode == 2 and "--groups" in done.stderr
