@@ -1,0 +1,45 @@
+"""The benchmark scripts run and print one well-formed JSON line per case (smoke sizes)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(*args: str, timeout: int = 300) -> list[dict]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run(
+        [sys.executable, *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=True,
+    )
+    return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+
+
+def test_block_manager_benchmark():
+    cases = {c["case"]: c for c in run("benchmarks/block_manager.py", "--repeat", "2")}
+    assert set(cases) == {"hash_tokens", "admit_free_8k", "schedule_step"}
+    assert cases["hash_tokens"]["ns_per_token"] > 0 and cases["hash_tokens"]["ratio_vs_peer"] > 0
+
+
+def test_engine_benchmark_quick_agrees_with_transformers():
+    lines = {c["system"]: c for c in run("benchmarks/engine.py", "--quick")}
+    assert set(lines) == {"pagefleet", "generate_batch", "generate"}
+    ours = lines["pagefleet"]
+    assert ours["identical_tokens"] == {"generate_batch": 1.0, "generate": 1.0}
+    assert ours["generated_tokens"] == lines["generate"]["generated_tokens"] > 0
+    assert ours["ratio_vs_generate_batch"] > 0 and ours["prefix_hit_rate"] > 0
+
+
+def test_kernels_benchmark_smoke():
+    lines = run("benchmarks/kernels.py", "--smoke")
+    assert lines and all(line["max_abs_err_vs_sdpa"] < 1e-3 for line in lines)
