@@ -232,3 +232,41 @@ def test_pool_agrees_with_the_planner(model_dirs):
         assert llm.engine.layout.bytes_per_token == shape.bytes_per_token()
         assert llm.stats()["blocks_total"] == shape.num_blocks(budget)
         assert llm.engine.executor.pool_bytes == shape.num_blocks(budget) * shape.block_bytes()
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_follows_transformers(dtype, model_dirs):
+    """In 16-bit both sides round differently, so we compare greedy tokens only while the
+    reference's top two logits are well apart (a near-tie may flip either way)."""
+    prompts = prompts_of([9, 30], seed=11)
+    llm = make_llm(model_dirs["llama"], num_blocks=32, dtype=dtype)
+    ours = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    hf = AutoModelForCausalLM.from_pretrained(
+        model_dirs["llama"], dtype=getattr(torch, dtype)
+    ).eval()
+    for p, got in zip(prompts, ours, strict=True):
+        ids = torch.tensor([p + got])
+        with torch.no_grad():
+            logits = hf(ids).logits[0, len(p) - 1 : -1].float()  # the logits that chose `got`
+        top2 = logits.topk(2).values
+        for i, tok in enumerate(got):
+            if top2[i, 0] - top2[i, 1] < 0.5:
+                break  # past a near-tie the sequences may legitimately part
+            assert tok == int(logits[i].argmax()), f"token {i} of {dtype} differs"
+    assert (
+        llm.stats()["kv_bytes_per_token"] == 2 * 2 * 2 * 16 * 2
+    )  # 2 layers, 2 KV heads, dim 16, 2 bytes
+    assert_no_leaks(llm)
+
+
+def test_pool_sized_from_memory_budget(model_dirs):
+    from worker.kv_pool import CPU_DEFAULT_KV_MEMORY, device_memory, weights_bytes
+
+    llm = make_llm(model_dirs["llama"], memory_utilization=0.5)
+    engine = llm.engine
+    budget = min(
+        int(device_memory(torch.device("cpu")) * 0.5) - weights_bytes(engine.executor.worker.model),
+        CPU_DEFAULT_KV_MEMORY,
+    )
+    assert llm.stats()["blocks_total"] == budget // engine.layout.block_bytes
+    assert engine.executor.pool_bytes == llm.stats()["blocks_total"] * engine.layout.block_bytes
