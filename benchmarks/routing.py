@@ -2,15 +2,21 @@
 
     python -m benchmarks.routing --trace T.jsonl --groups 16 --policy all --mode sim
     python -m benchmarks.routing --trace T.jsonl --groups 2 --policy all --mode real
+    python -m benchmarks.routing --latency 4,16,64
     python -m benchmarks.routing --calibrate --cost-out cost.json
 
-Every policy replays the same trace against fresh groups over a real `redis-server` on
-loopback (one per run, a namespace per policy), and prints one JSON line. `--mode sim` runs
-simulated groups (cluster/sim_group.py: the real scheduler and block manager, a calibrated
-cost model for the forward) in simulated time; `--mode real` runs LocalGroups with the built-in
-model on this CPU and takes hit rates from the cached tokens the engines report. Decision
-latency (index match + policy + pending record; hashing reported apart) is measured after the
-replay at 8k- and 32k-token prompts that extend a cached document.
+Every policy replays the same trace against fresh groups and prints one JSON line. `--mode sim`
+runs simulated groups (cluster/sim_group.py: the real scheduler and block manager, a calibrated
+cost model for the forward) in simulated time, by default over the in-process index on the
+simulated clock (heartbeats and pending TTLs in simulated seconds; `--index redis` puts a real
+`redis-server` on loopback behind it, whose TTLs run on the wall clock); `--mode real` runs
+LocalGroups with the built-in model on this CPU over Redis and takes hit rates from the cached
+tokens the engines report.
+
+`--latency G,...` measures the router's decision (`Router.place`: group statuses, the index's
+one-round-trip match, the policy, the pending record) against a real `redis-server` on loopback
+holding G groups' inventories, at 8k- and 32k-token prompts that extend a cached document;
+hashing the prompt is timed apart, and `overhead` is hashing plus decision.
 """
 
 from __future__ import annotations
@@ -26,13 +32,15 @@ from pathlib import Path
 
 from benchmarks.traces import TraceRequest, read
 from cluster.group import LocalGroup
+from cluster.prefix_index import InMemoryPrefixIndex
 from cluster.redis_index import RedisPrefixIndex
-from cluster.sim_group import Arrival, CostModel, SimGroup, SimGroupConfig, Simulation
+from cluster.sim_group import Arrival, CostModel, SimClock, SimGroup, SimGroupConfig, Simulation
 from router.policy import POLICIES, Oracle, PrefixAware, PrefixAwareConfig, make_policy
 from router.router import ModelInfo, Router, RouteRequest
 from tests.redis_server import RedisServer
 from worker.config import SchedulerConfig
 from worker.hashing import BlockHasher, ModelFingerprint
+from worker.kv_events import BlockStored
 from worker.sampling_params import SamplingParams
 
 SECRET = b"routing-benchmark-secret"
@@ -51,9 +59,9 @@ def spread(counts: Counter, groups: list[str]) -> dict:
     return {"per_group": values, "max_over_mean": round(max(values) / mean, 3) if mean else None}
 
 
-def make_router(groups, index, hasher, block_size: int, policy_name: str, cost: CostModel):
+def make_router(groups, index, hasher, block_size: int, policy_name: str, cost: CostModel, tuning: dict | None = None):  # fmt: skip
     if policy_name == "prefix_aware":
-        policy = PrefixAware(PrefixAwareConfig(cost=cost))
+        policy = PrefixAware(PrefixAwareConfig(cost=cost, **(tuning or {})))
         policy.block_size = block_size
     else:
         policy = make_policy(policy_name, block_size)
@@ -61,23 +69,52 @@ def make_router(groups, index, hasher, block_size: int, policy_name: str, cost: 
     return Router(groups, index, hasher, info, policy=policy)
 
 
-def decision_latency(router: Router, doc: list[int], hasher: BlockHasher, n: int = 40) -> dict:
-    """place() latency and hashing time at 8k and 32k tokens (prompts extend `doc`)."""
+def decision_latency(router: Router, doc: list[int], hasher: BlockHasher, n: int = 200) -> dict:
+    """place() latency and hashing time at 8k and 32k tokens; prompts extend `doc`, each with
+    its own tail (a distinct first token, then a shared random pool)."""
     rng, out = random.Random(1), {}
+    pool = rng.choices(range(1000), k=32768)
     for size in (8192, 32768):
-        place, hashing = [], []
-        for _ in range(n):
-            tokens = (doc + [rng.randrange(1000) for _ in range(size)])[:size]
+        place, hashing, overhead = [], [], []
+        for i in range(n):
+            tokens = (doc + [1000 + i] + pool)[:size]
             t0 = time.perf_counter()
             hashes = hasher.hash_prompt(tokens)
             t1 = time.perf_counter()
             router.place(hashes)
-            place.append(time.perf_counter() - t1)
+            t2 = time.perf_counter()
+            place.append(t2 - t1)
             hashing.append(t1 - t0)
+            overhead.append(t2 - t0)
         k = f"{size // 1024}k"
-        out[f"decision_ms_p50_{k}"] = round(1e3 * pct(place, 0.5), 3)
-        out[f"decision_ms_p99_{k}"] = round(1e3 * pct(place, 0.99), 3)
-        out[f"hash_ms_p50_{k}"] = round(1e3 * pct(hashing, 0.5), 3)
+        for name, xs in (("decision", place), ("hash", hashing), ("overhead", overhead)):
+            out[f"{name}_ms_p50_{k}"] = round(1e3 * pct(xs, 0.5), 3)
+            out[f"{name}_ms_p99_{k}"] = round(1e3 * pct(xs, 0.99), 3)
+    return out
+
+
+def run_latency(args, server: RedisServer, n_groups: int, cost: CostModel) -> dict:
+    """Decision latency over Redis with `n_groups` groups: each holds `args.blocks` blocks of
+    its own documents; group 0 and one other also hold a 16k-token document that every timed
+    prompt extends (a hit on two groups, a miss on the rest)."""
+    hasher = BlockHasher(SECRET, ModelFingerprint("bench", block_size=args.block_size))
+    index = RedisPrefixIndex.from_url(server.url, f"lat{uuid.uuid4().hex[:8]}", "bench")
+    sched = SchedulerConfig(max_model_len=1 << 20, max_num_batched_tokens=args.batch_tokens)
+    cfg = SimGroupConfig(args.blocks, args.block_size, sched, cost)
+    groups = [SimGroup(f"g{i:02d}", cfg, hasher) for i in range(n_groups)]  # statuses only
+    rng = random.Random(n_groups)
+    doc = rng.choices(range(1000), k=16384)
+    doc_hashes = hasher.hash_prompt(doc)
+    for i, g in enumerate(groups):
+        epoch = index.register_group(g.group_id)
+        own = hasher.hash_prompt(rng.choices(range(1000), k=args.blocks * args.block_size))
+        held = own[: args.blocks - len(doc_hashes)] + doc_hashes if i in (0, n_groups // 2) else own
+        index.publish(g.group_id, epoch, [BlockStored(tuple(held), None)])
+        index.report_load(g.group_id, epoch, g.status().load())
+    router = make_router(groups, index, hasher, args.block_size, "prefix_aware", cost)
+    out = {"latency_groups": n_groups, "index": "redis", "blocks_per_group": args.blocks}
+    out.update(decision_latency(router, doc, hasher))
+    index.close()
     return out
 
 
@@ -106,13 +143,17 @@ def summarize(name, rows, groups, decisions, extra) -> dict:
 
 
 # ---- simulated groups ----------------------------------------------------------------------
-def run_sim(args, policy_name: str, server: RedisServer, cost: CostModel) -> dict:
+def run_sim(args, policy_name: str, server: RedisServer | None, cost: CostModel) -> dict:
     hasher = BlockHasher(SECRET, ModelFingerprint("bench", block_size=args.block_size))
-    index = RedisPrefixIndex.from_url(server.url, f"sim{uuid.uuid4().hex[:8]}", "bench")
+    clock = SimClock() if server is None else None
+    if clock is not None:  # liveness and pending TTLs in simulated seconds
+        index = InMemoryPrefixIndex(clock=clock)
+    else:
+        index = RedisPrefixIndex.from_url(server.url, f"sim{uuid.uuid4().hex[:8]}", "bench")
     sched = SchedulerConfig(max_model_len=1 << 20, max_num_batched_tokens=args.batch_tokens)
     cfg = SimGroupConfig(args.blocks, args.block_size, sched, cost)
-    groups = [SimGroup(f"g{i:02d}", cfg, hasher, index) for i in range(args.groups)]
-    router = make_router(groups, index, hasher, args.block_size, policy_name, cost)
+    groups = [SimGroup(f"g{i:02d}", cfg, hasher, index, clock or time.monotonic) for i in range(args.groups)]  # fmt: skip
+    router = make_router(groups, index, hasher, args.block_size, policy_name, cost, args.tuning)
     predicted, decisions, last_doc = {}, [], [[]]
     doc_hashes: dict[tuple, list[bytes]] = {}
 
@@ -139,14 +180,17 @@ def run_sim(args, policy_name: str, server: RedisServer, cost: CostModel) -> dic
         return router.groups[p.group_id]
 
     wall = time.perf_counter()
-    done = Simulation(groups, hasher).run(arrivals(), place)
+    done = Simulation(groups, hasher, clock=clock).run(arrivals(), place)
     wall = time.perf_counter() - wall
     rows = [(d.group_id, d.prompt_tokens, predicted[d.request_id], d.cached_tokens, d.ttft_s, 0) for d in done]  # fmt: skip
-    extra = {"prefill": {g.group_id: g.prefill_tokens for g in groups}, "mode": "sim", "groups": args.groups, "wall_s": round(wall, 1)}  # fmt: skip
-    extra.update(decision_latency(router, last_doc[0], hasher))
+    extra = {"prefill": {g.group_id: g.prefill_tokens for g in groups}, "mode": "sim", "index": args.index, "groups": args.groups, "wall_s": round(wall, 1)}  # fmt: skip
+    if server is not None:
+        extra.update(decision_latency(router, last_doc[0], hasher, n=40))
     for g in groups:
         g.shutdown()
     index.close()
+    if policy_name == "prefix_aware" and args.tuning:
+        extra["tuning"] = args.tuning
     return summarize(policy_name, rows, [g.group_id for g in groups], decisions, extra)
 
 
@@ -225,6 +269,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch-tokens", type=int, default=2048)
     p.add_argument("--time-scale", type=float, default=1.0, help="real mode: wall s per trace s")
     p.add_argument("--cost", help="cost model JSON (from --calibrate); default: built in")
+    p.add_argument("--index", choices=("memory", "redis"), default="memory", help="sim mode's index")  # fmt: skip
+    p.add_argument("--tuning", type=json.loads, default={}, help="PrefixAwareConfig fields, JSON")
+    p.add_argument("--latency", help="comma-separated group counts: decision latency over Redis")
     p.add_argument("--calibrate", action="store_true")
     p.add_argument("--cost-out")
     args = p.parse_args(argv)
@@ -235,10 +282,19 @@ def main(argv: list[str] | None = None) -> None:
             with open(args.cost_out, "w") as f:
                 json.dump(cost.__dict__, f)
         return
+    cost = CostModel(**json.loads(Path(args.cost).read_text())) if args.cost else CostModel()
+    if args.latency:
+        with RedisServer() as server:
+            for n in (int(x) for x in args.latency.split(",")):
+                print(json.dumps(run_latency(args, server, n, cost)), flush=True)
+        return
     if not args.trace:
         p.error("--trace is required (generate one with python -m benchmarks.traces)")
-    cost = CostModel(**json.loads(Path(args.cost).read_text())) if args.cost else CostModel()
     names = sorted(POLICIES) if args.policy == "all" else [args.policy]
+    if args.mode == "sim" and args.index == "memory":
+        for name in names:
+            print(json.dumps(run_sim(args, name, None, cost)), flush=True)
+        return
     run = run_sim if args.mode == "sim" else run_real
     with RedisServer() as server:
         for name in names:

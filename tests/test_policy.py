@@ -86,3 +86,17 @@ def test_unknown_policy_names_the_choices():
         make_policy("nope")
     with pytest.raises(ValueError, match="max_replicas"):
         PrefixAwareConfig(max_replicas=0)
+
+
+def test_a_hot_prefix_gets_replicas_in_proportion_to_its_demand():
+    policy = PrefixAware(PrefixAwareConfig(demand_window=20))
+    statuses = {g: status(g) for g in "abcd"}
+    hot = chain(100)
+    matches = {g: match(g, 100 if g == "a" else 0) for g in "abcd"}
+    first = policy.choose(hot, statuses, matches)
+    assert (first.group_id, first.reason) == ("a", "prefix_hit")  # rare so far: one holder
+    for _ in range(10):  # the prefix now takes half the window: it wants more than one holder
+        p = policy.choose(hot, statuses, matches)
+    assert (p.reason, p.cached_blocks) == ("spill", 0) and p.group_id != "a"
+    matches = {g: match(g, 100) for g in "abcd"}  # every group holds it: back to hits
+    assert policy.choose(hot, statuses, matches).reason == "prefix_hit"

@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 
 from cluster.prefix_index import InMemoryPrefixIndex
-from cluster.sim_group import Arrival, CostModel, SimGroup, SimGroupConfig, Simulation
+from cluster.sim_group import (
+    Arrival,
+    CostModel,
+    SimClock,
+    SimGroup,
+    SimGroupConfig,
+    Simulation,
+)
 from tests.factories import check_all_released
 from worker.hashing import BlockHasher, ModelFingerprint
 
@@ -54,3 +61,30 @@ def test_cost_model_fit_recovers_a_linear_model():
         assert getattr(fit, name) == pytest.approx(getattr(truth, name), rel=1e-6)
     with pytest.raises(ValueError, match="prefill_token_s"):
         CostModel(prefill_token_s=-1)
+
+
+def test_liveness_and_pending_placements_run_on_the_simulated_clock():
+    clock = SimClock()
+    index = InMemoryPrefixIndex(clock=clock)
+    cfg = SimGroupConfig(64, 16, cost=COST)
+    g = SimGroup("g0", cfg, HASHER, index, clock)
+    doc = list(range(64))
+    chain = HASHER.hash_prompt(doc)
+    seen = []
+
+    def place(a, hashes):
+        seen.append(index.match(hashes).get("g0"))  # the group must look live at every arrival
+        index.record_pending("g0", hashes)
+        return g
+
+    # Arrivals 10 simulated seconds apart: far beyond the 3 s heartbeat TTL and 2 s pending TTL,
+    # yet the whole replay takes milliseconds of wall time.
+    arrivals = [Arrival(f"r{i}", 10.0 * i, doc + [900 + i] * 8, 2) for i in range(3)]
+    Simulation([g], HASHER, clock=clock).run(arrivals, place)
+    assert all(m is not None for m in seen)
+    assert seen[1].blocks == len(chain)  # the first request's blocks were published
+    assert seen[1].pending_blocks == 0  # its pending placement expired in simulated time
+    index.record_pending("g0", chain)
+    assert index.match(chain)["g0"].pending_blocks == len(chain)
+    clock.now += 2.5
+    assert "g0" not in index.match(chain) or index.match(chain)["g0"].pending_blocks == 0
