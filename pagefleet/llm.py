@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 
+from worker.async_engine import GenerationRequest
 from worker.config import CacheConfig, SchedulerConfig
-from worker.engine import EngineConfig, LLMEngine
+from worker.engine import EngineConfig, LLMEngine, _load_tokenizer
 from worker.outputs import RequestOutput
 from worker.sampling_params import SamplingParams
 
@@ -38,14 +40,28 @@ class LLM:
 
     >>> llm = LLM()  # the built-in small model
     >>> out = llm.generate(["Hello"], SamplingParams(max_tokens=8, temperature=0))
+
+    `tensor_parallel_size > 1` places a Ray worker group (cluster/ray_group.py) on the Ray
+    runtime, starting a local one if none is connected; the output is the same.
     """
 
-    def __init__(self, model: str | None = None, **options) -> None:
-        self.engine = LLMEngine(engine_config(model, **options))
+    def __init__(self, model: str | None = None, tensor_parallel_size: int = 1, **options) -> None:
+        if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size!r}")
+        config = engine_config(model, **options)
+        self.engine: LLMEngine | None = None
+        self.group = None
+        if tensor_parallel_size > 1:
+            from cluster.ray_group import RayGroup, RayGroupConfig
+
+            self.group = RayGroup(config, RayGroupConfig(tensor_parallel_size=tensor_parallel_size))
+            self._tokenizer = _load_tokenizer(config.model)
+        else:
+            self.engine = LLMEngine(config)
 
     @property
     def tokenizer(self):
-        return self.engine.tokenizer
+        return self.engine.tokenizer if self.engine is not None else self._tokenizer
 
     def generate(
         self,
@@ -67,6 +83,8 @@ class LLM:
             raise ValueError(
                 f"sampling_params has {len(params)} entries for {len(prompts)} prompts"
             )
+        if self.group is not None:
+            return asyncio.run(self._generate_on_group(prompts, params, cache_salt))
         ids = [
             self.engine.add_request(p, sp or SamplingParams(), cache_salt=cache_salt)
             for p, sp in zip(prompts, params, strict=True)
@@ -81,8 +99,22 @@ class LLM:
         bar.close()
         return [finished[i] for i in ids]
 
+    async def _generate_on_group(self, prompts, params, cache_salt) -> list[RequestOutput]:
+        async def one(prompt, sp) -> RequestOutput:
+            request = GenerationRequest(prompt, sp or SamplingParams(), cache_salt=cache_salt)
+            async for out in self.group.generate(request):
+                last = out
+            return last
+
+        return list(await asyncio.gather(*map(one, prompts, params)))
+
     def stats(self) -> dict:
-        return self.engine.stats()
+        return self.engine.stats() if self.engine is not None else self.group.engine_stats()
+
+    def shutdown(self) -> None:
+        """Release the Ray group of a tensor-parallel LLM (nothing to do in-process)."""
+        if self.group is not None:
+            self.group.shutdown()
 
 
 class _NoBar:

@@ -1,0 +1,322 @@
+"""Tensor-parallel groups on a real Ray cluster (two loopback nodes), on CPU with gloo.
+
+Every group's greedy output must equal transformers' (float32) and the in-process TP=1 engine's,
+in a run with prefix-cache hits and preemption: models with 4, 2 and 1 KV heads at TP=2
+(sharded, one head each, replicated) and 2 KV heads at TP=4 (replicated). Groups start
+together once per module (process starts dominate the run time) and serve every test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import os
+import random
+import signal
+import time
+
+import pytest
+import torch
+from factories import make_requests, make_scheduler
+from transformers import AutoModelForCausalLM
+
+from cluster.planner import KVShape
+from cluster.ray_group import RayGroup, RayGroupConfig
+from cluster.ray_runtime import ray
+from pagefleet.llm import LLM, engine_config
+from worker.async_engine import EngineDeadError, GenerationRequest
+from worker.builtin_model import make_model_dir
+from worker.sampling_params import SamplingParams
+from worker.scheduler import SchedulerOutput
+from worker.step_codec import StepDecoder, StepEncoder
+
+KV_HEADS = {"kv4": 4, "kv2": 2, "kv1": 1}
+# 12 blocks of 8 tokens (one max_model_len sequence): six requests of ~60 tokens cannot run at once
+OPTIONS = dict(
+    block_size=8, num_blocks=12, max_model_len=96, watermark=0.0, max_num_batched_tokens=32
+)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
+HANG_TIMEOUT_S = 8.0  # collective timeout of the group used for the hang test
+
+
+def prompts_of(lengths, seed, vocab=256):
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
+
+
+def workload(seed):
+    """Three questions on each of two documents: shared prefixes, more than the pool holds."""
+    docs, questions = prompts_of([40, 33], seed), prompts_of([3, 5, 7], seed + 1)
+    return [d + q for d in docs for q in questions]
+
+
+def hf_greedy(model_dir, prompts, n):
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    outs = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        with torch.no_grad():
+            gen = hf.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                pad_token_id=0,
+            )  # fmt: skip
+        outs.append(gen[0, len(p) :].tolist())
+    return outs
+
+
+def settled_stats(group, timeout_s=15.0):
+    """Rank 0's stats once the engine is idle (stats refresh after the step that finished the
+    last request, a moment after its output went out)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        s = group.engine_stats()
+        if s["running"] == s["waiting"] == 0:
+            return s
+        time.sleep(0.05)
+    return group.engine_stats()
+
+
+async def stream_all(group, prompts, params=GREEDY):
+    async def one(p):
+        outs = [o async for o in group.generate(GenerationRequest(p, params))]
+        assert outs[-1].finished and sum(len(o.new_token_ids) for o in outs) == len(
+            outs[-1].token_ids
+        )
+        return outs[-1].token_ids
+
+    return list(await asyncio.gather(*map(one, prompts)))
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    return {
+        name: make_model_dir(
+            tmp_path_factory.mktemp(name),
+            arch="llama",
+            seed=11 + kv,
+            output_scale=8.0,
+            num_attention_heads=4,
+            num_key_value_heads=kv,
+        )  # fmt: skip
+        for name, kv in KV_HEADS.items()
+    }
+
+
+@pytest.fixture(scope="module")
+def expected(model_dirs):
+    """Per model: (its workload, transformers' greedy tokens, the TP=1 engine's tokens)."""
+    out = {}
+    for i, (name, path) in enumerate(model_dirs.items()):
+        prompts = workload(seed=10 * i)
+        tp1 = LLM(str(path), **OPTIONS)
+        ours = [[o.token_ids for o in tp1.generate(prompts, GREEDY)] for _ in range(2)]
+        assert tp1.stats()["preemptions"] > 0 and tp1.stats()["prefix_cache_hits"] > 0
+        out[name] = (prompts, hf_greedy(path, prompts, GREEDY.max_tokens), ours)
+    return out
+
+
+@pytest.fixture(scope="module")
+def groups(request, ray_runtime, model_dirs):
+    """kv4 at TP=2 on node_a, kv2 at TP=2 on node_b, kv2 at TP=4 on node_a, and kv1 at TP=2
+    through pagefleet.LLM(tensor_parallel_size=2) wherever it fits, all starting at once while
+    this process computes the expected outputs."""
+    node_a, node_b = ray_runtime.node_labels
+
+    def start(name, tp, label, timeout_s=60.0):
+        gc = RayGroupConfig(
+            tensor_parallel_size=tp, bundle_resources={label: 1}, collective_timeout_s=timeout_s,
+            heartbeat_s=0.5,
+        )  # fmt: skip
+        return RayGroup(engine_config(model_dirs[name], **OPTIONS), gc, wait=False)
+
+    started, llm, llm_started = {}, None, None
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    try:
+        started["kv4"] = start("kv4", 2, node_a)
+        started["kv2"] = start("kv2", 2, node_b)
+        started["kv2-tp4"] = start("kv2", 4, node_a, timeout_s=HANG_TIMEOUT_S)
+        llm_started = pool.submit(LLM, str(model_dirs["kv1"]), tensor_parallel_size=2, **OPTIONS)
+        request.getfixturevalue("expected")  # meanwhile, transformers and TP=1 here
+        for g in started.values():
+            g.wait_ready()
+        llm = llm_started.result()
+        yield {**started, "kv1": llm.group}, llm
+    finally:
+        for g in started.values():
+            g.shutdown()
+        if llm is None and llm_started is not None and llm_started.exception() is None:
+            llm = llm_started.result()  # started, though something else failed
+        if llm is not None:
+            llm.shutdown()
+        pool.shutdown()
+
+
+def node_of(label):
+    (node,) = [n["NodeID"] for n in ray.nodes() if n["Alive"] and label in n["Resources"]]
+    return node
+
+
+# ---- the step messages, against the real scheduler ------------------------------------
+def test_step_codec_mirrors_the_scheduler_through_preemption_and_finishes():
+    sched, _ = make_scheduler(num_blocks=24, block_size=4, max_num_batched_tokens=48, watermark=0.0)
+    for r in make_requests(6, prompt_len=30, max_tokens=9):
+        sched.add_request(r)
+    encoder, decoder = StepEncoder(), StepDecoder()
+    empty = len(StepEncoder().encode(SchedulerOutput()))  # header and framing
+    rng, steps, decode_bytes = random.Random(0), 0, []
+    while sched.has_unfinished():
+        out = sched.schedule()
+        message = encoder.encode(out)
+        mirrored, _ = decoder.decode(message)
+        assert [m.request_id for m in mirrored.scheduled] == [
+            s.request.request_id for s in out.scheduled
+        ]
+        for m, s in zip(mirrored.scheduled, out.scheduled, strict=True):
+            assert (m.start, m.num_tokens, m.samples) == (s.start, s.num_tokens, s.samples)
+            assert m.block_ids == s.block_ids
+            assert m.all_token_ids[m.start : m.end] == s.request.all_token_ids[s.start : s.end]
+        if out.scheduled and not any(s.is_new for s in out.scheduled):
+            decode_bytes.append((len(message) - empty) / len(out.scheduled))
+        sampled = {s.request.request_id: rng.randrange(256) for s in out.scheduled if s.samples}
+        sched.update_from_output(out, sampled)
+        steps += 1
+    assert sched.num_preemptions > 0 and steps > 10
+    # running requests travel as diffs: a few bytes each, not their 30+ tokens of context
+    assert decode_bytes and max(decode_bytes) < 16, decode_bytes
+    encoder.encode(sched.schedule())  # the last finishes reach the mirrors
+    assert encoder.num_mirrored == 0
+
+
+def test_tensor_parallel_size_that_cannot_split_the_heads_is_refused(model_dirs):
+    config = engine_config(model_dirs["kv2"], **OPTIONS)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=3 does not divide .* 4 attention"):
+        RayGroup(config, RayGroupConfig(tensor_parallel_size=3))
+    many_heads = make_model_dir(
+        model_dirs["kv2"].parent / "h6kv2", seed=1, num_attention_heads=6, num_key_value_heads=2,
+        hidden_size=48,
+    )  # fmt: skip
+    with pytest.raises(
+        ValueError, match=r"cannot split the model's 2 KV heads: tp=3 is not a multiple"
+    ):
+        RayGroup(engine_config(many_heads, **OPTIONS), RayGroupConfig(tensor_parallel_size=3))
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        LLM(str(model_dirs["kv2"]), tensor_parallel_size=0)
+
+
+# ---- exactness at every TP size --------------------------------------------------------
+@pytest.mark.parametrize("name", ["kv4", "kv2", "kv1"])
+def test_tp2_equals_tp1_and_transformers_with_prefix_hits_and_preemption(name, groups, expected):
+    by_name, llm = groups
+    prompts, want, tp1 = expected[name]
+    if name == "kv1":  # through pagefleet.LLM(tensor_parallel_size=2)
+        rounds = [[o.token_ids for o in llm.generate(prompts, GREEDY)] for _ in range(2)]
+    else:
+        rounds = [asyncio.run(stream_all(by_name[name], prompts)) for _ in range(2)]
+    assert rounds[0] == rounds[1] == want == tp1[0] == tp1[1]
+    assert len({tuple(t) for t in want}) > 1
+    s = settled_stats(by_name[name])
+    assert s["preemptions"] > 0 and s["prefix_cache_hits"] > 0, s
+    assert s["blocks_free"] == s["blocks_total"] and s["running"] == s["waiting"] == 0
+
+
+def test_tp4_with_replicated_kv_heads(groups, expected):
+    prompts, want, _ = expected["kv2"]
+    assert asyncio.run(stream_all(groups[0]["kv2-tp4"], prompts)) == want
+
+
+def test_two_groups_on_two_nodes_serve_at_once(ray_runtime, groups, expected):
+    a, b = groups[0]["kv4"], groups[0]["kv2"]
+    node_a, node_b = map(node_of, ray_runtime.node_labels)
+    assert node_a != node_b
+    assert set(a.node_ids) == {node_a} and set(b.node_ids) == {node_b}
+    assert a.status().devices == (f"cpu@{node_a}",) * 2
+
+    async def both():
+        return await asyncio.gather(
+            stream_all(a, expected["kv4"][0]), stream_all(b, expected["kv2"][0])
+        )
+
+    got_a, got_b = asyncio.run(both())
+    assert got_a == expected["kv4"][1] and got_b == expected["kv2"][1]
+    assert a.status().alive and b.status().alive
+
+
+def test_leaving_a_stream_early_aborts_and_bad_requests_fail_alone(groups):
+    group = groups[0]["kv4"]
+    long = SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True)
+
+    async def leave_early():
+        stream = group.generate(GenerationRequest(prompts_of([8], seed=5)[0], long))
+        async for out in stream:
+            if len(out.token_ids) >= 2:
+                break
+        await stream.aclose()
+        with pytest.raises(ValueError, match="over the model's context"):
+            await stream_all(group, prompts_of([40], seed=6), long)
+
+    asyncio.run(leave_early())
+    s = settled_stats(group)
+    assert s["running"] == s["waiting"] == 0 and s["blocks_free"] == s["blocks_total"], s
+    assert group.status().alive
+
+
+def test_per_device_kv_bytes_equal_the_planner(groups, model_dirs):
+    for key, name, tp in [("kv4", "kv4", 2), ("kv2", "kv2", 2), ("kv2-tp4", "kv2", 4), ("kv1", "kv1", 2)]:  # fmt: skip
+        group = groups[0][key]
+        shape = KVShape.from_hf_config(model_dirs[name], kv_dtype="float32", block_size=8)
+        per_rank = [r["kv_bytes_per_token"] for r in group.ranks]
+        assert per_rank == [shape.bytes_per_token(tp)] * tp, (key, per_rank)
+        stats = group.engine_stats()
+        assert stats["kv_pool_bytes"] == stats["blocks_total"] * shape.block_bytes(tp)
+    # sharded heads shrink each device's share; replicated ones cannot go below one head
+    assert KVShape.from_hf_config(model_dirs["kv4"], "float32", 8).bytes_per_token(2) * 2 == (
+        KVShape.from_hf_config(model_dirs["kv4"], "float32", 8).bytes_per_token(1)
+    )
+
+
+# ---- health ----------------------------------------------------------------------------
+def test_a_hung_rank_is_found_by_the_collective_timeout(groups, expected):
+    group = groups[0]["kv2-tp4"]
+    prompt = expected["kv2"][0][0]
+    pid = group.ranks[3]["pid"]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(EngineDeadError, match="tensor-parallel group failed"):
+            asyncio.run(asyncio.wait_for(stream_all(group, [prompt]), 120))
+        elapsed = time.monotonic() - t0
+        assert elapsed < HANG_TIMEOUT_S + 20, elapsed
+        status = group.status()
+        assert not status.alive and "tensor-parallel group failed" in status.error
+        with pytest.raises(EngineDeadError):  # a dead group refuses new work at once
+            asyncio.run(stream_all(group, [prompt]))
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    group.shutdown()
+
+
+def test_a_rank_that_dies_fails_in_flight_requests_at_once(groups):
+    group = groups[0]["kv1"]
+    long = SamplingParams(temperature=0.0, max_tokens=88, ignore_eos=True)
+    pid = group.ranks[1]["pid"]
+
+    async def run():
+        stream = group.generate(GenerationRequest(prompts_of([8], seed=99)[0], long))
+        first = await stream.__anext__()  # prefilled: the request is in flight
+        assert not first.finished
+        os.kill(pid, signal.SIGSTOP)  # rank 0 now waits inside the next step...
+        await asyncio.sleep(0.5)
+        os.kill(pid, signal.SIGKILL)  # ...when rank 1 crashes
+        killed = time.monotonic()
+        with pytest.raises(EngineDeadError, match="tensor-parallel group failed"):
+            async for _ in stream:
+                pass
+        return time.monotonic() - killed
+
+    assert asyncio.run(asyncio.wait_for(run(), 120)) < 15  # not the 60 s collective timeout
+    deadline = time.monotonic() + 15
+    while group.status().alive and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not group.status().alive and group.status().error
+    group.shutdown()
+    assert not group.status().alive

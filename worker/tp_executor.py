@@ -1,0 +1,111 @@
+"""Rank 0's executor of a tensor-parallel group: each step goes to the other ranks, then runs here.
+
+The step travels as one broadcast on the group's gloo channel (worker/step_codec.py: new
+requests whole, running ones as diffs), never as a remote call per step; then rank 0 runs its
+own shard, whose collectives meet the other ranks' inside the forward pass. When the group is
+idle, a heartbeat (a message and a barrier) every `heartbeat_s` keeps the other ranks' receive
+under the collective timeout and finds a dead or hung rank within `heartbeat_s + timeout`.
+A collective that fails or times out raises `GroupFailedError`: the engine loop then stops and
+fails its in-flight requests.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import time
+
+from worker.distributed import ByteChannel, Collectives, startup_barrier
+from worker.executor import DeviceWorker, Executor
+from worker.model_runner import Sampled
+from worker.scheduler import SchedulerOutput
+from worker.step_codec import HEARTBEAT, SHUTDOWN, StepEncoder, probe_message
+
+TIMINGS_KEPT = 4096  # steps of control-overhead samples kept for the benchmark
+
+
+class GroupFailedError(RuntimeError):
+    """A rank of the group died or stopped answering (a collective failed or timed out)."""
+
+
+class TPExecutor(Executor):
+    """Runs the scheduler's steps on every rank of the group; this process is rank 0."""
+
+    def __init__(
+        self,
+        config,
+        comm: Collectives,
+        channel: ByteChannel,
+        heartbeat_s: float = 1.0,
+    ) -> None:
+        if comm.rank != 0:
+            raise ValueError(f"TPExecutor runs on rank 0, not rank {comm.rank}")
+        self.worker = DeviceWorker(config, comm)
+        startup_barrier()
+        self.model_config = self.worker.model_config
+        self.layout = self.worker.layout
+        self.channel = channel
+        self.world_size = comm.world_size
+        self.heartbeat_s = heartbeat_s
+        self.encoder = StepEncoder()
+        self._last_sent = time.monotonic()
+        self._closed = False
+        # (scheduled requests, seconds from the scheduler's decision to this rank's forward)
+        self.timings: collections.deque[tuple[int, float]] = collections.deque(maxlen=TIMINGS_KEPT)
+
+    def determine_num_blocks(self) -> int:
+        local = self.worker.determine_num_blocks()
+        return self._collective(self.channel.all_reduce_min, local)
+
+    def init_pool(self, num_blocks: int) -> None:
+        self.worker.init_pool(num_blocks)
+
+    def execute(self, out: SchedulerOutput) -> Sampled:
+        decided = time.perf_counter()
+        self._collective(self.channel.send, self.encoder.encode(out, decided))
+        self._last_sent = time.monotonic()
+        if not out.is_empty:
+            self.timings.append((len(out.scheduled), time.perf_counter() - decided))
+        return self._collective(self.worker.execute, out)
+
+    def keepalive(self) -> None:
+        """Called while idle: a heartbeat round trip when nothing was sent for heartbeat_s."""
+        if self._closed or time.monotonic() - self._last_sent < self.heartbeat_s:
+            return
+        self._collective(self.channel.send, HEARTBEAT)
+        self._collective(self.channel.barrier)
+        self._last_sent = time.monotonic()
+
+    def probe_broadcast(self, rounds: int) -> float:
+        """Seconds of one small broadcast on the step channel: `rounds` ping-pongs (rank 0 to
+        all, then the last rank to all) halved, on the same transport as the steps."""
+        self._collective(self.channel.send, probe_message(rounds))
+        tiny = self.channel.probe_tensor()
+        t0 = time.perf_counter()
+        for _ in range(rounds):
+            self.channel.broadcast(tiny, src=0)
+            self.channel.broadcast(tiny, src=self.world_size - 1)
+        self._last_sent = time.monotonic()
+        return (time.perf_counter() - t0) / (2 * rounds)
+
+    @property
+    def pool_bytes(self) -> int:
+        return self.worker.pool.total_bytes if self.worker.pool else 0
+
+    def shutdown(self) -> None:
+        """Tell the other ranks to leave their loops (best effort: they may be gone)."""
+        if self._closed:
+            return
+        self._closed = True
+        with contextlib.suppress(Exception):  # a dead rank cannot hear it; nothing else to do
+            self.channel.send(SHUTDOWN)
+
+    def _collective(self, fn, *args):
+        try:
+            return fn(*args)
+        except RuntimeError as e:  # gloo / NCCL: peer closed the connection, or timed out
+            self._closed = True
+            raise GroupFailedError(
+                f"a rank of the tensor-parallel group failed or stopped answering "
+                f"({self.world_size} ranks): {e}"
+            ) from e

@@ -1,0 +1,79 @@
+"""The loop of a tensor-parallel rank other than 0: receive a step, run its shard, repeat.
+
+Such a rank owns no scheduler: it mirrors the running requests from rank 0's messages
+(worker/step_codec.py) and runs the same forward pass with `sample=False`, so its collectives
+meet rank 0's. A heartbeat answers with a barrier; a shutdown message ends the loop; a
+collective that fails or times out (rank 0 gone or hung) ends it with `GroupFailedError`.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+
+from worker.distributed import ByteChannel, Collectives, startup_barrier
+from worker.executor import DeviceWorker
+from worker.step_codec import HEARTBEAT, PROBE, SHUTDOWN, STEP, StepDecoder, probe_rounds
+from worker.tp_executor import TIMINGS_KEPT, GroupFailedError
+
+
+class TPWorker:
+    """One rank > 0 of a group: its shard of the model and pool, driven by rank 0's steps."""
+
+    def __init__(self, config, comm: Collectives, channel: ByteChannel) -> None:
+        if comm.rank == 0:
+            raise ValueError("rank 0 runs the engine (TPExecutor), not a TPWorker")
+        self.worker = DeviceWorker(config, comm)
+        startup_barrier()
+        self.layout = self.worker.layout
+        self.channel = channel
+        self.world_size = comm.world_size
+        self.decoder = StepDecoder()
+        self.steps = 0
+        # (scheduled requests, seconds from rank 0's decision to this rank's forward)
+        self.timings: collections.deque[tuple[int, float]] = collections.deque(maxlen=TIMINGS_KEPT)
+
+    def init_pool(self) -> int:
+        """Agree with rank 0 on the group's block count (the smallest over ranks); allocate."""
+        try:
+            num_blocks = self.channel.all_reduce_min(self.worker.determine_num_blocks())
+        except RuntimeError as e:
+            raise GroupFailedError(f"rank {self._rank} could not agree on the pool: {e}") from e
+        self.worker.init_pool(num_blocks)
+        return num_blocks
+
+    def run(self) -> int:
+        """Serve steps until rank 0 says shutdown; returns the number of steps run."""
+        handlers = {STEP: self._step, HEARTBEAT: self._heartbeat, PROBE: self._probe}
+        while True:
+            try:
+                message = self.channel.recv()
+                kind = message[:1]
+                if kind == SHUTDOWN:
+                    return self.steps
+                handlers[kind](message)
+            except RuntimeError as e:  # gloo / NCCL: rank 0 gone, a peer gone, or a timeout
+                raise GroupFailedError(
+                    f"rank {self._rank} of {self.world_size} lost its group after "
+                    f"{self.steps} steps: {e}"
+                ) from e
+
+    def _step(self, message: bytes) -> None:
+        out, decided = self.decoder.decode(message)
+        if not out.is_empty:
+            self.timings.append((len(out.scheduled), time.perf_counter() - decided))
+        self.worker.execute(out, sample=False)
+        self.steps += 1
+
+    def _heartbeat(self, message: bytes) -> None:
+        self.channel.barrier()
+
+    def _probe(self, message: bytes) -> None:
+        tiny = self.channel.probe_tensor()
+        for _ in range(probe_rounds(message)):
+            self.channel.broadcast(tiny, src=0)
+            self.channel.broadcast(tiny, src=self.world_size - 1)
+
+    @property
+    def _rank(self) -> int:
+        return self.channel.rank
