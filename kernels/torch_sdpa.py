@@ -2,9 +2,9 @@
 
 Same signature and semantics as `kernels.torch_ref.paged_attention_torch` (the reference it is
 tested against), but fast enough to serve from: decodes (one query token per sequence) are
-gathered into one padded batch and attended with batched matmuls; prefill chunks run through
-`torch.nn.functional.scaled_dot_product_attention` per sequence, causal against their cached
-context.
+grouped by context length, gathered per group and attended in one fused
+`torch.nn.functional.scaled_dot_product_attention` call with a padding mask; prefill chunks run
+through the same fused call per sequence, causal against their cached context.
 """
 
 from __future__ import annotations
@@ -90,21 +90,24 @@ def _decode_bucket(
     query, key_cache, value_cache, block_tables, starts, lens, part, scale, out
 ) -> None:
     _, block_size, kvh, d = key_cache.shape
-    heads = query.shape[1]
-    group = heads // kvh
+    n, heads = len(part), query.shape[1]
     part_lens = torch.tensor([lens[s] for s in part], device=query.device)
-    longest = int(part_lens.max())
-    nb = (longest + block_size - 1) // block_size
-    tables = block_tables[part, :nb].long()  # (S, nb)
-    k = key_cache[tables].reshape(len(part), nb * block_size, kvh, d)  # (S, L, kvh, d)
-    v = value_cache[tables].reshape(len(part), nb * block_size, kvh, d)
+    nb = (int(part_lens.max()) + block_size - 1) // block_size
+    blocks = block_tables[part, :nb].reshape(-1).long()  # (S * nb,)
+    # (S, kvh, L, d) views of the gathered blocks: SDPA reads them strided, without a copy
+    k = key_cache.index_select(0, blocks).view(n, nb * block_size, kvh, d).permute(0, 2, 1, 3)
+    v = value_cache.index_select(0, blocks).view(n, nb * block_size, kvh, d).permute(0, 2, 1, 3)
     rows = torch.tensor([starts[s] for s in part], device=query.device)
-    q = query[rows].view(len(part), kvh, group, d).float()  # (S, kvh, g, d)
-    scores = torch.einsum("skgd,slkd->skgl", q, k.float()) * scale  # (S, kvh, g, L)
-    pad = (
-        torch.arange(nb * block_size, device=query.device)[None, :] >= part_lens[:, None]
+    q = query[rows].view(n, heads, 1, d)  # (S, h, 1, d)
+    valid = (
+        torch.arange(nb * block_size, device=query.device)[None, :] < part_lens[:, None]
     )  # (S, L)
-    scores.masked_fill_(pad[:, None, None, :], float("-inf"))
-    probs = scores.softmax(dim=-1)
-    o = torch.einsum("skgl,slkd->skgd", probs, v.float())  # (S, kvh, g, d)
-    out[rows] = o.reshape(len(part), heads, d).to(out.dtype)
+    o = F.scaled_dot_product_attention(
+        q,
+        k.to(q.dtype),
+        v.to(q.dtype),
+        attn_mask=valid[:, None, None, :],
+        scale=scale,
+        enable_gqa=True,
+    )  # (S, h, 1, d)
+    out[rows] = o.view(n, heads, d).to(out.dtype)
