@@ -94,18 +94,20 @@ def _decode_bucket(
     part_lens = torch.tensor([lens[s] for s in part], device=query.device)
     nb = (int(part_lens.max()) + block_size - 1) // block_size
     blocks = block_tables[part, :nb].reshape(-1).long()  # (S * nb,)
-    # (S, kvh, L, d) views of the gathered blocks: SDPA reads them strided, without a copy
-    k = key_cache.index_select(0, blocks).view(n, nb * block_size, kvh, d).permute(0, 2, 1, 3)
-    v = value_cache.index_select(0, blocks).view(n, nb * block_size, kvh, d).permute(0, 2, 1, 3)
+    length = nb * block_size
+    valid = torch.arange(length, device=query.device)[None, :] < part_lens[:, None]  # (S, L)
+    k = key_cache.index_select(0, blocks).view(n, length, kvh, d)  # a gathered copy
+    v = value_cache.index_select(0, blocks).view(n, length, kvh, d)
+    # Slots past a sequence's end hold whatever their last writer left; a masked score still
+    # multiplies its value (0 x NaN is NaN), so clear them in the copy.
+    k[~valid] = 0
+    v[~valid] = 0
     rows = torch.tensor([starts[s] for s in part], device=query.device)
     q = query[rows].view(n, heads, 1, d)  # (S, h, 1, d)
-    valid = (
-        torch.arange(nb * block_size, device=query.device)[None, :] < part_lens[:, None]
-    )  # (S, L)
     o = F.scaled_dot_product_attention(
         q,
-        k.to(q.dtype),
-        v.to(q.dtype),
+        k.permute(0, 2, 1, 3).to(q.dtype),  # (S, kvh, L, d), read strided without a copy
+        v.permute(0, 2, 1, 3).to(q.dtype),
         attn_mask=valid[:, None, None, :],
         scale=scale,
         enable_gqa=True,

@@ -342,7 +342,9 @@ def test_namespaces_keep_models_apart(redis_server):
 
 
 def test_inventory_stats_measure_bytes_per_block(redis_server):
-    index = RedisPrefixIndex.from_url(redis_server.url, "stats", "m1")
+    # A long TTL: on a loaded machine the keys must not expire between the calls below.
+    config = PrefixIndexConfig(heartbeat_ttl_s=600.0)
+    index = RedisPrefixIndex.from_url(redis_server.url, "stats", "m1", config)
     admin = redis.Redis.from_url(redis_server.url)
     c = chain(4000)
     before = admin.info("memory")["used_memory"]
@@ -352,8 +354,11 @@ def test_inventory_stats_measure_bytes_per_block(redis_server):
     grown = admin.info("memory")["used_memory"] - before
     stats = index.inventory_stats()
     assert (stats.entries, stats.blocks, stats.groups) == (6000, 4000, 2)
-    # MEMORY USAGE of the keys agrees with the allocator's growth within a factor of two.
-    assert 0.5 < stats.bytes_total / grown < 2.0, (stats, grown)
+    # MEMORY USAGE of the keys agrees with the allocator's growth within a factor of 2.5 (the
+    # growth also holds the sets' rehash tables and allocator slack); a 16-byte hash cannot
+    # cost less than 16 bytes.
+    assert 0.4 < stats.bytes_total / grown < 2.5, (stats, grown)
+    assert 16 <= stats.bytes_per_block <= 256
     line = {"bench": "redis_prefix_index_memory", "entries": stats.entries}
     line |= {"bytes_per_block": round(stats.bytes_per_block, 1)}
     line |= {"used_memory_delta_per_block": round(grown / stats.entries, 1)}

@@ -84,3 +84,15 @@ def test_decode_slices_when_the_gather_budget_is_small(monkeypatch):
         atol=1e-5,
         rtol=1e-5,
     )
+
+
+def test_stale_slots_past_the_end_are_never_read():
+    """Unused slots of a sequence's last block may hold anything, NaN included."""
+    query, k_cache, v_cache, tables, qsl, seq_lens = make_batch([1, 1, 5], [5, 21, 9], 4, 2)
+    want = paged_attention_torch(query, k_cache, v_cache, tables, qsl, seq_lens, scale=0.3)
+    for s, n in enumerate(seq_lens.tolist()):
+        last = tables[s, (n - 1) // 16]
+        k_cache[last, n % 16 or 16 :] = float("nan")
+        v_cache[last, n % 16 or 16 :] = float("nan")
+    got = paged_attention_sdpa(query, k_cache, v_cache, tables, qsl, seq_lens, scale=0.3)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
