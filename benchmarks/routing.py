@@ -114,6 +114,7 @@ def run_latency(args, server: RedisServer, n_groups: int, cost: CostModel) -> di
     router = make_router(groups, index, hasher, args.block_size, "prefix_aware", cost)
     out = {"latency_groups": n_groups, "index": "redis", "blocks_per_group": args.blocks}
     out.update(decision_latency(router, doc, hasher))
+    router.pending.flush()
     index.close()
     return out
 
@@ -186,6 +187,7 @@ def run_sim(args, policy_name: str, server: RedisServer | None, cost: CostModel)
     extra = {"prefill": {g.group_id: g.prefill_tokens for g in groups}, "mode": "sim", "index": args.index, "groups": args.groups, "wall_s": round(wall, 1)}  # fmt: skip
     if server is not None:
         extra.update(decision_latency(router, last_doc[0], hasher, n=40))
+    router.pending.flush()
     for g in groups:
         g.shutdown()
     index.close()
@@ -229,6 +231,7 @@ def run_real(args, policy_name: str, server: RedisServer, cost: CostModel) -> di
     extra = {"prefill": prefill, "mode": "real", "groups": args.groups}
     docs = [r.prompt_token_ids[: r.doc_tokens] for r in reqs if r.doc]
     extra.update(decision_latency(router, docs[-1] if docs else [], hasher, n=20))
+    router.pending.flush()
     for g in groups:
         g.shutdown()
     index.close()

@@ -134,6 +134,10 @@ class PrefixIndex(ABC):
     hashes are the 16-byte chain hashes of worker/hashing.py.
     """
 
+    # True when calls are as cheap as a dict update (no round trip), so a router need not keep
+    # its own copy of its pending placements nor write them in the background.
+    in_process: bool = False
+
     @abstractmethod
     def register_group(self, group_id: str) -> int:
         """Start a new registration of `group_id`; returns its epoch, larger than any before.
@@ -179,6 +183,21 @@ class PrefixIndex(ABC):
         """Release connections; the index is unusable afterwards."""
 
 
+# Pending placements are kept (and `RedisPrefixIndex.match` probes chains) at these positions.
+PROBE_DENSE = 32  # every block up to here: short chains and gaps near the head are exact
+PROBE_STRIDE = 32  # then every STRIDE-th block
+
+
+def probe_positions(n: int) -> list[int]:
+    """0-based positions of an n-block chain kept for pending placements and probed first by
+    the Redis match: every block up to PROBE_DENSE, then every PROBE_STRIDE-th, then the last."""
+    pos = list(range(min(n, PROBE_DENSE)))
+    pos += range(PROBE_DENSE + PROBE_STRIDE - 1, n, PROBE_STRIDE)
+    if n and pos[-1] != n - 1:
+        pos.append(n - 1)
+    return pos
+
+
 def leading_count(chain: Sequence[bytes], holds: Callable[[bytes], bool]) -> int:
     """How many leading hashes of `chain` satisfy `holds`; the first miss ends the count."""
     # takewhile + a bound method run the loop in C: ~25 ns a hash instead of ~80.
@@ -203,6 +222,8 @@ class _Registration:
 
 class InMemoryPrefixIndex(PrefixIndex):
     """The prefix index of one process: dicts under a lock, liveness by clock deadlines."""
+
+    in_process = True
 
     def __init__(
         self,

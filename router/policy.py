@@ -163,9 +163,7 @@ class PrefixAware(Policy):
         work = status.pending_prefill_tokens + new_tokens
         steps = math.ceil(work / self.config.max_num_batched_tokens)
         ttft = work * c.prefill_token_s + steps * (c.step_s + status.running * c.decode_seq_s)
-        # Blocks with no content and no reference; cached ones are counted as taken.
-        empty = max(0, status.blocks_free - status.blocks_cached)
-        evicted = max(0, math.ceil(new_tokens / bs) - empty)
+        evicted = max(0, math.ceil(new_tokens / bs) - _empty(status))
         requests = status.running + status.waiting
         neighbours = self.config.request_weight * requests * self.config.decode_tokens * c.decode_seq_s  # fmt: skip
         return ttft + self.config.eviction_weight * evicted * bs * c.prefill_token_s + neighbours
@@ -220,6 +218,11 @@ class Demand:
                 k: (c, a) for k, (c, a) in self._counts.items() if c * self.decay ** (self._n - a) > floor
             }  # fmt: skip
         return count / self.window
+
+
+def _empty(status: GroupStatus) -> int:
+    """Blocks with no content and no reference; cached ones are counted as taken."""
+    return max(0, status.blocks_free - status.blocks_cached)
 
 
 def _rank(key: bytes, group_id: str) -> bytes:

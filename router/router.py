@@ -2,9 +2,10 @@
 
 For each request it tokenizes (applying the chat template for chat messages, exactly as the
 engine would render them), computes the block hashes once with the same keyed function the
-groups use, asks the placement policy for a group, records the choice as pending in the prefix
-index, forwards the request with its hashes, and streams the results back. A group that fails
-before the first token is retried on another group.
+groups use, asks the placement policy for a group, records the choice as pending (in the
+router's own table at once, in the shared prefix index in the background), forwards the
+request with its hashes, and streams the results back. A group that fails before the first
+token is retried on another group.
 """
 
 from __future__ import annotations
@@ -12,12 +13,19 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import threading
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from cluster.group import GroupHandle, GroupStatus
-from cluster.prefix_index import PrefixIndex, PrefixIndexError
+from cluster.prefix_index import (
+    GroupMatch,
+    PrefixIndex,
+    PrefixIndexConfig,
+    PrefixIndexError,
+    probe_positions,
+)
 from router.policy import Placement, Policy, make_policy
 from worker.async_engine import EngineDeadError, GenerationRequest
 from worker.hashing import BlockHasher
@@ -68,6 +76,154 @@ class RouteRecord:
     decision_seconds: float = 0.0
 
 
+class PendingPlacements:
+    """This router's recent placements, seen by its own next decisions at once and written to
+    the shared index in the background, off the request's path.
+
+    A local table keeps each placed chain for the index's pending TTL, so a burst from this
+    router sees its own earlier placements immediately. One writer thread drains a bounded,
+    coalescing queue (one write per distinct (group, chain)) into `index.record_pending`; other
+    routers therefore see a placement a moment (one write's round trip) after it was made.
+    Write errors are logged once per run of failures and never reach the caller; a full queue
+    drops the write (the local table still has it). An in-process index is its own local
+    table: it is written at once and nothing else is kept.
+    """
+
+    def __init__(
+        self,
+        index: PrefixIndex,
+        ttl_s: float | None = None,
+        max_queued: int = 1024,
+        idle_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        config = getattr(index, "config", None) or PrefixIndexConfig()
+        self.index = index
+        self.ttl_s = config.pending_ttl_s if ttl_s is None else ttl_s
+        self.max_queued = max_queued
+        self.idle_s = idle_s  # the writer thread exits after this long without work
+        self._clock = clock
+        self._lock = threading.Condition()
+        # group -> block hash -> deadline, in two generations: a placement goes into `_current`,
+        # which becomes `_previous` after a TTL and is dropped after another (no sweeps).
+        self._current: dict[str, dict[bytes, float]] = {}
+        self._previous: dict[str, dict[bytes, float]] = {}
+        self._rotate_at = clock() + self.ttl_s
+        self._queue: dict[tuple[str, bytes], Sequence[bytes]] = {}  # insertion-ordered
+        self._writing = False
+        self._writer: threading.Thread | None = None
+        self._failing = False
+
+    def record(self, group_id: str, block_hashes: Sequence[bytes]) -> None:
+        """Count the chain as pending on the group here now, and in the shared index soon."""
+        if not block_hashes:
+            return
+        if self.index.in_process:
+            with contextlib.suppress(PrefixIndexError):
+                self.index.record_pending(group_id, block_hashes)
+            return
+        now = self._clock()
+        with self._lock:
+            if now >= self._rotate_at:
+                self._previous, self._current = self._current, {}
+                self._rotate_at = now + self.ttl_s
+            # Only the probe positions (96 of a 2048-block chain), as the Redis index keeps.
+            probed = [block_hashes[p] for p in probe_positions(len(block_hashes))]
+            self._current.setdefault(group_id, {}).update(dict.fromkeys(probed, now + self.ttl_s))
+            key = (group_id, block_hashes[-1])  # chained hashes: the last one names the chain
+            if key in self._queue or len(self._queue) < self.max_queued:
+                self._queue[key] = block_hashes
+            else:
+                self._log_once("pending-placement queue is full; dropping a shared write")
+            if self._writer is None:
+                self._writer = threading.Thread(target=self._drain, name="pending-writer", daemon=True)  # fmt: skip
+                self._writer.start()
+            self._lock.notify()
+
+    def overlay(
+        self, block_hashes: Sequence[bytes], matches: Mapping[str, GroupMatch]
+    ) -> dict[str, GroupMatch]:
+        """`matches` with each group's pending blocks raised to this router's own placements."""
+        out = dict(matches)
+        if self.index.in_process or not block_hashes:
+            return out
+        now, probed = self._clock(), None
+        with self._lock:
+            for gid in self._current.keys() | self._previous.keys():
+                m = out.get(gid)
+                if m is None:
+                    continue
+                cur, prev = self._current.get(gid, {}), self._previous.get(gid, {})
+                if block_hashes[0] not in cur and block_hashes[0] not in prev:
+                    continue  # the usual case: another document
+                if probed is None:
+                    pos = probe_positions(len(block_hashes))
+                    probed = [block_hashes[p] for p in pos]
+                k = _leading(probed, _unexpired(cur, prev, now))
+                mine = pos[k - 1] + 1 if k else 0
+                if mine > m.pending_blocks:
+                    out[gid] = replace(m, pending_blocks=mine)
+        return out
+
+    def flush(self, timeout_s: float = 5.0) -> bool:
+        """Wait until every queued write reached the index (or failed); False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            while self._queue or self._writing:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._lock.wait(min(left, 0.05))
+        return True
+
+    def _drain(self) -> None:
+        while True:
+            with self._lock:
+                self._writing = False
+                self._lock.notify_all()
+                if not self._queue:
+                    self._lock.wait(self.idle_s)
+                if not self._queue:
+                    self._writer = None
+                    return
+                batch, self._queue = self._queue, {}
+                self._writing = True
+            for (gid, _), hashes in batch.items():
+                self._write(gid, hashes)
+
+    def _write(self, group_id: str, block_hashes: Sequence[bytes]) -> None:
+        try:
+            self.index.record_pending(group_id, block_hashes, self.ttl_s)
+            self._failing = False
+        except Exception as e:  # noqa: BLE001  (a background write must never kill the writer)
+            self._log_once(f"pending placements not shared ({type(e).__name__}: {e})")
+
+    def _log_once(self, message: str) -> None:
+        if not self._failing:
+            self._failing = True
+            log.warning("%s; further failures are not logged until a write succeeds", message)
+
+
+def _unexpired(cur: dict, prev: dict, now: float) -> Callable[[bytes], bool]:
+    return lambda h: max(cur.get(h, 0.0), prev.get(h, 0.0)) > now
+
+
+def _leading(hashes: Sequence[bytes], pending: Callable[[bytes], bool]) -> int:
+    """How many leading `hashes` (a chain's probe positions, in order) are `pending`, by binary
+    search. A chain hash covers every block before it, so a recorded hash implies the probes
+    before it were recorded with a deadline at least as late: `pending` holds for a prefix."""
+    if not hashes or not pending(hashes[0]):
+        return 0
+    lo, hi = 1, len(hashes)  # pending(hashes[lo - 1]); every position >= hi + 1 fails
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if pending(hashes[mid - 1]):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
 class Router:
     """Places requests on groups by prefix and load; see the module docstring."""
 
@@ -96,6 +252,7 @@ class Router:
         # Prompt tokens this router sent to each group that have not produced a first token:
         # a group's own load report lags by up to a step, and a burst must not all see it idle.
         self._in_flight: dict[str, int] = {}
+        self.pending = PendingPlacements(index)
 
     # ---- input -------------------------------------------------------------------------
     def tokenize(self, request: RouteRequest) -> list[int]:
@@ -152,7 +309,8 @@ class Router:
         return out
 
     def place(self, block_hashes: Sequence[bytes], exclude: set[str] = frozenset()) -> Placement:
-        """Choose a group for a prompt's hash chain (one index round trip)."""
+        """Choose a group for a prompt's hash chain (one index round trip; the pending record
+        reaches the shared index in the background, see PendingPlacements)."""
         statuses = {gid: s for gid, s in self.live_statuses().items() if gid not in exclude}
         if not statuses:
             raise NoGroupAvailableError("no live worker group is available")
@@ -162,10 +320,9 @@ class Router:
                 matches = self.index.match(block_hashes)
         except PrefixIndexError as e:  # route on load alone rather than refuse
             log.warning("prefix index unavailable (%s); placing by load", e)
+        matches = self.pending.overlay(block_hashes, matches)
         placement = self.policy.choose(block_hashes, statuses, matches)
-        if block_hashes:
-            with contextlib.suppress(PrefixIndexError):
-                self.index.record_pending(placement.group_id, block_hashes)
+        self.pending.record(placement.group_id, block_hashes)
         return placement
 
     # ---- one request -------------------------------------------------------------------

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from cluster.group import GroupStatus
 from cluster.prefix_index import GroupMatch
+from cluster.redis_index import RedisPrefixIndex
 from router.policy import PrefixAware, PrefixAwareConfig, make_policy
+from router.router import PendingPlacements
+from tests.redis_server import RedisServer
 from worker.hashing import BlockHasher, ModelFingerprint
 
 HASHER = BlockHasher(b"policy-secret", ModelFingerprint("m", block_size=16))
@@ -100,3 +105,49 @@ def test_a_hot_prefix_gets_replicas_in_proportion_to_its_demand():
     assert (p.reason, p.cached_blocks) == ("spill", 0) and p.group_id != "a"
     matches = {g: match(g, 100) for g in "abcd"}  # every group holds it: back to hits
     assert policy.choose(hot, statuses, matches).reason == "prefix_hit"
+
+
+@pytest.fixture(scope="module")
+def redis_server():
+    with RedisServer() as server:
+        yield server
+
+
+def test_a_routers_own_placements_count_at_once_and_reach_others_soon(redis_server):
+    group_side, router_a, router_b = (
+        RedisPrefixIndex.from_url(redis_server.url, "own", "m1") for _ in range(3)
+    )
+    c = chain(100)
+    for gid in ("g0", "g1"):
+        group_side.register_group(gid)
+    pending = PendingPlacements(router_a, ttl_s=30.0)
+    pending.record("g1", c)
+    nothing = {g: GroupMatch(g, 1, 0, 0, None) for g in ("g0", "g1")}  # as if not written yet
+    seen = pending.overlay(c, nothing)
+    assert (seen["g1"].pending_blocks, seen["g0"].pending_blocks) == (100, 0)
+    assert pending.overlay(chain(5, first=9), {}) == {}
+    assert pending.flush(timeout_s=5.0)
+    assert router_b.match(c)["g1"].pending_blocks == 100  # the shared write, a moment later
+    # Past the first 32 blocks the table keeps every 32nd, as the shared index does.
+    longer = chain(110)
+    assert longer[:100] == c
+    assert pending.overlay(longer, nothing)["g1"].pending_blocks == 96
+    assert router_b.match(longer)["g1"].pending_blocks == 96
+
+
+def test_pending_writes_never_raise_and_log_one_warning(caplog):
+    server = RedisServer()
+    server.start()
+    index = RedisPrefixIndex.from_url(server.url, "down", "m1", socket_timeout_s=0.2)
+    index.register_group("g0")
+
+    pending = PendingPlacements(index)
+    server.stop()
+    with caplog.at_level(logging.WARNING):
+        for i in range(3):
+            pending.record("g0", chain(4, first=i))
+            assert pending.flush(timeout_s=5.0)
+    warnings = [r for r in caplog.records if "pending placements not shared" in r.message]
+    assert len(warnings) == 1
+    m = pending.overlay(chain(4, first=2), {"g0": GroupMatch("g0", 1, 0, 0, None)})
+    assert m["g0"].pending_blocks == 4  # the local table still has it

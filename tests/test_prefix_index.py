@@ -271,6 +271,30 @@ def test_match_is_one_round_trip(redis_server):
     assert evalsha_after - evalsha_before == 1
 
 
+def test_match_reads_every_group_in_bulk_and_skips_empty_pending_sets(redis_server):
+    index = RedisPrefixIndex.from_url(redis_server.url, "bulk", "m1")
+    admin = redis.Redis.from_url(redis_server.url)
+    c = chain(8)
+    for i in range(4):
+        index.register_group(f"g{i}")
+
+    def commands_in_match() -> dict[str, int]:
+        def calls():
+            stats = admin.info("commandstats")
+            return {k: stats.get(f"cmdstat_{k}", {}).get("calls", 0) for k in ("get", "mget", "smismember", "zmscore")}  # fmt: skip
+
+        before = calls()
+        index.match(c)
+        return {k: v - before[k] for k, v in calls().items()}
+
+    index.match(c)  # warm: script loading
+    # Groups holding none of the chain and nothing pending: one SMISMEMBER each, no ZMSCORE.
+    assert commands_in_match() == {"get": 0, "mget": 2, "smismember": 4, "zmscore": 0}
+    index.record_pending("g1", c)
+    assert commands_in_match()["zmscore"] >= 1
+    assert index.match(c)["g1"].pending_blocks == 8
+
+
 def test_publisher_survives_redis_going_down_and_republishes(caplog):
     c = chain(6)
     cache: set[bytes] = set()
@@ -324,7 +348,8 @@ def test_a_dead_groups_keys_expire_by_themselves(redis_server):
         return sorted(k.decode() for k in index.client.scan_iter(match="pf:keys:m1:*"))
 
     assert keys() == [
-        f"pf:keys:m1:{k}" for k in ("epochs", "groups", "hb:g0", "inv:g0", "load:g0", "pend:g0")
+        f"pf:keys:m1:{k}"
+        for k in ("epochs", "groups", "hb:g0", "inv:g0", "load:g0", "pend:g0", "pending")
     ]
     assert wait_until(lambda: keys() == ["pf:keys:m1:epochs", "pf:keys:m1:groups"], 3.0)
     assert index.match(c) == {}
