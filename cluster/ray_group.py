@@ -14,6 +14,13 @@ driver thread routes to the callers' asyncio queues. (A streaming generator per 
 simpler but carried one Ray object per token: 2.3x fewer tokens/s on the benchmark.) Leaving
 a stream early aborts the request on the engine.
 
+Prefix index: with an `index`, rank 0's engine puts its KV events into the same output stream,
+ahead of the outputs of the step that made them, and every batch carries the engine's stats;
+the driver thread feeds them to an `IndexPublisher` before routing the outputs. So when a
+caller sees a request finish, the index already holds its blocks, whether it is in-process or
+Redis. While idle, rank 0 sends an empty batch every half heartbeat, which keeps the group live
+in the index.
+
 Health: each rank > 0 runs its loop inside a long-lived actor call (`serve`), whose result
 resolves only when the loop ends; rank 0's engine stops when a collective fails or times out.
 `status()` reports the group dead as soon as either happens, and in-flight streams fail with
@@ -27,6 +34,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import itertools
+import logging
 import os
 import queue
 import socket
@@ -38,13 +46,16 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 
 from cluster.group import GroupHandle, GroupStatus, status_from_stats
+from cluster.index_publisher import IndexPublisher
 from cluster.planner import local_kv_heads
+from cluster.prefix_index import PrefixIndex
 from cluster.ray_runtime import ensure_ray, ray
 from worker.async_engine import EngineDeadError, GenerationRequest
 from worker.engine import EngineConfig
 from worker.model_loader import read_model_config
 from worker.outputs import RequestOutput
 
+log = logging.getLogger(__name__)
 _group_ids = itertools.count()
 ENGINE_SWITCH_INTERVAL_S = 0.0002
 
@@ -107,6 +118,7 @@ class RankActor:
         self._outbox: list = []  # rank 0: outputs not yet streamed to the driver
         self._ready = asyncio.Event()
         self._closing = False
+        self._loop: asyncio.AbstractEventLoop | None = None  # the actor's event loop
 
     def free_port(self) -> tuple[str, int]:
         """An address on this node for the group's rendezvous (rank 0's TCP store)."""
@@ -115,10 +127,15 @@ class RankActor:
             s.bind((host, 0))
             return host, s.getsockname()[1]
 
-    async def start(self, config: EngineConfig, rank: int, rendezvous, heartbeat_s: float) -> dict:
-        return await asyncio.to_thread(self._start, config, rank, rendezvous, heartbeat_s)
+    async def start(
+        self, config: EngineConfig, rank: int, rendezvous, heartbeat_s: float, kv_events: bool
+    ) -> dict:
+        """Join the group; rank 0 builds the engine (streaming its KV events if `kv_events`)."""
+        self._loop = asyncio.get_running_loop()
+        args = (config, rank, rendezvous, heartbeat_s, kv_events)
+        return await asyncio.to_thread(self._start, *args)
 
-    def _start(self, config: EngineConfig, rank: int, rendezvous, heartbeat_s: float) -> dict:
+    def _start(self, config, rank: int, rendezvous, heartbeat_s: float, kv_events: bool) -> dict:
         import torch
 
         from worker.async_engine import AsyncEngine
@@ -136,7 +153,9 @@ class RankActor:
             # default 5 ms switch interval.
             sys.setswitchinterval(ENGINE_SWITCH_INTERVAL_S)
             self.executor = TPExecutor(config, comm, channel, heartbeat_s)
-            self.engine = AsyncEngine(LLMEngine(config, executor=self.executor), self._tick)
+            on_kv_events = self._kv_events if kv_events else None
+            engine = LLMEngine(config, on_kv_events=on_kv_events, executor=self.executor)
+            self.engine = AsyncEngine(engine, self._tick)
             layout = self.executor.layout
         else:
             self.worker = TPWorker(config, comm, channel)
@@ -176,15 +195,23 @@ class RankActor:
         self._outbox.append(item)
         self._ready.set()
 
-    async def outputs(self):
-        """The group's output stream: every output (or failure) of every request, a batch per
-        wake-up, so that Ray carries one object per step rather than one per token."""
+    def _kv_events(self, events: list) -> None:
+        # Engine thread, during a step: queued on the event loop ahead of the step's outputs
+        # (they reach the outbox one hop later, through the requests' followers).
+        self._loop.call_soon_threadsafe(self._emit, _KVEvents(events))
+
+    async def outputs(self, idle_s: float | None = None):
+        """The group's output stream: (batch, engine stats) with every output (or failure) of
+        every request and every KV-event batch, a batch per wake-up, so that Ray carries one
+        object per step rather than one per token. With `idle_s`, an empty batch at least that
+        often (the driver's heartbeat to the index)."""
         while not self._closing:
-            await self._ready.wait()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._ready.wait(), idle_s)
             self._ready.clear()
             batch, self._outbox = self._outbox, []
-            if batch:
-                yield batch
+            if batch or idle_s is not None:
+                yield batch, self.engine.stats()
 
     async def abort(self, request_id: str) -> None:
         task = self._streams.get(request_id)
@@ -203,8 +230,17 @@ class RankActor:
     async def probe_broadcast(self, rounds: int) -> float:
         """One small broadcast's latency on the step channel, measured on the engine thread
         between steps."""
+        return await self._between_steps(lambda: self.executor.probe_broadcast(rounds))
+
+    async def cached_hashes(self) -> list[bytes]:
+        """Every block hash in the engine's prefix cache (the group's index inventory)."""
+        return await self._between_steps(
+            lambda: list(self.engine.engine.scheduler.bm.cached_hashes())
+        )
+
+    async def _between_steps(self, fn):
         done: concurrent.futures.Future = concurrent.futures.Future()
-        self._calls.put((lambda: self.executor.probe_broadcast(rounds), done))
+        self._calls.put((fn, done))
         return await asyncio.wrap_future(done)
 
     async def shutdown(self) -> None:
@@ -235,7 +271,9 @@ class RayGroup(GroupHandle):
         group_config: RayGroupConfig | None = None,
         group_id: str | None = None,
         wait: bool = True,
+        index: PrefixIndex | None = None,
     ) -> None:
+        """`index`: where the group publishes its KV events and load (None: nowhere)."""
         self.config = config
         self.group_config = gc = group_config or RayGroupConfig()
         self.group_id = group_id or f"ray-group-{next(_group_ids)}-{uuid.uuid4().hex[:6]}"
@@ -248,6 +286,9 @@ class RayGroup(GroupHandle):
         self._ranks: list[dict] = []
         self._serve_refs: list = []
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self.index = index
+        self.publisher: IndexPublisher | None = None  # owned by the output thread once started
+        self._pump_thread: threading.Thread | None = None
         self._pg = ray.util.placement_group(
             [self._bundle() for _ in range(self.tp)], strategy="STRICT_PACK"
         )
@@ -283,19 +324,28 @@ class RayGroup(GroupHandle):
             ray.get(self._pg.ready(), timeout=gc.start_timeout_s)
             host, port = ray.get(self._actors[0].free_port.remote(), timeout=gc.start_timeout_s)
             rdv = Rendezvous(host, port, self.tp, gc.collective_timeout_s, gc.start_timeout_s)
+            events = self.index is not None
             refs = [
-                a.start.remote(self.config, rank, rdv, gc.heartbeat_s)
+                a.start.remote(self.config, rank, rdv, gc.heartbeat_s, events)
                 for rank, a in enumerate(self._actors)
             ]
             self._ranks = _first_error(refs, gc.start_timeout_s)
+            if events:
+                self.publisher = IndexPublisher(self.index, self.group_id, self._inventory)
         except BaseException:
             self.shutdown()
             raise
         self._serve_refs = [a.serve.remote() for a in self._actors[1:]]
-        stream = self._actors[0].outputs.remote()
-        threading.Thread(
+        idle_s = None if self.publisher is None else self.publisher.config.heartbeat_interval_s / 2
+        stream = self._actors[0].outputs.remote(idle_s)
+        self._pump_thread = threading.Thread(
             target=self._pump, args=(stream,), name="pagefleet-outputs", daemon=True
-        ).start()
+        )
+        self._pump_thread.start()
+
+    def _inventory(self) -> list[bytes]:
+        timeout = self.group_config.collective_timeout_s  # (between two steps of rank 0)
+        return ray.get(self._actors[0].cached_hashes.remote(), timeout=timeout)
 
     # ---- GroupHandle -------------------------------------------------------------------
     async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
@@ -335,7 +385,11 @@ class RayGroup(GroupHandle):
         error: str | None = None
         try:
             for ref in stream:
-                for item in ray.get(ref):
+                batch, stats = ray.get(ref)
+                self._publish(batch, stats)
+                for item in batch:
+                    if isinstance(item, _KVEvents):
+                        continue
                     if isinstance(item, _Failed):
                         self._route(item.request_id, self._as_error(item.error))
                     else:
@@ -347,6 +401,23 @@ class RayGroup(GroupHandle):
         reason = self._error or "shut down"
         for rid in list(self._queues):
             self._route(rid, EngineDeadError(f"group {self.group_id} is dead: {reason}"))
+        if self.publisher is not None:
+            self.publisher.close()  # a dead or stopped group's blocks leave the index at once
+
+    def _publish(self, batch: list, stats: dict) -> None:
+        """Driver thread: a batch's KV events and the engine's load to the index, before the
+        batch's outputs reach their callers. Index trouble never fails the group."""
+        if self.publisher is None:
+            return
+        try:
+            for item in batch:
+                if isinstance(item, _KVEvents):
+                    for event in item.events:
+                        self.publisher.sink(event)
+            load = status_from_stats(self.group_id, stats, True, self.tp, self.devices).load()
+            self.publisher.tick(load)
+        except Exception:  # e.g. rank 0 gone while the publisher fetched the inventory
+            log.exception("group %s: publishing to the prefix index failed", self.group_id)
 
     def _route(self, rid: str, item) -> None:
         target = self._queues.get(rid)
@@ -385,6 +456,10 @@ class RayGroup(GroupHandle):
         for a in self._actors:
             ray.kill(a, no_restart=True)
         ray.util.remove_placement_group(self._pg)
+        if self._pump_thread is not None:  # it deregisters the group from the index
+            self._pump_thread.join(timeout=10)
+        elif self.publisher is not None:
+            self.publisher.close()
 
     # ---- introspection -----------------------------------------------------------------
     @property
@@ -448,6 +523,13 @@ def _first_error(refs: list, timeout: float) -> list:
             cause = getattr(e, "cause", None)
             raise (cause if isinstance(cause, Exception) else e) from None
     return ray.get(refs)
+
+
+@dataclass
+class _KVEvents:
+    """One engine step's KV events, travelling in the output stream ahead of its outputs."""
+
+    events: list
 
 
 @dataclass

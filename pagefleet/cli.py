@@ -155,6 +155,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--groups", type=_positive_int, help="worker groups (default 1)")
     parser.add_argument("--redis", metavar="URL", help="shared prefix index (default: in-process)")
     parser.add_argument("--address", help="Ray cluster address, e.g. auto (default: no Ray)")
+    parser.add_argument("--ray", action="store_true", default=None, help="Ray-placed groups on a local Ray runtime (implied by --tp/--groups > 1)")  # fmt: skip
     parser.add_argument("--host", help="gRPC bind address (default 127.0.0.1)")
     parser.add_argument("--port", type=_non_negative_int, help="gRPC port (default 50151)")
     parser.add_argument("--metrics-host", help="metrics bind address (default 127.0.0.1)")
@@ -175,7 +176,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from router.serve import load_config, serve
 
-    keys = ("model", "tp", "groups", "redis", "address", "host", "port", "metrics_host",
+    keys = ("model", "tp", "groups", "redis", "address", "ray", "host", "port", "metrics_host",
             "metrics_port", "device", "policy", "grace_s")  # fmt: skip
     overrides = {k: getattr(args, k) for k in keys}
     config = load_config(args.config, overrides)

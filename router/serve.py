@@ -1,9 +1,13 @@
 """`pagefleet serve`: build the cluster from a `ServeConfig` and serve it over gRPC.
 
 The embedded default (no flags) is one TP=1 group on this machine's CPU, the in-process prefix
-index, the built-in small model, gRPC on 127.0.0.1:50151 and metrics on 127.0.0.1:9151. The
-same config with `model`, `tp`, `groups`, `redis` and `address` is the multi-node deployment:
-with `tp > 1` or a Ray `address`, groups are Ray-placed (`cluster/ray_group.py`).
+index, the built-in small model, gRPC on 127.0.0.1:50151 and metrics on 127.0.0.1:9151. That
+group runs in this process: a local Ray runtime and a Ray-placed group would add about 20 s to
+start-up on a small CPU host (`ray` opts in). The same config with `model`, `tp`, `groups`,
+`redis` and `address` is the multi-node deployment: with `ray`, `tp > 1`, `groups > 1` or a Ray
+`address`, groups are Ray-placed (`cluster/ray_group.py`), on the cluster at `address` or on a
+local runtime, and publish their KV events and load to the index like in-process groups. All
+groups and the router share one cluster secret (PAGEFLEET_CLUSTER_SECRET, or a random one).
 
 Start-up order, so that "ready" means ready: bind the gRPC port (health NOT_SERVING), load the
 groups on a thread, run one tiny generation through every group, start the metrics endpoint,
@@ -40,7 +44,8 @@ class ServeConfig:
     tp: int = 1  # devices per group (tensor parallel)
     groups: int = 1
     redis: str | None = None  # redis://host:port for the shared prefix index
-    address: str | None = None  # Ray address ("auto", "ray://head:10001"); None: no Ray
+    address: str | None = None  # Ray address ("auto", "ray://head:10001"); None: see `ray`
+    ray: bool = False  # Ray-placed groups on a local runtime even for one TP=1 group
     host: str = "127.0.0.1"
     port: int = DEFAULT_PORT
     metrics_host: str = "127.0.0.1"
@@ -70,7 +75,7 @@ class ServeConfig:
 
     @property
     def uses_ray(self) -> bool:
-        return self.tp > 1 or self.address is not None
+        return self.ray or self.tp > 1 or self.groups > 1 or self.address is not None
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> ServeConfig:
@@ -173,7 +178,7 @@ def router_side(engine_config, name: str):
 
 
 def _make_groups(config, make_engine_config, options, index) -> list:
-    """TP=1 groups in this process, or Ray-placed groups for `tp > 1` or a Ray address."""
+    """One TP=1 group in this process, or Ray-placed groups (`ServeConfig.uses_ray`)."""
     if config.uses_ray:
         return _ray_groups(config, make_engine_config, options, index)
     from cluster.group import LocalGroup
@@ -190,23 +195,32 @@ def check_deployment(config: ServeConfig) -> None:
     """Fail before binding a port when the config asks for what this installation lacks."""
     if config.uses_ray and importlib.util.find_spec("cluster.ray_group") is None:
         raise ValueError(
-            "--tp > 1 and --address need Ray-placed groups (cluster/ray_group.py), which this "
-            "installation lacks; use --tp 1 without --address for in-process groups"
+            "--ray, --tp > 1, --groups > 1 and --address need Ray-placed groups "
+            "(cluster/ray_group.py), which this installation lacks; leave them out for one "
+            "in-process group"
         )
 
 
 def _ray_groups(config, make_engine_config, options, index) -> list:
-    """Ray-placed groups (cluster/ray_group.py) of `config.tp` devices each.
-
-    They do not publish KV events to `index` yet (RayGroup takes no index), so the router
-    places requests on them by load alone."""
+    """Ray-placed groups (cluster/ray_group.py) of `config.tp` devices each, publishing to
+    `index`. Placed one after the other: a group that cannot start stops the others."""
     from cluster.ray_group import RayGroup, RayGroupConfig
     from cluster.ray_runtime import ensure_ray
 
-    ensure_ray(config.address)
+    # A local runtime declares enough CPUs for every rank (a rank's thread is light).
+    cpus = None if config.address else max(os.cpu_count() or 1, config.groups * config.tp)
+    ensure_ray(config.address, num_cpus=cpus)
     engine_config = make_engine_config(config.model, **{"device": config.device, **options})
     group_config = RayGroupConfig(tensor_parallel_size=config.tp)
-    return [RayGroup(engine_config, group_config, group_id=f"group-{i}") for i in range(config.groups)]  # fmt: skip
+    groups: list = []
+    try:
+        for i in range(config.groups):
+            groups.append(RayGroup(engine_config, group_config, f"group-{i}", index=index))
+    except BaseException:
+        for group in groups:
+            group.shutdown()
+        raise
+    return groups
 
 
 def _model_name(model_dir: str) -> str:

@@ -87,6 +87,7 @@ def test_a_group_failing_before_the_first_token_is_retried_elsewhere(caplog):
     made = [LocalGroup(config, index, group_id=f"f{i}") for i in range(2)]
     try:
         router = Router(made, index, made[0].hasher, info(), policy="round_robin")
+
         def lost_device(out):
             raise RuntimeError("device lost")
 

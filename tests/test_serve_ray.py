@@ -1,0 +1,272 @@
+"""Ray-placed serving: a RayGroup feeds the prefix index, and `ray job submit -- pagefleet serve
+--address auto` serves over gRPC from a real `ray start --head` cluster.
+
+The first tests run on the session's loopback Ray cluster (`ray_runtime`). The job test starts
+its own head node in a subprocess, with its own temp dir and ports, and stops it (and only it)
+by ending `ray start --block`, which takes the processes it started down with it: `ray stop`
+would stop every Ray process on the machine, the session cluster included.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import grpc
+import pytest
+
+from cluster.group import LocalGroup
+from cluster.prefix_index import InMemoryPrefixIndex
+from cluster.ray_group import RayGroup, RayGroupConfig
+from pagefleet.llm import engine_config
+from router.client import Client
+from router.router import Router, RouteRequest
+from router.serve import ServeConfig, router_side
+from worker.async_engine import GenerationRequest
+from worker.sampling_params import SamplingParams
+
+REPO = Path(__file__).resolve().parents[1]
+SECRET = "serve-ray-test-secret"
+DOC = [(11 * i + 5) % 1000 for i in range(96)]  # 6 blocks of 16
+PARAMS = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+
+
+def wait_until(predicate, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def ray_and_local(ray_runtime):
+    """A RayGroup and an in-process group publishing to one in-memory index."""
+    index = InMemoryPrefixIndex()
+    config = engine_config(None, num_blocks=64, max_model_len=512, cluster_secret=SECRET)
+    ray_group = RayGroup(config, RayGroupConfig(), group_id="ray-0", index=index)
+    local = LocalGroup(config, index, group_id="local-0")
+    hasher, tokenizer, info = router_side(config, "builtin")
+    yield index, ray_group, local, hasher, info
+    ray_group.shutdown()
+    local.shutdown()
+
+
+def test_a_ray_groups_blocks_are_in_the_index_when_its_request_finishes(ray_and_local):
+    index, ray_group, local, hasher, info = ray_and_local
+    chain = hasher.hash_prompt(DOC)
+
+    async def direct():
+        request = GenerationRequest(DOC + [7, 7], PARAMS, request_id="direct")
+        return [out async for out in ray_group.generate(request)][-1]
+
+    out = asyncio.run(direct())
+    assert out.finished and out.num_cached_tokens == 0
+    # No wait: the events travel ahead of the outputs and are published before they are routed.
+    matches = index.match(chain)
+    assert matches["ray-0"].blocks == len(chain) and matches["local-0"].blocks == 0
+    load = matches["ray-0"].load
+    assert load is not None and load.total_blocks == 64
+
+    # Both groups are idle and equal; only the index says where the document is.
+    router = Router([local, ray_group], index, hasher, info, policy="prefix_aware")
+    for question in (8, 9):
+        request = RouteRequest(prompt_token_ids=DOC + [question] * 3, params=PARAMS)
+
+        async def routed(request=request):
+            return [o async for o in router.generate(request)][-1]
+
+        out = asyncio.run(routed())
+        record = router.records[out.request_id]
+        assert record.group_id == "ray-0"
+        assert record.predicted_cached_tokens == record.actual_cached_tokens == len(DOC)
+        assert out.num_cached_tokens == len(DOC)
+
+
+def test_a_ray_group_republishes_its_inventory_after_losing_its_registration(ray_and_local):
+    index, ray_group, _, hasher, _ = ray_and_local
+    chain = hasher.hash_prompt(DOC)
+    assert index.match(chain)["ray-0"].blocks == len(chain)  # (the test above ran first)
+    index.deregister("ray-0", ray_group.publisher.epoch)  # as when its heartbeat lapses
+    assert "ray-0" not in index.match(chain) or index.match(chain)["ray-0"].blocks == 0
+    # The next load report is refused; the publisher registers again and sends its inventory,
+    # fetched from rank 0's block manager.
+    wait_until(
+        lambda: index.match(chain).get("ray-0") and index.match(chain)["ray-0"].blocks == 6,
+        10, "the inventory to be republished",
+    )  # fmt: skip
+
+
+def test_a_stopped_ray_group_leaves_the_index(ray_and_local):
+    index, ray_group, _, hasher, _ = ray_and_local
+    chain = hasher.hash_prompt(DOC)
+    assert index.match(chain)["ray-0"].blocks == len(chain)
+    ray_group.shutdown()
+    assert "ray-0" not in index.match(chain)
+
+
+def test_ray_placement_follows_the_serve_options():
+    assert not ServeConfig().uses_ray  # the embedded default: one in-process group
+    for options in ({"ray": True}, {"tp": 2}, {"groups": 2}, {"address": "auto"}):
+        assert ServeConfig(**options).uses_ray, options
+
+
+# ---- `ray job submit -- pagefleet serve --address auto` against `ray start --head` ----------
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def ray_cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "ray.scripts.scripts", *args]
+
+
+def _env() -> dict:
+    # RAY_AUTH_MODE: Ray turns token auth on by itself where ~/.ray/auth_token exists, but its
+    # job CLI does not send that token unless told; this loopback cluster is the test's own.
+    env = dict(
+        os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_AUTH_MODE="disabled",
+        PYTHONPATH=str(REPO),
+    )  # fmt: skip
+    env.pop("RAY_ADDRESS", None)  # (the session cluster's, if any)
+    return env
+
+
+def _processes_under(temp_dir: str) -> list[int]:
+    """Pids of processes whose command line names `temp_dir` (the head node's processes)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if temp_dir.encode() in (entry / "cmdline").read_bytes():
+                    pids.append(int(entry.name))
+            except OSError:
+                continue
+    return pids
+
+
+@pytest.fixture
+def ray_head():
+    """`ray start --head --block` with the dashboard (job submission needs it); yields the
+    dashboard's URL. Ends the head and every process under its temp dir, even on failure."""
+    gcs, dash, agent, agent_grpc, client, metrics, env_agent = free_ports(7)
+    temp_dir = tempfile.mkdtemp(prefix="pf-ray-")
+    head = subprocess.Popen(
+        ray_cli(
+            "start", "--head", "--block", f"--port={gcs}", "--node-ip-address=127.0.0.1",
+            "--num-cpus=4", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
+            f"--dashboard-port={dash}", f"--dashboard-agent-listen-port={agent}",
+            f"--dashboard-agent-grpc-port={agent_grpc}", f"--ray-client-server-port={client}",
+            f"--metrics-export-port={metrics}", f"--runtime-env-agent-port={env_agent}",
+            f"--object-store-memory={100 << 20}", "--disable-usage-stats",
+            f"--temp-dir={temp_dir}",
+        ),
+        # No drain on SIGTERM: nothing here needs it, and it would hold the teardown 30 s.
+        env={**_env(), "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{dash}"
+    try:
+        wait_until(lambda: _jobs_api_up(url) or head.poll() is not None, 60, "the dashboard")
+        assert head.poll() is None, f"ray start exited:\n{head.stdout.read()}"
+        yield url
+    finally:
+        head.send_signal(signal.SIGTERM)  # --block: ray start stops what it started
+        try:
+            head.wait(30)
+        except subprocess.TimeoutExpired:
+            head.kill()
+        for pid in _processes_under(temp_dir):  # stragglers of this head only
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def _jobs_api_up(url: str) -> bool:
+    """The dashboard answers HTTP (any status: it is up)."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{url}/api/version", timeout=2):
+            return True
+    except urllib.error.HTTPError:
+        return True
+    except OSError:
+        return False
+
+
+def test_ray_job_submit_pagefleet_serve(ray_head):
+    port, metrics_port = free_ports(2)
+    job_id = f"pagefleet-serve-{uuid.uuid4().hex[:8]}"
+    submitted = subprocess.run(
+        ray_cli(
+            "job", "submit", f"--address={ray_head}", "--no-wait", f"--submission-id={job_id}",
+            f"--runtime-env-json={json.dumps({'env_vars': {'PYTHONPATH': str(REPO)}})}",
+            "--", sys.executable, "-m", "pagefleet", "serve", "--address", "auto",
+            "--port", str(port), "--metrics-port", str(metrics_port),
+        ),
+        env=_env(), capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert submitted.returncode == 0, submitted.stdout + submitted.stderr
+    try:
+        with Client(f"127.0.0.1:{port}", timeout=10) as client:
+            wait_serving(client, ray_head, job_id, timeout_s=150)
+            done = client.generate(
+                token_ids=[5, 6, 7, 8], max_tokens=4, temperature=0.0, ignore_eos=True
+            )
+            assert done.finish_reason == "length" and len(done.token_ids) == 4
+            (group,) = client.cluster_status()
+            assert group.alive and group.tensor_parallel_size == 1 and done.group_id == "group-0"
+    except BaseException:
+        logs = subprocess.run(
+            ray_cli("job", "logs", f"--address={ray_head}", job_id),
+            env=_env(), capture_output=True, text=True, timeout=30,
+        )  # fmt: skip
+        print(logs.stdout[-4000:], logs.stderr[-2000:])
+        raise
+    finally:
+        subprocess.run(
+            ray_cli("job", "stop", f"--address={ray_head}", job_id),
+            env=_env(), capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+    wait_until(lambda: not _listening(port), 30, "the stopped job's server to close its port")
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def wait_serving(client: Client, dashboard: str, job_id: str, timeout_s: float) -> None:
+    """Until the job's server reports SERVING; fails at once if the job ends first."""
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(grpc.RpcError):
+            if client.health(timeout=2) == "SERVING":
+                return
+        with urllib.request.urlopen(f"{dashboard}/api/jobs/{job_id}", timeout=10) as r:
+            status = json.load(r)["status"]
+        assert status in ("PENDING", "RUNNING"), f"job {job_id} is {status} before serving"
+        time.sleep(0.5)
+    raise AssertionError(f"the job's server was not SERVING after {timeout_s} s")
