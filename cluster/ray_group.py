@@ -11,7 +11,9 @@ port on its node for the rendezvous; the driver hands it to every rank.
 Requests go in with one actor call each (`submit`); outputs come back on one Ray streaming
 generator per group (`outputs`), a batch of every request's outputs per engine step, which a
 driver thread routes to the callers' asyncio queues. (A streaming generator per request was
-simpler but carried one Ray object per token: 2.3x fewer tokens/s on the benchmark.) Leaving
+simpler but carried one Ray object per token: 2.3x fewer tokens/s on the benchmark.) Each
+output travels as a delta (cluster/output_delta.py): only the step's new tokens, text and
+timings cross Ray, so rank 0's cost per step does not grow with the outputs' length. Leaving
 a stream early aborts the request on the engine.
 
 Prefix index: with an `index`, rank 0's engine puts its KV events into the same output stream,
@@ -47,6 +49,7 @@ from dataclasses import dataclass, field, replace
 
 from cluster.group import GroupHandle, GroupStatus, status_from_stats
 from cluster.index_publisher import IndexPublisher
+from cluster.output_delta import OutputAssembler, OutputDelta
 from cluster.planner import local_kv_heads
 from cluster.prefix_index import PrefixIndex
 from cluster.ray_runtime import ensure_ray, ray
@@ -184,8 +187,10 @@ class RankActor:
 
     async def _follow(self, request: GenerationRequest) -> None:
         try:
+            first = True
             async for out in self.engine.generate(request):
-                self._emit(out)
+                self._emit(OutputDelta.of(out, first))  # only what changed crosses Ray
+                first = False
         except Exception as e:  # bad input, a full queue, a dead engine: the caller's error
             self._emit(_Failed(request.request_id, e))
         finally:
@@ -286,6 +291,7 @@ class RayGroup(GroupHandle):
         self._ranks: list[dict] = []
         self._serve_refs: list = []
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._assembler = OutputAssembler()  # full outputs rebuilt from rank 0's deltas
         self.index = index
         self.publisher: IndexPublisher | None = None  # owned by the output thread once started
         self._pump_thread: threading.Thread | None = None
@@ -376,6 +382,7 @@ class RayGroup(GroupHandle):
             raise EngineDeadError(f"group {self.group_id}: rank 0 died") from e
         finally:
             self._queues.pop(rid, None)
+            self._assembler.drop(rid)
             if not finished:
                 self.abort(rid)
 
@@ -391,9 +398,10 @@ class RayGroup(GroupHandle):
                     if isinstance(item, _KVEvents):
                         continue
                     if isinstance(item, _Failed):
+                        self._assembler.drop(item.request_id)
                         self._route(item.request_id, self._as_error(item.error))
-                    else:
-                        self._route(item.request_id, item)
+                    elif (out := self._assembler.apply(item)) is not None:
+                        self._route(item.request_id, out)
         except Exception as e:  # rank 0 died
             error = f"rank 0's output stream failed: {_describe(e)}"
         if not self._closed:

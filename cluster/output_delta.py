@@ -1,0 +1,112 @@
+"""Request outputs across a process boundary as deltas.
+
+An engine's `RequestOutput` carries everything so far (prompt, tokens, timings, logprobs), so
+sending it whole every step costs more each step. Across Ray only what changed travels; the
+receiving side rebuilds the full outputs, one small state per open request.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+from worker.outputs import RequestMetrics, RequestOutput
+from worker.sampler import TokenLogprobs
+
+
+@dataclass
+class OutputDelta:
+    """What one engine step added to one request's output."""
+
+    request_id: str
+    prompt_token_ids: list[int] | None  # the first delta of a request only
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None
+    stop_reason: int | str | None
+    num_cached_tokens: int
+    new_logprobs: list[TokenLogprobs] | None
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    finished_time: float | None
+    token_time: float | None  # when this step's token was sampled
+
+    @classmethod
+    def of(cls, out: RequestOutput, first: bool) -> OutputDelta:
+        m, n = out.metrics, len(out.new_token_ids)
+        return cls(
+            request_id=out.request_id,
+            prompt_token_ids=list(out.prompt_token_ids) if first else None,
+            new_token_ids=list(out.new_token_ids),
+            new_text=out.new_text,
+            finished=out.finished,
+            finish_reason=out.finish_reason,
+            stop_reason=out.stop_reason,
+            num_cached_tokens=out.num_cached_tokens,
+            new_logprobs=None if out.logprobs is None else list(out.logprobs[-n:]) if n else [],
+            arrival_time=m.arrival_time,
+            first_scheduled_time=m.first_scheduled_time,
+            first_token_time=m.first_token_time,
+            finished_time=m.finished_time,
+            token_time=m.token_times[-1] if m.token_times else None,
+        )
+
+
+@dataclass
+class _Open:
+    prompt: list[int]
+    tokens: list[int]
+    text: str
+    metrics: RequestMetrics
+    logprobs: list[TokenLogprobs] | None
+
+
+class OutputAssembler:
+    """Rebuilds each request's full `RequestOutput` from its deltas (receiving side)."""
+
+    def __init__(self) -> None:
+        self._open: dict[str, _Open] = {}
+        self._lock = threading.Lock()
+
+    def apply(self, d: OutputDelta) -> RequestOutput | None:
+        """The request's output after this delta; None for a request already dropped."""
+        with self._lock:
+            state = self._open.get(d.request_id)
+            if state is None:
+                if d.prompt_token_ids is None:
+                    return None  # dropped (aborted) while its deltas were in flight
+                state = _Open(d.prompt_token_ids, [], "", RequestMetrics(d.arrival_time), None)
+                self._open[d.request_id] = state
+            if d.finished:
+                del self._open[d.request_id]
+        m = state.metrics
+        m.first_scheduled_time, m.first_token_time = d.first_scheduled_time, d.first_token_time
+        m.finished_time = d.finished_time
+        if d.token_time is not None:
+            m.token_times.append(d.token_time)
+        state.tokens += d.new_token_ids
+        state.text += d.new_text
+        if d.new_logprobs is not None:
+            if state.logprobs is None:
+                state.logprobs = []
+            state.logprobs += d.new_logprobs
+        return RequestOutput(
+            request_id=d.request_id,
+            prompt_token_ids=state.prompt,
+            token_ids=state.tokens,
+            text=state.text,
+            new_token_ids=d.new_token_ids,
+            new_text=d.new_text,
+            finished=d.finished,
+            finish_reason=d.finish_reason,
+            stop_reason=d.stop_reason,
+            num_cached_tokens=d.num_cached_tokens,
+            metrics=m,
+            logprobs=state.logprobs,
+        )
+
+    def drop(self, request_id: str) -> None:
+        with self._lock:
+            self._open.pop(request_id, None)

@@ -1,0 +1,41 @@
+"""Outputs rebuilt from deltas equal the engine's own outputs, step by step."""
+
+from __future__ import annotations
+
+import asyncio
+
+from cluster.output_delta import OutputAssembler, OutputDelta
+from pagefleet.llm import engine_config
+from worker.async_engine import AsyncEngine, GenerationRequest
+from worker.engine import LLMEngine
+from worker.sampling_params import SamplingParams
+
+
+def test_deltas_rebuild_every_output():
+    engine = AsyncEngine(LLMEngine(engine_config(None, num_blocks=64, max_model_len=256)))
+    params = SamplingParams(temperature=0, max_tokens=12, logprobs=2, stop=["zz"])
+    assembler = OutputAssembler()
+    request = GenerationRequest("A lighthouse on the rocks", params, request_id="r")
+
+    async def run():
+        first, steps = True, 0
+        async for out in engine.generate(request):
+            rebuilt = assembler.apply(OutputDelta.of(out, first))
+            first, steps = False, steps + 1
+            # compared as each step arrives: later steps extend the same request's state
+            assert rebuilt.token_ids == out.token_ids
+            assert rebuilt.new_token_ids == out.new_token_ids
+            assert rebuilt.prompt_token_ids == out.prompt_token_ids
+            assert rebuilt.metrics.token_times == out.metrics.token_times
+            assert [lp.token_id for lp in rebuilt.logprobs] == [lp.token_id for lp in out.logprobs]
+        assert steps == 12
+        return out, rebuilt
+
+    try:
+        last_out, last = asyncio.run(run())
+    finally:
+        engine.shutdown()
+    assert last.finished and last.finish_reason == last_out.finish_reason
+    assert last.text == last_out.text and last.metrics.ttft == last_out.metrics.ttft
+    # a finished or dropped request leaves no state; late deltas for it are ignored
+    assert assembler.apply(OutputDelta.of(last_out, first=False)) is None
