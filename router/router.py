@@ -15,6 +15,7 @@ import itertools
 import logging
 import threading
 import time
+from array import array
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -26,6 +27,7 @@ from cluster.prefix_index import (
     PrefixIndexError,
     probe_positions,
 )
+from router.hash_cache import PrefixHashCache
 from router.policy import Placement, Policy, make_policy
 from worker.async_engine import EngineDeadError, GenerationRequest
 from worker.hashing import BlockHasher
@@ -242,6 +244,7 @@ class Router:
         self.groups = {g.group_id: g for g in groups}
         self.index = index
         self.hasher = hasher
+        self.hash_cache = PrefixHashCache(hasher)  # a shared document is hashed once
         self.model_info = model_info
         self.tokenizer = tokenizer
         self.policy = make_policy(policy) if isinstance(policy, str) else policy
@@ -274,8 +277,8 @@ class Router:
         if not ids:
             raise ValueError("prompt is empty")
         vocab = self.model_info.vocab_size
-        bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab), None)
-        if bad is not None:
+        if not _all_below(ids, vocab):  # the fast check; the scan below names the culprit
+            bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab), None)
             raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
         return ids
 
@@ -331,7 +334,7 @@ class Router:
         NoGroupAvailableError, and whatever the group raises (e.g. a full queue)."""
         ids = self.tokenize(request)
         rid = request.request_id or f"rt-{next(self._ids)}"
-        hashes = self.hasher.hash_prompt(ids, cache_salt=request.cache_salt)
+        hashes = self.hash_cache.hash_prompt(ids, cache_salt=request.cache_salt)
         tried: set[str] = set()
         while True:
             t0 = time.perf_counter()
@@ -388,3 +391,12 @@ class Router:
         if len(self.records) > keep:
             for rid in list(self.records)[: len(self.records) - keep]:
                 del self.records[rid]
+
+
+def _all_below(ids: list[int], vocab: int) -> bool:
+    """Every id an int in [0, vocab): about half the cost of a Python scan per token."""
+    try:
+        array("I", ids)  # refuses negatives and non-ints, in C
+    except (OverflowError, TypeError):
+        return False
+    return max(ids) < vocab
