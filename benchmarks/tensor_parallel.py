@@ -4,7 +4,7 @@ Control overhead: for each step, the time from the scheduler's decision (rank 0 
 TPExecutor.execute) to the last rank starting its forward (after receiving and decoding the
 step), on one clock (perf_counter is CLOCK_MONOTONIC, shared by the processes of one host).
 Measured in steady decode with 1, 32 and 256 running requests, next to the latency of one small
-broadcast on the same gloo channel in the same run (ping-pong halved). Goal: overhead <= one
+gloo broadcast on the step channel's group in the same run (ping-pong halved). Goal: overhead <= one
 broadcast + 0.2 ms whatever the number of running requests.
 
 Throughput: the same workload (256 requests) on a TP=1 and a TP=2 group, both Ray actors
@@ -117,7 +117,7 @@ def bench_overhead(group: RayGroup, n: int, max_tokens: int, rounds: int) -> dic
         "broadcast_ms": ms(broadcast),
         "goal_ms": ms(broadcast + GOAL_SLACK_MS / 1e3),
         "meets_goal": p50 <= broadcast + GOAL_SLACK_MS / 1e3,
-        "transport": "gloo broadcast, loopback",
+        "transport": "step: tcp stream, broadcast: gloo, loopback",
     }
 
 

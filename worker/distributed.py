@@ -4,17 +4,22 @@ Layers and models talk to their peers only through a `Collectives` object that t
 once (rank information included); nothing below this file calls `torch.distributed`. A group of
 one device uses `SingleRank`, whose operations return their input unchanged; a tensor-parallel
 group uses `TorchDistributed`, joined with `init_group` from a `Rendezvous`, plus a
-`ByteChannel` on a separate gloo group that carries the scheduler's steps from rank 0.
+`ByteChannel` that carries the scheduler's steps from rank 0 (TCP streams, with a separate gloo
+group for its small collectives).
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import os
+import socket
 import struct
+import sys
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from datetime import timedelta
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -133,43 +138,60 @@ class TorchDistributed(Collectives):
 
 
 class ByteChannel:
-    """Messages from rank 0 to every other rank over a CPU (gloo) group.
+    """Messages from rank 0 to every other rank, plus a few small collectives on a CPU (gloo)
+    group.
 
-    A message travels in one broadcast of a fixed-size buffer, `[u64 length][payload]`, when it
-    fits (every step of a decode batch does); a longer one spills its tail into a second
-    broadcast sized from the length. Every rank must call `send` (rank 0) or `recv` (the others)
-    in the same order.
+    A message is `[u64 length][payload]` on a TCP stream from rank 0 to each other rank (opened
+    by `init_group`, found through the gloo group): the sender writes it with one system call
+    and the receiver's own thread wakes on its arrival, where a gloo broadcast would pass
+    through gloo's I/O and worker threads on both sides (three thread wake-ups, each costly on
+    a busy host). Every rank must call `send` (rank 0) or `recv` (the others) in the same order,
+    and the other operations (gloo) in the same order as well. A silent peer for `timeout_s`,
+    or a closed stream, raises RuntimeError, as a failed collective does.
     """
 
-    def __init__(self, group: dist.ProcessGroup | None, capacity: int = 4096) -> None:
-        if capacity < 16:
-            raise ValueError(f"capacity must be >= 16 bytes, got {capacity}")
+    def __init__(self, group: dist.ProcessGroup | None, streams: list[socket.socket]) -> None:
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
-        self._buf = torch.zeros(capacity, dtype=torch.uint8)  # (capacity,) reused every message
-        self._np = self._buf.numpy()  # a view for cheap byte copies
+        if len(streams) != (self.world_size - 1 if self.rank == 0 else 1):
+            raise ValueError(f"rank {self.rank} needs one stream per peer, got {len(streams)}")
+        self._streams = streams  # rank 0: one per other rank; others: the one from rank 0
+        self._buf = bytearray(_RECV_CHUNK)  # receive buffer, grown for a long message
+        self._view = memoryview(self._buf)
 
     def send(self, payload: bytes) -> None:
-        n, room = len(payload), len(self._np) - _HEADER
-        struct.pack_into("<Q", self._np, 0, n)
-        head = min(n, room)
-        self._np[_HEADER : _HEADER + head] = np.frombuffer(payload, np.uint8, head)
-        dist.broadcast(self._buf, src=0, group=self.group)
-        if n > room:
-            tail = torch.frombuffer(bytearray(payload[room:]), dtype=torch.uint8)
-            dist.broadcast(tail, src=0, group=self.group)
+        message = _LENGTH.pack(len(payload)) + payload
+        try:
+            for stream in self._streams:
+                sent = _send_holding_gil(stream, message)
+                if sent < len(message):  # the peer's socket buffer is full: wait for room
+                    stream.sendall(message[sent:])
+        except OSError as e:  # a peer closed its end, or stopped reading for timeout_s
+            raise RuntimeError(f"step stream to a peer failed: {e!r}") from e
 
     def recv(self) -> bytes:
-        dist.broadcast(self._buf, src=0, group=self.group)
-        (n,) = struct.unpack_from("<Q", self._np, 0)
-        room = len(self._np) - _HEADER
-        head = self._np[_HEADER : _HEADER + min(n, room)].tobytes()
-        if n <= room:
-            return head
-        tail = torch.empty(n - room, dtype=torch.uint8)
-        dist.broadcast(tail, src=0, group=self.group)
-        return head + tail.numpy().tobytes()
+        got = self._read_at_least(0, _HEADER)
+        (n,) = _LENGTH.unpack_from(self._buf, 0)
+        if _HEADER + n > len(self._buf):
+            self._buf.extend(bytes(_HEADER + n - len(self._buf)))
+            self._view = memoryview(self._buf)
+        self._read_at_least(got, _HEADER + n)
+        return bytes(self._view[_HEADER : _HEADER + n])
+
+    def _read_at_least(self, got: int, want: int) -> int:
+        """Fill the buffer from byte `got` until it holds `want` bytes (never more: the next
+        message stays in the stream); returns `want`."""
+        (stream,) = self._streams
+        try:
+            while got < want:
+                k = stream.recv_into(self._view[got:want])
+                if k == 0:
+                    raise RuntimeError("rank 0 closed the step stream")
+                got += k
+        except OSError as e:  # silent for timeout_s (socket.timeout), or reset
+            raise RuntimeError(f"step stream from rank 0 failed: {e!r}") from e
+        return got
 
     def all_reduce_min(self, value: int) -> int:
         t = torch.tensor([value], dtype=torch.int64)
@@ -189,7 +211,82 @@ class ByteChannel:
         return torch.zeros(8, dtype=torch.uint8)  # (8,): a "small broadcast"
 
 
-_HEADER = 8  # bytes of the length prefix
+_LENGTH = struct.Struct("<Q")  # the length prefix of a message
+_HEADER = _LENGTH.size
+_RECV_CHUNK = 1 << 16  # the receive buffer's starting size (a decode step of 256 is ~1 KiB)
+
+
+def _send_holding_gil(stream: socket.socket, message: bytes) -> int:
+    """Bytes of `message` that one non-blocking send() took, calling libc without releasing the
+    GIL: rank 0's engine thread sends while the actor's event loop thread waits for the GIL,
+    and one release would hand the GIL over and cost the engine thread up to a switch interval
+    to get it back, for a call of a few microseconds that never blocks. 0 where unsupported."""
+    if _LIBC_SEND is None:
+        return 0
+    k = _LIBC_SEND(stream.fileno(), message, len(message), socket.MSG_DONTWAIT)
+    if k >= 0:
+        return k
+    err = ctypes.get_errno()
+    if err in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EINTR):
+        return 0
+    raise OSError(err, os.strerror(err))
+
+
+def _libc_send():
+    """libc's send(2) through ctypes.PyDLL (calls keep the GIL), or None off Linux."""
+    if not sys.platform.startswith("linux"):
+        return None
+    fn = ctypes.PyDLL(None, use_errno=True).send
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_ssize_t
+    return fn
+
+
+_LIBC_SEND = _libc_send()
+
+
+def _open_streams(
+    rendezvous: Rendezvous, rank: int, group: dist.ProcessGroup
+) -> list[socket.socket]:
+    """Rank 0 listens on an ephemeral port of `rendezvous.host` and tells the others the port
+    (a gloo broadcast); each other rank connects and names itself; rank 0 returns its streams in
+    rank order, the others the stream from rank 0."""
+    port = torch.zeros(1, dtype=torch.int64)
+    listener = None
+    if rank == 0:
+        listener = socket.create_server((rendezvous.host, 0), backlog=rendezvous.world_size)
+        listener.settimeout(rendezvous.startup_timeout_s)
+        port[0] = listener.getsockname()[1]
+    dist.broadcast(port, src=0, group=group)
+    if rank != 0:
+        stream = socket.create_connection(
+            (rendezvous.host, int(port.item())), timeout=rendezvous.startup_timeout_s
+        )
+        stream.sendall(_LENGTH.pack(rank))
+        streams = [stream]
+    else:
+        by_rank = {}
+        with listener:
+            for _ in range(rendezvous.world_size - 1):
+                stream, _ = listener.accept()
+                stream.settimeout(rendezvous.startup_timeout_s)
+                (peer,) = _LENGTH.unpack(_recv_exactly(stream, _HEADER))
+                by_rank[peer] = stream
+        streams = [by_rank[r] for r in range(1, rendezvous.world_size)]
+    for stream in streams:
+        stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # a message goes at once
+        stream.settimeout(rendezvous.timeout_s)
+    return streams
+
+
+def _recv_exactly(stream: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = stream.recv(n - len(data))
+        if not chunk:
+            raise RuntimeError("a peer closed its step stream during start-up")
+        data += chunk
+    return data
 
 
 def init_group(
@@ -215,7 +312,8 @@ def init_group(
         backend="nccl" if device.type == "cuda" else "gloo", timeout=timeout
     )
     step_group = dist.new_group(backend="gloo", timeout=timeout)
-    return TorchDistributed(model_group), ByteChannel(step_group)
+    streams = _open_streams(rendezvous, rank, step_group)
+    return TorchDistributed(model_group), ByteChannel(step_group, streams)
 
 
 def startup_barrier() -> None:

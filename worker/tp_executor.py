@@ -1,9 +1,9 @@
 """Rank 0's executor of a tensor-parallel group: each step goes to the other ranks, then runs here.
 
-The step travels as one broadcast on the group's gloo channel (worker/step_codec.py: new
-requests whole, running ones as diffs), never as a remote call per step; then rank 0 runs its
-own shard, whose collectives meet the other ranks' inside the forward pass. When the group is
-idle, a heartbeat (a message and a barrier) every `heartbeat_s` keeps the other ranks' receive
+The step travels as one message on the group's step channel (worker/distributed.py ByteChannel,
+a TCP stream per other rank; worker/step_codec.py: new requests whole, running ones as diffs),
+never as a remote call per step; then rank 0 runs its own shard, whose collectives meet the
+other ranks' inside the forward pass. When the group is idle, a heartbeat (a message and a barrier) every `heartbeat_s` keeps the other ranks' receive
 under the collective timeout and finds a dead or hung rank within `heartbeat_s + timeout`.
 A collective that fails or times out raises `GroupFailedError`: the engine loop then stops and
 fails its in-flight requests.
