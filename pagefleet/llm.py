@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from worker.async_engine import GenerationRequest
 from worker.config import CacheConfig, SchedulerConfig
-from worker.engine import EngineConfig, LLMEngine, _load_tokenizer
+from worker.engine import EngineConfig, LLMEngine, load_tokenizer
 from worker.outputs import RequestOutput
 from worker.sampling_params import SamplingParams
 
@@ -55,7 +55,7 @@ class LLM:
             from cluster.ray_group import RayGroup, RayGroupConfig
 
             self.group = RayGroup(config, RayGroupConfig(tensor_parallel_size=tensor_parallel_size))
-            self._tokenizer = _load_tokenizer(config.model)
+            self._tokenizer = load_tokenizer(config.model)
         else:
             self.engine = LLMEngine(config)
 

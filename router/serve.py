@@ -147,34 +147,21 @@ def build_cluster(config: ServeConfig, make_engine_config: Callable[..., Any]) -
 
 def router_side(engine_config, name: str):
     """The router's hasher, tokenizer and ModelInfo, read from the model directory without
-    loading weights (groups may live in other processes). The fingerprint is built from the
-    same fields, resolved the same way, as `LLMEngine` builds its own (worker/engine.py)."""
-    import torch
-
+    loading weights (groups may live in other processes); the hasher is built by the same
+    function as every engine's (`worker.engine.block_hasher`)."""
     from router.router import ModelInfo
-    from worker.config import cluster_secret
-    from worker.engine import _load_tokenizer
-    from worker.hashing import BlockHasher, ModelFingerprint
-    from worker.kv_pool import kv_torch_dtype
+    from worker.engine import block_hasher, load_tokenizer
     from worker.model_loader import read_model_config
 
     mc = read_model_config(engine_config.model)
-    model_dtype = mc.torch_dtype if engine_config.dtype == "auto" else getattr(torch, engine_config.dtype)  # fmt: skip
-    kv_dtype = kv_torch_dtype(engine_config.cache.kv_cache_dtype, model_dtype)
-    fingerprint = ModelFingerprint(
-        model_id=mc.model_id, revision=mc.revision,
-        dtype=str(model_dtype).removeprefix("torch."),
-        kv_cache_dtype=str(kv_dtype).removeprefix("torch."),
-        block_size=engine_config.cache.block_size,
-    )  # fmt: skip
-    hasher = BlockHasher(cluster_secret(engine_config.cluster_secret), fingerprint)
+    hasher = block_hasher(engine_config, mc)
     max_len = mc.max_position_embeddings
     info = ModelInfo(
         model=name, max_model_len=min(engine_config.max_model_len or max_len, max_len),
-        block_size=engine_config.cache.block_size, kv_cache_dtype=fingerprint.kv_cache_dtype,
+        block_size=engine_config.cache.block_size, kv_cache_dtype=hasher.fingerprint.kv_cache_dtype,
         vocab_size=mc.vocab_size, eos_token_ids=tuple(mc.eos_token_ids),
     )  # fmt: skip
-    return hasher, _load_tokenizer(engine_config.model), info
+    return hasher, load_tokenizer(engine_config.model), info
 
 
 def _make_groups(config, make_engine_config, options, index) -> list:

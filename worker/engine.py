@@ -16,7 +16,8 @@ from worker.detokenizer import IncrementalDetokenizer
 from worker.executor import Executor, LocalExecutor
 from worker.hashing import BlockHasher, ModelFingerprint
 from worker.kv_events import KVEvent
-from worker.kv_pool import check_pool_fits
+from worker.kv_pool import check_pool_fits, kv_torch_dtype
+from worker.model_config import ModelConfig
 from worker.outputs import RequestMetrics, RequestOutput
 from worker.request import Request, RequestStatus
 from worker.sampler import TokenLogprobs
@@ -74,7 +75,7 @@ class LLMEngine:
         self.max_model_len = min(
             config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
         )
-        self.tokenizer = _load_tokenizer(config.model)
+        self.tokenizer = load_tokenizer(config.model)
         self.eos_token_ids = mc.eos_token_ids
         self.layout = self.executor.layout
 
@@ -83,11 +84,7 @@ class LLMEngine:
         check_pool_fits(num_blocks, self.layout, self.max_model_len)
         self.executor.init_pool(num_blocks)
 
-        fingerprint = ModelFingerprint(
-            model_id=mc.model_id, revision=mc.revision, dtype=str(mc.torch_dtype if config.dtype == "auto" else config.dtype).removeprefix("torch."),
-            kv_cache_dtype=str(self.layout.dtype).removeprefix("torch."), block_size=cache.block_size,
-        )  # fmt: skip
-        self.hasher = BlockHasher(cluster_secret(config.cluster_secret), fingerprint)
+        self.hasher = block_hasher(config, mc)
         self._events: list[KVEvent] = []
         self.on_kv_events = on_kv_events
         hasher = self.hasher if cache.enable_prefix_caching else None
@@ -238,7 +235,23 @@ class LLMEngine:
         }
 
 
-def _load_tokenizer(model_dir: str):
+def block_hasher(config: EngineConfig, mc: ModelConfig) -> BlockHasher:
+    """The keyed hasher of this model and cache layout. The engine and the router both build
+    theirs here, so that they name every block alike."""
+    model_dtype = mc.torch_dtype if config.dtype == "auto" else getattr(torch, config.dtype)
+    kv_dtype = kv_torch_dtype(config.cache.kv_cache_dtype, model_dtype)
+    fingerprint = ModelFingerprint(
+        model_id=mc.model_id,
+        revision=mc.revision,
+        dtype=str(model_dtype).removeprefix("torch."),
+        kv_cache_dtype=str(kv_dtype).removeprefix("torch."),
+        block_size=config.cache.block_size,
+    )
+    return BlockHasher(cluster_secret(config.cluster_secret), fingerprint)
+
+
+def load_tokenizer(model_dir: str):
+    """The model directory's tokenizer, or None when it has none (token-id prompts only)."""
     path = Path(model_dir)
     if not any(
         (path / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
