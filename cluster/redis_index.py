@@ -5,27 +5,32 @@ raw 16 bytes (set members and script arguments are binary-safe, so no key contai
 
     P epochs          hash  group -> last epoch handed out (HINCRBY; never shrinks)
     P groups          hash  group -> epoch of its current registration
-    P hb:<group>      string  the registration's epoch, PX heartbeat_ttl: live while it exists
-    P load:<group>    string  GroupLoad as JSON, PX heartbeat_ttl
+    P hb:<group>      string  the group's row of the match reply, `group TAB epoch TAB load`
+                      (load: GroupLoad as JSON, empty until reported), PX heartbeat_ttl
     P inv:<group>     set   every block hash the current registration caches, PX heartbeat_ttl
     P pend:<group>    zset  block hash -> deadline (Redis TIME, ms), PX the longest pending TTL
     P pending         hash  group -> latest deadline in pend:<group>, PX the longest pending TTL
 
-A group is live when `hb:<group>` exists and equals `groups[group]`. Each heartbeat, load report
-or publish refreshes the TTLs of hb, load and inv together, so when a group dies all its keys
-expire by themselves; `cleanup()` only forgets its `groups` field.
+A group is live while `hb:<group>` exists and starts with `group TAB groups[group] TAB`. Each
+heartbeat, load report or publish refreshes the TTLs of hb and inv together, so when a group
+dies all its keys expire by themselves; `cleanup()` only forgets its `groups` field. The load
+lives in the hb row so that one MGET answers liveness, epoch and load for every group, and the
+client keeps the rows it parsed (a row changes only with the group's load report).
 
 `match` is one EVALSHA whose argument is the chain's hashes concatenated. The script reads
-`groups`, every heartbeat and every load report (one MGET each) and `pending` (one HMGET), then
-for each live group asks SMISMEMBER (ZMSCORE for pending, only where `pending` says the group
-has unexpired entries) about the chain's probe positions (every block up to 32, then every 32nd, then the last) in
-chunks of 4, 8, ... hashes, stopping at the first miss, and then about the blocks between the
-last probe hit and that miss: about 100 lookups for a group holding a 2048-block chain, 4 for a
-group holding none of it. Looking up every block instead cost ~1 us each inside the script
-(argument and reply conversion), 10-16 ms for 2048 blocks x 4 groups. The layout is per group
-rather than per block because a per-block hash of holders costs one HGETALL per block in Lua,
-and because AllBlocksCleared, re-registration and death then each delete one key. Pending sets
-store only the probe positions of each placed chain.
+`groups` (HKEYS), every hb row (one MGET) and `pending` (one HMGET), then asks each live group
+one SISMEMBER of the chain's first block: a group that does not hold it holds none of the chain
+(~1.5 us a group in the script). A group that holds it gets one SMISMEMBER of all the chain's
+probe positions (every block up to 32, then every 32nd, then the last) and one of the blocks
+between the last probe hit and the first miss. A group with unexpired pending entries of the
+first block gets a binary search for its last pending probe (ZSCORE, about 7 for 96 probes);
+pending sets store only the probe positions of each placed chain. The reply names only the
+groups that hold or have pending some of the chain, then lists every live group's row.
+Measured at 64 groups and 32k-token prompts: the per-group probe loop of growing SMISMEMBER
+chunks cost ~5 us a group, and ZMSCORE of all probes on each of the ~30 groups a hot document
+is pending on cost ~2 ms a match. The layout is per group rather than per block because a
+per-block hash of holders costs one HGETALL per block in Lua, and because AllBlocksCleared,
+re-registration and death then each delete one key.
 
 Every write script first checks that (group, epoch) is live, so a group restarted under a new
 epoch fences off its old process. Scripts compute key names from P, so all keys of one index must
@@ -72,18 +77,23 @@ local function slice(blob, first, last)
   for i = first, last do t[#t + 1] = string.sub(blob, (i - 1) * W + 1, i * W) end
   return t
 end
+-- The start of a registration's row in hb:<g>, `group TAB epoch TAB`; the load report follows.
+local function row_head(g, e) return g .. '\\t' .. e .. '\\t' end
 local function live_epoch(g)
   local e = redis.call('HGET', P .. 'groups', g)
-  if e and redis.call('GET', P .. 'hb:' .. g) == e then return e end
+  if not e then return nil end
+  local row, head = redis.call('GET', P .. 'hb:' .. g), row_head(g, e)
+  if row and string.sub(row, 1, #head) == head then return e end
   return nil
 end
 local function drop_registration(g)
   redis.call('HDEL', P .. 'groups', g)
-  redis.call('DEL', P .. 'hb:' .. g, P .. 'load:' .. g, P .. 'inv:' .. g, P .. 'pend:' .. g)
+  redis.call('DEL', P .. 'hb:' .. g, P .. 'inv:' .. g, P .. 'pend:' .. g)
   redis.call('HDEL', P .. 'pending', g)
 end
 local function refresh(g, ttl)
-  for _, k in ipairs({'hb:', 'load:', 'inv:'}) do redis.call('PEXPIRE', P .. k .. g, ttl) end
+  redis.call('PEXPIRE', P .. 'hb:' .. g, ttl)
+  redis.call('PEXPIRE', P .. 'inv:' .. g, ttl)
 end
 local function now_ms()
   local t = redis.call('TIME')
@@ -96,10 +106,10 @@ local function each_chunk(cmd, key, blob)
     redis.call(cmd, key, unpack(slice(blob, i, math.min(i + CHUNK - 1, total))))
   end
 end
--- How many leading hashes of the list `hs` pass `ok` on the replies of `cmd key hash...`;
--- chunks grow from 4 so that a group holding nothing costs 4 lookups and a long hit few calls.
-local function leading(cmd, key, hs, ok)
-  local n, size, i = 0, 4, 1
+-- How many leading hashes of the list `hs` pass `ok` on the replies of `cmd key hash...`, asked
+-- in chunks of `size` hashes, then twice as many, ...
+local function leading(cmd, key, hs, ok, size)
+  local n, i = 0, 1
   while i <= #hs do
     local last = math.min(i + size - 1, #hs)
     local replies = redis.call(cmd, key, unpack(hs, i, last))
@@ -126,18 +136,33 @@ local function hashes_at(blob, positions)
   for _, p in ipairs(positions) do t[#t + 1] = string.sub(blob, (p - 1) * W + 1, p * W) end
   return t
 end
--- Leading blocks of the chain held in `key`: the probes first, then the blocks between the
--- last probe hit and the first probe miss. Exact within the first DENSE blocks; beyond, exact
--- when the holdings are prefix-closed between two probes, which the block manager keeps (a
--- request frees its blocks tail first, so a chain's tail is evicted before its head).
+-- Leading blocks of the chain held in `key`, known to hold the first block: all probes in one
+-- call (one call per chunk costs more than the lookups), then the blocks between the last probe
+-- hit and the first probe miss. Exact within the first DENSE blocks; beyond, exact when the
+-- holdings are prefix-closed between two probes, which the block manager keeps (a request
+-- frees its blocks tail first, so a chain's tail is evicted before its head).
 local function leading_blocks(cmd, key, blob, pos, probe_hs, ok)
-  local k = leading(cmd, key, probe_hs, ok)
+  local k = leading(cmd, key, probe_hs, ok, CHUNK)
   if k == #pos then return pos[k] or 0 end
   local lo, hi = pos[k] or 0, pos[k + 1]
   if hi - lo <= 1 then return lo end
   local between = {}
   for p = lo + 1, hi - 1 do between[#between + 1] = p end
-  return lo + leading(cmd, key, hashes_at(blob, between), ok)
+  return lo + leading(cmd, key, hashes_at(blob, between), ok, CHUNK)
+end
+-- Leading probes of `probe_hs` pending in the zset `key` (deadline after `now`), given that
+-- the first is, by binary search: a placement records all probes of its chain with one
+-- deadline (ZADD GT keeps the latest), so a pending probe's predecessors are pending at least
+-- as long. About 7 ZSCOREs for 96 probes; one ZMSCORE of all 96 costs ~40 us (it formats 96
+-- doubles), and a hot document is pending on up to half the groups.
+local function pending_probes(key, probe_hs, now)
+  local lo, hi = 1, #probe_hs
+  while lo < hi do
+    local mid = math.floor((lo + hi + 1) / 2)
+    local r = redis.call('ZSCORE', key, probe_hs[mid])
+    if r and tonumber(r) > now then lo = mid else hi = mid - 1 end
+  end
+  return lo
 end
 """.replace("DIGEST_SIZE", str(DIGEST_SIZE))
     .replace("PROBE_DENSE", str(PROBE_DENSE))
@@ -150,7 +175,7 @@ local g, ttl = ARGV[2], ARGV[3]
 drop_registration(g)
 local e = redis.call('HINCRBY', P .. 'epochs', g, 1)
 redis.call('HSET', P .. 'groups', g, e)
-redis.call('SET', P .. 'hb:' .. g, e, 'PX', ttl)
+redis.call('SET', P .. 'hb:' .. g, row_head(g, e), 'PX', ttl)
 return e
 """
 
@@ -158,7 +183,7 @@ return e
 _BEAT = """
 local g, e, ttl = ARGV[2], ARGV[3], ARGV[4]
 if live_epoch(g) ~= e then return 0 end
-if ARGV[5] then redis.call('SET', P .. 'load:' .. g, ARGV[5]) end
+if ARGV[5] then redis.call('SET', P .. 'hb:' .. g, row_head(g, e) .. ARGV[5]) end
 refresh(g, ttl)
 return 1
 """
@@ -197,7 +222,7 @@ local groups = redis.call('HGETALL', P .. 'groups')
 local dropped = 0
 for i = 1, #groups, 2 do
   local g, e = groups[i], groups[i + 1]
-  if redis.call('GET', P .. 'hb:' .. g) ~= e then
+  if live_epoch(g) ~= e then
     drop_registration(g)
     dropped = dropped + 1
   end
@@ -212,10 +237,12 @@ local k = P .. 'pend:' .. g
 local now = now_ms()
 redis.call('ZREMRANGEBYSCORE', k, '-inf', now)
 local total = #blob / W
+-- One score string: a Lua number argument is formatted anew for every entry (~0.5 us each).
+local deadline = string.format('%d', now + ttl)
 for i = 1, total, CHUNK do
   local args = {}
   for _, h in ipairs(slice(blob, i, math.min(i + CHUNK - 1, total))) do
-    args[#args + 1] = now + ttl
+    args[#args + 1] = deadline
     args[#args + 1] = h
   end
   redis.call('ZADD', k, 'GT', unpack(args))
@@ -230,42 +257,52 @@ if redis.call('PTTL', latest) < ttl then redis.call('PEXPIRE', latest, ttl) end
 return 1
 """
 
-# ARGV: P, blob -> one string, a line `group TAB epoch TAB cached TAB pending TAB load-or-empty`
-# per live group (names exclude tabs; compact JSON has no raw tab or newline). One bulk string
-# instead of 5 replies per group: redis-py parses each reply element in Python (~3 us apiece).
-# Pending sets hold only the probe positions of each placed chain (see record_pending), so
-# pending counts are exact up to the last probe position the two chains share. Per-group reads
-# are batched (MGET, HMGET): a group holding none of the chain costs one SMISMEMBER.
+# ARGV: P, blob -> one string: a line `group TAB cached TAB pending` per live group that holds
+# or has pending the chain's first block, an empty line, then every live group's hb row (see the
+# module docstring). Rows change only with a group's load report, so the client keeps the parsed
+# rows and parses only the new ones; one bulk string because redis-py parses each element of a
+# multi-bulk reply in Python (~3 us apiece). Per live group the script runs one SISMEMBER of the
+# first block (~1.5 us); only groups that hold it are probed further.
 _MATCH = """
-local groups = redis.call('HGETALL', P .. 'groups')
-if #groups == 0 then return '' end
-local blob = ARGV[2]
-local pos = probes(#blob / W)
-local probe_hs = hashes_at(blob, pos)
-local now = now_ms()
-local ids, hb, loads = {}, {}, {}
-for i = 1, #groups, 2 do
-  local g = groups[i]
-  ids[#ids + 1], hb[#hb + 1], loads[#loads + 1] = g, P .. 'hb:' .. g, P .. 'load:' .. g
+local ids = redis.call('HKEYS', P .. 'groups')
+if #ids == 0 then return '' end
+local keys = {}
+for j, g in ipairs(ids) do keys[j] = P .. 'hb:' .. g end
+local live, rows = {}, {}
+for j, row in ipairs(redis.call('MGET', unpack(keys))) do
+  if row then live[#live + 1], rows[#rows + 1] = ids[j], row end
 end
-local beats = redis.call('MGET', unpack(hb))
-loads = redis.call('MGET', unpack(loads))
-local latest = redis.call('HMGET', P .. 'pending', unpack(ids))
-local out = {}
-local function is_member(r) return r == 1 end
-local function is_pending(r) return r and tonumber(r) > now end
-for j, g in ipairs(ids) do
-  local e = groups[2 * j]
-  if beats[j] == e then
-    local cached = leading_blocks('SMISMEMBER', P .. 'inv:' .. g, blob, pos, probe_hs, is_member)
-    local pending = 0
-    if latest[j] and tonumber(latest[j]) > now then
-      pending = leading_blocks('ZMSCORE', P .. 'pend:' .. g, blob, pos, probe_hs, is_pending)
+if #live == 0 then return '' end
+local blob = ARGV[2]
+local n = #blob / W
+local counts = {}
+if n > 0 then
+  local h0, pos, probe_hs, now = string.sub(blob, 1, W), nil, nil, nil
+  local latest = redis.call('HMGET', P .. 'pending', unpack(live))
+  local function is_member(r) return r == 1 end
+  local function is_pending(r) return r and tonumber(r) > now end
+  for j, g in ipairs(live) do
+    local cached, pending = 0, 0
+    local held = redis.call('SISMEMBER', P .. 'inv:' .. g, h0) == 1
+    local pend = latest[j] and P .. 'pend:' .. g
+    if pend then
+      now = now or now_ms()
+      pend = tonumber(latest[j]) > now and is_pending(redis.call('ZSCORE', pend, h0)) and pend
     end
-    out[#out + 1] = table.concat({g, e, cached, pending, loads[j] or ''}, '\\t')
+    if held or pend then
+      pos = pos or probes(n)
+      probe_hs = probe_hs or hashes_at(blob, pos)
+    end
+    if held then
+      cached = leading_blocks('SMISMEMBER', P .. 'inv:' .. g, blob, pos, probe_hs, is_member)
+    end
+    if pend then  -- only probe positions are recorded: no search between them
+      pending = pos[pending_probes(pend, probe_hs, now)]
+    end
+    if cached + pending > 0 then counts[#counts + 1] = g .. '\\t' .. cached .. '\\t' .. pending end
   end
 end
-return table.concat(out, '\\n')
+return table.concat(counts, '\\n') .. '\\n\\n' .. table.concat(rows, '\\n')
 """
 
 _SCRIPTS = {
@@ -277,6 +314,9 @@ _SCRIPTS = {
     "pending": _PENDING,
     "match": _MATCH,
 }
+
+# Parsed hb rows a client keeps: a few load reports of each of hundreds of groups.
+_MAX_ROWS = 4096
 
 # Errors that mean "the index is out of reach for now", as opposed to our own bugs.
 _UNAVAILABLE = (
@@ -314,7 +354,7 @@ class RedisPrefixIndex(PrefixIndex):
         self.client = client
         self.prefix = f"pf:{check_name('cluster', cluster)}:{check_name('model', model)}:"
         self._ttl_ms = _ms(self.config.heartbeat_ttl_s)
-        self._loads: dict[str, tuple[bytes, GroupLoad]] = {}  # group -> (report, parsed)
+        self._rows: dict[bytes, GroupMatch] = {}  # hb row -> the group's match of nothing
         # Script objects run EVALSHA and reload the body on NOSCRIPT (e.g. a restarted Redis).
         self._scripts = {
             name: client.register_script(_PRELUDE + body) for name, body in _SCRIPTS.items()
@@ -366,21 +406,28 @@ class RedisPrefixIndex(PrefixIndex):
 
     def match(self, block_hashes: Sequence[bytes]) -> dict[str, GroupMatch]:
         reply = self._run("match", _blob(block_hashes))
+        if not reply:
+            return {}
+        counts, _, rows = reply.partition(b"\n\n")
+        known = self._rows
         out = {}
-        for row in reply.split(b"\n") if reply else ():
-            gid, epoch, cached, pending, load = row.split(b"\t", 4)
-            gid = gid.decode()
-            out[gid] = GroupMatch(gid, int(epoch), int(cached), int(pending), self._load(gid, load))
+        for row in rows.split(b"\n"):
+            m = known.get(row) or self._parse_row(row)
+            out[m.group_id] = m
+        for line in counts.split(b"\n") if counts else ():
+            gid, cached, pending = line.split(b"\t")
+            m = out[gid.decode()]
+            out[m.group_id] = GroupMatch(m.group_id, m.epoch, int(cached), int(pending), m.load)
         return out
 
-    def _load(self, group_id: str, text: bytes) -> GroupLoad | None:
-        """The parsed load report; reparsed only when the group reported a new one."""
-        if not text:
-            return None
-        seen = self._loads.get(group_id)
-        if seen is None or seen[0] != text:
-            seen = self._loads[group_id] = (text, GroupLoad.from_json(text))
-        return seen[1]
+    def _parse_row(self, row: bytes) -> GroupMatch:
+        """A live group's hb row as a match of nothing; kept until the group's load changes."""
+        gid, epoch, load = row.split(b"\t", 2)
+        m = GroupMatch(gid.decode(), int(epoch), 0, 0, GroupLoad.from_json(load) if load else None)
+        if len(self._rows) >= _MAX_ROWS:  # old reports of every group: start over
+            self._rows.clear()
+        self._rows[row] = m
+        return m
 
     def record_pending(
         self, group_id: str, block_hashes: Sequence[bytes], ttl_s: float | None = None
@@ -408,7 +455,11 @@ class RedisPrefixIndex(PrefixIndex):
         c, p = self.client, self.prefix
         with _unavailable_as_index_error():
             groups = c.hgetall(p + "groups")
-            live = [g.decode() for g, e in groups.items() if c.get(f"{p}hb:{g.decode()}") == e]
+            heads = {g.decode(): g + b"\t" + e + b"\t" for g, e in groups.items()}
+            rows = c.mget([f"{p}hb:{g}" for g in heads]) if heads else []
+            live = [
+                g for (g, h), r in zip(heads.items(), rows, strict=True) if r and r.startswith(h)
+            ]
             inv_keys = [f"{p}inv:{g}" for g in live]
             entries = sum(c.scard(k) for k in inv_keys)
             blocks = len(c.sunion(inv_keys)) if inv_keys else 0
