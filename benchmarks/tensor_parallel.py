@@ -1,8 +1,11 @@
 """Tensor-parallel groups on Ray: per-step control overhead and generated tokens/s.
 
 Control overhead: for each step, the time from the scheduler's decision (rank 0 entering
-TPExecutor.execute) to the last rank starting its forward (after receiving and decoding the
-step), on one clock (perf_counter is CLOCK_MONOTONIC, shared by the processes of one host).
+TPExecutor.execute) to the last rank starting its forward, on one clock (perf_counter is
+CLOCK_MONOTONIC, shared by the processes of one host). "Starting the forward" is the same point
+on every rank: ModelRunner.execute about to call the model, its inputs prepared (rank 0: after
+encoding and sending the step and preparing its inputs; other ranks: after receiving and
+decoding the step and preparing their inputs), so input preparation counts on every rank.
 Measured in steady decode with 1, 32 and 256 running requests, next to the latency of one small
 gloo broadcast on the step channel's group in the same run (ping-pong halved). Goal: overhead <= one
 broadcast + 0.2 ms whatever the number of running requests.
@@ -77,7 +80,7 @@ def step_overheads(group: RayGroup, n: int, skip: int) -> list[tuple[float, ...]
 
 def codec_seconds(n: int, repeat: int = 50) -> float:
     """Encode + decode of one decode step of `n` running requests, here, on the real scheduler
-    (the part of the overhead that grows with n; the rest is the broadcast)."""
+    (input preparation, the other part that grows with n, is inside the overhead)."""
     bm = BlockManager(n * 8, 16, None, lambda e: None)
     sched = Scheduler(SchedulerConfig(max_num_seqs=n, max_num_batched_tokens=8192), bm)
     for i in range(n):

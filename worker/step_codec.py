@@ -16,18 +16,25 @@ from __future__ import annotations
 import pickle
 import struct
 import time
+from collections import deque
+from itertools import compress, repeat
+from operator import getitem, setitem, sub
 
 from worker.scheduler import SchedulerOutput
 
 STEP, HEARTBEAT, PROBE, SHUTDOWN = b"s", b"h", b"p", b"x"
 _TIME = struct.Struct("<d")
+_PROTOCOL = pickle.HIGHEST_PROTOCOL
 
 
 class MirrorRequest:
     """A rank's copy of one running request; it also serves as its own scheduled entry
-    (`request`, `start`, `num_tokens`, `block_ids`, `samples`), as ModelRunner.prepare reads."""
+    (`request`, `start`, `num_tokens`, `block_ids`, `samples`, `is_new`), as
+    ModelRunner.prepare reads."""
 
-    __slots__ = ("request_id", "all_token_ids", "block_ids", "start", "num_tokens", "samples")
+    __slots__ = (
+        "request_id", "all_token_ids", "block_ids", "start", "num_tokens", "samples", "is_new"
+    )  # fmt: skip
 
     def __init__(self, request_id: str, token_ids: list[int], block_ids: list[int]) -> None:
         self.request_id = request_id
@@ -36,6 +43,7 @@ class MirrorRequest:
         self.start = 0
         self.num_tokens = 0
         self.samples = False
+        self.is_new = True
 
     @property
     def request(self) -> MirrorRequest:
@@ -57,6 +65,38 @@ class StepEncoder:
     def encode(self, out: SchedulerOutput, sent_at: float | None = None) -> bytes:
         sent = self._sent
         drops = [sent.pop(rid)[0] for rid in (*out.preempted_ids, *out.finished_ids) if rid in sent]
+        body = self._decodes(out) or self._general(out)
+        t = time.perf_counter() if sent_at is None else sent_at
+        return STEP + _TIME.pack(t) + pickle.dumps((drops, *body), protocol=_PROTOCOL)
+
+    def _decodes(self, out: SchedulerOutput) -> tuple | None:
+        """The body of a step where every entry decodes one token of a mirrored request (the
+        steady state), built with one comprehension per field; None for any other step."""
+        scheduled = out.scheduled
+        n = len(scheduled)
+        if not n or out.num_batched_tokens != n or True in [s.is_new for s in scheduled]:
+            return None
+        get = self._sent.get
+        states = [get(s.request.request_id) for s in scheduled]  # [slot, known] of each
+        if None in states:
+            return None
+        known = [st[1] for st in states]
+        ids = [s.request.all_token_ids for s in scheduled]
+        lens = [len(i) for i in ids]
+        if [s.start for s in scheduled] != known or list(map(sub, lens, known)).count(1) != n:
+            return None
+        tokens = list(map(getitem, ids, known))  # the one token each mirror lacks
+        deque(map(setitem, states, repeat(1), lens), maxlen=0)  # the mirrors now hold them
+        slots = [st[0] for st in states]
+        blk_slots, blk_ids = [], []
+        for i in compress(range(n), [s.new_block_ids for s in scheduled]):  # 1 in block_size
+            for block in scheduled[i].new_block_ids:
+                blk_slots.append(slots[i])
+                blk_ids.append(block)
+        return [], [], slots, tokens, blk_slots, blk_ids
+
+    def _general(self, out: SchedulerOutput) -> tuple:
+        sent = self._sent
         new: list[tuple] = []  # (position, slot, id, token ids, block table, start, num_tokens)
         other: list[tuple] = []  # (position, slot, start, num_tokens, new token ids)
         dec_slots, dec_tokens = [], []  # decodes: one new token, computed at the old length
@@ -79,9 +119,7 @@ class StepEncoder:
                 for block in s.new_block_ids:
                     blk_slots.append(slot)
                     blk_ids.append(block)
-        body = (drops, new, other, dec_slots, dec_tokens, blk_slots, blk_ids)
-        t = time.perf_counter() if sent_at is None else sent_at
-        return STEP + _TIME.pack(t) + pickle.dumps(body, protocol=pickle.HIGHEST_PROTOCOL)
+        return new, other, dec_slots, dec_tokens, blk_slots, blk_ids
 
     def _admit(self, pos: int, s) -> tuple:
         rid = s.request.request_id
@@ -113,17 +151,15 @@ class StepDecoder:
             memoryview(message)[1 + _TIME.size :]
         )
         mirrors = self.mirrors
-        for slot in drops:
-            mirrors.pop(slot, None)
+        dropped = [mirrors.pop(slot).request_id for slot in drops if slot in mirrors]
         scheduled: list[MirrorRequest] = []
         append = scheduled.append
         for slot, token in zip(dec_slots, dec_tokens, strict=True):
             m = mirrors[slot]
             ids = m.all_token_ids
-            m.start = len(ids)
+            m.start = len(ids)  # a decode computes the token it appends
             ids.append(token)
-            m.num_tokens = 1
-            m.samples = True
+            m.num_tokens, m.samples, m.is_new = 1, True, False
             append(m)
         for slot, block in zip(blk_slots, blk_ids, strict=True):
             mirrors[slot].block_ids.append(block)
@@ -132,6 +168,7 @@ class StepDecoder:
         for pos, slot, start, n, tokens in other:
             m = mirrors[slot]
             m.all_token_ids += tokens
+            m.is_new = False
             placed.append((pos, self._set(m, start, n)))
             num_tokens += n
         for pos, slot, rid, tokens, table, start, n in new:
@@ -140,7 +177,9 @@ class StepDecoder:
             num_tokens += n
         for pos, m in sorted(placed, key=lambda e: e[0]):
             scheduled.insert(pos, m)  # ascending positions: earlier inserts stay in place
-        out = SchedulerOutput(scheduled=scheduled, num_batched_tokens=num_tokens)  # type: ignore[arg-type]
+        out = SchedulerOutput(
+            scheduled=scheduled, num_batched_tokens=num_tokens, finished_ids=dropped
+        )  # type: ignore[arg-type]
         return out, sent_at
 
     @staticmethod

@@ -50,7 +50,7 @@ class TPExecutor(Executor):
         self.encoder = StepEncoder()
         self._last_sent = time.monotonic()
         self._closed = False
-        # (scheduled requests, seconds from the scheduler's decision to this rank's forward)
+        # (scheduled requests, seconds from the scheduler's decision to this rank's forward call)
         self.timings: collections.deque[tuple[int, float]] = collections.deque(maxlen=TIMINGS_KEPT)
 
     def determine_num_blocks(self) -> int:
@@ -64,9 +64,10 @@ class TPExecutor(Executor):
         decided = time.perf_counter()
         self._collective(self.channel.send, self.encoder.encode(out, decided))
         self._last_sent = time.monotonic()
-        if not out.is_empty:
-            self.timings.append((len(out.scheduled), time.perf_counter() - decided))
-        return self._collective(self.worker.execute, out)
+        sampled = self._collective(self.worker.execute, out)
+        if not out.is_empty:  # up to the model's forward call, inputs ready (as on every rank)
+            self.timings.append((len(out.scheduled), self.worker.runner.forward_started - decided))
+        return sampled
 
     def keepalive(self) -> None:
         """Called while idle: a heartbeat round trip when nothing was sent for heartbeat_s."""

@@ -9,7 +9,6 @@ collective that fails or times out (rank 0 gone or hung) ends it with `GroupFail
 from __future__ import annotations
 
 import collections
-import time
 
 from worker.distributed import ByteChannel, Collectives, startup_barrier
 from worker.executor import DeviceWorker
@@ -30,7 +29,7 @@ class TPWorker:
         self.world_size = comm.world_size
         self.decoder = StepDecoder()
         self.steps = 0
-        # (scheduled requests, seconds from rank 0's decision to this rank's forward)
+        # (scheduled requests, seconds from rank 0's decision to this rank's forward call)
         self.timings: collections.deque[tuple[int, float]] = collections.deque(maxlen=TIMINGS_KEPT)
 
     def init_pool(self) -> int:
@@ -60,9 +59,9 @@ class TPWorker:
 
     def _step(self, message: bytes) -> None:
         out, decided = self.decoder.decode(message)
-        if not out.is_empty:
-            self.timings.append((len(out.scheduled), time.perf_counter() - decided))
         self.worker.execute(out, sample=False)
+        if not out.is_empty:  # up to the model's forward call, inputs ready (as on rank 0)
+            self.timings.append((len(out.scheduled), self.worker.runner.forward_started - decided))
         self.steps += 1
 
     def _heartbeat(self, message: bytes) -> None:
