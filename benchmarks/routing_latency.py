@@ -4,7 +4,8 @@
 
 `Router.place` (group statuses, the index's one-round-trip match, the policy, the pending
 record) is timed at 8k- and 32k-token prompts that extend a cached document; hashing the prompt
-is timed apart, and `overhead` is hashing plus decision.
+is timed apart, and `overhead` is hashing plus decision. `validate` is the router's check of
+given token ids (`Router.tokenize`: the vocabulary check), also on the request path.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from cluster.prefix_index import PrefixIndexConfig
 from cluster.redis_index import RedisPrefixIndex
 from cluster.sim_group import CostModel, SimGroup, SimGroupConfig
 from router.policy import PrefixAware, PrefixAwareConfig
-from router.router import ModelInfo, Router
+from router.router import ModelInfo, Router, RouteRequest
 from tests.redis_server import RedisServer
 from worker.config import SchedulerConfig
 from worker.hashing import BlockHasher, ModelFingerprint
@@ -39,10 +40,13 @@ def decision_latency(router: Router, doc: list[int], hasher: BlockHasher, n: int
     rng, out = random.Random(1), {}
     pool = rng.choices(range(1000), k=32768)
     for size in (8192, 32768):
-        place, hashing, overhead = [], [], []
+        place, hashing, overhead, validate = [], [], [], []
         for i in range(n):
             tokens = (doc + [1000 + i] + pool)[:size]
+            tv = time.perf_counter()
+            router.tokenize(RouteRequest(prompt_token_ids=tokens))
             t0 = time.perf_counter()
+            validate.append(t0 - tv)
             hashes = hasher.hash_prompt(tokens)
             t1 = time.perf_counter()
             router.place(hashes)
@@ -51,7 +55,8 @@ def decision_latency(router: Router, doc: list[int], hasher: BlockHasher, n: int
             hashing.append(t1 - t0)
             overhead.append(t2 - t0)
         k = f"{size // 1024}k"
-        for name, xs in (("decision", place), ("hash", hashing), ("overhead", overhead)):
+        named = ("decision", place), ("hash", hashing), ("overhead", overhead), ("validate", validate)  # fmt: skip
+        for name, xs in named:
             out[f"{name}_ms_p50_{k}"] = round(1e3 * pct(xs, 0.5), 3)
             out[f"{name}_ms_p99_{k}"] = round(1e3 * pct(xs, 0.99), 3)
     return out

@@ -117,6 +117,17 @@ class GroupMatch:
 
 
 @dataclass(frozen=True)
+class PendingWrite:
+    """One placement for `PrefixIndex.record_pending_many`."""
+
+    group_id: str
+    block_hashes: Sequence[bytes]  # the placed chain
+    # Leading probes (`probe_positions`) the writer recorded on this group less than half a
+    # pending TTL ago: a backend may keep their deadline and write only the rest.
+    fresh_probes: int = 0
+
+
+@dataclass(frozen=True)
 class InventoryStats:
     """Size of the index over its live groups."""
 
@@ -170,6 +181,15 @@ class PrefixIndex(ABC):
         self, group_id: str, block_hashes: Sequence[bytes], ttl_s: float | None = None
     ) -> None:
         """Mark the chain as pending on the group for `ttl_s` (default: config.pending_ttl_s)."""
+
+    def record_pending_many(
+        self, writes: Sequence[PendingWrite], ttl_s: float | None = None
+    ) -> None:
+        """Several placements at once (Redis: one round trip); each may keep its fresh probes'
+        deadline instead of extending it, so a placement stays pending for at least half of
+        `ttl_s` and up to `ttl_s`."""
+        for w in writes:
+            self.record_pending(w.group_id, w.block_hashes, ttl_s)
 
     @abstractmethod
     def cleanup(self) -> int:

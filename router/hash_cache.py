@@ -92,10 +92,13 @@ class PrefixHashCache:
         cache_salt: str | None = None,
     ) -> list[bytes]:
         """The whole chain of a prompt's full blocks, equal to `hasher.hash_prompt(...)`."""
-        try:
-            ids = array("I", token_ids)  # (num_tokens,) uint32, one conversion for keys and tail
-        except OverflowError as e:
-            raise ValueError("token ids must be in [0, 2**32)") from e
+        if isinstance(token_ids, array) and token_ids.typecode == "I":
+            ids = token_ids  # already converted (the router's vocabulary check does)
+        else:
+            try:
+                ids = array("I", token_ids)  # (num_tokens,) uint32, one conversion for all
+            except OverflowError as e:
+                raise ValueError("token ids must be in [0, 2**32)") from e
         raw = ids.tobytes()
         step, seg_blocks = self._segment_key_bytes, self.config.segment_blocks
         num_segments = len(ids) // self._segment_tokens

@@ -25,6 +25,7 @@ from cluster.prefix_index import (
     IndexUnavailableError,
     InMemoryPrefixIndex,
     InventoryStats,
+    PendingWrite,
     PrefixIndex,
     PrefixIndexConfig,
     StaleEpochError,
@@ -93,6 +94,12 @@ class FailoverPrefixIndex(PrefixIndex):
     ) -> None:
         self.local.record_pending(group_id, block_hashes, ttl_s)
         self._shared(lambda: self.shared.record_pending(group_id, block_hashes, ttl_s))
+
+    def record_pending_many(
+        self, writes: Sequence[PendingWrite], ttl_s: float | None = None
+    ) -> None:
+        self.local.record_pending_many(writes, ttl_s)
+        self._shared(lambda: self.shared.record_pending_many(writes, ttl_s))
 
     def cleanup(self) -> int:
         n = self.local.cleanup()

@@ -160,6 +160,8 @@ class TimedPrefixIndex(PrefixIndex):
 
     def __init__(self, inner: PrefixIndex, match_hist, pending_hist) -> None:
         self.inner = inner
+        self.in_process = inner.in_process
+        self.config = getattr(inner, "config", None)
         self._match_hist = match_hist
         self._pending_hist = pending_hist
 
@@ -174,6 +176,13 @@ class TimedPrefixIndex(PrefixIndex):
         t0 = time.perf_counter()
         try:
             self.inner.record_pending(group_id, block_hashes, ttl_s)
+        finally:
+            self._pending_hist.observe(time.perf_counter() - t0)
+
+    def record_pending_many(self, writes, ttl_s=None) -> None:
+        t0 = time.perf_counter()
+        try:
+            self.inner.record_pending_many(writes, ttl_s)
         finally:
             self._pending_hist.observe(time.perf_counter() - t0)
 
