@@ -93,18 +93,41 @@ def test_unknown_policy_names_the_choices():
         PrefixAwareConfig(max_replicas=0)
 
 
-def test_a_hot_prefix_gets_replicas_in_proportion_to_its_demand():
-    policy = PrefixAware(PrefixAwareConfig(demand_window=20))
+def test_a_hot_prefix_spreads_over_its_holders_and_spills_at_the_load_bound():
+    policy = PrefixAware(PrefixAwareConfig(load_slack=0.1, load_burst=2, balance_window=1000))
     statuses = {g: status(g) for g in "abcd"}
     hot = chain(100)
-    matches = {g: match(g, 100 if g == "a" else 0) for g in "abcd"}
-    first = policy.choose(hot, statuses, matches)
-    assert (first.group_id, first.reason) == ("a", "prefix_hit")  # rare so far: one holder
-    for _ in range(10):  # the prefix now takes half the window: it wants more than one holder
+    holders = {"a", "b"}
+    placed, reasons = [], []
+    for _ in range(40):  # every request asks about the hot document; a placement caches it
+        matches = {g: match(g, 100 if g in holders else 0) for g in "abcd"}
         p = policy.choose(hot, statuses, matches)
-    assert (p.reason, p.cached_blocks) == ("spill", 0) and p.group_id != "a"
-    matches = {g: match(g, 100) for g in "abcd"}  # every group holds it: back to hits
-    assert policy.choose(hot, statuses, matches).reason == "prefix_hit"
+        placed.append(p.group_id)
+        reasons.append(p.reason)
+        holders.add(p.group_id)
+    assert sorted(placed[:2]) == ["a", "b"]  # the least placed holder first
+    first_spill = reasons.index("spill")
+    # Holders at k placements each are over the bound once k >= 1.1 * (2k / 4) + 2, i.e. k = 5.
+    assert first_spill == 10 and placed[first_spill] in "cd"
+    counts = [placed.count(g) for g in "abcd"]
+    assert max(counts) <= 1.1 * 10 + 2  # bounded by (1 + slack) * mean + burst
+    assert reasons.count("spill") == 2  # one spill per new replica, then hits again
+
+
+def test_new_content_goes_to_the_pool_that_took_in_least_lately():
+    policy = make_policy("prefix_aware")
+    full = {g: status(g, free=1000, cached=1000) for g in "abcd"}  # every placement evicts
+    for g, tokens in (("a", 4000), ("b", 4000), ("c", 100), ("d", 4000)):
+        policy.window.add(g, tokens)
+    assert policy.choose(chain(50, first=3), full, {}).group_id == "c"  # its LRU tail is oldest
+
+
+def test_load_bound_config_is_validated():
+    for field in ("load_slack", "load_burst", "balance_weight", "recompute_weight"):
+        with pytest.raises(ValueError, match=field):
+            PrefixAwareConfig(**{field: -1.0})
+    with pytest.raises(ValueError, match="balance_window"):
+        PrefixAwareConfig(balance_window=0)
 
 
 @pytest.fixture(scope="module")
