@@ -186,9 +186,9 @@ class PendingPlacements:
             return out
         now, h0, pos = self._clock(), block_hashes[0], None
         for p in placed:
-            m = out.get(p.group_id)
-            if m is None or p.deadline <= now or h0 not in p.probes:
+            if p.deadline <= now or h0 not in p.probes:
                 continue  # the usual case: another document
+            m = out.get(p.group_id) or GroupMatch(p.group_id, 0, 0, 0, None)  # index down
             if pos is None:
                 pos = probe_positions(len(block_hashes))
                 probed = [block_hashes[i] for i in pos]
@@ -379,8 +379,9 @@ class Router:
         try:
             if block_hashes:
                 matches = self.index.match(block_hashes)
-        except PrefixIndexError as e:  # route on load alone rather than refuse
+        except PrefixIndexError as e:  # route on load and this router's placements alone
             log.warning("prefix index unavailable (%s); placing by load", e)
+            placed = None  # nothing came back: every placement of ours counts
         matches = self.pending.overlay(block_hashes, matches, placed)
         placement = self.policy.choose(block_hashes, statuses, matches)
         self.pending.record(placement.group_id, block_hashes)

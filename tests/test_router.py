@@ -143,3 +143,23 @@ def test_the_vocabulary_check_names_the_bad_token_and_passes_the_array_to_hashin
     ids, checked = router._prompt(RouteRequest(prompt_token_ids=DOC))
     assert ids == DOC and list(checked) == DOC and checked.typecode == "I"
     assert router.hash_cache.hash_prompt(checked) == made[0].hasher.hash_prompt(DOC)
+
+
+def test_own_placements_count_while_the_shared_index_is_down(caplog):
+    from cluster.sim_group import SimGroup, SimGroupConfig
+    from worker.hashing import BlockHasher, ModelFingerprint
+
+    hasher = BlockHasher(b"down-secret", ModelFingerprint("m", block_size=16))
+    groups = [SimGroup(f"g{i}", SimGroupConfig(num_blocks=512), hasher) for i in range(3)]
+    server = RedisServer()
+    server.start()
+    index = RedisPrefixIndex.from_url(server.url, "down", "m", socket_timeout_s=0.2)
+    router = Router(groups, index, hasher, ModelInfo("m", 4096, 16, "auto", 1000))
+    server.stop()  # down before the first placement: nothing reaches Redis
+    chain = hasher.hash_prompt(list(range(1600)))
+    with caplog.at_level(logging.WARNING):
+        first = router.place(chain)
+        second = router.place(chain)
+    assert "prefix index unavailable" in caplog.text
+    assert (second.group_id, second.cached_blocks) == (first.group_id, len(chain))
+    index.close()
