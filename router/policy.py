@@ -32,7 +32,7 @@ import itertools
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from cluster.group import GroupStatus
 from cluster.prefix_index import GroupMatch
@@ -314,10 +314,23 @@ POLICIES: dict[str, type[Policy]] = {
 }
 
 
-def make_policy(name: str, block_size: int = 16) -> Policy:
-    """A policy by name (see POLICIES) for blocks of `block_size` tokens."""
+def make_policy(name: str, block_size: int = 16, options: Mapping | None = None) -> Policy:
+    """A policy by name (see POLICIES) for blocks of `block_size` tokens. `options`: fields of
+    PrefixAwareConfig for `prefix_aware` (`cost` as a mapping of CostModel fields)."""
     if name not in POLICIES:
         raise ValueError(f"policy {name!r} is unknown; choose one of {sorted(POLICIES)}")
-    policy = POLICIES[name]()
+    options = dict(options or {})
+    if name == "prefix_aware":
+        known = {f.name for f in fields(PrefixAwareConfig)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ValueError(f"unknown policy option(s) {unknown}; known: {sorted(known)}")
+        if isinstance(options.get("cost"), Mapping):
+            options["cost"] = CostModel(**options["cost"])
+        policy: Policy = PrefixAware(PrefixAwareConfig(**options))
+    elif options:
+        raise ValueError(f"policy {name!r} takes no options, got {sorted(options)}")
+    else:
+        policy = POLICIES[name]()
     policy.block_size = block_size
     return policy

@@ -52,6 +52,8 @@ class ServeConfig:
     metrics_port: int | None = DEFAULT_METRICS_PORT  # None: no metrics endpoint
     device: str = "cpu"  # "cuda" gives group i device cuda:i (in-process groups)
     policy: str = "prefix_aware"
+    # prefix_aware's PrefixAwareConfig fields, e.g. {"load_slack": 0.2}; YAML only
+    policy_options: Mapping[str, Any] = field(default_factory=dict, hash=False)
     cluster: str = "pagefleet"  # the prefix index's namespace
     grace_s: float = 30.0  # SIGTERM: how long in-flight calls may finish
     max_message_bytes: int = MAX_MESSAGE_BYTES
@@ -72,6 +74,8 @@ class ServeConfig:
             raise ValueError(f"model {self.model!r} is not a directory")
         if not isinstance(self.engine, Mapping):
             raise ValueError(f"engine must be a mapping of engine options, got {self.engine!r}")
+        if not isinstance(self.policy_options, Mapping):
+            raise ValueError(f"policy_options must be a mapping, got {self.policy_options!r}")
 
     @property
     def uses_ray(self) -> bool:
@@ -127,21 +131,28 @@ def build_cluster(config: ServeConfig, make_engine_config: Callable[..., Any]) -
     how flat options become an `EngineConfig`."""
     from cluster.prefix_index import make_prefix_index
     from router.metrics import ServerMetrics
+    from router.policy import make_policy
     from router.router import Router
 
     secret = os.environ.get("PAGEFLEET_CLUSTER_SECRET") or os.urandom(32).hex()
     engine_options = {"cluster_secret": secret, **config.engine}
     probe = make_engine_config(config.model, **engine_options)  # resolves the built-in model
     name = _model_name(probe.model)
+    policy = make_policy(config.policy, options=config.policy_options)  # before groups start
     index = make_prefix_index(config.redis, config.cluster, name)
     groups = _make_groups(config, make_engine_config, engine_options, index)
-    hasher, tokenizer, info = router_side(probe, name)
-    metrics = ServerMetrics(name)
-    metrics.watch_groups(lambda: [g.status() for g in groups])
-    router = Router(
-        groups, metrics.timed_index(index), hasher, info, tokenizer=tokenizer,
-        policy=config.policy,
-    )  # fmt: skip
+    try:
+        hasher, tokenizer, info = router_side(probe, name)
+        metrics = ServerMetrics(name)
+        metrics.watch_groups(lambda: [g.status() for g in groups])
+        router = Router(
+            groups, metrics.timed_index(index), hasher, info, tokenizer=tokenizer, policy=policy
+        )
+    except BaseException:  # the groups started: stop them rather than leave them behind
+        for group in groups:
+            group.shutdown()
+        index.close()
+        raise
     return Cluster(router, groups, index, metrics)
 
 

@@ -160,7 +160,7 @@ def test_yaml_config_takes_the_flag_names_and_flags_win(tmp_path):
                     "engine:\n  num_blocks: 64\n")  # fmt: skip
     config = load_config(str(path), {"port": 50999, "groups": None})
     assert config == ServeConfig(groups=2, metrics_port=9999, redis="redis://127.0.0.1:6379",
-                                 port=50999, engine={"num_blocks": 64})  # fmt: skip
+                                 port=50999, engine={"num_blocks": 64, "max_model_len": 512})  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -185,3 +185,23 @@ def test_serve_refuses_a_bad_config_before_loading_anything():
     assert done.returncode == 2 and "--config /nonexistent/serve.yaml" in done.stderr
     done = pagefleet("serve", "--groups", "0", timeout=60)
     assert done.returncode == 2 and "--groups" in done.stderr
+
+
+def test_policy_options_reach_the_policy_and_bad_ones_stop_before_groups_start():
+    from pagefleet.llm import engine_config
+    from router.serve import build_cluster
+
+    with pytest.raises(ValueError, match="load_slak"):
+        build_cluster(ServeConfig(policy_options={"load_slak": 0.2}), engine_config)
+    with pytest.raises(ValueError, match="takes no options"):
+        build_cluster(ServeConfig(policy="round_robin", policy_options={"x": 1}), engine_config)
+    options = {"load_slack": None, "cost": {"prefill_token_s": 1e-4}}
+    config = ServeConfig(
+        policy_options=options, metrics_port=None, engine={"num_blocks": 64, "max_model_len": 512}
+    )
+    cluster = build_cluster(config, engine_config)
+    try:
+        policy_config = cluster.router.policy.config
+        assert policy_config.load_slack is None and policy_config.cost.prefill_token_s == 1e-4
+    finally:
+        cluster.shutdown()
