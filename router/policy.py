@@ -145,14 +145,15 @@ class PrefixAwareConfig:
     # (the time it adds to its neighbours and they add to it). 0 ignores request counts.
     decode_tokens: int = 32
     request_weight: float = 1.0
-    # Load balance over this router's last ~balance_window placements (exponentially decayed):
+    # Load balance over this router's last ~balance_window placements per live group
+    # (exponentially decayed; the bound's burst is then the same fraction at any group count):
     # each placement a group took above the mean costs balance_weight neighbours' worth of
     # decode time (so a hot document's questions go to its least busy holder), and a group
     # over (1 + load_slack) * mean + load_burst placements takes none until the others catch up
     # (consistent hashing with bounded loads: the hot document then spills to a new replica).
     # Each router bounds its own placements, so several routers together stay bounded too.
     # load_slack None: no bound.
-    balance_window: int = 3000
+    balance_window: int = 200
     balance_weight: float = 1.0
     load_slack: float | None = 0.1
     load_burst: float = 16.0
@@ -180,7 +181,7 @@ class PrefixAware(Policy):
 
     def __init__(self, config: PrefixAwareConfig | None = None) -> None:
         self.config = config or PrefixAwareConfig()
-        self.window = GroupWindow(self.config.balance_window)
+        self.window = GroupWindow(self.config.balance_window)  # per live group
 
     def estimate(
         self, n_blocks: int, hit_blocks: int, status: GroupStatus, pressure: float = 1.0
@@ -221,8 +222,10 @@ class PrefixAware(Policy):
             g: self.estimate(n, hits[g], statuses[g], pressure.get(g, 1.0)) + unit * (placed[g] - mean)
             for g in candidates
         }  # fmt: skip
-        gid = min(candidates, key=lambda g: (scored[g], _rank(key, g)))
-        self.window.add(gid, (n - hits[gid]) * self.block_size)
+        low = min(scored.values())
+        tied = [g for g, v in scored.items() if v == low]  # e.g. idle groups, a new prefix
+        gid = tied[0] if len(tied) == 1 else max(tied, key=lambda g: rendezvous(key, g))
+        self.window.add(gid, (n - hits[gid]) * self.block_size, len(statuses))
         if best_hit == 0:
             reason = "new_prefix"
         elif hits[gid] == best_hit:
@@ -233,21 +236,21 @@ class PrefixAware(Policy):
 
 
 class GroupWindow:
-    """Each group's part of a router's last ~`window` placements, exponentially decayed: the
-    requests placed there and the prompt tokens they sent there uncached.
+    """Each group's part of a router's last ~`window` x (live groups) placements, exponentially
+    decayed: the requests placed there and the prompt tokens they sent there uncached.
 
-    Stored values are the decayed ones divided by decay**placements, so a placement updates
-    one entry instead of decaying every group's."""
+    Stored values are the decayed ones divided by the product of the decays so far, so a
+    placement updates one entry instead of decaying every group's."""
 
     def __init__(self, window: int) -> None:
-        self.decay = 1.0 - 1.0 / window
-        self._scale = 1.0  # decay ** placements since the last renormalization
+        self.window = window  # placements per live group
+        self._scale = 1.0  # the product of the decays since the last renormalization
         self._requests: dict[str, float] = {}
         self._tokens: dict[str, float] = {}
 
-    def add(self, group_id: str, new_tokens: int) -> None:
+    def add(self, group_id: str, new_tokens: int, live_groups: int = 1) -> None:
         """Count one placement on `group_id` that sends it `new_tokens` uncached tokens."""
-        self._scale *= self.decay
+        self._scale *= 1.0 - 1.0 / (self.window * max(1, live_groups))
         if self._scale < 1e-100:  # renormalize before the stored values overflow
             for counts in (self._requests, self._tokens):
                 for g in counts:
@@ -272,11 +275,6 @@ class GroupWindow:
 def _empty(status: GroupStatus) -> int:
     """Blocks with no content and no reference; cached ones are counted as taken."""
     return max(0, status.blocks_free - status.blocks_cached)
-
-
-def _rank(key: bytes, group_id: str) -> bytes:
-    """Tie-break order: the group with the highest rendezvous score sorts first."""
-    return bytes(255 - b for b in rendezvous(key, group_id))
 
 
 class Oracle(Policy):

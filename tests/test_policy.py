@@ -94,7 +94,7 @@ def test_unknown_policy_names_the_choices():
 
 
 def test_a_hot_prefix_spreads_over_its_holders_and_spills_at_the_load_bound():
-    policy = PrefixAware(PrefixAwareConfig(load_slack=0.1, load_burst=2, balance_window=1000))
+    policy = PrefixAware(PrefixAwareConfig(load_slack=0.1, load_burst=2, balance_window=250))
     statuses = {g: status(g) for g in "abcd"}
     hot = chain(100)
     holders = {"a", "b"}
