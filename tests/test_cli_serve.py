@@ -160,7 +160,7 @@ def test_yaml_config_takes_the_flag_names_and_flags_win(tmp_path):
                     "engine:\n  num_blocks: 64\n")  # fmt: skip
     config = load_config(str(path), {"port": 50999, "groups": None})
     assert config == ServeConfig(groups=2, metrics_port=9999, redis="redis://127.0.0.1:6379",
-                                 port=50999, engine={"num_blocks": 64, "max_model_len": 512})  # fmt: skip
+                                 port=50999, engine={"num_blocks": 64})  # fmt: skip
 
 
 @pytest.mark.parametrize(
