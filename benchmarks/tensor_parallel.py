@@ -3,12 +3,14 @@
 Control overhead: for each step, the time from the scheduler's decision (rank 0 entering
 TPExecutor.execute) to the last rank starting its forward, on one clock (perf_counter is
 CLOCK_MONOTONIC, shared by the processes of one host). "Starting the forward" is the same point
-on every rank: ModelRunner.execute about to call the model, its inputs prepared (rank 0: after
+on every rank: ModelRunner.run about to call the model, its inputs prepared (rank 0: after
 encoding and sending the step and preparing its inputs; other ranks: after receiving and
 decoding the step and preparing their inputs), so input preparation counts on every rank.
 Measured in steady decode with 1, 32 and 256 running requests, next to the latency of one small
 gloo broadcast on the step channel's group in the same run (ping-pong halved). Goal: overhead <= one
-broadcast + 0.2 ms whatever the number of running requests.
+broadcast + 0.2 ms whatever the number of running requests. `cpu_ms_p50` splits the CPU part
+in-process (no model, no transport): rank 0's plan, encode and prepare, the other rank's decode
+and prepare.
 
 Throughput: the same workload (256 requests) on a TP=1 and a TP=2 group, both Ray actors
 streaming back through Ray. One JSON line per case.
@@ -21,11 +23,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
 import sys
 import time
 from pathlib import Path
+
+import numpy as np
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -36,10 +42,11 @@ from worker.async_engine import GenerationRequest  # noqa: E402
 from worker.block_manager import BlockManager  # noqa: E402
 from worker.builtin_model import builtin_model_path  # noqa: E402
 from worker.config import SchedulerConfig  # noqa: E402
+from worker.model_runner import ModelRunner  # noqa: E402
 from worker.request import Request  # noqa: E402
 from worker.sampling_params import SamplingParams  # noqa: E402
 from worker.scheduler import Scheduler  # noqa: E402
-from worker.step_codec import StepDecoder, StepEncoder  # noqa: E402
+from worker.step_codec import decode_step, encode_step  # noqa: E402
 
 RUNNING = (1, 32, 256)
 PROMPT_LEN = 16
@@ -69,32 +76,54 @@ async def run_requests(group: RayGroup, n: int, max_tokens: int, seed: int) -> i
     return sum(await asyncio.gather(*(one() for _ in range(n))))
 
 
-def step_overheads(group: RayGroup, n: int, skip: int) -> list[tuple[float, ...]]:
+def step_overheads(group: RayGroup, n: int, skip: int) -> list[tuple[tuple, ...]]:
     """Per step (after the first `skip`) that scheduled exactly `n` requests: each rank's
-    seconds from the decision to its forward."""
-    per_rank = group.timings()
+    (seconds from the decision to its forward, its parts)."""
+    for _ in range(100):  # another rank may still be finishing the last step
+        per_rank = group.timings()
+        if len({len(t) for t in per_rank}) == 1:
+            break
+        time.sleep(0.02)
     assert len({len(t) for t in per_rank}) == 1, "ranks saw different numbers of steps"
     steps = list(zip(*per_rank, strict=True))[skip:]
-    return [tuple(t for _, t in step) for step in steps if step[0][0] == n]
+    return [tuple(t[1:] for t in step) for step in steps if step[0][0] == n]
 
 
-def codec_seconds(n: int, repeat: int = 50) -> float:
-    """Encode + decode of one decode step of `n` running requests, here, on the real scheduler
-    (input preparation, the other part that grows with n, is inside the overhead)."""
+def step_costs(n: int, repeat: int = 80) -> dict[str, float]:
+    """Median seconds of each piece of a steady decode step of `n` running requests, here, on
+    the real scheduler with two runners (no model): rank 0's plan, encode and prepare, the
+    other rank's decode and prepare. Rank 0 hands its sampled tokens on as ModelRunner.run does."""
     bm = BlockManager(n * 8, 16, None, lambda e: None)
     sched = Scheduler(SchedulerConfig(max_num_seqs=n, max_num_batched_tokens=8192), bm)
     for i in range(n):
-        params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
-        sched.add_request(Request(f"r{i}", list(range(3, 3 + PROMPT_LEN)), params, max_tokens=64))
-    encoder, decoder, best = StepEncoder(), StepDecoder(), float("inf")
+        params = SamplingParams(temperature=0.0, max_tokens=repeat + 8, ignore_eos=True)
+        prompt = list(range(3, 3 + PROMPT_LEN))
+        sched.add_request(Request(f"r{i}", prompt, params, max_tokens=repeat + 8))
+    cpu = torch.device("cpu")
+    rank0, rank1 = ModelRunner(None, 16, cpu), ModelRunner(None, 16, cpu)
+    times: dict[str, list[float]] = {k: [] for k in ("plan", "encode", "decode", "prep0", "prep1")}
+    sampled = None
     for step in range(repeat):
         out = sched.schedule()
         t0 = time.perf_counter()
-        decoder.decode(encoder.encode(out))
-        if step > 1:  # steady decode: every request running
-            best = min(best, time.perf_counter() - t0)
-        sched.update_from_output(out, {s.request.request_id: 7 for s in out.scheduled})
-    return best
+        planned = rank0.planner.plan(out, sampled)
+        t1 = time.perf_counter()
+        message = encode_step(planned)
+        t2 = time.perf_counter()
+        received, _ = decode_step(message)
+        t3 = time.perf_counter()
+        kept0 = rank0.prepare(planned)
+        t4 = time.perf_counter()
+        kept1 = rank1.prepare(received)
+        t5 = time.perf_counter()
+        del kept0, kept1  # (freed after the timing, as after a forward)
+        if step > 2:  # steady decode: every request running
+            for key, dt in zip(times, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4), strict=True):
+                times[key].append(dt)
+        tokens = {s.request.request_id: 7 for s in out.scheduled}
+        sampled = np.full(len(tokens), 7, dtype=np.int32)  # every request sampled
+        sched.update_from_output(out, tokens)
+    return {key: statistics.median(v) for key, v in times.items()}
 
 
 def ms(seconds: float) -> float:
@@ -106,8 +135,12 @@ def bench_overhead(group: RayGroup, n: int, max_tokens: int, rounds: int) -> dic
     skip = len(group.timings()[0])
     asyncio.run(run_requests(group, n, max_tokens, seed=n))
     per_step = step_overheads(group, n, skip)
-    samples = sorted(max(step) for step in per_step)
+    samples = sorted(max(total for total, _ in step) for step in per_step)
     p50 = statistics.median(samples)
+    ranks = list(zip(*per_step, strict=True))  # per rank: (total, parts) of each step
+    parts = [
+        [ms(statistics.median(p)) for p in zip(*(pt for _, pt in r), strict=True)] for r in ranks
+    ]
     return {
         "case": "control_overhead",
         "tp": group.tp,
@@ -115,12 +148,15 @@ def bench_overhead(group: RayGroup, n: int, max_tokens: int, rounds: int) -> dic
         "steps": len(samples),
         "overhead_ms_p50": ms(p50),
         "overhead_ms_p90": ms(samples[int(0.9 * (len(samples) - 1))]),
-        "per_rank_ms_p50": [ms(statistics.median(r)) for r in zip(*per_step, strict=True)],
-        "codec_ms": ms(codec_seconds(n)),
+        "per_rank_ms_p50": [ms(statistics.median(total for total, _ in r)) for r in ranks],
+        # rank 0: plan, encode, send, prepare; others: until received, decode, prepare
+        "per_rank_parts_ms_p50": parts,
+        "cpu_ms_p50": {k: ms(v) for k, v in step_costs(n).items()},
         "broadcast_ms": ms(broadcast),
         "goal_ms": ms(broadcast + GOAL_SLACK_MS / 1e3),
         "meets_goal": p50 <= broadcast + GOAL_SLACK_MS / 1e3,
         "transport": "step: tcp stream, broadcast: gloo, loopback",
+        "load1": round(os.getloadavg()[0], 2),
     }
 
 

@@ -227,8 +227,9 @@ class RankActor:
         dead = self.engine.dead
         return {**self.engine.stats(), "error": None if dead is None else _describe(dead)}
 
-    def timings(self) -> list[tuple[int, float]]:
-        """(scheduled requests, seconds from decision to forward) of recent steps, this rank."""
+    def timings(self) -> list[tuple[int, float, tuple[float, ...]]]:
+        """(scheduled requests, seconds from decision to forward, its parts) of recent steps,
+        this rank (worker/tp_executor.py and worker/tp_worker.py name the parts)."""
         source = self.executor if self.executor is not None else self.worker
         return list(source.timings)
 
@@ -486,8 +487,9 @@ class RayGroup(GroupHandle):
     def engine_stats(self) -> dict:
         return self._poll()
 
-    def timings(self) -> list[list[tuple[int, float]]]:
-        """Per rank, (scheduled requests, seconds from decision to forward) of recent steps."""
+    def timings(self) -> list[list[tuple[int, float, tuple[float, ...]]]]:
+        """Per rank, (scheduled requests, seconds from decision to forward, its parts) of
+        recent steps."""
         return ray.get([a.timings.remote() for a in self._actors])
 
     def probe_broadcast(self, rounds: int = 100) -> float:

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import torch
-from factories import make_requests, make_scheduler
+from factories import make_request, make_requests, make_scheduler
 
 from worker.model_runner import ModelRunner
-from worker.step_codec import StepDecoder, StepEncoder
+from worker.step_codec import decode_step, encode_step
 
 BLOCK = 4
 
@@ -40,6 +41,37 @@ def check(inputs, want) -> None:
     assert inputs.sample_rows.tolist() == [ends[i] - 1 for i, smp in enumerate(samples) if smp]
 
 
+def drive(sched, rng) -> dict[str, int]:
+    """Run the scheduler to the end with two runners (rank 0 plans, the other receives the
+    bytes), checking every prepared batch on both against the scheduler's entries. The tokens
+    rank 0 'sampled' reach its planner as its runner hands them on after a real forward."""
+    cpu = torch.device("cpu")
+    rank0, rank1 = ModelRunner(None, BLOCK, cpu), ModelRunner(None, BLOCK, cpu)
+    seen = {"steps": 0, "decodes_only": 0, "continues": 0}
+    sampled_all = None  # (S,) tokens of the last step, when it sampled every sequence
+    while sched.has_unfinished():
+        out = sched.schedule()
+        planned = rank0.planner.plan(out, sampled_all)
+        received, _ = decode_step(encode_step(planned))
+        if out.scheduled:
+            want = expected(out)
+            a, b = rank0.prepare(planned), rank1.prepare(received)
+            check(a, want)
+            check(b, want)
+            assert list(a.sample_ids) == [s.request.request_id for s in out.scheduled if s.samples]
+            seen["decodes_only"] += out.num_batched_tokens == len(out.scheduled)
+            seen["continues"] += received.continues
+        sampled = {s.request.request_id: rng.randrange(256) for s in out.scheduled if s.samples}
+        every = planned.samples is None and planned.q_lens is None and out.scheduled
+        sampled_all = np.array(list(sampled.values()), dtype=np.int32) if every else None
+        sched.update_from_output(out, sampled)
+        seen["steps"] += 1
+    out = sched.schedule()  # the last finishes: every kept row is released
+    rank0.execute(out)
+    assert len(rank0.planner) == 0
+    return seen
+
+
 def test_kept_tables_match_the_scheduler_on_both_ranks():
     sched, _ = make_scheduler(
         num_blocks=24, block_size=BLOCK, max_num_batched_tokens=20, watermark=0.0
@@ -49,26 +81,16 @@ def test_kept_tables_match_the_scheduler_on_both_ranks():
     for r in make_requests(7, prompt_len=14, max_tokens=12):
         r.all_token_ids[:9] = r.prompt_token_ids[:9] = shared
         sched.add_request(r)
-    cpu = torch.device("cpu")
-    rank0, rank1 = ModelRunner(None, BLOCK, cpu), ModelRunner(None, BLOCK, cpu)
-    encoder, decoder = StepEncoder(), StepDecoder()
-    steps = decodes_only = 0
-    while sched.has_unfinished():
-        out = sched.schedule()
-        mirrored, _ = decoder.decode(encoder.encode(out))
-        if out.scheduled:
-            want = expected(out)
-            a, b = rank0.prepare(out), rank1.prepare(mirrored)
-            check(a, want)
-            check(b, want)
-            assert a.sample_ids == [s.request.request_id for s in out.scheduled if s.samples]
-            decodes_only += out.num_batched_tokens == len(out.scheduled)
-        sampled = {s.request.request_id: rng.randrange(256) for s in out.scheduled if s.samples}
-        sched.update_from_output(out, sampled)
-        steps += 1
-    assert sched.num_preemptions > 0 and decodes_only > 3 and steps > 10
+    seen = drive(sched, rng)
+    assert sched.num_preemptions > 0 and seen["decodes_only"] > 3 and seen["steps"] > 10
     assert sched.bm.prefix_hits > 0
-    out = sched.schedule()  # the last finishes: every kept row is released
-    decoder.decode(encoder.encode(out))
-    rank0.execute(out)
-    assert len(rank0.tables) == 0 and encoder.num_mirrored == 0
+
+
+def test_steady_decodes_continue_across_blocks_and_finishes():
+    """Long runs of decode steps over the same requests (sent as tokens only) cross several
+    blocks, and requests that finish at different lengths break and restart those runs."""
+    sched, _ = make_scheduler(num_blocks=64, block_size=BLOCK, max_num_batched_tokens=64)
+    for i in range(6):  # they finish one by one
+        sched.add_request(make_request(5, max_tokens=8 + 5 * i))
+    seen = drive(sched, random.Random(2))
+    assert seen["continues"] > 20 and seen["decodes_only"] > seen["continues"]

@@ -26,9 +26,10 @@ from cluster.ray_runtime import ray
 from pagefleet.llm import LLM, engine_config
 from worker.async_engine import EngineDeadError, GenerationRequest
 from worker.builtin_model import make_model_dir
+from worker.model_runner import ModelRunner
 from worker.sampling_params import SamplingParams
 from worker.scheduler import SchedulerOutput
-from worker.step_codec import StepDecoder, StepEncoder
+from worker.step_codec import decode_step, encode_step
 
 KV_HEADS = {"kv4": 4, "kv2": 2, "kv1": 1}
 # 12 blocks of 8 tokens (one max_model_len sequence): six requests of ~60 tokens cannot run at once
@@ -157,34 +158,53 @@ def node_of(label):
 
 
 # ---- the step messages, against the real scheduler ------------------------------------
-def test_step_codec_mirrors_the_scheduler_through_preemption_and_finishes():
+def test_step_codec_carries_the_scheduler_through_preemption_and_finishes():
     sched, _ = make_scheduler(num_blocks=24, block_size=4, max_num_batched_tokens=48, watermark=0.0)
     for r in make_requests(6, prompt_len=30, max_tokens=9):
         sched.add_request(r)
-    encoder, decoder = StepEncoder(), StepDecoder()
-    empty = len(StepEncoder().encode(SchedulerOutput()))  # header and framing
-    rng, steps, decode_bytes = random.Random(0), 0, []
+    cpu = torch.device("cpu")
+    rank0, rank1 = ModelRunner(None, 4, cpu), ModelRunner(None, 4, cpu)
+    empty = len(encode_step(ModelRunner(None, 4, cpu).plan(SchedulerOutput())))  # the header
+    rng, steps, decode_bytes, other_bytes, sampled_all = random.Random(0), 0, [], [], None
     while sched.has_unfinished():
         out = sched.schedule()
-        message = encoder.encode(out)
-        mirrored, _ = decoder.decode(message)
-        assert [m.request_id for m in mirrored.scheduled] == [
-            s.request.request_id for s in out.scheduled
-        ]
-        for m, s in zip(mirrored.scheduled, out.scheduled, strict=True):
-            assert (m.start, m.num_tokens, m.samples) == (s.start, s.num_tokens, s.samples)
-            assert m.block_ids == s.block_ids
-            assert m.all_token_ids[m.start : m.end] == s.request.all_token_ids[s.start : s.end]
+        planned = rank0.planner.plan(out, sampled_all)
+        message = encode_step(planned)
+        received, _ = decode_step(message)
+        if out.scheduled:
+            rank0.prepare(planned)
+            inputs = rank1.prepare(received)  # the other rank's batch, from the bytes alone
+            ends = inputs.meta.query_start_loc.tolist()
+            for i, s in enumerate(out.scheduled):
+                seq = slice(ends[i], ends[i + 1])
+                assert inputs.input_ids[seq].tolist() == s.request.all_token_ids[s.start : s.end]
+                assert inputs.positions[seq].tolist() == list(range(s.start, s.end))
+                assert inputs.meta.slot_mapping[seq].tolist() == s.slot_mapping(4)
+                assert inputs.meta.block_tables[i, : len(s.block_ids)].tolist() == s.block_ids
+            want = [ends[i + 1] - 1 for i, s in enumerate(out.scheduled) if s.samples]
+            assert inputs.sample_rows.tolist() == want
         if out.scheduled and not any(s.is_new for s in out.scheduled):
-            decode_bytes.append((len(message) - empty) / len(out.scheduled))
+            n, tokens = len(out.scheduled), out.num_batched_tokens
+            blocks = sum(len(s.new_block_ids) for s in out.scheduled)
+            # bytes a request, besides this step's tokens and new blocks (the diffs themselves)
+            other_bytes.append((len(message) - empty - 4 * tokens - 12 * blocks) / n)
+            if tokens == n:
+                decode_bytes.append((len(message) - empty - 12 * blocks) / n)
         sampled = {s.request.request_id: rng.randrange(256) for s in out.scheduled if s.samples}
+        every = out.scheduled and planned.samples is None and planned.q_lens is None
+        sampled_all = (
+            torch.tensor(list(sampled.values()), dtype=torch.int32).numpy() if every else None
+        )
         sched.update_from_output(out, sampled)
         steps += 1
     assert sched.num_preemptions > 0 and steps > 10
-    # running requests travel as diffs: a few bytes each, not their 30+ tokens of context
-    assert decode_bytes and max(decode_bytes) < 16, decode_bytes
-    encoder.encode(sched.schedule())  # the last finishes reach the mirrors
-    assert encoder.num_mirrored == 0
+    # running requests travel as diffs: besides the tokens a step computes and the blocks it
+    # adds, a few bytes each, not their 30+ tokens of context; in a decode batch 12 bytes a
+    # request at most (row, start, token), 4 (its token) when the step continues the one before
+    assert other_bytes and max(other_bytes) < 16, other_bytes
+    assert decode_bytes and max(decode_bytes) <= 12 and min(decode_bytes) <= 4, decode_bytes
+    rank0.plan(sched.schedule())  # the last finishes free their rows
+    assert len(rank0.planner) == 0
 
 
 def test_tensor_parallel_size_that_cannot_split_the_heads_is_refused(model_dirs):

@@ -1,8 +1,17 @@
-"""Turns one scheduler step into flat input tensors, runs one forward pass, samples."""
+"""Turns one scheduler step into flat input tensors, runs one forward pass, samples.
+
+A step reaches the runner of every rank as a `FlatStep` (worker/step_codec.py: flat arrays of
+each sequence's table row, start and length, the input tokens, the block-table entries written
+this step). Rank 0 (or a single device) plans it from the scheduler's entries; the other ranks
+of a tensor-parallel group decode it from rank 0's message and never build a request object.
+Input preparation is then the same handful of numpy operations on every rank, and a decode
+step that continues the one before only advances the kept arrays in place.
+"""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import compress
 
@@ -12,75 +21,27 @@ import torch
 from worker.attention_metadata import AttentionMetadata
 from worker.sampler import Sampler, SamplingRow, TokenLogprobs
 from worker.scheduler import SchedulerOutput
+from worker.step_codec import BlockTable, FlatStep, RowPlanner
 
 Sampled = dict[str, tuple[int, TokenLogprobs | None]]  # request id -> (token, logprobs)
 
 
-class BlockTableRows:
-    """The block tables of the running requests, one row each, kept from step to step.
+@dataclass
+class _Kept:
+    """One step's input arrays (S sequences, T tokens), in their tensors' dtypes; kept after a
+    decode batch so that the next step of the same sequences only advances them."""
 
-    A table only grows while its request runs (the block manager appends; a preempted request
-    comes back `is_new` with a new table), so a step copies only the blocks a row lacks: a
-    decode batch touches a row once per block_size steps instead of padding every table into a
-    fresh tensor each step. Rows of finished or preempted requests are reused.
-    """
-
-    def __init__(self, rows: int = 64, cols: int = 16) -> None:
-        self.table = np.zeros((rows, cols), dtype=np.int32)  # (rows, max blocks) block ids
-        self.count = np.zeros(rows, dtype=np.int64)  # (rows,) blocks held by each row
-        self._row_of: dict[str, int] = {}  # request id -> row
-        self._free = list(range(rows - 1, -1, -1))
-
-    def __len__(self) -> int:
-        return len(self._row_of)  # rows held by running requests
-
-    def release(self, request_ids) -> None:
-        for rid in request_ids:
-            row = self._row_of.pop(rid, None)
-            if row is not None:
-                self._free.append(row)
-
-    def rows_for(self, scheduled: list, rids: list[str], lens: np.ndarray) -> np.ndarray:
-        """(num_seqs,) row of each entry, after bringing every row up to its live table."""
-        rows = list(map(self._row_of.get, rids))
-        if None in rows or True in [s.is_new for s in scheduled]:
-            for i, s in enumerate(scheduled):
-                if rows[i] is None or s.is_new:
-                    rows[i] = self._assign(rids[i])
-        rows_a = np.array(rows, dtype=np.int64)
-        need = max(int(lens.max()), 1)
-        if need > self.table.shape[1]:
-            grown = np.zeros((self.table.shape[0], max(need, 2 * self.table.shape[1])), np.int32)
-            grown[:, : self.table.shape[1]] = self.table
-            self.table = grown
-        for i in np.flatnonzero(self.count[rows_a] != lens).tolist():  # new rows, new blocks
-            row, ids = rows[i], scheduled[i].block_ids
-            have = int(self.count[row])
-            have = have if have <= len(ids) else 0  # (never expected: tables only grow)
-            self.table[row, have : len(ids)] = ids[have:]
-            self.count[row] = len(ids)
-        return rows_a
-
-    def _assign(self, rid: str) -> int:
-        row = self._row_of.get(rid)
-        if row is None:
-            if not self._free:
-                self._grow()
-            row = self._row_of[rid] = self._free.pop()
-        self.count[row] = 0  # (re)admitted: its table is new
-        self.table[row] = 0  # padding past a table's end reads as block 0, as before
-        return row
-
-    def _grow(self) -> None:
-        n = self.table.shape[0]
-        self.table = np.concatenate([self.table, np.zeros_like(self.table)])
-        self.count = np.concatenate([self.count, np.zeros_like(self.count)])
-        self._free.extend(range(2 * n - 1, n - 1, -1))
-
-
-def _to(a: np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A numpy array as a tensor of `dtype` on `device` (no copy on CPU when dtypes match)."""
-    return torch.from_numpy(a).to(device=device, dtype=dtype)
+    rows: np.ndarray  # (S,) int32 block-table rows
+    tokens: np.ndarray  # (T,) int64
+    positions: np.ndarray  # (T,) int64
+    slots: np.ndarray  # (T,) int64
+    query_start_loc: np.ndarray  # (S+1,) int32
+    seq_lens: np.ndarray  # (S,) int32
+    sample_rows: np.ndarray  # (n,) int64
+    block_tables: np.ndarray  # (S, max blocks) int32
+    max_query_len: int
+    max_seq_len: int
+    until: int  # steps of one token each until some position starts a new block
 
 
 @dataclass
@@ -91,7 +52,7 @@ class StepInputs:
     positions: torch.Tensor  # (T,) int64
     meta: AttentionMetadata
     sample_rows: torch.Tensor  # (n,) int64: row of the last token of each sampling sequence
-    sample_ids: list[str]  # request ids of those rows, in order
+    sample_ids: Sequence[str]  # request ids of those rows, in order (rank 0 only)
 
 
 class ModelRunner:
@@ -103,80 +64,151 @@ class ModelRunner:
         self.device = device
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator] = {}  # seeded requests' RNG streams
-        self.tables = BlockTableRows()
+        self.tables = BlockTable()
+        # used on rank 0 (or a single device) only
+        self.planner = RowPlanner(self.tables, block_size)
         self.forward_started = 0.0  # perf_counter when the latest forward began (inputs ready)
+        self._kept: _Kept | None = None  # the last decode batch, for a step that continues it
+        self._kept_inputs: StepInputs | None = None  # its tensors
+        self._sampled: np.ndarray | None = None  # (S,) int32 tokens of a step where all sample
 
-    def prepare(self, out: SchedulerOutput) -> StepInputs:
-        """The step's flat batch: one list comprehension per field, then numpy for the index
-        arithmetic and block tables kept across steps, so that a running request costs tens of
-        ns per step rather than a padded table copy."""
-        scheduled = out.scheduled
-        n = len(scheduled)
-        self.tables.release(out.finished_ids)
-        self.tables.release(out.preempted_ids)
-        rids = [s.request.request_id for s in scheduled]
-        lens = np.array([len(s.block_ids) for s in scheduled], dtype=np.int64)  # (S,)
-        rows = self.tables.rows_for(scheduled, rids, lens)
-        starts = [s.start for s in scheduled]
-        q_lens = np.array([s.num_tokens for s in scheduled], dtype=np.int64)  # (S,)
-        samples = [s.samples for s in scheduled]
-        query_start_loc = np.zeros(n + 1, dtype=np.int64)  # (S+1,)
-        np.cumsum(q_lens, out=query_start_loc[1:])
-        num_tokens = int(query_start_loc[-1])
-        starts_a = np.array(starts, dtype=np.int64)
-        if num_tokens == n:  # decodes (or 1-token chunks): one token per sequence
-            tokens = [s.request.all_token_ids[s.start] for s in scheduled]
-            seq_idx = np.arange(n)
-            positions = starts_a
+    def plan(self, out: SchedulerOutput) -> FlatStep:
+        """Rank 0: the scheduler's step as flat arrays, for prepare here and on the other
+        ranks. Steps must be planned and prepared in the same order."""
+        sampled, self._sampled = self._sampled, None
+        return self.planner.plan(out, sampled)
+
+    def prepare(self, step: FlatStep) -> StepInputs:
+        """The step's flat batch from its arrays: the kept tables take the step's entries,
+        then a handful of numpy operations (none per sequence) give every input, each made in
+        its tensor's dtype so that on CPU it becomes a tensor without a copy. A step that
+        continues the one before advances that step's arrays in place instead."""
+        self.tables.apply(step)
+        if step.continues:
+            return self._advance(step)
+        table, bs = self.tables.table, self.block_size
+        rows, n = step.rows, step.num_seqs
+        starts = step.starts  # (S,) int32
+        if step.q_lens is None:  # one token per sequence: the token sits at its start
+            query_start_loc = np.arange(n + 1, dtype=np.int32)  # (S+1,)
+            positions = starts.astype(np.int64)  # (T,) == (S,)
+            seq_lens, max_q = starts + 1, 1
+            blocks = table[rows, starts // bs]  # (T,) each token's block
         else:
-            tokens = []
-            for s in scheduled:
-                tokens += s.request.all_token_ids[s.start : s.start + s.num_tokens]
-            seq_idx = np.repeat(np.arange(n), q_lens)  # (T,) sequence of each token
+            query_start_loc = np.zeros(n + 1, dtype=np.int32)  # (S+1,)
+            np.cumsum(step.q_lens, out=query_start_loc[1:])
+            seq_idx = np.repeat(np.arange(n), step.q_lens)  # (T,) sequence of each token
             # position of each token: its sequence's start + its offset within the chunk
-            positions = (starts_a - query_start_loc[:-1])[seq_idx] + np.arange(num_tokens)
-        block_tables = self.tables.table[rows, : max(int(lens.max()), 1)]  # (S, max_blocks)
+            positions = (starts - query_start_loc[:-1]).astype(np.int64)[seq_idx]
+            positions += np.arange(len(seq_idx))
+            seq_lens, max_q = starts + step.q_lens, int(step.q_lens.max())
+            blocks = table[rows[seq_idx], positions // bs]  # (T,)
+        slots = blocks.astype(np.int64)  # (T,) block * block_size + offset
+        slots *= bs
+        slots += positions % bs
+        if step.samples is None:  # (n,) == (S,): the last token of each sequence
+            sample_rows = np.arange(n, dtype=np.int64) if max_q == 1 else query_start_loc[1:] - 1
+        else:
+            sample_rows = (query_start_loc[1:] - 1)[step.samples]
+        kept = _Kept(
+            rows=rows,
+            tokens=step.tokens.astype(np.int64),
+            positions=positions,
+            slots=slots,
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
+            sample_rows=sample_rows,
+            block_tables=self._block_tables(rows),
+            max_query_len=max_q,
+            max_seq_len=int(seq_lens.max()),
+            until=int((bs - positions % bs).min()),
+        )
+        self._kept = kept if max_q == 1 and step.samples is None else None
+        return self._inputs(kept, step.sample_ids)
+
+    def _advance(self, step: FlatStep) -> StepInputs:
+        """The kept decode batch one token further: positions, lengths and slots + 1, and
+        where a position reaches a new block (every block_size steps), slots from the table."""
+        kept = self._kept
+        assert kept is not None and len(kept.tokens) == len(step.tokens), "nothing to continue"
+        kept.tokens[:] = step.tokens  # in place: on CPU the tensors share these arrays
+        kept.positions += 1
+        kept.seq_lens += 1
+        kept.slots += 1
+        kept.max_seq_len += 1
+        kept.until -= 1
         bs = self.block_size
-        slots = block_tables[seq_idx, positions // bs] * np.int64(bs) + positions % bs  # (T,)
-        sample_rows = (query_start_loc[1:] - 1)[np.array(samples, dtype=bool)]
-        dev = self.device
+        if kept.until == 0:  # some position starts a block: its slot is in the new block
+            np.multiply(self.tables.table[kept.rows, kept.positions // bs], bs, out=kept.slots)
+            kept.slots += kept.positions % bs
+            kept.until = int((bs - kept.positions % bs).min())
+        if len(step.table_rows):  # rows gained blocks
+            kept.block_tables = self._block_tables(kept.rows)
+        inputs = self._kept_inputs
+        if self.device.type != "cpu":  # the device's tensors are copies: copy again
+            return self._inputs(kept, step.sample_ids)
+        if len(step.table_rows):
+            inputs.meta.block_tables = self._tensor(kept.block_tables)
+        inputs.meta.max_seq_len = kept.max_seq_len
+        inputs.sample_ids = step.sample_ids
+        return inputs
+
+    def _block_tables(self, rows: np.ndarray) -> np.ndarray:
+        width = max(int(self.tables.count[rows].max()), 1)
+        return self.tables.table[rows, :width]  # (S, max blocks), a copy
+
+    def _inputs(self, kept: _Kept, sample_ids: Sequence[str]) -> StepInputs:
         meta = AttentionMetadata(
-            slot_mapping=_to(slots, torch.int64, dev),
-            block_tables=_to(block_tables, torch.int32, dev),
-            query_start_loc=_to(query_start_loc, torch.int32, dev),
-            seq_lens=_to(starts_a + q_lens, torch.int32, dev),
-            max_query_len=int(q_lens.max()),
-            max_seq_len=int((starts_a + q_lens).max()),
+            slot_mapping=self._tensor(kept.slots),
+            block_tables=self._tensor(kept.block_tables),
+            query_start_loc=self._tensor(kept.query_start_loc),
+            seq_lens=self._tensor(kept.seq_lens),
+            max_query_len=kept.max_query_len,
+            max_seq_len=kept.max_seq_len,
         )
-        return StepInputs(
-            input_ids=torch.tensor(tokens, dtype=torch.int64, device=dev),
-            positions=_to(positions, torch.int64, dev),
+        self._kept_inputs = StepInputs(
+            input_ids=self._tensor(kept.tokens),
+            positions=self._tensor(kept.positions),
             meta=meta,
-            sample_rows=_to(sample_rows, torch.int64, dev),
-            sample_ids=list(compress(rids, samples)),
+            sample_rows=self._tensor(kept.sample_rows),
+            sample_ids=sample_ids,
         )
+        return self._kept_inputs
+
+    def _tensor(self, a: np.ndarray) -> torch.Tensor:
+        """`a` as a tensor on the runner's device (on CPU, the same memory)."""
+        t = torch.from_numpy(a)
+        return t if self.device.type == "cpu" else t.to(self.device)
+
+    def execute(self, out: SchedulerOutput, sample: bool = True) -> Sampled:
+        """Plan and run the step; returns the sampled token (and logprobs) of each sampling
+        request (none with `sample=False`)."""
+        return self.run(self.plan(out), out if sample else None)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, sample: bool = True) -> Sampled:
-        """Run the step; returns the sampled token (and logprobs) of each sampling request.
-        Ranks other than 0 of a tensor-parallel group run the forward with `sample=False`."""
-        for rid in out.finished_ids:
-            self._generators.pop(rid, None)
-        if out.is_empty:
-            self.tables.release(out.finished_ids)
+    def run(self, step: FlatStep, out: SchedulerOutput | None = None) -> Sampled:
+        """Run a planned (or received) step. With the scheduler's `out` (rank 0), sample the
+        sequences that reach their last token; without (other ranks), only join the LM head's
+        all-gather, which runs on every rank."""
+        if out is not None:
+            for rid in out.finished_ids:
+                self._generators.pop(rid, None)
+        if not step.num_seqs:
             return {}
-        inputs = self.prepare(out)
+        inputs = self.prepare(step)
         self.forward_started = time.perf_counter()
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)  # (T, hidden)
-        if not inputs.sample_ids:
-            return {}
-        if not sample:  # the LM head's all-gather still runs on every rank
-            self.model.compute_logits(hidden[inputs.sample_rows])
+        if not len(inputs.sample_rows):
             return {}
         logits = self.model.compute_logits(hidden[inputs.sample_rows])  # (n, vocab) float32
-        by_id = {s.request.request_id: s.request for s in out.scheduled}
-        rows = [self._row(by_id[rid]) for rid in inputs.sample_ids]
-        result = self.sampler(logits, rows)
+        if out is None:
+            return {}
+        entries = out.scheduled
+        if step.samples is not None:
+            entries = list(compress(entries, step.samples.tolist()))
+        result = self.sampler(logits, [self._row(s.request) for s in entries])
+        if step.samples is None and step.q_lens is None:  # the next step may continue this one
+            self._sampled = np.array(result.token_ids, dtype=np.int32)
         return {
             rid: (tok, lp)
             for rid, tok, lp in zip(

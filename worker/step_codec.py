@@ -1,192 +1,321 @@
-"""The scheduler's steps as bytes, for the ranks of a tensor-parallel group other than rank 0.
+"""A scheduler step as flat arrays, and as bytes for the other ranks of a tensor-parallel group.
 
-Rank 0 owns the scheduler and the requests; every other rank keeps a mirror of each running
-request: its token ids and its block table, which is all its model runner reads. A step sends
-new requests whole (id, every known token id, the whole block table) and running ones as diffs
-(the tokens sampled since their last step, the blocks added this step, start and length), so a
-decode batch costs a few bytes per request whatever the context length. Requests that finished
-or were preempted are dropped from the mirrors (a preempted request comes back whole).
+Rank 0 (or a single device) plans each step as flat arrays (`RowPlanner` -> `FlatStep`: each
+sequence's block-table row, start and length, the input tokens, the block-table entries
+written this step), from which every rank's model runner prepares its inputs, keeping its own
+block tables (`BlockTable`). Rank 0 sends the arrays as they are; another rank reads them back
+with one `np.frombuffer`. So running requests travel as diffs (a decode: row, start and token,
+12 bytes, whatever the context length, and only its token, 4 bytes, when the step continues
+the one before with the same sequences; a new block once per block_size decodes), new requests
+as their whole table and their chunk's tokens, and no rank but 0 builds a request object. A
+row freed by a finished or preempted request is reset when rank 0 assigns it again.
 
-Message layout: one kind byte, then for a step a float64 send time (for the control-overhead
-measurement) and a pickle of plain lists and tuples of ints (C-speed, a few bytes each).
+Message layout: the header below, then int32 arrays back to back: rows (S), starts (S) (S = 0
+when the step continues the one before), q_lens (S, when present), tokens (T), resets (R), the
+table entries' rows, columns and block ids (K each); then, when present, samples (S bytes).
 """
 
 from __future__ import annotations
 
-import pickle
 import struct
 import time
-from collections import deque
-from itertools import compress, repeat
-from operator import getitem, setitem, sub
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from itertools import compress
+
+import numpy as np
 
 from worker.scheduler import SchedulerOutput
 
 STEP, HEARTBEAT, PROBE, SHUTDOWN = b"s", b"h", b"p", b"x"
-_TIME = struct.Struct("<d")
-_PROTOCOL = pickle.HIGHEST_PROTOCOL
+# kind, flags, S, T, R, K, rank 0's send time (for the control-overhead measurement); 32 bytes
+# so that the int32 arrays after it start aligned
+_HEADER = struct.Struct("<cB2xIIIId4x")
+_HAS_Q_LENS, _HAS_SAMPLES, _CONTINUES = 1, 2, 4
+_NONE = np.zeros(0, dtype=np.int32)  # (0,): an empty array field, shared
+_NONE.flags.writeable = False
 
 
-class MirrorRequest:
-    """A rank's copy of one running request; it also serves as its own scheduled entry
-    (`request`, `start`, `num_tokens`, `block_ids`, `samples`, `is_new`), as
-    ModelRunner.prepare reads."""
+def _none() -> np.ndarray:
+    return _NONE
 
-    __slots__ = (
-        "request_id", "all_token_ids", "block_ids", "start", "num_tokens", "samples", "is_new"
-    )  # fmt: skip
 
-    def __init__(self, request_id: str, token_ids: list[int], block_ids: list[int]) -> None:
-        self.request_id = request_id
-        self.all_token_ids = token_ids
-        self.block_ids = block_ids
-        self.start = 0
-        self.num_tokens = 0
-        self.samples = False
-        self.is_new = True
+@dataclass
+class FlatStep:
+    """One step as flat int32 arrays: S sequences, T tokens, R rows reset, K table entries.
+
+    Filled by RowPlanner.plan on rank 0 (or by step_codec.decode_step on the other ranks);
+    read by ModelRunner.prepare on every rank. Decode-only steps leave `q_lens` and `samples`
+    None; a step that `continues` the one before (the same sequences in the same order, each
+    one token further, each sampling: the steady state) also leaves its rows and starts to what
+    every runner kept, so it travels as one token per sequence.
+    """
+
+    rows: np.ndarray  # (S,) block-table row of each sequence
+    starts: np.ndarray  # (S,) first position computed this step
+    tokens: np.ndarray  # (T,) input token ids, sequence after sequence
+    q_lens: np.ndarray | None = None  # (S,) tokens computed per sequence; None: one each
+    samples: np.ndarray | None = None  # (S,) bool: the sequence samples; None: every one
+    # (R,) rows (re)assigned this step: their tables start empty
+    resets: np.ndarray = field(default_factory=_none)
+    # (K,) each block-table entry written this step: its row, its column (the block's index in
+    # its request's table) and its block id, each row's in column order
+    table_rows: np.ndarray = field(default_factory=_none)
+    table_cols: np.ndarray = field(default_factory=_none)
+    table_ids: np.ndarray = field(default_factory=_none)
+    sample_ids: Sequence[str] = ()  # rank 0 only: ids of the sampling sequences
+    continues: bool = False  # the previous step's sequences, one token further, all sampling
 
     @property
-    def request(self) -> MirrorRequest:
-        return self
-
-    @property
-    def end(self) -> int:
-        return self.start + self.num_tokens
+    def num_seqs(self) -> int:
+        return len(self.tokens) if self.continues else len(self.rows)
 
 
-class StepEncoder:
-    """Rank 0's side: remembers what the mirrors hold, so that it can send only diffs."""
+class BlockTable:
+    """Every rank's copy of the running requests' block tables, one row each, kept from step
+    to step and changed only by the entries a step carries (a decode batch writes one entry
+    per request every block_size steps), so that nothing is padded or copied per step."""
 
-    def __init__(self) -> None:
-        # request id -> [slot, tokens the mirrors hold]
-        self._sent: dict[str, list[int]] = {}
-        self._next_slot = 0
+    def __init__(self, rows: int = 64, cols: int = 16) -> None:
+        self.table = np.zeros((rows, cols), dtype=np.int32)  # (rows, max blocks) block ids
+        self.count = np.zeros(rows, dtype=np.int32)  # (rows,) blocks held by each row
 
-    def encode(self, out: SchedulerOutput, sent_at: float | None = None) -> bytes:
-        sent = self._sent
-        drops = [sent.pop(rid)[0] for rid in (*out.preempted_ids, *out.finished_ids) if rid in sent]
-        body = self._decodes(out) or self._general(out)
-        t = time.perf_counter() if sent_at is None else sent_at
-        return STEP + _TIME.pack(t) + pickle.dumps((drops, *body), protocol=_PROTOCOL)
+    def reserve(self, rows: int, cols: int = 0) -> None:
+        """Room for `rows` rows of `cols` blocks (doubling; padding reads as block 0)."""
+        have_r, have_c = self.table.shape
+        if rows <= have_r and cols <= have_c:
+            return
+        r = have_r if rows <= have_r else max(rows, 2 * have_r)
+        c = have_c if cols <= have_c else max(cols, 2 * have_c)
+        grown = np.zeros((r, c), dtype=np.int32)
+        grown[:have_r, :have_c] = self.table
+        self.table = grown
+        self.count = np.concatenate([self.count, np.zeros(r - have_r, dtype=np.int32)])
 
-    def _decodes(self, out: SchedulerOutput) -> tuple | None:
-        """The body of a step where every entry decodes one token of a mirrored request (the
-        steady state), built with one comprehension per field; None for any other step."""
+    def apply(self, step: FlatStep) -> None:
+        """Clear the step's reset rows, then write its entries (each row's in column order)."""
+        if len(step.resets):
+            self.reserve(int(step.resets.max()) + 1)
+            self.table[step.resets] = 0
+            self.count[step.resets] = 0
+        if len(step.table_rows):
+            self.reserve(int(step.table_rows.max()) + 1, int(step.table_cols.max()) + 1)
+            self.table[step.table_rows, step.table_cols] = step.table_ids
+            np.maximum.at(self.count, step.table_rows, step.table_cols + 1)
+
+
+class RowPlanner:
+    """Rank 0's side of the tables: which row each running request holds, and which entries
+    of its block table the rows lack; it turns the scheduler's step into a FlatStep.
+
+    A table only grows while its request runs (the block manager appends; a preempted request
+    comes back `is_new` with a new table), so comparing each row's block count with its
+    table's length finds the new entries. Rows of finished or preempted requests are reused.
+    A step that decodes the same requests, in the same order, as the step before (the steady
+    state) reuses that step's rows and ends, so it reads only each request's token.
+    """
+
+    def __init__(self, tables: BlockTable, block_size: int) -> None:
+        self.tables = tables  # read only here: ModelRunner.prepare applies the step to it
+        self.block_size = block_size
+        self._row_of: dict[str, int] = {}  # request id -> row
+        self._free: list[int] = []
+        self._next_row = 0
+        # the last one-token step: (its requests, the step, their ids, steps until a start
+        # reaches a new block)
+        self._last: tuple[list, FlatStep, list[str], int] | None = None
+
+    def __len__(self) -> int:
+        return len(self._row_of)  # rows held by running requests
+
+    def release(self, request_ids) -> None:
+        for rid in request_ids:
+            row = self._row_of.pop(rid, None)
+            if row is not None:
+                self._free.append(row)
+
+    def plan(self, out: SchedulerOutput, sampled: np.ndarray | None = None) -> FlatStep:
+        """The step as flat arrays; one comprehension per field, the rest in numpy.
+        `sampled`: the tokens sampled in the last step, if it sampled every sequence."""
+        scheduled = out.scheduled
+        requests = [s.request for s in scheduled]
+        last, self._last = self._last, None
+        if (
+            last is not None
+            and len(scheduled) == out.num_batched_tokens
+            and not out.finished_ids
+            and not out.preempted_ids
+            and requests == last[0]  # the same objects (Request compares by identity)
+        ):
+            step = self._plan_decodes(scheduled, requests, *last[1:], sampled)
+        else:
+            self.release(out.finished_ids)
+            self.release(out.preempted_ids)
+            if not scheduled:
+                return FlatStep(_NONE, _NONE, _NONE)
+            step = self._plan_any(out)
+        if step.q_lens is None:  # the next step may be the same requests' next decodes
+            if last is not None and step.rows is last[1].rows and last[3] > 1:
+                rids, until = last[2], last[3] - 1
+            else:
+                rids = [r.request_id for r in requests]
+                until = int((self.block_size - step.starts % self.block_size).min())
+            self._last = (requests, step, rids, until)
+        return step
+
+    def _plan_decodes(
+        self, scheduled: list, requests: list, last: FlatStep, rids: list[str], until: int,
+        sampled: np.ndarray | None,
+    ) -> FlatStep:  # fmt: skip
+        """The same requests one token further: each starts where its last step ended (no
+        request is new: a preempted one leaves the list for at least one step). Rows lack
+        blocks only when a start reaches a new block (`until` steps after the last step)."""
+        starts = last.starts + 1 if last.q_lens is None else last.starts + last.q_lens
+        assert scheduled[-1].start == starts[-1], "a step did not start where its last ended"
+        if (
+            sampled is not None
+            and last.samples is None
+            and len(sampled) == len(requests)
+            and requests[-1].all_token_ids[-1] == sampled[-1]
+        ):  # the last step sampled every request, and the scheduler appended the tokens:
+            # each now computes the token sampled for it, and samples again
+            samples, tokens = None, sampled
+        else:
+            samples = [s.samples for s in scheduled]
+            if False not in samples:  # each computes its last known token
+                tokens = [r.all_token_ids[-1] for r in requests]
+            else:
+                tokens = [s.request.all_token_ids[s.start] for s in scheduled]
+        rows, entries = last.rows, (_NONE, _NONE, _NONE)
+        if until == 1:
+            have = self.tables.count[rows]  # (S,) blocks each row holds
+            need = starts // self.block_size + 1  # (S,) blocks through each start
+            entries = self._entries(scheduled, rows, have, np.maximum(have, need), [])
+        step = self._step(rows, starts, tokens, None, samples, [], entries, rids)
+        step.continues = step.samples is None and last.samples is None
+        return step
+
+    def _plan_any(self, out: SchedulerOutput) -> FlatStep:
         scheduled = out.scheduled
         n = len(scheduled)
-        if not n or out.num_batched_tokens != n or True in [s.is_new for s in scheduled]:
-            return None
-        get = self._sent.get
-        states = [get(s.request.request_id) for s in scheduled]  # [slot, known] of each
-        if None in states:
-            return None
-        known = [st[1] for st in states]
-        ids = [s.request.all_token_ids for s in scheduled]
-        lens = [len(i) for i in ids]
-        if [s.start for s in scheduled] != known or list(map(sub, lens, known)).count(1) != n:
-            return None
-        tokens = list(map(getitem, ids, known))  # the one token each mirror lacks
-        deque(map(setitem, states, repeat(1), lens), maxlen=0)  # the mirrors now hold them
-        slots = [st[0] for st in states]
-        blk_slots, blk_ids = [], []
-        for i in compress(range(n), [s.new_block_ids for s in scheduled]):  # 1 in block_size
-            for block in scheduled[i].new_block_ids:
-                blk_slots.append(slots[i])
-                blk_ids.append(block)
-        return [], [], slots, tokens, blk_slots, blk_ids
-
-    def _general(self, out: SchedulerOutput) -> tuple:
-        sent = self._sent
-        new: list[tuple] = []  # (position, slot, id, token ids, block table, start, num_tokens)
-        other: list[tuple] = []  # (position, slot, start, num_tokens, new token ids)
-        dec_slots, dec_tokens = [], []  # decodes: one new token, computed at the old length
-        blk_slots, blk_ids = [], []  # blocks added to running requests, in order
-        for pos, s in enumerate(out.scheduled):
-            req = s.request
-            state = sent.get(req.request_id)
-            if state is None or s.is_new:
-                new.append(self._admit(pos, s))
-                continue
-            slot, known = state
-            ids = req.all_token_ids
-            if s.num_tokens == 1 and s.start == known and len(ids) == known + 1:
-                dec_slots.append(slot)
-                dec_tokens.append(ids[known])
-            else:  # a prefill chunk after the first, or anything unusual: say it all
-                other.append((pos, slot, s.start, s.num_tokens, ids[known:]))
-            state[1] = len(ids)
-            if s.new_block_ids:  # one block per block_size decodes
-                for block in s.new_block_ids:
-                    blk_slots.append(slot)
-                    blk_ids.append(block)
-        return new, other, dec_slots, dec_tokens, blk_slots, blk_ids
-
-    def _admit(self, pos: int, s) -> tuple:
-        rid = s.request.request_id
-        old = self._sent.get(rid)
-        slot = old[0] if old is not None else self._next_slot
-        if old is None:
-            self._next_slot += 1
-        tokens = list(s.request.all_token_ids)
-        table = list(s.block_ids)
-        self._sent[rid] = [slot, len(tokens)]
-        return (pos, slot, rid, tokens, table, s.start, s.num_tokens)
-
-    @property
-    def num_mirrored(self) -> int:
-        return len(self._sent)
-
-
-class StepDecoder:
-    """Another rank's side: applies each step to the mirrors and rebuilds the step."""
-
-    def __init__(self) -> None:
-        self.mirrors: dict[int, MirrorRequest] = {}  # slot -> mirror
-
-    def decode(self, message: bytes) -> tuple[SchedulerOutput, float]:
-        """A STEP message -> (the step for ModelRunner.execute, rank 0's send time)."""
-        assert message[:1] == STEP, message[:1]
-        (sent_at,) = _TIME.unpack_from(message, 1)
-        drops, new, other, dec_slots, dec_tokens, blk_slots, blk_ids = pickle.loads(
-            memoryview(message)[1 + _TIME.size :]
-        )
-        mirrors = self.mirrors
-        dropped = [mirrors.pop(slot).request_id for slot in drops if slot in mirrors]
-        scheduled: list[MirrorRequest] = []
-        append = scheduled.append
-        for slot, token in zip(dec_slots, dec_tokens, strict=True):
-            m = mirrors[slot]
-            ids = m.all_token_ids
-            m.start = len(ids)  # a decode computes the token it appends
-            ids.append(token)
-            m.num_tokens, m.samples, m.is_new = 1, True, False
-            append(m)
-        for slot, block in zip(blk_slots, blk_ids, strict=True):
-            mirrors[slot].block_ids.append(block)
-        num_tokens = len(dec_slots)
-        placed = []  # (position, mirror) of the entries that are not decodes
-        for pos, slot, start, n, tokens in other:
-            m = mirrors[slot]
-            m.all_token_ids += tokens
-            m.is_new = False
-            placed.append((pos, self._set(m, start, n)))
-            num_tokens += n
-        for pos, slot, rid, tokens, table, start, n in new:
-            m = mirrors[slot] = MirrorRequest(rid, tokens, table)
-            placed.append((pos, self._set(m, start, n)))
-            num_tokens += n
-        for pos, m in sorted(placed, key=lambda e: e[0]):
-            scheduled.insert(pos, m)  # ascending positions: earlier inserts stay in place
-        out = SchedulerOutput(
-            scheduled=scheduled, num_batched_tokens=num_tokens, finished_ids=dropped
-        )  # type: ignore[arg-type]
-        return out, sent_at
+        rids = [s.request.request_id for s in scheduled]
+        rows = list(map(self._row_of.get, rids))
+        resets = []
+        if None in rows or True in [s.is_new for s in scheduled]:
+            for i, s in enumerate(scheduled):
+                if rows[i] is None or s.is_new:
+                    rows[i] = self._assign(rids[i])
+                    resets.append(rows[i])
+        rows_a = np.array(rows, dtype=np.int32)
+        self.tables.reserve(self._next_row)
+        have = self.tables.count[rows_a]  # (S,) blocks each row holds before this step
+        if resets:
+            have[np.isin(rows_a, resets)] = 0
+        lens = np.array([len(s.block_ids) for s in scheduled], dtype=np.int32)  # (S,)
+        entries = self._entries(scheduled, rows, have, lens, resets)
+        starts = np.array([s.start for s in scheduled], dtype=np.int32)
+        if out.num_batched_tokens == n:  # one token per sequence (decodes, mostly)
+            tokens = [s.request.all_token_ids[s.start] for s in scheduled]
+            q_lens = None
+        else:
+            tokens = []
+            for s in scheduled:
+                tokens += s.request.all_token_ids[s.start : s.start + s.num_tokens]
+            q_lens = np.array([s.num_tokens for s in scheduled], dtype=np.int32)
+        samples = [s.samples for s in scheduled]
+        return self._step(rows_a, starts, tokens, q_lens, samples, resets, entries, rids)
 
     @staticmethod
-    def _set(m: MirrorRequest, start: int, n: int) -> MirrorRequest:
-        m.start, m.num_tokens = start, n
-        m.samples = start + n == len(m.all_token_ids)
-        return m
+    def _step(rows, starts, tokens, q_lens, samples, resets, entries, rids) -> FlatStep:
+        every = samples is None or False not in samples  # samples None: every one samples
+        return FlatStep(
+            rows=rows,
+            starts=starts,
+            tokens=np.asarray(tokens, dtype=np.int32),
+            q_lens=q_lens,
+            samples=None if every else np.array(samples, dtype=bool),
+            resets=np.array(resets, dtype=np.int32) if resets else _NONE,
+            table_rows=entries[0],
+            table_cols=entries[1],
+            table_ids=entries[2],
+            sample_ids=rids if every else list(compress(rids, samples)),
+        )
+
+    @staticmethod
+    def _entries(scheduled, rows, have, lens, resets) -> tuple[np.ndarray, ...]:
+        """(rows, cols, ids) of the block-table entries the rows lack, up to `lens` blocks
+        each: those of new rows, and one per block_size decodes."""
+        t_rows: list[int] = []
+        t_cols: list[int] = []
+        t_ids: list[int] = []
+        for i in np.flatnonzero(have != lens).tolist():
+            ids, h = scheduled[i].block_ids, int(have[i])
+            if h > len(ids):  # (never expected: tables only grow) start the row over
+                resets.append(rows[i])
+                h = 0
+            t_rows += [int(rows[i])] * (len(ids) - h)
+            t_cols += range(h, len(ids))
+            t_ids += ids[h:]
+        if not t_rows:
+            return _NONE, _NONE, _NONE
+        return tuple(np.array(x, dtype=np.int32) for x in (t_rows, t_cols, t_ids))
+
+    def _assign(self, rid: str) -> int:
+        row = self._row_of.get(rid)
+        if row is None:
+            if self._free:
+                row = self._free.pop()
+            else:
+                row, self._next_row = self._next_row, self._next_row + 1
+            self._row_of[rid] = row
+        return row
+
+
+def encode_step(step: FlatStep, sent_at: float | None = None) -> bytes:
+    """A STEP message carrying `step` (its arrays, not its request ids)."""
+    flags = _CONTINUES if step.continues else 0
+    parts = [] if step.continues else [step.rows, step.starts]  # else kept by every runner
+    if step.q_lens is not None:
+        flags |= _HAS_Q_LENS
+        parts.append(step.q_lens)
+    parts += [step.tokens, step.resets, step.table_rows, step.table_cols, step.table_ids]
+    body = np.concatenate(parts, dtype=np.int32)
+    tail = b""
+    if step.samples is not None:  # one byte a sequence, after the int32 arrays
+        flags |= _HAS_SAMPLES
+        tail = step.samples.astype(np.bool_).tobytes()
+    t = time.perf_counter() if sent_at is None else sent_at
+    s = 0 if step.continues else len(step.rows)
+    counts = (s, len(step.tokens), len(step.resets), len(step.table_rows))
+    return _HEADER.pack(STEP, flags, *counts, t) + body.tobytes() + tail
+
+
+def decode_step(message: bytes) -> tuple[FlatStep, float]:
+    """A STEP message -> (the step for ModelRunner.run, rank 0's send time)."""
+    kind, flags, s, t, r, k, sent_at = _HEADER.unpack_from(message, 0)
+    assert kind == STEP, kind
+    sizes = (s, s, s if flags & _HAS_Q_LENS else 0, t, r, k, k, k)
+    end = _HEADER.size + 4 * sum(sizes)
+    buf = bytearray(message)  # writable arrays
+    body = np.frombuffer(buf, dtype=np.int32, count=sum(sizes), offset=_HEADER.size)
+    parts, at = [], 0
+    for size in sizes:  # views, in message order
+        parts.append(body[at : at + size])
+        at += size
+    rows, starts, q_lens, tokens, resets, t_rows, t_cols, t_ids = parts
+    step = FlatStep(
+        rows=rows,
+        starts=starts,
+        tokens=tokens,
+        q_lens=q_lens if flags & _HAS_Q_LENS else None,
+        samples=np.frombuffer(buf, dtype=np.bool_, offset=end) if flags & _HAS_SAMPLES else None,
+        resets=resets,
+        table_rows=t_rows,
+        table_cols=t_cols,
+        table_ids=t_ids,
+        continues=bool(flags & _CONTINUES),
+    )
+    return step, sent_at
 
 
 def kind_of(message: bytes) -> bytes:

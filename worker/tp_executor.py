@@ -1,8 +1,8 @@
 """Rank 0's executor of a tensor-parallel group: each step goes to the other ranks, then runs here.
 
 The step travels as one message on the group's step channel (worker/distributed.py ByteChannel,
-a TCP stream per other rank; worker/step_codec.py: new requests whole, running ones as diffs),
-never as a remote call per step; then rank 0 runs its own shard, whose collectives meet the
+a TCP stream per other rank; worker/step_codec.py: the step's flat arrays, running requests as
+diffs), never as a remote call per step; then rank 0 runs its own shard, whose collectives meet the
 other ranks' inside the forward pass. When the group is idle, a heartbeat (a message and a barrier) every `heartbeat_s` keeps the other ranks' receive
 under the collective timeout and finds a dead or hung rank within `heartbeat_s + timeout`.
 A collective that fails or times out raises `GroupFailedError`: the engine loop then stops and
@@ -19,7 +19,7 @@ from worker.distributed import ByteChannel, Collectives, startup_barrier
 from worker.executor import DeviceWorker, Executor
 from worker.model_runner import Sampled
 from worker.scheduler import SchedulerOutput
-from worker.step_codec import HEARTBEAT, SHUTDOWN, StepEncoder, probe_message
+from worker.step_codec import HEARTBEAT, SHUTDOWN, encode_step, probe_message
 
 TIMINGS_KEPT = 4096  # steps of control-overhead samples kept for the benchmark
 
@@ -47,11 +47,11 @@ class TPExecutor(Executor):
         self.channel = channel
         self.world_size = comm.world_size
         self.heartbeat_s = heartbeat_s
-        self.encoder = StepEncoder()
         self._last_sent = time.monotonic()
         self._closed = False
-        # (scheduled requests, seconds from the scheduler's decision to this rank's forward call)
-        self.timings: collections.deque[tuple[int, float]] = collections.deque(maxlen=TIMINGS_KEPT)
+        # (scheduled requests, seconds from the scheduler's decision to this rank's forward call,
+        # its parts: plan, encode, send, prepare)
+        self.timings: collections.deque[tuple] = collections.deque(maxlen=TIMINGS_KEPT)
 
     def determine_num_blocks(self) -> int:
         local = self.worker.determine_num_blocks()
@@ -62,11 +62,19 @@ class TPExecutor(Executor):
 
     def execute(self, out: SchedulerOutput) -> Sampled:
         decided = time.perf_counter()
-        self._collective(self.channel.send, self.encoder.encode(out, decided))
+        runner = self.worker.runner
+        step = runner.plan(out)  # planned once: sent as it is, and prepared here
+        planned = time.perf_counter()
+        message = encode_step(step, decided)
+        encoded = time.perf_counter()
+        self._collective(self.channel.send, message)
+        sent = time.perf_counter()
         self._last_sent = time.monotonic()
-        sampled = self._collective(self.worker.execute, out)
-        if not out.is_empty:  # up to the model's forward call, inputs ready (as on every rank)
-            self.timings.append((len(out.scheduled), self.worker.runner.forward_started - decided))
+        sampled = self._collective(runner.run, step, out)
+        if step.num_seqs:  # up to the model's forward call, inputs ready (as on every rank)
+            started = runner.forward_started
+            parts = (planned - decided, encoded - planned, sent - encoded, started - sent)
+            self.timings.append((step.num_seqs, started - decided, parts))
         return sampled
 
     def keepalive(self) -> None:

@@ -1,18 +1,20 @@
 """The loop of a tensor-parallel rank other than 0: receive a step, run its shard, repeat.
 
-Such a rank owns no scheduler: it mirrors the running requests from rank 0's messages
-(worker/step_codec.py) and runs the same forward pass with `sample=False`, so its collectives
-meet rank 0's. A heartbeat answers with a barrier; a shutdown message ends the loop; a
+Such a rank owns no scheduler and no request: rank 0's messages (worker/step_codec.py) carry
+each step as flat arrays that its model runner prepares directly (its block tables kept from
+step to step), and it runs the same forward pass without sampling, so its collectives meet
+rank 0's. A heartbeat answers with a barrier; a shutdown message ends the loop; a
 collective that fails or times out (rank 0 gone or hung) ends it with `GroupFailedError`.
 """
 
 from __future__ import annotations
 
 import collections
+import time
 
 from worker.distributed import ByteChannel, Collectives, startup_barrier
 from worker.executor import DeviceWorker
-from worker.step_codec import HEARTBEAT, PROBE, SHUTDOWN, STEP, StepDecoder, probe_rounds
+from worker.step_codec import HEARTBEAT, PROBE, SHUTDOWN, STEP, decode_step, probe_rounds
 from worker.tp_executor import TIMINGS_KEPT, GroupFailedError
 
 
@@ -27,10 +29,11 @@ class TPWorker:
         self.layout = self.worker.layout
         self.channel = channel
         self.world_size = comm.world_size
-        self.decoder = StepDecoder()
         self.steps = 0
-        # (scheduled requests, seconds from rank 0's decision to this rank's forward call)
-        self.timings: collections.deque[tuple[int, float]] = collections.deque(maxlen=TIMINGS_KEPT)
+        # (scheduled requests, seconds from rank 0's decision to this rank's forward call, its
+        # parts: until the message is received, decode, prepare)
+        self.timings: collections.deque[tuple] = collections.deque(maxlen=TIMINGS_KEPT)
+        self._received = 0.0  # perf_counter when the latest message arrived
 
     def init_pool(self) -> int:
         """Agree with rank 0 on the group's block count (the smallest over ranks); allocate."""
@@ -47,6 +50,7 @@ class TPWorker:
         while True:
             try:
                 message = self.channel.recv()
+                self._received = time.perf_counter()
                 kind = message[:1]
                 if kind == SHUTDOWN:
                     return self.steps
@@ -58,10 +62,14 @@ class TPWorker:
                 ) from e
 
     def _step(self, message: bytes) -> None:
-        out, decided = self.decoder.decode(message)
-        self.worker.execute(out, sample=False)
-        if not out.is_empty:  # up to the model's forward call, inputs ready (as on rank 0)
-            self.timings.append((len(out.scheduled), self.worker.runner.forward_started - decided))
+        step, decided = decode_step(message)
+        decoded = time.perf_counter()
+        runner = self.worker.runner
+        runner.run(step)
+        if step.num_seqs:  # up to the model's forward call, inputs ready (as on rank 0)
+            started = runner.forward_started
+            parts = (self._received - decided, decoded - self._received, started - decoded)
+            self.timings.append((step.num_seqs, started - decided, parts))
         self.steps += 1
 
     def _heartbeat(self, message: bytes) -> None:
