@@ -15,7 +15,10 @@ and prepare.
 Throughput: the same workload (256 requests) on a TP=1 and a TP=2 group, both Ray actors
 streaming back through Ray. One JSON line per case.
 
-    python benchmarks/tensor_parallel.py [--model DIR] [--max-tokens 64]
+    python benchmarks/tensor_parallel.py [--model DIR] [--max-tokens 64] [--cpu-binding "0|1"]
+
+`--cpu-binding` binds each rank to its cores (RayGroupConfig.cpu_binding): on a host with few
+cores the ranks otherwise take each other's core whenever one wakes the other.
 """
 
 from __future__ import annotations
@@ -53,13 +56,14 @@ PROMPT_LEN = 16
 GOAL_SLACK_MS = 0.2
 
 
-def make_group(model: str, tp: int, max_tokens: int) -> RayGroup:
+def make_group(model: str, tp: int, max_tokens: int, cpu_binding: str | None = None) -> RayGroup:
     max_len = PROMPT_LEN + max_tokens
     config = engine_config(
         model, num_blocks=max(RUNNING) * (max_len // 16 + 2), block_size=16,
         max_model_len=max_len, max_num_seqs=max(RUNNING), max_num_batched_tokens=8192,
     )  # fmt: skip
-    return RayGroup(config, RayGroupConfig(tensor_parallel_size=tp))
+    binding = "|".join(cpu_binding.split("|")[:tp]) if cpu_binding else None
+    return RayGroup(config, RayGroupConfig(tensor_parallel_size=tp, cpu_binding=binding))
 
 
 async def run_requests(group: RayGroup, n: int, max_tokens: int, seed: int) -> int:
@@ -183,18 +187,20 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--probe-rounds", type=int, default=200)
     ap.add_argument("--address", default=None, help="Ray cluster address (default: local)")
+    ap.add_argument("--cpu-binding", default=None, help='cores per rank, e.g. "0|1" (RayGroupConfig.cpu_binding)')  # fmt: skip
     args = ap.parse_args()
     model = str(args.model or builtin_model_path())
     ensure_ray(args.address, num_cpus=4)
     try:
         for tp in (2, 1):
-            group = make_group(model, tp, args.max_tokens)
+            group = make_group(model, tp, args.max_tokens, args.cpu_binding)
             try:
                 if tp > 1:
                     for n in RUNNING:
-                        print(json.dumps(bench_overhead(group, n, args.max_tokens, args.probe_rounds)), flush=True)  # fmt: skip
+                        case = bench_overhead(group, n, args.max_tokens, args.probe_rounds)
+                        print(json.dumps({**case, "cpu_binding": args.cpu_binding}), flush=True)
                 result = bench_throughput(group, max(RUNNING), args.max_tokens, args.probe_rounds)
-                print(json.dumps(result), flush=True)
+                print(json.dumps({**result, "cpu_binding": args.cpu_binding}), flush=True)
             finally:
                 group.shutdown()
     finally:

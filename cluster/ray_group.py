@@ -74,6 +74,10 @@ class RayGroupConfig:
     heartbeat_s: float = 1.0  # idle groups exchange a heartbeat this often
     start_timeout_s: float = 600.0  # placement, process start, weights, pool
     status_timeout_s: float = 5.0  # rank 0 must answer a status call within this
+    # CPU cores per rank, ranks separated by "|": "0|1", "0-15|16-31" (each rank's process and
+    # threads are bound to its cores, so ranks do not steal each other's; like NUMA binding
+    # of a GPU rank). None: the OS schedules them anywhere.
+    cpu_binding: str | None = None
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
@@ -81,11 +85,38 @@ class RayGroupConfig:
         for name in ("cpus_per_rank", "collective_timeout_s", "heartbeat_s", "start_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.cpu_binding is not None:
+            parse_cpu_binding(self.cpu_binding, self.tensor_parallel_size)
         if self.heartbeat_s >= self.collective_timeout_s:
             raise ValueError(
                 f"heartbeat_s ({self.heartbeat_s}) must be below collective_timeout_s "
                 f"({self.collective_timeout_s}), or idle ranks would time out"
             )
+
+
+def parse_cpu_binding(text: str, ranks: int) -> list[frozenset[int]]:
+    """Each rank's cores from "0-3|4-7" (ranges and commas within a rank)."""
+    parts = text.split("|")
+    if len(parts) != ranks:
+        raise ValueError(f"cpu_binding {text!r} names {len(parts)} rank(s); the group has {ranks}")
+    out = []
+    for part in parts:
+        cores: set[int] = set()
+        try:
+            for item in part.split(","):
+                lo, _, hi = item.strip().partition("-")
+                cores.update(range(int(lo), int(hi or lo) + 1))
+        except ValueError:
+            raise ValueError(f"cpu_binding {text!r}: {part!r} is not a list of cores like 0-3,8") from None  # fmt: skip
+        out.append(frozenset(cores))
+    return out
+
+
+def bind_process(cores: frozenset[int]) -> None:
+    """Bind this process's threads, present and future, to `cores` (Linux)."""
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(ProcessLookupError):  # a thread that just ended
+            os.sched_setaffinity(int(tid), cores)
 
 
 def check_tensor_parallel(model_dir: str, tp: int) -> None:
@@ -131,10 +162,14 @@ class RankActor:
             return host, s.getsockname()[1]
 
     async def start(
-        self, config: EngineConfig, rank: int, rendezvous, heartbeat_s: float, kv_events: bool
-    ) -> dict:
-        """Join the group; rank 0 builds the engine (streaming its KV events if `kv_events`)."""
+        self, config: EngineConfig, rank: int, rendezvous, heartbeat_s: float, kv_events: bool,
+        cores: frozenset[int] | None = None,
+    ) -> dict:  # fmt: skip
+        """Join the group; rank 0 builds the engine (streaming its KV events if `kv_events`).
+        `cores`: bind this rank's process to them first."""
         self._loop = asyncio.get_running_loop()
+        if cores is not None:
+            bind_process(cores)
         args = (config, rank, rendezvous, heartbeat_s, kv_events)
         return await asyncio.to_thread(self._start, *args)
 
@@ -332,10 +367,11 @@ class RayGroup(GroupHandle):
             host, port = ray.get(self._actors[0].free_port.remote(), timeout=gc.start_timeout_s)
             rdv = Rendezvous(host, port, self.tp, gc.collective_timeout_s, gc.start_timeout_s)
             events = self.index is not None
+            cores = parse_cpu_binding(gc.cpu_binding, self.tp) if gc.cpu_binding else None
             refs = [
-                a.start.remote(self.config, rank, rdv, gc.heartbeat_s, events)
+                a.start.remote(self.config, rank, rdv, gc.heartbeat_s, events, cores and cores[rank])
                 for rank, a in enumerate(self._actors)
-            ]
+            ]  # fmt: skip
             self._ranks = _first_error(refs, gc.start_timeout_s)
             if events:
                 self.publisher = IndexPublisher(self.index, self.group_id, self._inventory)

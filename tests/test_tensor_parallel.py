@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import multiprocessing
 import os
 import random
 import signal
+import threading
 import time
 
 import pytest
@@ -21,7 +23,7 @@ from factories import make_requests, make_scheduler
 from transformers import AutoModelForCausalLM
 
 from cluster.planner import KVShape
-from cluster.ray_group import RayGroup, RayGroupConfig
+from cluster.ray_group import RayGroup, RayGroupConfig, parse_cpu_binding
 from cluster.ray_runtime import ray
 from pagefleet.llm import LLM, engine_config
 from worker.async_engine import EngineDeadError, GenerationRequest
@@ -123,17 +125,18 @@ def groups(request, ray_runtime, model_dirs):
     this process computes the expected outputs."""
     node_a, node_b = ray_runtime.node_labels
 
-    def start(name, tp, label, timeout_s=60.0):
+    def start(name, tp, label, timeout_s=60.0, cpu_binding=None):
         gc = RayGroupConfig(
             tensor_parallel_size=tp, bundle_resources={label: 1}, collective_timeout_s=timeout_s,
-            heartbeat_s=0.5,
+            heartbeat_s=0.5, cpu_binding=cpu_binding,
         )  # fmt: skip
         return RayGroup(engine_config(model_dirs[name], **OPTIONS), gc, wait=False)
 
     started, llm, llm_started = {}, None, None
     pool = concurrent.futures.ThreadPoolExecutor(1)
     try:
-        started["kv4"] = start("kv4", 2, node_a)
+        last = (os.cpu_count() or 1) - 1
+        started["kv4"] = start("kv4", 2, node_a, cpu_binding=f"0|{min(1, last)}")  # bound ranks
         started["kv2"] = start("kv2", 2, node_b)
         started["kv2-tp4"] = start("kv2", 4, node_a, timeout_s=HANG_TIMEOUT_S)
         llm_started = pool.submit(LLM, str(model_dirs["kv1"]), tensor_parallel_size=2, **OPTIONS)
@@ -340,3 +343,28 @@ def test_a_rank_that_dies_fails_in_flight_requests_at_once(groups):
     assert not group.status().alive and group.status().error
     group.shutdown()
     assert not group.status().alive
+
+
+def _bound_cores(cores, q):
+    from cluster.ray_group import bind_process
+
+    threading.Thread(target=time.sleep, args=(2.0,)).start()  # a thread that exists already
+    bind_process(cores)
+    tasks = os.listdir("/proc/self/task")
+    q.put((len(tasks), {tuple(sorted(os.sched_getaffinity(int(t)))) for t in tasks}))
+
+
+def test_cpu_binding_is_parsed_and_binds_every_thread():
+    assert parse_cpu_binding("0-2,5|7", 2) == [frozenset({0, 1, 2, 5}), frozenset({7})]
+    for bad, words in (("0|1", "names 2 rank"), ("a|1-x", "not a list of cores"), ("|", "not a list of cores")):  # fmt: skip
+        with pytest.raises(ValueError, match=words):
+            parse_cpu_binding(bad, 2 if bad != "0|1" else 3)
+    with pytest.raises(ValueError, match="cpu_binding"):
+        RayGroupConfig(tensor_parallel_size=2, cpu_binding="0")
+    ctx = multiprocessing.get_context("spawn")
+    q = ctx.Queue()
+    child = ctx.Process(target=_bound_cores, args=(frozenset({0}), q))
+    child.start()
+    threads, affinities = q.get(timeout=60)
+    assert threads >= 2 and affinities == {(0,)}
+    child.join(timeout=60)
