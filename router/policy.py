@@ -14,12 +14,13 @@ which caches it too. Replication therefore follows load, never more than the bou
 Ties go by rendezvous hashing of the chain's first block, so every router replica breaks a tie
 the same way.
 
-Measured with benchmarks/routing.py (16 simulated groups, 10k requests, a Zipf-hot document):
-on the loose trace the hit rate is within 0.5-0.7% of perfect document affinity with at most
-1.10x the mean requests on any group (the affinity oracle: 3.9-4.4x); on the tight trace
-(documents twice the pools) it matches `prefix_hash` within 0.2 points of hit rate at 1.14x
-instead of 4.1-4.4x. `load_slack=None` with `max_replicas=1` is pure affinity (the oracle's
-hit rate, no balance).
+Measured with benchmarks/routing.py (simulated groups, a Zipf-hot document): on the loose
+trace the hit rate is within 0.5 points of perfect document affinity (16 groups / 10k requests:
+0.969 vs 0.974; 64 / 100k: 0.972 vs 0.977) with at most 1.12-1.13x the mean requests on any
+group, where the affinity oracle and `prefix_hash` put 3.9-12.7x on the hot document's group.
+On the tight trace (documents twice the pools) it is 0.3 points below `prefix_hash` (0.929 vs
+0.931; 0.1 above on another seed) at 1.12x instead of 4.4x: the replicas that balance needs take
+pool space. `load_slack=None` with `max_replicas=1` is pure affinity (0.934 there, no balance).
 
 Baselines: `round_robin`, `least_loaded`, `prefix_hash` (rendezvous hashing of the first block)
 and `oracle` (perfect document affinity, for the routing benchmark only).
