@@ -1,8 +1,9 @@
 """A tensor-parallel worker group placed on Ray: one placement group, one actor per device.
 
     RayGroup (driver) --Ray: requests in, outputs streamed out, lifecycle--> RankActor x tp
-    RankActor rank 0: LLMEngine(executor=TPExecutor) inside an AsyncEngine
-    RankActor rank r: TPWorker loop; steps arrive from rank 0 over torch.distributed (gloo)
+
+Here is the driver side (`RayGroupConfig`, `parse_cpu_binding`, `check_tensor_parallel`,
+`RayGroup`); the actor that hosts each rank is cluster/rank_actor.py.
 
 The placement group holds one bundle per device (a GPU bundle when the engine runs on CUDA, a
 CPU bundle otherwise), STRICT_PACK so that all ranks share a node. Rank 0's actor picks a free
@@ -33,14 +34,9 @@ rank 0 has noticed too.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import itertools
 import logging
-import os
-import queue
-import socket
-import sys
 import threading
 import time
 import uuid
@@ -49,9 +45,10 @@ from dataclasses import dataclass, field, replace
 
 from cluster.group import GroupHandle, GroupStatus, status_from_stats
 from cluster.index_publisher import IndexPublisher
-from cluster.output_delta import OutputAssembler, OutputDelta
+from cluster.output_delta import OutputAssembler
 from cluster.planner import local_kv_heads
 from cluster.prefix_index import PrefixIndex
+from cluster.rank_actor import KVEvents, RankActor, RequestFailed, bind_process, describe_error
 from cluster.ray_runtime import ensure_ray, ray
 from worker.async_engine import EngineDeadError, GenerationRequest
 from worker.engine import EngineConfig
@@ -60,7 +57,6 @@ from worker.outputs import RequestOutput
 
 log = logging.getLogger(__name__)
 _group_ids = itertools.count()
-ENGINE_SWITCH_INTERVAL_S = 0.0002
 
 
 @dataclass(frozen=True)
@@ -112,13 +108,6 @@ def parse_cpu_binding(text: str, ranks: int) -> list[frozenset[int]]:
     return out
 
 
-def bind_process(cores: frozenset[int]) -> None:
-    """Bind this process's threads, present and future, to `cores` (Linux)."""
-    for tid in os.listdir("/proc/self/task"):
-        with contextlib.suppress(ProcessLookupError):  # a thread that just ended
-            os.sched_setaffinity(int(tid), cores)
-
-
 def check_tensor_parallel(model_dir: str, tp: int) -> None:
     """Refuse, before placing anything, a tp that the model's heads cannot be split over."""
     mc = read_model_config(model_dir)
@@ -135,172 +124,6 @@ def check_tensor_parallel(model_dir: str, tp: int) -> None:
             f"{e} (tp must divide the KV heads, or be a multiple of them so that each rank "
             f"holds one replicated head)"
         ) from None
-
-
-@ray.remote
-class RankActor:
-    """One device of a group. Rank 0 hosts the engine; the others run the step loop."""
-
-    def __init__(self) -> None:
-        import worker.executor  # noqa: F401  (load torch and the model code while others start)
-
-        self.engine = None  # rank 0: AsyncEngine
-        self.executor = None  # rank 0: TPExecutor
-        self.worker = None  # rank > 0: TPWorker
-        self._calls: queue.SimpleQueue = queue.SimpleQueue()  # work for rank 0's engine thread
-        self._streams: dict[str, asyncio.Task] = {}  # rank 0: request id -> its follower
-        self._outbox: list = []  # rank 0: outputs not yet streamed to the driver
-        self._ready = asyncio.Event()
-        self._closing = False
-        self._loop: asyncio.AbstractEventLoop | None = None  # the actor's event loop
-
-    def free_port(self) -> tuple[str, int]:
-        """An address on this node for the group's rendezvous (rank 0's TCP store)."""
-        host = ray.util.get_node_ip_address()
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind((host, 0))
-            return host, s.getsockname()[1]
-
-    async def start(
-        self, config: EngineConfig, rank: int, rendezvous, heartbeat_s: float, kv_events: bool,
-        cores: frozenset[int] | None = None,
-    ) -> dict:  # fmt: skip
-        """Join the group; rank 0 builds the engine (streaming its KV events if `kv_events`).
-        `cores`: bind this rank's process to them first."""
-        self._loop = asyncio.get_running_loop()
-        if cores is not None:
-            bind_process(cores)
-        args = (config, rank, rendezvous, heartbeat_s, kv_events)
-        return await asyncio.to_thread(self._start, *args)
-
-    def _start(self, config, rank: int, rendezvous, heartbeat_s: float, kv_events: bool) -> dict:
-        import torch
-
-        from worker.async_engine import AsyncEngine
-        from worker.distributed import init_group
-        from worker.engine import LLMEngine
-        from worker.tp_executor import TPExecutor
-        from worker.tp_worker import TPWorker
-
-        if config.device.startswith("cuda"):
-            config = replace(config, device="cuda:0")  # Ray shows this actor its own GPU only
-        comm, channel = init_group(rendezvous, rank, torch.device(config.device))
-        if rank == 0:
-            # The engine thread shares the GIL with the output streams (the actor's event
-            # loop); after each collective it must get the GIL back quickly, not after the
-            # default 5 ms switch interval.
-            sys.setswitchinterval(ENGINE_SWITCH_INTERVAL_S)
-            self.executor = TPExecutor(config, comm, channel, heartbeat_s)
-            on_kv_events = self._kv_events if kv_events else None
-            engine = LLMEngine(config, on_kv_events=on_kv_events, executor=self.executor)
-            self.engine = AsyncEngine(engine, self._tick)
-            layout = self.executor.layout
-        else:
-            self.worker = TPWorker(config, comm, channel)
-            self.worker.init_pool()
-            layout = self.worker.layout
-        ctx = ray.get_runtime_context()
-        return {
-            "rank": rank,
-            "node_id": ctx.get_node_id(),
-            "device": config.device,
-            "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
-            "pid": os.getpid(),
-            "kv_bytes_per_token": layout.bytes_per_token,
-        }
-
-    # ---- rank > 0 ----------------------------------------------------------------------
-    async def serve(self) -> int:
-        """Run the step loop until rank 0 says shutdown (returns the steps run) or the group
-        fails (raises)."""
-        return await asyncio.to_thread(self.worker.run)
-
-    # ---- rank 0 ------------------------------------------------------------------------
-    async def submit(self, request: GenerationRequest) -> None:
-        """Start a request; its outputs join the group's output stream."""
-        self._streams[request.request_id] = asyncio.create_task(self._follow(request))
-
-    async def _follow(self, request: GenerationRequest) -> None:
-        try:
-            first = True
-            async for out in self.engine.generate(request):
-                self._emit(OutputDelta.of(out, first))  # only what changed crosses Ray
-                first = False
-        except Exception as e:  # bad input, a full queue, a dead engine: the caller's error
-            self._emit(_Failed(request.request_id, e))
-        finally:
-            self._streams.pop(request.request_id, None)
-
-    def _emit(self, item) -> None:
-        self._outbox.append(item)
-        self._ready.set()
-
-    def _kv_events(self, events: list) -> None:
-        # Engine thread, during a step: queued on the event loop ahead of the step's outputs
-        # (they reach the outbox one hop later, through the requests' followers).
-        self._loop.call_soon_threadsafe(self._emit, _KVEvents(events))
-
-    async def outputs(self, idle_s: float | None = None):
-        """The group's output stream: (batch, engine stats) with every output (or failure) of
-        every request and every KV-event batch, a batch per wake-up, so that Ray carries one
-        object per step rather than one per token. With `idle_s`, an empty batch at least that
-        often (the driver's heartbeat to the index)."""
-        while not self._closing:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._ready.wait(), idle_s)
-            self._ready.clear()
-            batch, self._outbox = self._outbox, []
-            if batch or idle_s is not None:
-                yield batch, self.engine.stats()
-
-    async def abort(self, request_id: str) -> None:
-        task = self._streams.get(request_id)
-        if task is not None:
-            task.cancel()  # leaving the engine's stream aborts the request
-
-    def stats(self) -> dict:
-        dead = self.engine.dead
-        return {**self.engine.stats(), "error": None if dead is None else _describe(dead)}
-
-    def timings(self) -> list[tuple[int, float, tuple[float, ...]]]:
-        """(scheduled requests, seconds from decision to forward, its parts) of recent steps,
-        this rank (worker/tp_executor.py and worker/tp_worker.py name the parts)."""
-        source = self.executor if self.executor is not None else self.worker
-        return list(source.timings)
-
-    async def probe_broadcast(self, rounds: int) -> float:
-        """One small broadcast's latency on the step channel, measured on the engine thread
-        between steps."""
-        return await self._between_steps(lambda: self.executor.probe_broadcast(rounds))
-
-    async def cached_hashes(self) -> list[bytes]:
-        """Every block hash in the engine's prefix cache (the group's index inventory)."""
-        return await self._between_steps(
-            lambda: list(self.engine.engine.scheduler.bm.cached_hashes())
-        )
-
-    async def _between_steps(self, fn):
-        done: concurrent.futures.Future = concurrent.futures.Future()
-        self._calls.put((fn, done))
-        return await asyncio.wrap_future(done)
-
-    async def shutdown(self) -> None:
-        self._closing = True
-        self._ready.set()  # ends the output stream
-        if self.engine is not None:
-            await asyncio.to_thread(self.engine.shutdown)
-            if not self.engine._thread.is_alive():  # not stuck in a collective
-                self.executor.shutdown()
-
-    def _tick(self, engine) -> None:
-        """Rank 0's engine thread, after every step and while idle."""
-        while not self._calls.empty():
-            fn, done = self._calls.get()
-            try:
-                done.set_result(fn())
-            except BaseException as e:  # (the caller gets it)
-                done.set_exception(e)
-        self.executor.keepalive()
 
 
 class RayGroup(GroupHandle):
@@ -432,15 +255,15 @@ class RayGroup(GroupHandle):
                 batch, stats = ray.get(ref)
                 self._publish(batch, stats)
                 for item in batch:
-                    if isinstance(item, _KVEvents):
+                    if isinstance(item, KVEvents):
                         continue
-                    if isinstance(item, _Failed):
+                    if isinstance(item, RequestFailed):
                         self._assembler.drop(item.request_id)
                         self._route(item.request_id, self._as_error(item.error))
                     elif (out := self._assembler.apply(item)) is not None:
                         self._route(item.request_id, out)
         except Exception as e:  # rank 0 died
-            error = f"rank 0's output stream failed: {_describe(e)}"
+            error = f"rank 0's output stream failed: {describe_error(e)}"
         if not self._closed:
             self._error = self._error or error or "rank 0's output stream ended"
         reason = self._error or "shut down"
@@ -456,7 +279,7 @@ class RayGroup(GroupHandle):
             return
         try:
             for item in batch:
-                if isinstance(item, _KVEvents):
+                if isinstance(item, KVEvents):
                     for event in item.events:
                         self.publisher.sink(event)
             load = status_from_stats(self.group_id, stats, True, self.tp, self.devices).load()
@@ -541,13 +364,13 @@ class RayGroup(GroupHandle):
                 ray.get(ref)
                 self._error = self._error or "a rank left the group"
             except Exception as e:
-                self._error = self._error or _describe(e)
+                self._error = self._error or describe_error(e)
         try:
             stats = ray.get(
                 self._actors[0].stats.remote(), timeout=self.group_config.status_timeout_s
             )
         except Exception as e:  # (rank 0 dead or hung)
-            self._error = self._error or f"rank 0 does not answer: {_describe(e)}"
+            self._error = self._error or f"rank 0 does not answer: {describe_error(e)}"
             return {}
         if stats.get("error"):
             self._error = self._error or stats["error"]
@@ -571,23 +394,10 @@ def _first_error(refs: list, timeout: float) -> list:
     return ray.get(refs)
 
 
-@dataclass
-class _KVEvents:
-    """One engine step's KV events, travelling in the output stream ahead of its outputs."""
-
-    events: list
-
-
-@dataclass
-class _Failed:
-    """A request's error, travelling in the output stream in place of its next output."""
-
-    request_id: str
-    error: BaseException
-
-
-def _describe(e: BaseException) -> str:
-    return f"{type(e).__name__}: {e}"
-
-
-__all__ = ["RayGroup", "RayGroupConfig", "check_tensor_parallel"]
+__all__ = [
+    "RayGroup",
+    "RayGroupConfig",
+    "bind_process",  # (cluster/rank_actor.py; imported from here by callers)
+    "check_tensor_parallel",
+    "parse_cpu_binding",
+]

@@ -5,30 +5,22 @@ engine would render them), computes the block hashes once with the same keyed fu
 groups use, asks the placement policy for a group, records the choice as pending (in the
 router's own table at once, in the shared prefix index in the background), forwards the
 request with its hashes, and streams the results back. A group that fails before the first
-token is retried on another group.
+token is retried on another group. The pending table itself is router/pending.py.
 """
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
-import threading
 import time
 from array import array
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from cluster.group import GroupHandle, GroupStatus
-from cluster.prefix_index import (
-    GroupMatch,
-    PendingWrite,
-    PrefixIndex,
-    PrefixIndexConfig,
-    PrefixIndexError,
-    probe_positions,
-)
+from cluster.prefix_index import PrefixIndex, PrefixIndexError
 from router.hash_cache import PrefixHashCache
+from router.pending import PendingPlacements
 from router.policy import Placement, Policy, make_policy
 from worker.async_engine import EngineDeadError, GenerationRequest
 from worker.hashing import BlockHasher
@@ -77,206 +69,6 @@ class RouteRecord:
     predicted_cached_tokens: int
     actual_cached_tokens: int | None = None
     decision_seconds: float = 0.0
-
-
-class PendingPlacements:
-    """This router's recent placements, seen by its own next decisions at once and written to
-    the shared index in the background, off the request's path.
-
-    One writer thread drains a bounded, coalescing queue (one entry per distinct (group, chain))
-    with one `index.record_pending_many` call per drain, so other routers see a placement a
-    moment (one write's round trip) after it was made. Until its write returns, a placement is
-    "unconfirmed": `overlay` adds the unconfirmed ones (taken before the match was sent) to the
-    index's answer; a confirmed one is in that answer already. A failed or dropped write stays
-    unconfirmed until its deadline. Write errors are logged once per run of failures and never
-    reach the caller.
-
-    Rewrites are skipped: a placement whose leading probes this router recorded on the group
-    with more than half a TTL left writes only the rest (a hot document's questions write their
-    own tails, not the document again), and one with nothing new writes nothing. Such a
-    placement is pending for at least half a TTL. An in-process index is its own local table:
-    it is written at once and nothing else is kept.
-    """
-
-    def __init__(
-        self,
-        index: PrefixIndex,
-        ttl_s: float | None = None,
-        max_queued: int = 1024,
-        idle_s: float = 1.0,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        config = getattr(index, "config", None) or PrefixIndexConfig()
-        self.index = index
-        self.ttl_s = config.pending_ttl_s if ttl_s is None else ttl_s
-        self.max_queued = max_queued
-        self.idle_s = idle_s  # the writer thread exits after this long without work
-        self._clock = clock
-        self._lock = threading.Condition()
-        # What this router wrote, group -> probe hash -> deadline, in two generations: an entry
-        # goes into `_current`, which becomes `_previous` after a TTL and is dropped after
-        # another (no sweeps). Deadlines never grow along a chain, as in the index.
-        self._current: dict[str, dict[bytes, float]] = {}
-        self._previous: dict[str, dict[bytes, float]] = {}
-        self._rotate_at = clock() + self.ttl_s
-        self._queue: dict[tuple[str, bytes], PendingWrite] = {}  # insertion-ordered
-        self._placed: dict[tuple[str, bytes], _Placed] = {}  # unexpired placements, oldest first
-        self._unconfirmed: set[tuple[str, bytes]] = set()  # keys of `_placed` not yet written
-        self._writing = False
-        self._writer: threading.Thread | None = None
-        self._failing = False
-
-    def record(self, group_id: str, block_hashes: Sequence[bytes]) -> None:
-        """Count the chain as pending on the group here now, and in the shared index soon."""
-        if not block_hashes:
-            return
-        if self.index.in_process:
-            with contextlib.suppress(PrefixIndexError):
-                self.index.record_pending(group_id, block_hashes)
-            return
-        now = self._clock()
-        # Only the probe positions (96 of a 2048-block chain), as the Redis index keeps.
-        probed = [block_hashes[p] for p in probe_positions(len(block_hashes))]
-        with self._lock:
-            if now >= self._rotate_at:
-                self._previous, self._current = self._current, {}
-                self._rotate_at = now + self.ttl_s
-            cur, prev = self._current.get(group_id, {}), self._previous.get(group_id, {})
-            deadline = lambda h: max(cur.get(h, 0.0), prev.get(h, 0.0))  # noqa: E731
-            fresh = _leading(probed, lambda h: deadline(h) > now + self.ttl_s / 2)
-            if fresh == len(probed):
-                return  # pending in the index for at least half a TTL more
-            until = deadline(probed[fresh - 1]) if fresh else now + self.ttl_s
-            self._current.setdefault(group_id, {}).update(dict.fromkeys(probed[fresh:], until))
-            key = (group_id, probed[-1])  # chained hashes: the last one names the chain
-            self._placed.pop(key, None)  # re-inserted at the end: the order stays by age
-            self._placed[key] = _Placed(group_id, dict.fromkeys(probed), until)
-            self._unconfirmed.add(key)
-            self._trim_placed(now)
-            if key in self._queue or len(self._queue) < self.max_queued:
-                self._queue[key] = PendingWrite(group_id, block_hashes, fresh)
-            else:
-                self._log_once("pending-placement queue is full; dropping a shared write")
-            if self._writer is None:
-                self._writer = threading.Thread(target=self._drain, name="pending-writer", daemon=True)  # fmt: skip
-                self._writer.start()
-            self._lock.notify()
-
-    def unconfirmed(self) -> list[_Placed]:
-        """Placements whose shared write has not returned: what a match sent now may miss."""
-        if not self._unconfirmed:  # the usual case once the writer caught up; no lock needed
-            return []
-        with self._lock:
-            return [self._placed[k] for k in self._unconfirmed if k in self._placed]
-
-    def overlay(
-        self,
-        block_hashes: Sequence[bytes],
-        matches: Mapping[str, GroupMatch],
-        placed: Sequence[_Placed] | None = None,
-    ) -> dict[str, GroupMatch]:
-        """`matches` with each group's pending blocks raised to this router's placements:
-        `placed` (`unconfirmed()` taken before the match was sent: the match holds the rest),
-        by default all of them. O(len(placed)), not O(groups)."""
-        out = dict(matches)
-        if placed is None:
-            with self._lock:
-                placed = list(self._placed.values())
-        if not placed or not block_hashes:
-            return out
-        now, h0, pos = self._clock(), block_hashes[0], None
-        for p in placed:
-            if p.deadline <= now or h0 not in p.probes:
-                continue  # the usual case: another document
-            m = out.get(p.group_id) or GroupMatch(p.group_id, 0, 0, 0, None)  # index down
-            if pos is None:
-                pos = probe_positions(len(block_hashes))
-                probed = [block_hashes[i] for i in pos]
-            k = _leading(probed, p.probes.__contains__)
-            if pos[k - 1] + 1 > m.pending_blocks:
-                out[p.group_id] = replace(m, pending_blocks=pos[k - 1] + 1)
-        return out
-
-    def flush(self, timeout_s: float = 5.0) -> bool:
-        """Wait until every queued write reached the index (or failed); False on timeout."""
-        deadline = time.monotonic() + timeout_s
-        with self._lock:
-            while self._queue or self._writing:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._lock.wait(min(left, 0.05))
-        return True
-
-    def _drain(self) -> None:
-        while True:
-            with self._lock:
-                self._writing = False
-                self._lock.notify_all()
-                if not self._queue:
-                    self._lock.wait(self.idle_s)
-                if not self._queue:
-                    self._writer = None
-                    return
-                batch, self._queue = self._queue, {}
-                placed = {key: self._placed.get(key) for key in batch}
-                self._writing = True
-            if self._write(list(batch.values())):
-                with self._lock:
-                    for key, p in placed.items():
-                        if self._placed.get(key) is p:  # not placed again meanwhile
-                            self._unconfirmed.discard(key)
-
-    def _write(self, writes: list[PendingWrite]) -> bool:
-        try:
-            self.index.record_pending_many(writes, self.ttl_s)
-            self._failing = False
-            return True
-        except Exception as e:  # noqa: BLE001  (a background write must never kill the writer)
-            self._log_once(f"pending placements not shared ({type(e).__name__}: {e})")
-            with self._lock:  # the index may lack what we wrote: the next placements write all
-                self._current, self._previous = {}, {}
-            return False
-
-    def _trim_placed(self, now: float) -> None:
-        """Drop expired placements (oldest first) and bound the table; the lock is held."""
-        table = self._placed
-        while table:
-            key = next(iter(table))
-            if table[key].deadline > now and len(table) <= 4 * self.max_queued:
-                break
-            del table[key]
-            self._unconfirmed.discard(key)
-
-    def _log_once(self, message: str) -> None:
-        if not self._failing:
-            self._failing = True
-            log.warning("%s; further failures are not logged until a write succeeds", message)
-
-
-@dataclass(frozen=True)
-class _Placed:
-    """A placement this router made: its chain's probe hashes, pending until `deadline`."""
-
-    group_id: str
-    probes: dict[bytes, None]
-    deadline: float  # the router's clock
-
-
-def _leading(hashes: Sequence[bytes], pending: Callable[[bytes], bool]) -> int:
-    """How many leading `hashes` (a chain's probe positions, in order) are `pending`, by binary
-    search. A chain hash covers every block before it, so a recorded hash implies the probes
-    before it were recorded with a deadline at least as late: `pending` holds for a prefix."""
-    if not hashes or not pending(hashes[0]):
-        return 0
-    lo, hi = 1, len(hashes)  # pending(hashes[lo - 1]); every position >= hi + 1 fails
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if pending(hashes[mid - 1]):
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
 
 
 class Router:

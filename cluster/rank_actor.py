@@ -1,0 +1,229 @@
+"""The Ray actor that hosts one rank of a tensor-parallel group; cluster/ray_group.py places
+the actors and drives them.
+
+    RankActor rank 0: LLMEngine(executor=TPExecutor) inside an AsyncEngine
+    RankActor rank r: TPWorker loop; steps arrive from rank 0 over torch.distributed (gloo)
+
+Rank 0 picks a free port on its node for the rendezvous (`free_port`); every rank joins the
+group in `start`, bound to its cores if the group names them. Rank 0 takes requests one call
+each (`submit`) and puts every request's outputs, as deltas (cluster/output_delta.py), failures
+(`RequestFailed`) and, with KV events on, the engine's KV-event batches (`KVEvents`, ahead of the
+outputs of the step that made them) into one outbox, which `outputs` streams to the driver a
+batch per wake-up, with the engine's stats. While idle it sends an empty batch every `idle_s`.
+Calls that read engine state (`cached_hashes`, `probe_broadcast`) run on the engine thread
+between steps. Each rank > 0 runs its step loop inside one long-lived call (`serve`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import os
+import queue
+import socket
+import sys
+from dataclasses import dataclass, replace
+
+from cluster.output_delta import OutputDelta
+from cluster.ray_runtime import ray
+from worker.async_engine import GenerationRequest
+from worker.engine import EngineConfig
+
+ENGINE_SWITCH_INTERVAL_S = 0.0002
+
+
+def bind_process(cores: frozenset[int]) -> None:
+    """Bind this process's threads, present and future, to `cores` (Linux)."""
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(ProcessLookupError):  # a thread that just ended
+            os.sched_setaffinity(int(tid), cores)
+
+
+@ray.remote
+class RankActor:
+    """One device of a group. Rank 0 hosts the engine; the others run the step loop."""
+
+    def __init__(self) -> None:
+        import worker.executor  # noqa: F401  (load torch and the model code while others start)
+
+        self.engine = None  # rank 0: AsyncEngine
+        self.executor = None  # rank 0: TPExecutor
+        self.worker = None  # rank > 0: TPWorker
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()  # work for rank 0's engine thread
+        self._streams: dict[str, asyncio.Task] = {}  # rank 0: request id -> its follower
+        self._outbox: list = []  # rank 0: outputs not yet streamed to the driver
+        self._ready = asyncio.Event()
+        self._closing = False
+        self._loop: asyncio.AbstractEventLoop | None = None  # the actor's event loop
+
+    def free_port(self) -> tuple[str, int]:
+        """An address on this node for the group's rendezvous (rank 0's TCP store)."""
+        host = ray.util.get_node_ip_address()
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            return host, s.getsockname()[1]
+
+    async def start(
+        self, config: EngineConfig, rank: int, rendezvous, heartbeat_s: float, kv_events: bool,
+        cores: frozenset[int] | None = None,
+    ) -> dict:  # fmt: skip
+        """Join the group; rank 0 builds the engine (streaming its KV events if `kv_events`).
+        `cores`: bind this rank's process to them first."""
+        self._loop = asyncio.get_running_loop()
+        if cores is not None:
+            bind_process(cores)
+        args = (config, rank, rendezvous, heartbeat_s, kv_events)
+        return await asyncio.to_thread(self._start, *args)
+
+    def _start(self, config, rank: int, rendezvous, heartbeat_s: float, kv_events: bool) -> dict:
+        import torch
+
+        from worker.async_engine import AsyncEngine
+        from worker.distributed import init_group
+        from worker.engine import LLMEngine
+        from worker.tp_executor import TPExecutor
+        from worker.tp_worker import TPWorker
+
+        if config.device.startswith("cuda"):
+            config = replace(config, device="cuda:0")  # Ray shows this actor its own GPU only
+        comm, channel = init_group(rendezvous, rank, torch.device(config.device))
+        if rank == 0:
+            # The engine thread shares the GIL with the output streams (the actor's event
+            # loop); after each collective it must get the GIL back quickly, not after the
+            # default 5 ms switch interval.
+            sys.setswitchinterval(ENGINE_SWITCH_INTERVAL_S)
+            self.executor = TPExecutor(config, comm, channel, heartbeat_s)
+            on_kv_events = self._kv_events if kv_events else None
+            engine = LLMEngine(config, on_kv_events=on_kv_events, executor=self.executor)
+            self.engine = AsyncEngine(engine, self._tick)
+            layout = self.executor.layout
+        else:
+            self.worker = TPWorker(config, comm, channel)
+            self.worker.init_pool()
+            layout = self.worker.layout
+        ctx = ray.get_runtime_context()
+        return {
+            "rank": rank,
+            "node_id": ctx.get_node_id(),
+            "device": config.device,
+            "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+            "pid": os.getpid(),
+            "kv_bytes_per_token": layout.bytes_per_token,
+        }
+
+    # ---- rank > 0 ----------------------------------------------------------------------
+    async def serve(self) -> int:
+        """Run the step loop until rank 0 says shutdown (returns the steps run) or the group
+        fails (raises)."""
+        return await asyncio.to_thread(self.worker.run)
+
+    # ---- rank 0 ------------------------------------------------------------------------
+    async def submit(self, request: GenerationRequest) -> None:
+        """Start a request; its outputs join the group's output stream."""
+        self._streams[request.request_id] = asyncio.create_task(self._follow(request))
+
+    async def _follow(self, request: GenerationRequest) -> None:
+        try:
+            first = True
+            async for out in self.engine.generate(request):
+                self._emit(OutputDelta.of(out, first))  # only what changed crosses Ray
+                first = False
+        except Exception as e:  # bad input, a full queue, a dead engine: the caller's error
+            self._emit(RequestFailed(request.request_id, e))
+        finally:
+            self._streams.pop(request.request_id, None)
+
+    def _emit(self, item) -> None:
+        self._outbox.append(item)
+        self._ready.set()
+
+    def _kv_events(self, events: list) -> None:
+        # Engine thread, during a step: queued on the event loop ahead of the step's outputs
+        # (they reach the outbox one hop later, through the requests' followers).
+        self._loop.call_soon_threadsafe(self._emit, KVEvents(events))
+
+    async def outputs(self, idle_s: float | None = None):
+        """The group's output stream: (batch, engine stats) with every output (or failure) of
+        every request and every KV-event batch, a batch per wake-up, so that Ray carries one
+        object per step rather than one per token. With `idle_s`, an empty batch at least that
+        often (the driver's heartbeat to the index)."""
+        while not self._closing:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._ready.wait(), idle_s)
+            self._ready.clear()
+            batch, self._outbox = self._outbox, []
+            if batch or idle_s is not None:
+                yield batch, self.engine.stats()
+
+    async def abort(self, request_id: str) -> None:
+        task = self._streams.get(request_id)
+        if task is not None:
+            task.cancel()  # leaving the engine's stream aborts the request
+
+    def stats(self) -> dict:
+        dead = self.engine.dead
+        return {**self.engine.stats(), "error": None if dead is None else describe_error(dead)}
+
+    def timings(self) -> list[tuple[int, float, tuple[float, ...]]]:
+        """(scheduled requests, seconds from decision to forward, its parts) of recent steps,
+        this rank (worker/tp_executor.py and worker/tp_worker.py name the parts)."""
+        source = self.executor if self.executor is not None else self.worker
+        return list(source.timings)
+
+    async def probe_broadcast(self, rounds: int) -> float:
+        """One small broadcast's latency on the step channel, measured on the engine thread
+        between steps."""
+        return await self._between_steps(lambda: self.executor.probe_broadcast(rounds))
+
+    async def cached_hashes(self) -> list[bytes]:
+        """Every block hash in the engine's prefix cache (the group's index inventory)."""
+        return await self._between_steps(
+            lambda: list(self.engine.engine.scheduler.bm.cached_hashes())
+        )
+
+    async def _between_steps(self, fn):
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._calls.put((fn, done))
+        return await asyncio.wrap_future(done)
+
+    async def shutdown(self) -> None:
+        self._closing = True
+        self._ready.set()  # ends the output stream
+        if self.engine is not None:
+            await asyncio.to_thread(self.engine.shutdown)
+            if not self.engine._thread.is_alive():  # not stuck in a collective
+                self.executor.shutdown()
+
+    def _tick(self, engine) -> None:
+        """Rank 0's engine thread, after every step and while idle."""
+        while not self._calls.empty():
+            fn, done = self._calls.get()
+            try:
+                done.set_result(fn())
+            except BaseException as e:  # (the caller gets it)
+                done.set_exception(e)
+        self.executor.keepalive()
+
+
+@dataclass
+class KVEvents:
+    """One engine step's KV events, travelling in the output stream ahead of its outputs."""
+
+    events: list
+
+
+@dataclass
+class RequestFailed:
+    """A request's error, travelling in the output stream in place of its next output."""
+
+    request_id: str
+    error: BaseException
+
+
+def describe_error(e: BaseException) -> str:
+    """An error as one line for the group's status: its type and message."""
+    return f"{type(e).__name__}: {e}"
+
+
+__all__ = ["KVEvents", "RankActor", "RequestFailed", "bind_process", "describe_error"]
