@@ -96,7 +96,8 @@ def step_overheads(group: RayGroup, n: int, skip: int) -> list[tuple[tuple, ...]
 def step_costs(n: int, repeat: int = 80) -> dict[str, float]:
     """Median seconds of each piece of a steady decode step of `n` running requests, here, on
     the real scheduler with two runners (no model): rank 0's plan, encode and prepare, the
-    other rank's decode and prepare. Rank 0 hands its sampled tokens on as ModelRunner.run does."""
+    other rank's decode and prepare. Between steps both runners prepare the continuing step
+    ahead and rank 0 plans it with its sampled tokens, as ModelRunner.run does."""
     bm = BlockManager(n * 8, 16, None, lambda e: None)
     sched = Scheduler(SchedulerConfig(max_num_seqs=n, max_num_batched_tokens=8192), bm)
     for i in range(n):
@@ -127,6 +128,10 @@ def step_costs(n: int, repeat: int = 80) -> dict[str, float]:
         tokens = {s.request.request_id: 7 for s in out.scheduled}
         sampled = np.full(len(tokens), 7, dtype=np.int32)  # every request sampled
         sched.update_from_output(out, tokens)
+        # What ModelRunner.run does after each forward, off the next step's critical path.
+        rank0.planner.plan_ahead(sampled)
+        rank0.speculate()
+        rank1.speculate()
     return {key: statistics.median(v) for key, v in times.items()}
 
 

@@ -5,14 +5,17 @@ each sequence's table row, start and length, the input tokens, the block-table e
 this step). Rank 0 (or a single device) plans it from the scheduler's entries; the other ranks
 of a tensor-parallel group decode it from rank 0's message and never build a request object.
 Input preparation is then the same handful of numpy operations on every rank, and a decode
-step that continues the one before only advances the kept arrays in place.
+step that continues the one before only advances the kept arrays in place. That advance is made
+ahead, right after the forward (and sampling on rank 0) while the next step is being decided
+(`speculate`), so that a step that does continue only writes its tokens before its forward; a
+step that does not simply prepares afresh, leaving the advanced arrays unused.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import compress
 
 import numpy as np
@@ -24,6 +27,8 @@ from worker.scheduler import SchedulerOutput
 from worker.step_codec import BlockTable, FlatStep, RowPlanner
 
 Sampled = dict[str, tuple[int, TokenLogprobs | None]]  # request id -> (token, logprobs)
+_NO_SEQS = np.zeros(0, dtype=np.intp)  # (0,) no sequence indices, shared
+_NO_SEQS.flags.writeable = False
 
 
 @dataclass
@@ -42,6 +47,10 @@ class _Kept:
     max_query_len: int
     max_seq_len: int
     until: int  # steps of one token each until some position starts a new block
+    ahead: bool = False  # already advanced to the step that would continue this one
+    # (m,) sequences whose advanced position starts a block the table did not hold yet: their
+    # slots wait for that step's entries
+    pending: np.ndarray = field(default_factory=lambda: _NO_SEQS)
 
 
 @dataclass
@@ -62,6 +71,7 @@ class ModelRunner:
         self.model = model
         self.block_size = block_size
         self.device = device
+        self._on_cpu = device.type == "cpu"  # tensors share the numpy arrays' memory
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator] = {}  # seeded requests' RNG streams
         self.tables = BlockTable()
@@ -126,26 +136,52 @@ class ModelRunner:
         self._kept = kept if max_q == 1 and step.samples is None else None
         return self._inputs(kept, step.sample_ids)
 
-    def _advance(self, step: FlatStep) -> StepInputs:
-        """The kept decode batch one token further: positions, lengths and slots + 1, and
-        where a position reaches a new block (every block_size steps), slots from the table."""
+    def speculate(self) -> None:
+        """Between steps (after the forward, and sampling on rank 0): advance the kept decode
+        batch to the step that would continue it, so that such a step only brings its tokens.
+        A step that does not continue prepares afresh and never reads the advanced arrays."""
         kept = self._kept
-        assert kept is not None and len(kept.tokens) == len(step.tokens), "nothing to continue"
-        kept.tokens[:] = step.tokens  # in place: on CPU the tensors share these arrays
-        kept.positions += 1
+        if kept is not None and not kept.ahead:
+            self._step_ahead(kept)
+
+    def _step_ahead(self, kept: _Kept) -> None:
+        """Positions, lengths and slots + 1; where a position starts a block (every block_size
+        steps), its slot from the table, or pending when the table lacks that block yet."""
+        kept.ahead = True
+        kept.positions += 1  # in place: on CPU the tensors share these arrays
         kept.seq_lens += 1
         kept.slots += 1
         kept.max_seq_len += 1
         kept.until -= 1
+        if kept.until:
+            return
         bs = self.block_size
-        if kept.until == 0:  # some position starts a block: its slot is in the new block
-            np.multiply(self.tables.table[kept.rows, kept.positions // bs], bs, out=kept.slots)
-            kept.slots += kept.positions % bs
-            kept.until = int((bs - kept.positions % bs).min())
-        if len(step.table_rows):  # rows gained blocks
+        first = np.flatnonzero(kept.positions % bs == 0)  # (m,) sequences starting a block
+        cols = kept.positions[first] // bs  # (m,) the block's index in each table
+        rows = kept.rows[first]
+        held = self.tables.count[rows] > cols  # (m,) bool: the table holds the block
+        kept.slots[first] = self.tables.table[rows, cols] * bs  # offset 0 (right where held)
+        kept.pending = first if not held.all() else _NO_SEQS
+        kept.until = int((bs - kept.positions % bs).min())
+
+    def _advance(self, step: FlatStep) -> StepInputs:
+        """The kept decode batch one token further (advanced ahead by `speculate`, or now):
+        the step's tokens in place, and the slots of positions whose block came with it."""
+        kept = self._kept
+        assert kept is not None and len(kept.tokens) == len(step.tokens), "nothing to continue"
+        if not kept.ahead:
+            self._step_ahead(kept)
+        kept.ahead = False
+        np.copyto(kept.tokens, step.tokens)  # in place: on CPU the tensors share these arrays
+        if len(step.table_rows):  # rows gained blocks (the step's entries are applied)
+            if len(kept.pending):  # positions at the start of a block the table now holds
+                p, bs = kept.pending, self.block_size
+                kept.slots[p] = self.tables.table[kept.rows[p], kept.positions[p] // bs] * bs
+                kept.pending = _NO_SEQS
             kept.block_tables = self._block_tables(kept.rows)
+        assert not len(kept.pending), "a position reached a block that no step brought"
         inputs = self._kept_inputs
-        if self.device.type != "cpu":  # the device's tensors are copies: copy again
+        if not self._on_cpu:  # the device's tensors are copies: copy again
             return self._inputs(kept, step.sample_ids)
         if len(step.table_rows):
             inputs.meta.block_tables = self._tensor(kept.block_tables)
@@ -178,18 +214,25 @@ class ModelRunner:
     def _tensor(self, a: np.ndarray) -> torch.Tensor:
         """`a` as a tensor on the runner's device (on CPU, the same memory)."""
         t = torch.from_numpy(a)
-        return t if self.device.type == "cpu" else t.to(self.device)
+        return t if self._on_cpu else t.to(self.device)
 
     def execute(self, out: SchedulerOutput, sample: bool = True) -> Sampled:
         """Plan and run the step; returns the sampled token (and logprobs) of each sampling
         request (none with `sample=False`)."""
         return self.run(self.plan(out), out if sample else None)
 
-    @torch.inference_mode()
     def run(self, step: FlatStep, out: SchedulerOutput | None = None) -> Sampled:
         """Run a planned (or received) step. With the scheduler's `out` (rank 0), sample the
         sequences that reach their last token; without (other ranks), only join the LM head's
-        all-gather, which runs on every rank."""
+        all-gather, which runs on every rank. Then make the next step's inputs ahead, in case
+        it continues this one. Inference mode is entered here unless the caller holds it (a
+        rank's loop does: entering costs microseconds before every forward)."""
+        if torch.is_inference_mode_enabled():
+            return self._run(step, out)
+        with torch.inference_mode():
+            return self._run(step, out)
+
+    def _run(self, step: FlatStep, out: SchedulerOutput | None) -> Sampled:
         if out is not None:
             for rid in out.finished_ids:
                 self._generators.pop(rid, None)
@@ -198,8 +241,15 @@ class ModelRunner:
         inputs = self.prepare(step)
         self.forward_started = time.perf_counter()
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)  # (T, hidden)
-        if not len(inputs.sample_rows):
-            return {}
+        sampled = self._sample(step, inputs, hidden, out) if len(inputs.sample_rows) else {}
+        self.speculate()  # the forward is done with the kept arrays
+        if self._sampled is not None:
+            self.planner.plan_ahead(self._sampled)
+        return sampled
+
+    def _sample(
+        self, step: FlatStep, inputs: StepInputs, hidden: torch.Tensor, out: SchedulerOutput | None
+    ) -> Sampled:
         logits = self.model.compute_logits(hidden[inputs.sample_rows])  # (n, vocab) float32
         if out is None:
             return {}

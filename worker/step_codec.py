@@ -112,7 +112,9 @@ class RowPlanner:
     comes back `is_new` with a new table), so comparing each row's block count with its
     table's length finds the new entries. Rows of finished or preempted requests are reused.
     A step that decodes the same requests, in the same order, as the step before (the steady
-    state) reuses that step's rows and ends, so it reads only each request's token.
+    state) reuses that step's rows and ends, so it reads only each request's token; when the
+    step before sampled every request, rank 0's runner has that step built already, right after
+    sampling (`plan_ahead`), and `plan` only checks that the scheduler kept the same requests.
     """
 
     def __init__(self, tables: BlockTable, block_size: int) -> None:
@@ -124,6 +126,9 @@ class RowPlanner:
         # the last one-token step: (its requests, the step, their ids, steps until a start
         # reaches a new block)
         self._last: tuple[list, FlatStep, list[str], int] | None = None
+        # the step that would continue the last one with the tokens it sampled, built while
+        # the forward's results go back to the scheduler (plan_ahead): (those tokens, the step)
+        self._ahead: tuple[np.ndarray, FlatStep] | None = None
 
     def __len__(self) -> int:
         return len(self._row_of)  # rows held by running requests
@@ -140,6 +145,7 @@ class RowPlanner:
         scheduled = out.scheduled
         requests = [s.request for s in scheduled]
         last, self._last = self._last, None
+        ahead, self._ahead = self._ahead, None
         if (
             last is not None
             and len(scheduled) == out.num_batched_tokens
@@ -147,7 +153,11 @@ class RowPlanner:
             and not out.preempted_ids
             and requests == last[0]  # the same objects (Request compares by identity)
         ):
-            step = self._plan_decodes(scheduled, requests, *last[1:], sampled)
+            if ahead is not None and ahead[0] is sampled and _appended(requests, sampled):
+                step = ahead[1]  # built by plan_ahead: the same requests, each one further
+                assert scheduled[-1].start == step.starts[-1], "a step did not continue the last"
+            else:
+                step = self._plan_decodes(scheduled, requests, *last[1:], sampled)
         else:
             self.release(out.finished_ids)
             self.release(out.preempted_ids)
@@ -163,6 +173,21 @@ class RowPlanner:
             self._last = (requests, step, rids, until)
         return step
 
+    def plan_ahead(self, sampled: np.ndarray) -> None:
+        """Rank 0, after sampling every sequence of the last planned step (one token each):
+        build the step that continues it with `sampled` (S,) int32, so that when the scheduler
+        hands over the same requests `plan(out, sampled)` only checks that they are the same.
+        Not built when a start reaches a new block (its entries come from the scheduler)."""
+        last = self._last  # a one-token step (q_lens None)
+        if last is None or last[3] <= 1 or last[1].samples is not None:
+            return
+        rows, starts = last[1].rows, last[1].starts
+        if len(sampled) != len(rows):
+            return
+        tokens = np.asarray(sampled, dtype=np.int32)  # (S,) what each request computes next
+        step = FlatStep(rows, starts + 1, tokens, sample_ids=last[2], continues=True)
+        self._ahead = (sampled, step)
+
     def _plan_decodes(
         self, scheduled: list, requests: list, last: FlatStep, rids: list[str], until: int,
         sampled: np.ndarray | None,
@@ -172,12 +197,8 @@ class RowPlanner:
         blocks only when a start reaches a new block (`until` steps after the last step)."""
         starts = last.starts + 1 if last.q_lens is None else last.starts + last.q_lens
         assert scheduled[-1].start == starts[-1], "a step did not start where its last ended"
-        if (
-            sampled is not None
-            and last.samples is None
-            and len(sampled) == len(requests)
-            and requests[-1].all_token_ids[-1] == sampled[-1]
-        ):  # the last step sampled every request, and the scheduler appended the tokens:
+        if last.samples is None and _appended(requests, sampled):
+            # the last step sampled every request, and the scheduler appended the tokens:
             # each now computes the token sampled for it, and samples again
             samples, tokens = None, sampled
         else:
@@ -273,6 +294,11 @@ class RowPlanner:
 
 def encode_step(step: FlatStep, sent_at: float | None = None) -> bytes:
     """A STEP message carrying `step` (its arrays, not its request ids)."""
+    t = time.perf_counter() if sent_at is None else sent_at
+    if step.continues and not len(step.table_rows) and not len(step.resets):
+        # the steady state: the tokens alone
+        tokens = step.tokens
+        return _HEADER.pack(STEP, _CONTINUES, 0, len(tokens), 0, 0, t) + tokens.tobytes()
     flags = _CONTINUES if step.continues else 0
     parts = [] if step.continues else [step.rows, step.starts]  # else kept by every runner
     if step.q_lens is not None:
@@ -284,7 +310,6 @@ def encode_step(step: FlatStep, sent_at: float | None = None) -> bytes:
     if step.samples is not None:  # one byte a sequence, after the int32 arrays
         flags |= _HAS_SAMPLES
         tail = step.samples.astype(np.bool_).tobytes()
-    t = time.perf_counter() if sent_at is None else sent_at
     s = 0 if step.continues else len(step.rows)
     counts = (s, len(step.tokens), len(step.resets), len(step.table_rows))
     return _HEADER.pack(STEP, flags, *counts, t) + body.tobytes() + tail
@@ -294,6 +319,9 @@ def decode_step(message: bytes) -> tuple[FlatStep, float]:
     """A STEP message -> (the step for ModelRunner.run, rank 0's send time)."""
     kind, flags, s, t, r, k, sent_at = _HEADER.unpack_from(message, 0)
     assert kind == STEP, kind
+    if flags == _CONTINUES and not r and not k:  # the steady state: the tokens alone (read only)
+        tokens = np.frombuffer(message, dtype=np.int32, count=t, offset=_HEADER.size)
+        return FlatStep(_NONE, _NONE, tokens, continues=True), sent_at
     sizes = (s, s, s if flags & _HAS_Q_LENS else 0, t, r, k, k, k)
     end = _HEADER.size + 4 * sum(sizes)
     buf = bytearray(message)  # writable arrays
@@ -316,6 +344,16 @@ def decode_step(message: bytes) -> tuple[FlatStep, float]:
         continues=bool(flags & _CONTINUES),
     )
     return step, sent_at
+
+
+def _appended(requests: list, sampled: np.ndarray | None) -> bool:
+    """`sampled` holds a token for each request, and the scheduler appended them (seen on the
+    last request; a request that missed its token, aborted meanwhile, leaves the running list)."""
+    return (
+        sampled is not None
+        and len(sampled) == len(requests)
+        and requests[-1].all_token_ids[-1] == sampled[-1]
+    )
 
 
 def kind_of(message: bytes) -> bytes:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import collections
 import time
 
+import torch
+
 from worker.distributed import ByteChannel, Collectives, startup_barrier
 from worker.executor import DeviceWorker
 from worker.step_codec import HEARTBEAT, PROBE, SHUTDOWN, STEP, decode_step, probe_rounds
@@ -47,6 +49,10 @@ class TPWorker:
     def run(self) -> int:
         """Serve steps until rank 0 says shutdown; returns the number of steps run."""
         handlers = {STEP: self._step, HEARTBEAT: self._heartbeat, PROBE: self._probe}
+        with torch.inference_mode():  # held across steps: entering it costs before each forward
+            return self._serve(handlers)
+
+    def _serve(self, handlers: dict) -> int:
         while True:
             try:
                 message = self.channel.recv()
