@@ -162,7 +162,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics-port", type=_non_negative_int, help="Prometheus /metrics port (default 9151)")  # fmt: skip
     parser.add_argument("--no-metrics", action="store_true", help="serve no metrics endpoint")
     parser.add_argument("--device", help="cpu (default) or cuda")
-    parser.add_argument("--policy", help="placement: prefix_aware (default), least_loaded, round_robin")  # fmt: skip
+    parser.add_argument("--policy", help="placement: prefix_aware (default), least_loaded, round_robin, prefix_hash")  # fmt: skip
     parser.add_argument("--grace", type=float, dest="grace_s", help="SIGTERM drain seconds (default 30)")  # fmt: skip
     engine = parser.add_argument_group("engine of each group")
     for name in _ENGINE_FLAGS:
