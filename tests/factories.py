@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import time
 
 from worker.block_manager import BlockManager
 from worker.config import SchedulerConfig
@@ -106,3 +107,13 @@ def check_all_released(bm: BlockManager) -> None:
     check_invariants(bm)
     assert not bm.req_blocks
     assert bm.num_free_blocks == bm.num_blocks, "blocks leaked"
+
+
+def wait_until(predicate, timeout_s: float, step_s: float = 0.02) -> bool:
+    """Poll `predicate` until it holds or `timeout_s` passes; its last answer."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(step_s)
+    return predicate()

@@ -8,6 +8,7 @@ import uuid
 
 import pytest
 import redis
+from factories import wait_until
 
 from cluster.prefix_index import PendingWrite
 from cluster.redis_index import RedisPrefixIndex
@@ -21,15 +22,6 @@ HASHER = BlockHasher(b"pending-test-secret", ModelFingerprint("tiny-llama", bloc
 def chain(n_blocks: int, first_token: int = 0) -> list[bytes]:
     tokens = list(range(first_token, first_token + n_blocks * HASHER.block_size))
     return HASHER.hash_prompt(tokens)
-
-
-def wait_until(predicate, timeout_s: float, step_s: float = 0.02) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(step_s)
-    return predicate()
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ import uuid
 
 import pytest
 import redis
+from factories import wait_until
 
 from cluster.index_publisher import IndexPublisher, PublisherConfig
 from cluster.prefix_index import (
@@ -39,15 +40,6 @@ def stored(hashes) -> BlockStored:
 def load(**kw) -> GroupLoad:
     base = dict(waiting_prefill_tokens=0, running_seqs=0, waiting_seqs=0, free_blocks=8)
     return GroupLoad(**{**base, "total_blocks": 8, **kw})
-
-
-def wait_until(predicate, timeout_s: float, step_s: float = 0.05) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(step_s)
-    return predicate()
 
 
 def blocks(index, hashes) -> dict[str, int]:
