@@ -13,10 +13,11 @@ simulated clock (heartbeats and pending TTLs in simulated seconds; `--index redi
 LocalGroups with the built-in model on this CPU over Redis and takes hit rates from the cached
 tokens the engines report.
 
-`--latency G,...` measures the router's decision (`Router.place`: group statuses, the index's
-one-round-trip match, the policy, the pending record) against a real `redis-server` on loopback
-holding G groups' inventories, at 8k- and 32k-token prompts that extend a cached document;
-hashing the prompt is timed apart, and `overhead` is hashing plus decision.
+`--latency G,...` measures what the router adds to a request (benchmarks/routing_latency.py)
+against a real `redis-server` on loopback holding G groups' inventories, at 8k- and 32k-token
+prompts that extend a cached document with a new question: the decision (`Router.place`) over
+the plain Redis index (one round trip) and over the router's mirror of it (none), the hashing,
+and their sum, `overhead`.
 """
 
 from __future__ import annotations
@@ -230,7 +231,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.latency:
         with RedisServer() as server:
             for n in (int(x) for x in args.latency.split(",")):
-                print(json.dumps(run_latency(args, server, n, cost)), flush=True)
+                for kind in ("redis", "mirror"):
+                    print(json.dumps(run_latency(args, server, n, cost, kind)), flush=True)
         return
     if not args.trace:
         p.error("--trace is required (generate one with python -m benchmarks.traces)")

@@ -2,23 +2,25 @@
 
     python -m benchmarks.routing --latency 4,16,64
 
-`Router.place` (group statuses, the index's one-round-trip match, the policy, the pending
-record) is timed at 8k- and 32k-token prompts that extend a cached document; hashing the prompt
-is timed apart, and `overhead` is hashing plus decision. `validate` is the router's check of
-given token ids (`Router.tokenize`: the vocabulary check), also on the request path.
+What the router adds to a request is timed at 8k- and 32k-token prompts that extend a cached
+document with a new question (see `decision_latency`), over the plain Redis index (one round
+trip per match) and over the router's mirror of it (none).
 """
 
 from __future__ import annotations
 
 import random
+import sys
 import time
 import uuid
 
 from cluster.prefix_index import PrefixIndexConfig
 from cluster.redis_index import RedisPrefixIndex
+from cluster.redis_mirror import MirroredPrefixIndex
 from cluster.sim_group import CostModel, SimGroup, SimGroupConfig
 from router.policy import PrefixAware, PrefixAwareConfig
 from router.router import ModelInfo, Router, RouteRequest
+from router.serve import ROUTER_SWITCH_INTERVAL_S
 from tests.redis_server import RedisServer
 from worker.config import SchedulerConfig
 from worker.hashing import BlockHasher, ModelFingerprint
@@ -34,48 +36,62 @@ def pct(xs: list[float], q: float) -> float | None:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
+QUESTION_TOKENS = 256  # each timed prompt: a cached document, then its own new question
+
+
 def decision_latency(router: Router, doc: list[int], hasher: BlockHasher, n: int = 200) -> dict:
-    """place() latency and hashing time at 8k and 32k tokens; prompts extend `doc`, each with
-    its own tail (a distinct first token, then a shared random pool)."""
+    """What the router adds to a request, at 8k- and 32k-token prompts: a document (`doc`,
+    extended with fixed filler to the size) that earlier requests brought, then a new
+    256-token question, as `Router.generate` handles them:
+      validate  the vocabulary check (`Router.checked_prompt`)
+      hash      the chain through the router's hash cache (the document is in it)
+      decision  `Router.place`: statuses, the index match, the policy, the pending record
+      overhead  hash + decision
+    and hash_uncached: the whole chain by the hasher alone (a document's first request)."""
     rng, out = random.Random(1), {}
-    pool = rng.choices(range(1000), k=32768)
+    filler = rng.choices(range(1000), k=32768)
     for size in (8192, 32768):
-        place, hashing, overhead, validate = [], [], [], []
-        for i in range(n):
-            tokens = (doc + [1000 + i] + pool)[:size]
-            tv = time.perf_counter()
-            router.tokenize(RouteRequest(prompt_token_ids=tokens))
+        base = (doc + filler)[: size - QUESTION_TOKENS]
+        router.hash_cache.hash_prompt(base)  # the document's first request hashed it
+        timed = {k: [] for k in ("validate", "hash", "decision", "overhead", "hash_uncached")}
+        for _ in range(n):
+            tokens = base + rng.choices(range(1000), k=QUESTION_TOKENS)
             t0 = time.perf_counter()
-            validate.append(t0 - tv)
-            hashes = hasher.hash_prompt(tokens)
+            _, checked = router.checked_prompt(RouteRequest(prompt_token_ids=tokens))
             t1 = time.perf_counter()
-            router.place(hashes)
+            hashes = router.hash_cache.hash_prompt(checked)
             t2 = time.perf_counter()
-            place.append(t2 - t1)
-            hashing.append(t1 - t0)
-            overhead.append(t2 - t0)
+            router.place(hashes)
+            t3 = time.perf_counter()
+            hasher.hash_prompt(tokens)
+            t4 = time.perf_counter()
+            for k, v in zip(timed, (t1 - t0, t2 - t1, t3 - t2, t3 - t1, t4 - t3), strict=True):
+                timed[k].append(v)
         k = f"{size // 1024}k"
-        named = ("decision", place), ("hash", hashing), ("overhead", overhead), ("validate", validate)  # fmt: skip
-        for name, xs in named:
+        for name, xs in timed.items():
             out[f"{name}_ms_p50_{k}"] = round(1e3 * pct(xs, 0.5), 3)
             out[f"{name}_ms_p99_{k}"] = round(1e3 * pct(xs, 0.99), 3)
     return out
 
 
-def run_latency(args, server: RedisServer, n_groups: int, cost: CostModel) -> dict:
+def run_latency(
+    args, server: RedisServer, n_groups: int, cost: CostModel, index_kind: str = "mirror"
+) -> dict:
     """Decision latency over Redis with `n_groups` groups: each holds `args.blocks` blocks of
-    its own documents; group 0 and one other also hold a 16k-token document that every timed
-    prompt extends (a hit on two groups, a miss on the rest)."""
+    its own documents; group 0 and one other also hold the document that every timed prompt
+    extends (a hit on two groups, a miss on the rest). `index_kind`: "redis" (one round trip
+    per match) or "mirror" (the router's local copy, cluster/redis_mirror.py)."""
     hasher = BlockHasher(SECRET, ModelFingerprint("bench", block_size=args.block_size))
     # Nothing beats here: with the default 3 s TTL the first groups died while the last ones
     # were still publishing (64 groups), and the decision was timed over fewer live groups.
     config = PrefixIndexConfig(heartbeat_ttl_s=600.0)
-    index = RedisPrefixIndex.from_url(server.url, f"lat{uuid.uuid4().hex[:8]}", "bench", config)
+    ns = f"lat{uuid.uuid4().hex[:8]}"
+    index = RedisPrefixIndex.from_url(server.url, ns, "bench", config)
     sched = SchedulerConfig(max_model_len=1 << 20, max_num_batched_tokens=args.batch_tokens)
     cfg = SimGroupConfig(args.blocks, args.block_size, sched, cost)
     groups = [SimGroup(f"g{i:02d}", cfg, hasher) for i in range(n_groups)]  # statuses only
     rng = random.Random(n_groups)
-    doc = rng.choices(range(1000), k=16384)
+    doc = rng.choices(range(1000), k=32768 - QUESTION_TOKENS)
     doc_hashes = hasher.hash_prompt(doc)
     for i, g in enumerate(groups):
         epoch = index.register_group(g.group_id)
@@ -86,9 +102,17 @@ def run_latency(args, server: RedisServer, n_groups: int, cost: CostModel) -> di
     policy = PrefixAware(PrefixAwareConfig(cost=cost))
     policy.block_size = args.block_size
     info = ModelInfo("bench", max_model_len=1 << 20, block_size=args.block_size, kv_cache_dtype="auto", vocab_size=1 << 20)  # fmt: skip
-    router = Router(groups, index, hasher, info, policy=policy)
-    out = {"latency_groups": n_groups, "index": "redis", "blocks_per_group": args.blocks}
+    sys.setswitchinterval(ROUTER_SWITCH_INTERVAL_S)  # as `pagefleet serve` runs the router
+    if index_kind == "mirror":  # the router's own client, as `pagefleet serve` builds it
+        routed = MirroredPrefixIndex(RedisPrefixIndex.from_url(server.url, ns, "bench", config))
+        if not routed.wait_synced(30.0):
+            raise RuntimeError("the index mirror did not catch up")
+    else:
+        routed = index
+    router = Router(groups, routed, hasher, info, policy=policy)
+    out = {"latency_groups": n_groups, "index": index_kind, "blocks_per_group": args.blocks}
     out.update(decision_latency(router, doc, hasher))
     router.pending.flush()
+    routed.close()
     index.close()
     return out

@@ -26,7 +26,7 @@ from cluster.prefix_index import (
     PrefixIndexConfig,
     StaleEpochError,
     check_name,
-    probe_positions,
+    probe_hashes,
 )
 from cluster.redis_scripts import PRELUDE, SCRIPTS
 from worker.hashing import DIGEST_SIZE
@@ -164,13 +164,17 @@ class RedisPrefixIndex(PrefixIndex):
             if w.block_hashes:
                 # Only the probe positions: match never looks at the others (a 2048-block chain
                 # writes 96 entries instead of 2048).
-                probed = [w.block_hashes[p] for p in probe_positions(len(w.block_hashes))]
+                probed = probe_hashes(w.block_hashes)
                 args += [w.group_id, min(w.fresh_probes, len(probed)), _blob(probed)]
         if args:
             self._run("pending", _ms(ttl), *args)
 
     def cleanup(self) -> int:
         return int(self._run("cleanup"))
+
+    def snapshot(self) -> list:
+        """The whole index at one log position, for a mirror (SNAPSHOT in redis_scripts.py)."""
+        return self._run("snapshot")
 
     def inventory_stats(self) -> InventoryStats:
         """Counts by SCARD/SUNION and bytes by MEMORY USAGE of the groups' `inv` sets.

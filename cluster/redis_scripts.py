@@ -10,6 +10,8 @@ raw 16 bytes (set members, hash fields and script arguments are binary-safe):
     P inv:<group>     set   every block hash the current registration caches, PX heartbeat_ttl
     P pendh           hash  block hash .. `group TAB epoch TAB` -> deadline (Redis TIME, ms)
     P pendq           zset  the same members, scored by their deadline, PX the longest pending TTL
+    P log             stream  every change above, in order (see "The log" below), MAXLEN ~LOG_MAX
+    P logseq          string  the sequence number of the log's last entry
 
 A group is live while `hb:<group>` exists and starts with `group TAB groups[group] TAB` (its
 "head"). Each heartbeat, load report or publish refreshes the TTLs of hb and inv together, so
@@ -32,6 +34,15 @@ for each group's last pending probe, run for all those groups together: one HMGE
 on 41 groups: a ZSCORE binary search per group in per-group zsets cost ~0.9 ms of the 1.4 ms
 match (about 290 redis.calls at ~3 us); the shared search costs 7 HMGETs.
 
+The log: every script that changes what a match answers also appends one entry per change to
+`log`, a stream with one field `v` = `kind TAB seq TAB group TAB epoch TAB payload`, where seq is
+`INCR logseq`. Kinds: G register, D deregister, B heartbeat (payload: the load JSON, or empty),
+S / R blocks stored / removed (payload: their hashes concatenated), C cleared, Q pending (payload:
+`ttl_ms TAB probe hashes`). A router's mirror (cluster/redis_mirror.py) loads a `snapshot`, then
+follows the log from the snapshot's seq; a seq that is not the next one (the log was trimmed, or
+Redis restarted and lost it) sends it back to the snapshot. Both log keys expire after an hour
+without writes, so an abandoned cluster leaves nothing behind.
+
 Every write script first checks that (group, epoch) is live, so a group restarted under a new
 epoch fences off its old process. Scripts compute key names from P, so all keys of one index must
 live on one Redis (a single server or a replicated primary, not Redis Cluster).
@@ -42,6 +53,10 @@ from __future__ import annotations
 from cluster.prefix_index import PROBE_DENSE, PROBE_STRIDE
 from worker.hashing import DIGEST_SIZE
 
+# The log keeps about this many entries: a mirror that falls further behind reloads a snapshot.
+LOG_MAX_ENTRIES = 100_000
+LOG_TTL_MS = 3_600_000
+
 # Shared by every script: ARGV[1] is the key prefix P. A chain travels as one argument, its
 # 16-byte hashes concatenated (packing thousands of arguments costs redis-py more than the whole
 # match costs Redis). `unpack` is bounded by Lua's C stack (about 8000 values), hence CHUNK.
@@ -51,6 +66,15 @@ local P = ARGV[1]
 local CHUNK = 1024
 local W = DIGEST_SIZE
 local PENDH, PENDQ = P .. 'pendh', P .. 'pendq'
+local LOG, LOGSEQ = P .. 'log', P .. 'logseq'
+-- One log entry (see the module docstring); `payload` may be binary.
+local function log(kind, g, e, payload)
+  local seq = redis.call('INCR', LOGSEQ)
+  redis.call('XADD', LOG, 'MAXLEN', '~', LOG_MAX, '*', 'v',
+    kind .. '\\t' .. seq .. '\\t' .. g .. '\\t' .. e .. '\\t' .. (payload or ''))
+  redis.call('PEXPIRE', LOG, LOG_TTL_MS)
+  redis.call('PEXPIRE', LOGSEQ, LOG_TTL_MS)
+end
 -- Hashes first..last (1-based) of a blob of concatenated hashes.
 local function slice(blob, first, last)
   local t = {}
@@ -133,6 +157,8 @@ end
 """.replace("DIGEST_SIZE", str(DIGEST_SIZE))
     .replace("PROBE_DENSE", str(PROBE_DENSE))
     .replace("PROBE_STRIDE", str(PROBE_STRIDE))
+    .replace("LOG_MAX", str(LOG_MAX_ENTRIES))
+    .replace("LOG_TTL_MS", str(LOG_TTL_MS))
 )
 
 # ARGV: P, group, ttl_ms -> the new epoch.
@@ -142,6 +168,7 @@ drop_registration(g)
 local e = redis.call('HINCRBY', P .. 'epochs', g, 1)
 redis.call('HSET', P .. 'groups', g, e)
 redis.call('SET', P .. 'hb:' .. g, row_head(g, e), 'PX', ttl)
+log('G', g, e)
 return e
 """
 
@@ -151,6 +178,7 @@ local g, e, ttl = ARGV[2], ARGV[3], ARGV[4]
 if live_epoch(g) ~= e then return 0 end
 if ARGV[5] then redis.call('SET', P .. 'hb:' .. g, row_head(g, e) .. ARGV[5]) end
 refresh(g, ttl)
+log('B', g, e, ARGV[5])
 return 1
 """
 
@@ -164,13 +192,16 @@ while i <= #ARGV do
   local op = ARGV[i]
   if op == 'C' then
     redis.call('DEL', inv)
+    log('C', g, e)
     i = i + 1
   else
     each_chunk(op == 'S' and 'SADD' or 'SREM', inv, ARGV[i + 1])
+    log(op, g, e, ARGV[i + 1])
     i = i + 2
   end
 end
 refresh(g, ttl)
+if #ARGV < 5 then log('B', g, e) end  -- no events: a mirror still sees the beat
 return 1
 """
 
@@ -179,6 +210,7 @@ DEREGISTER = """
 local g, e = ARGV[2], ARGV[3]
 if redis.call('HGET', P .. 'groups', g) ~= e then return 0 end
 drop_registration(g)
+log('D', g, e)
 return 1
 """
 
@@ -247,6 +279,9 @@ for i = 3, #ARGV, 3 do
       local fields = slice(blob, first, math.min(first + CHUNK - 1, total))
       for j, h in ipairs(fields) do fields[j] = h .. head end
       write(fields, deadline)
+    end
+    if total > fresh then
+      log('Q', g, e, string.format('%d', deadline - now) .. '\\t' .. string.sub(blob, fresh * W + 1))
     end
   end
 end
@@ -323,6 +358,38 @@ end
 return table.concat(counts, '\\n') .. '\\n\\n' .. table.concat(rows, '\\n')
 """
 
+# ARGV: P -> {seq, the log's last entry id or '0-0', then per live group: group, epoch, load JSON or '', its inventory's hashes
+# concatenated; last, a list of the live registrations' unexpired pending probes as lines
+# `group TAB epoch TAB ttl_ms TAB hash`}. Consistent with the log at `seq` (a script runs alone):
+# a mirror that loads it follows the log from entry seq + 1.
+SNAPSHOT = """
+local seq = tonumber(redis.call('GET', LOGSEQ) or 0)
+local tail = redis.call('XREVRANGE', LOG, '+', '-', 'COUNT', 1)
+local out, heads = {seq, tail[1] and tail[1][1] or '0-0'}, {}
+for _, g in ipairs(redis.call('HKEYS', P .. 'groups')) do
+  local e = live_epoch(g)
+  if e then
+    local row, head = redis.call('GET', P .. 'hb:' .. g), row_head(g, e)
+    heads[head] = true
+    out[#out + 1] = g
+    out[#out + 1] = e
+    out[#out + 1] = string.sub(row, #head + 1)
+    out[#out + 1] = table.concat(redis.call('SMEMBERS', P .. 'inv:' .. g))
+  end
+end
+-- Pending: `head TAB ttl_ms TAB hash` lines of every live registration (the hash is last: binary).
+local now, pend = now_ms(), {}
+for _, f in ipairs(redis.call('ZRANGEBYSCORE', PENDQ, '(' .. now, '+inf')) do
+  local head = string.sub(f, W + 1)
+  if heads[head] then
+    local d = tonumber(redis.call('HGET', PENDH, f) or 0)
+    if d > now then pend[#pend + 1] = head .. (d - now) .. '\\t' .. string.sub(f, 1, W) end
+  end
+end
+out[#out + 1] = pend
+return out
+"""
+
 SCRIPTS = {
     "register": REGISTER,
     "beat": BEAT,
@@ -331,4 +398,5 @@ SCRIPTS = {
     "cleanup": CLEANUP,
     "pending": PENDING,
     "match": MATCH,
+    "snapshot": SNAPSHOT,
 }

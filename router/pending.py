@@ -18,6 +18,8 @@ from cluster.prefix_index import (
     PrefixIndex,
     PrefixIndexConfig,
     PrefixIndexError,
+    leading_probes,
+    probe_hashes,
     probe_positions,
 )
 
@@ -81,14 +83,14 @@ class PendingPlacements:
             return
         now = self._clock()
         # Only the probe positions (96 of a 2048-block chain), as the Redis index keeps.
-        probed = [block_hashes[p] for p in probe_positions(len(block_hashes))]
+        probed = probe_hashes(block_hashes)
         with self._lock:
             if now >= self._rotate_at:
                 self._previous, self._current = self._current, {}
                 self._rotate_at = now + self.ttl_s
             cur, prev = self._current.get(group_id, {}), self._previous.get(group_id, {})
             deadline = lambda h: max(cur.get(h, 0.0), prev.get(h, 0.0))  # noqa: E731
-            fresh = _leading(probed, lambda h: deadline(h) > now + self.ttl_s / 2)
+            fresh = leading_probes(probed, lambda h: deadline(h) > now + self.ttl_s / 2)
             if fresh == len(probed):
                 return  # pending in the index for at least half a TTL more
             until = deadline(probed[fresh - 1]) if fresh else now + self.ttl_s
@@ -135,9 +137,8 @@ class PendingPlacements:
                 continue  # the usual case: another document
             m = out.get(p.group_id) or GroupMatch(p.group_id, 0, 0, 0, None)  # index down
             if pos is None:
-                pos = probe_positions(len(block_hashes))
-                probed = [block_hashes[i] for i in pos]
-            k = _leading(probed, p.probes.__contains__)
+                pos, probed = probe_positions(len(block_hashes)), probe_hashes(block_hashes)
+            k = leading_probes(probed, p.probes.__contains__)
             if pos[k - 1] + 1 > m.pending_blocks:
                 out[p.group_id] = replace(m, pending_blocks=pos[k - 1] + 1)
         return out
@@ -206,19 +207,3 @@ class _Placed:
     group_id: str
     probes: dict[bytes, None]
     deadline: float  # the router's clock
-
-
-def _leading(hashes: Sequence[bytes], pending: Callable[[bytes], bool]) -> int:
-    """How many leading `hashes` (a chain's probe positions, in order) are `pending`, by binary
-    search. A chain hash covers every block before it, so a recorded hash implies the probes
-    before it were recorded with a deadline at least as late: `pending` holds for a prefix."""
-    if not hashes or not pending(hashes[0]):
-        return 0
-    lo, hi = 1, len(hashes)  # pending(hashes[lo - 1]); every position >= hi + 1 fails
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if pending(hashes[mid - 1]):
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo

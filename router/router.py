@@ -17,6 +17,8 @@ from array import array
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
+import numpy as np
+
 from cluster.group import GroupHandle, GroupStatus
 from cluster.prefix_index import PrefixIndex, PrefixIndexError
 from router.hash_cache import PrefixHashCache
@@ -105,9 +107,9 @@ class Router:
     # ---- input -------------------------------------------------------------------------
     def tokenize(self, request: RouteRequest) -> list[int]:
         """The prompt's token ids: given, tokenized text, or the rendered chat template."""
-        return self._prompt(request)[0]
+        return self.checked_prompt(request)[0]
 
-    def _prompt(self, request: RouteRequest) -> tuple[list[int], array]:
+    def checked_prompt(self, request: RouteRequest) -> tuple[list[int], array]:
         """The prompt's ids, checked, and as the uint32 array the hash cache reads."""
         given = [
             x is not None for x in (request.prompt, request.prompt_token_ids, request.messages)
@@ -183,7 +185,7 @@ class Router:
     async def generate(self, request: RouteRequest) -> AsyncIterator[RequestOutput]:
         """Tokenize, hash once, place, forward, stream. Errors: ValueError (bad input),
         NoGroupAvailableError, and whatever the group raises (e.g. a full queue)."""
-        ids, checked = self._prompt(request)
+        ids, checked = self.checked_prompt(request)
         rid = request.request_id or f"rt-{next(self._ids)}"
         hashes = self.hash_cache.hash_prompt(checked, cache_salt=request.cache_salt)
         tried: set[str] = set()
@@ -245,11 +247,11 @@ class Router:
 
 
 def _all_below(ids: list[int], vocab: int) -> array | None:
-    """`ids` as a uint32 array if every id is an int in [0, vocab), else None. Two C loops:
-    the conversion refuses negatives, ids >= 2**32 and non-ints (0.3 ms at 32k tokens), max()
-    compares Python ints (0.3-0.9 ms); a Python scan costs ~2.5 ms."""
+    """`ids` as a uint32 array if every id is an int in [0, vocab), else None. The conversion
+    refuses negatives, ids >= 2**32 and non-ints in one C loop (0.3 ms at 32k tokens); the max
+    is taken over the array's buffer (10 us; over the list of ints it costs 0.3-0.9 ms)."""
     try:
         checked = array("I", ids)
     except (OverflowError, TypeError):
         return None
-    return checked if max(ids) < vocab else None
+    return checked if np.frombuffer(checked, dtype=np.uint32).max() < vocab else None

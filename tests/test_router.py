@@ -140,7 +140,7 @@ def test_the_vocabulary_check_names_the_bad_token_and_passes_the_array_to_hashin
     for bad in (-1, 1024, 2**40, 3.0, "7"):
         with pytest.raises(ValueError, match=f"token id {bad!r} is outside"):
             router.tokenize(RouteRequest(prompt_token_ids=[1, 2, bad, 3]))
-    ids, checked = router._prompt(RouteRequest(prompt_token_ids=DOC))
+    ids, checked = router.checked_prompt(RouteRequest(prompt_token_ids=DOC))
     assert ids == DOC and list(checked) == DOC and checked.typecode == "I"
     assert router.hash_cache.hash_prompt(checked) == made[0].hasher.hash_prompt(DOC)
 

@@ -1,0 +1,339 @@
+"""A router's local copy of the Redis prefix index, so that a decision makes no round trip.
+
+`MirroredPrefixIndex` wraps a `RedisPrefixIndex`. Writes go to Redis as before; `match` is
+answered from a copy in this process, kept current by a follower thread that loads a snapshot of
+the index and then follows its log (the `log` stream every write script appends to; see
+cluster/redis_scripts.py). Every router over one Redis reads the same log, so their copies hold
+the same state a moment (one log delivery, well under a millisecond on one host) after each
+write, the way every router of one cluster sees the same Redis.
+
+The copy answers exactly what `RedisPrefixIndex.match` answers: the leading cached blocks of the
+chain on each live group (the copy holds every block hash, so it counts them one by one), the
+leading pending blocks at probe granularity, and each group's latest load. Liveness is kept on
+this process's clock: a group is live until `heartbeat_ttl_s` after the last log entry of its
+registration arrived.
+
+When the follower cannot read the log (Redis down, or the copy fell behind the log's trimmed
+start), `match` asks Redis directly, which raises `IndexUnavailableError` when Redis is down, as
+the plain index does; the follower reloads a snapshot as soon as Redis answers again. A log entry
+whose sequence number is not the next one (the log was trimmed past the copy, or Redis restarted
+and lost it) also sends the follower back to the snapshot, so the copy never drifts silently.
+
+A placement this router records is applied to the copy as soon as Redis took it (before its log
+entry comes back), so a router's next decision always sees its own placements.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from cluster.prefix_index import (
+    GroupLoad,
+    GroupMatch,
+    IndexUnavailableError,
+    InventoryStats,
+    PendingWrite,
+    PrefixIndex,
+    leading_held,
+    probe_hashes,
+    probe_positions,
+)
+from cluster.redis_index import RedisPrefixIndex
+from worker.hashing import DIGEST_SIZE
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Group:
+    """One live registration as the copy knows it."""
+
+    epoch: int
+    deadline: float  # this process's clock
+    load: GroupLoad | None = None
+    inventory: set[bytes] = field(default_factory=set)
+    pending: dict[bytes, float] = field(default_factory=dict)  # probe hash -> deadline
+    nothing: GroupMatch | None = None  # the group's match of nothing, rebuilt when load changes
+    prune_at: int = 4096  # pending size at which expired probes are dropped
+
+    def empty_match(self, group_id: str) -> GroupMatch:
+        if self.nothing is None:
+            self.nothing = GroupMatch(group_id, self.epoch, 0, 0, self.load)
+        return self.nothing
+
+
+class MirroredPrefixIndex(PrefixIndex):
+    """A `RedisPrefixIndex` whose `match` is answered locally; see the module docstring."""
+
+    def __init__(
+        self,
+        shared: RedisPrefixIndex,
+        read_block_s: float = 0.1,
+        retry_s: float = 0.5,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """`read_block_s`: how long one log read waits for new entries (also how soon `close`
+        stops the follower); `retry_s`: the wait between attempts while Redis is out of reach."""
+        if not 0 < read_block_s < shared.config.heartbeat_ttl_s:
+            raise ValueError(f"read_block_s must be in (0, heartbeat_ttl_s), got {read_block_s}")
+        if not retry_s > 0:
+            raise ValueError(f"retry_s must be > 0, got {retry_s}")
+        self.shared = shared
+        self.config = shared.config
+        self.read_block_s = read_block_s
+        self.retry_s = retry_s
+        self._clock = clock
+        self._ttl = shared.config.heartbeat_ttl_s
+        self._lock = threading.Lock()
+        self._groups: dict[str, _Group] = {}
+        self._seq: int | None = None  # last applied log entry; None: not in sync
+        self._read_ok_at = float("-inf")  # when the last log read returned
+        self._warned = False
+        self.snapshots = 0  # snapshots loaded: one at start, one per gap or outage
+        self._stop = threading.Event()
+        self._follower = threading.Thread(target=self._follow, name="index-mirror", daemon=True)
+        self._follower.start()
+
+    # ---- state of the copy ------------------------------------------------------------
+    @property
+    def synced(self) -> bool:
+        """Whether `match` is answered locally now (in sync and the log read is current)."""
+        return self._seq is not None and self._clock() - self._read_ok_at < self._max_lag()
+
+    @property
+    def applied_seq(self) -> int | None:
+        """Sequence number of the last log entry applied; None while out of sync."""
+        return self._seq
+
+    def wait_synced(self, timeout_s: float = 5.0) -> bool:
+        """Block until the copy is in sync with everything written so far; False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                seq = int(self.shared.client.get(self.shared.prefix + "logseq") or 0)
+            except Exception:  # noqa: BLE001  (Redis down: not in sync)
+                seq = None
+            if seq is not None and self._seq is not None and self._seq >= seq and self.synced:
+                return True
+            time.sleep(0.005)
+        return False
+
+    # ---- reads: the copy ----------------------------------------------------------------
+    def match(self, block_hashes: Sequence[bytes]) -> dict[str, GroupMatch]:
+        if not self.synced:
+            return self.shared.match(block_hashes)  # IndexUnavailableError when Redis is down
+        with self._lock:
+            now, out = self._clock(), {}
+            h0 = block_hashes[0] if block_hashes else None
+            pos, probed = probe_positions(len(block_hashes)), None
+            for gid, g in self._groups.items():
+                if g.deadline <= now:
+                    continue
+                cached = pending = 0
+                if h0 is not None and h0 in g.inventory:
+                    probed = probed or probe_hashes(block_hashes)
+                    cached = leading_held(block_hashes, g.inventory.__contains__, probed)
+                if h0 is not None and g.pending.get(h0, 0.0) > now:
+                    probed = probed or probe_hashes(block_hashes)
+                    pending = pos[_leading_unexpired(probed, g.pending, now) - 1] + 1
+                if cached or pending:
+                    out[gid] = GroupMatch(gid, g.epoch, cached, pending, g.load)
+                else:
+                    out[gid] = g.empty_match(gid)
+            return out
+
+    # ---- writes: Redis --------------------------------------------------------------------
+    def register_group(self, group_id: str) -> int:
+        return self.shared.register_group(group_id)
+
+    def publish(self, group_id: str, epoch: int, events) -> None:
+        self.shared.publish(group_id, epoch, events)
+
+    def report_load(self, group_id: str, epoch: int, load: GroupLoad) -> None:
+        self.shared.report_load(group_id, epoch, load)
+
+    def heartbeat(self, group_id: str, epoch: int) -> None:
+        self.shared.heartbeat(group_id, epoch)
+
+    def deregister(self, group_id: str, epoch: int) -> None:
+        self.shared.deregister(group_id, epoch)
+
+    def cleanup(self) -> int:
+        return self.shared.cleanup()
+
+    def inventory_stats(self) -> InventoryStats:
+        return self.shared.inventory_stats()
+
+    def record_pending(
+        self, group_id: str, block_hashes: Sequence[bytes], ttl_s: float | None = None
+    ) -> None:
+        self.record_pending_many([PendingWrite(group_id, block_hashes)], ttl_s)
+
+    def record_pending_many(
+        self, writes: Sequence[PendingWrite], ttl_s: float | None = None
+    ) -> None:
+        self.shared.record_pending_many(writes, ttl_s)
+        ttl = self.config.pending_ttl_s if ttl_s is None else ttl_s
+        with self._lock:  # the same rule as the pending script, on this clock
+            now = self._clock()
+            for w in writes:
+                g = self._groups.get(w.group_id)
+                if g is not None and w.block_hashes:
+                    probed = probe_hashes(w.block_hashes)
+                    _apply_pending(g, probed, min(w.fresh_probes, len(probed)), ttl, now)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._follower.join(timeout=2 * self.read_block_s + 1.0)
+        self.shared.close()
+
+    # ---- the follower thread ----------------------------------------------------------------
+    def _max_lag(self) -> float:
+        """A log read returns at least every read_block_s; a copy not read for several of those
+        (a stalled follower, a slow Redis) is no longer trusted."""
+        return min(self._ttl / 2, 10 * self.read_block_s + 0.5)
+
+    def _follow(self) -> None:
+        last_id = "0-0"
+        while not self._stop.is_set():
+            try:
+                if self._seq is None:
+                    last_id = self._load_snapshot()
+                last_id = self._read_log(last_id)
+                self._read_ok_at = self._clock()
+                self._warned = False
+            except Exception as e:  # noqa: BLE001  (the follower must outlive any fault)
+                self._seq = None
+                if not self._warned:
+                    self._warned = True
+                    log.warning("prefix index mirror out of sync (%s); matching on Redis", e)
+                self._stop.wait(self.retry_s)
+
+    def _load_snapshot(self) -> str:
+        """Replace the copy with the snapshot script's answer; returns the log position to read
+        from (the stream's last id at the snapshot: entries after it have larger seqs)."""
+        seq, last_id, *rows, pend = self.shared.snapshot()
+        now = self._clock()
+        groups: dict[str, _Group] = {}
+        for i in range(0, len(rows), 4):
+            gid, epoch, load, inventory = rows[i : i + 4]
+            g = _Group(int(epoch), now + self._ttl, GroupLoad.from_json(load) if load else None)
+            g.inventory = {inventory[j : j + DIGEST_SIZE] for j in range(0, len(inventory), DIGEST_SIZE)}  # fmt: skip
+            groups[gid.decode()] = g
+        for line in pend:
+            gid, epoch, ttl_ms, h = line.split(b"\t", 3)
+            g = groups.get(gid.decode())
+            if g is not None and g.epoch == int(epoch):
+                g.pending[h] = max(g.pending.get(h, 0.0), now + int(ttl_ms) / 1000)
+        with self._lock:
+            self._groups, self._seq = groups, int(seq)
+        self.snapshots += 1
+        return last_id.decode()
+
+    def _read_log(self, last_id: str) -> str:
+        """Apply the entries after `last_id` (waiting up to read_block_s for some)."""
+        key = self.shared.prefix + "log"
+        reply = self.shared.client.xread({key: last_id}, count=4096, block=_ms(self.read_block_s))
+        if not reply:
+            return last_id
+        entries = reply[0][1]
+        with self._lock:
+            now = self._clock()
+            for entry_id, fields in entries:
+                if not self._apply(fields[b"v"], now):
+                    self._seq = None  # a gap: back to the snapshot
+                    return last_id
+                last_id = entry_id
+        return last_id.decode() if isinstance(last_id, bytes) else last_id
+
+    def _apply(self, value: bytes, now: float) -> bool:
+        """Apply one log entry; False when its seq is not the next (the lock is held)."""
+        kind, seq, gid, epoch, payload = value.split(b"\t", 4)
+        if self._seq is None or int(seq) != self._seq + 1:
+            return False
+        self._seq += 1
+        name, epoch = gid.decode(), int(epoch)
+        if kind == b"G":
+            self._groups[name] = _Group(epoch, now + self._ttl)
+            return True
+        g = self._groups.get(name)
+        if g is None or g.epoch != epoch:
+            return True  # a registration this copy already dropped
+        if kind == b"D":
+            del self._groups[name]
+            return True
+        g.deadline = now + self._ttl
+        if kind == b"S":
+            g.inventory.update(_split(payload))
+        elif kind == b"R":
+            g.inventory.difference_update(_split(payload))
+        elif kind == b"C":
+            g.inventory.clear()
+        elif kind == b"B" and payload:
+            g.load, g.nothing = GroupLoad.from_json(payload), None
+        elif kind == b"Q":
+            ttl_ms, blob = payload.split(b"\t", 1)
+            deadline = now + int(ttl_ms) / 1000
+            g.pending.update((h, max(g.pending.get(h, 0.0), deadline)) for h in _split(blob))
+            _prune(g, now)
+        return True
+
+
+def _leading_unexpired(probed: Sequence[bytes], deadlines: dict[bytes, float], now: float) -> int:
+    """`leading_probes` over deadlines, inlined (it runs for every group a chain is pending
+    on); the first probe is known to be pending."""
+    lo, hi, get = 1, len(probed), deadlines.get
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if get(probed[mid - 1], 0.0) > now:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _apply_pending(
+    g: _Group, probed: Sequence[bytes], fresh: int, ttl_s: float, now: float
+) -> None:
+    """The pending script's rule: probes after the `fresh` leading ones get now + ttl, capped at
+    the deadline of the last fresh probe while it is pending (deadlines never grow along a
+    chain); never shortens an entry."""
+    deadline = now + ttl_s
+    if fresh > 0:
+        d = g.pending.get(probed[fresh - 1], 0.0)
+        if d > now:
+            deadline = min(deadline, d)
+        else:
+            fresh = 0
+    for h in probed[fresh:]:
+        if g.pending.get(h, 0.0) < deadline:
+            g.pending[h] = deadline
+    _prune(g, now)
+
+
+def _prune(g: _Group, now: float) -> None:
+    """Drop expired pending probes whenever the table doubled since the last time (amortized
+    O(1) a probe)."""
+    if len(g.pending) >= g.prune_at:
+        g.pending = {h: d for h, d in g.pending.items() if d > now}
+        g.prune_at = max(4096, 2 * len(g.pending))
+
+
+def _split(blob: bytes) -> list[bytes]:
+    return [blob[i : i + DIGEST_SIZE] for i in range(0, len(blob), DIGEST_SIZE)]
+
+
+def _ms(seconds: float) -> int:
+    return max(1, round(seconds * 1000))
+
+
+def mirrored(index: PrefixIndex) -> PrefixIndex:
+    """`index` with a local mirror when it is a Redis index (a router's view); else itself."""
+    return MirroredPrefixIndex(index) if isinstance(index, RedisPrefixIndex) else index
+
+
+__all__ = ["IndexUnavailableError", "MirroredPrefixIndex", "mirrored"]

@@ -1,0 +1,240 @@
+"""The router's local copy of the Redis prefix index (cluster/redis_mirror.py) against a real
+redis-server: it answers what Redis' own match answers, without a round trip, and heals itself
+after a trimmed log and a Redis restart. (tests/test_prefix_index.py runs its shared tests on the
+mirror too.)"""
+
+from __future__ import annotations
+
+import random
+import uuid
+
+import pytest
+import redis
+from factories import wait_until
+
+from cluster.index_publisher import IndexPublisher, PublisherConfig
+from cluster.prefix_index import GroupLoad, IndexUnavailableError, PendingWrite, PrefixIndexConfig
+from cluster.redis_index import RedisPrefixIndex
+from cluster.redis_mirror import MirroredPrefixIndex, mirrored
+from tests.redis_server import RedisServer
+from worker.hashing import BlockHasher, ModelFingerprint
+from worker.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+
+HASHER = BlockHasher(b"mirror-test-secret", ModelFingerprint("tiny", block_size=2))
+
+
+def chain(n: int, doc: int) -> list[bytes]:
+    return HASHER.hash_prompt([doc] + list(range(2 * n - 1)))
+
+
+def load(running: int) -> GroupLoad:
+    return GroupLoad(0, running, 0, 8, 8)
+
+
+@pytest.fixture(scope="module")
+def redis_server():
+    with RedisServer() as server:
+        yield server
+
+
+@pytest.fixture
+def pair(redis_server):
+    """(writer, mirror): the groups' and routers' client and a router's mirror, one namespace."""
+    ns = f"m{uuid.uuid4().hex[:8]}"
+    writer = RedisPrefixIndex.from_url(redis_server.url, ns, "m")
+    mirror = MirroredPrefixIndex(RedisPrefixIndex.from_url(redis_server.url, ns, "m"))
+    yield writer, mirror
+    mirror.close()
+    writer.close()
+
+
+def same_answer(writer: RedisPrefixIndex, mirror: MirroredPrefixIndex, chains) -> None:
+    assert mirror.wait_synced()
+    for c in chains:
+        assert mirror.match(c) == writer.match(c)
+
+
+def test_mirror_answers_what_redis_answers_through_random_histories(pair):
+    writer, mirror = pair
+    rng = random.Random(0)
+    docs = {d: chain(rng.randint(1, 120), d) for d in range(6)}
+    epochs = {g: writer.register_group(g) for g in ("g0", "g1", "g2", "g3")}
+    held = {g: set() for g in epochs}
+    for step in range(60):
+        g = rng.choice(sorted(epochs))
+        c = docs[rng.randrange(len(docs))]
+        op = rng.random()
+        if op < 0.45:  # a prefix stored, as an engine stores it
+            n = rng.randint(1, len(c))
+            writer.publish(g, epochs[g], [BlockStored(tuple(c[:n]), None)])
+            held[g].update(c[:n])
+        elif op < 0.65:  # a tail evicted
+            n = rng.randint(0, len(c) - 1)
+            writer.publish(g, epochs[g], [BlockRemoved(tuple(c[n:]))])
+        elif op < 0.7:
+            writer.publish(g, epochs[g], [AllBlocksCleared()])
+        elif op < 0.8:
+            writer.report_load(g, epochs[g], load(step))
+        elif op < 0.95:  # pending placements, some keeping their fresh probes
+            n = rng.randint(1, len(c))
+            writer.record_pending_many([PendingWrite(g, c[:n], rng.choice([0, 0, 5, 40]))])
+        else:  # a group restarts: its old entries never match again
+            epochs[g] = writer.register_group(g)
+        if step % 10 == 9:
+            queries = [c[: rng.randint(1, len(c))] for c in docs.values()] + [[], docs[0][:1]]
+            same_answer(writer, mirror, queries)
+    writer.deregister("g3", epochs["g3"])
+    same_answer(writer, mirror, list(docs.values()))
+    assert "g3" not in mirror.match(docs[0])
+
+
+def test_a_match_on_the_mirror_sends_nothing_to_redis(pair, redis_server):
+    writer, mirror = pair
+    c = chain(100, 1)
+    for i in range(4):
+        writer.publish(f"g{i}", writer.register_group(f"g{i}"), [BlockStored(tuple(c[: 25 * i]), None)])  # fmt: skip
+    assert mirror.wait_synced()
+    admin = redis.Redis.from_url(redis_server.url)
+
+    def calls() -> dict[str, int]:
+        return {k: s["calls"] for k, s in admin.info("commandstats").items()}
+
+    before = calls()
+    answers = [mirror.match(c) for _ in range(20)]
+    after = calls()
+    sent = {k: n - before.get(k, 0) for k, n in after.items() if n != before.get(k, 0)}
+    sent.pop("cmdstat_info", None)  # ours
+    sent.pop("cmdstat_xread", None)  # the follower's blocking read of the log, every 0.1 s
+    assert sent == {}
+    assert {g: m.blocks for g, m in answers[-1].items()} == {"g0": 0, "g1": 25, "g2": 50, "g3": 75}
+
+
+def test_own_placements_are_seen_at_once_and_other_mirrors_catch_up(pair, redis_server):
+    writer, mirror = pair
+    other = MirroredPrefixIndex(RedisPrefixIndex.from_url(redis_server.url, writer.prefix.split(":")[1], "m"))  # fmt: skip
+    try:
+        c = chain(80, 2)
+        writer.register_group("g0")
+        assert mirror.wait_synced()
+        mirror.record_pending("g0", c)  # no wait: applied locally once Redis took it
+        assert mirror.match(c)["g0"].pending_blocks == 80
+        assert other.wait_synced()
+        assert other.match(c)["g0"].pending_blocks == 80
+    finally:
+        other.close()
+
+
+def test_a_gap_in_the_log_reloads_the_snapshot(pair):
+    writer, mirror = pair
+    c = chain(40, 3)
+    epoch = writer.register_group("g0")
+    writer.publish("g0", epoch, [BlockStored(tuple(c[:10]), None)])
+    assert mirror.wait_synced()
+    writer.client.incrby(writer.prefix + "logseq", 7)  # entries lost, as when the log is trimmed
+    writer.publish("g0", epoch, [BlockStored(tuple(c[10:30]), None)])
+    same_answer(writer, mirror, [c])
+    assert mirror.match(c)["g0"].blocks == 30
+    assert mirror.snapshots >= 2
+
+
+def test_mirror_falls_back_to_redis_and_heals_after_a_restart():
+    c = chain(30, 4)
+    cache: set[bytes] = set()
+    with RedisServer() as server:
+        group_side = RedisPrefixIndex.from_url(server.url, "restart", "m", socket_timeout_s=0.3)
+        pub = IndexPublisher(group_side, "g0", lambda: set(cache), PublisherConfig(retry_initial_s=0.05, retry_max_s=0.2))  # fmt: skip
+        shared = RedisPrefixIndex.from_url(server.url, "restart", "m", socket_timeout_s=0.3)
+        mirror = MirroredPrefixIndex(shared, read_block_s=0.05, retry_s=0.05)
+        try:
+            cache.update(c[:12])
+            pub.sink(BlockStored(tuple(c[:12]), None))
+            pub.tick(load(1))
+            assert mirror.wait_synced() and mirror.match(c)["g0"].blocks == 12
+            server.stop()
+            assert wait_until(lambda: not mirror.synced, 3.0)
+            with pytest.raises(IndexUnavailableError):
+                mirror.match(c)  # no stale answer: the caller places by load, as without one
+            server.start()  # back, empty; the publisher re-registers and republishes
+            cache.update(c[12:20])
+            assert wait_until(lambda: pub.tick(load(2)) or pub.connected, 5.0)
+            assert mirror.wait_synced() and mirror.match(c)["g0"].blocks == 20
+
+            def reported() -> bool:  # the next load report (at most one per load interval)
+                pub.tick(load(2))
+                got = mirror.match(c)["g0"].load
+                return got is not None and got.running_seqs == 2
+
+            assert wait_until(reported, 3.0)
+        finally:
+            pub.close()
+            mirror.close()
+
+
+def test_a_dead_group_leaves_the_mirror_within_the_ttl(redis_server):
+    config = PrefixIndexConfig(heartbeat_ttl_s=0.5)
+    ns = f"ttl{uuid.uuid4().hex[:6]}"
+    writer = RedisPrefixIndex.from_url(redis_server.url, ns, "m", config)
+    mirror = MirroredPrefixIndex(RedisPrefixIndex.from_url(redis_server.url, ns, "m", config), read_block_s=0.05)  # fmt: skip
+    try:
+        c = chain(10, 5)
+        writer.publish("g0", writer.register_group("g0"), [BlockStored(tuple(c), None)])
+        assert mirror.wait_synced() and mirror.match(c)["g0"].blocks == 10
+        assert wait_until(lambda: "g0" not in mirror.match(c), 2.0)  # no beats: dead
+        assert writer.match(c) == {}
+    finally:
+        mirror.close()
+        writer.close()
+
+
+def test_mirrored_wraps_only_a_redis_index(redis_server):
+    from cluster.prefix_index import InMemoryPrefixIndex
+
+    memory = InMemoryPrefixIndex()
+    assert mirrored(memory) is memory
+    shared = RedisPrefixIndex.from_url(redis_server.url, "wrap", "m")
+    m = mirrored(shared)
+    assert isinstance(m, MirroredPrefixIndex) and m.shared is shared
+    m.close()
+    with pytest.raises(ValueError, match="read_block_s"):
+        MirroredPrefixIndex(
+            RedisPrefixIndex.from_url(redis_server.url, "wrap", "m"), read_block_s=0
+        )
+
+
+def test_serve_routes_on_a_mirror_of_the_redis_index(redis_server):
+    """`pagefleet serve` with Redis (one in-process group: no Ray): the group publishes to
+    Redis, the router matches on its mirror, and a repeated document is predicted exactly as
+    the engine then reports it."""
+    import asyncio
+
+    from pagefleet.llm import engine_config
+    from router.router import RouteRequest
+    from router.serve import ServeConfig, build_cluster
+    from worker.sampling_params import SamplingParams
+
+    config = ServeConfig(
+        groups=1, redis=redis_server.url, cluster=f"serve{uuid.uuid4().hex[:6]}",
+        metrics_port=None, engine={"num_blocks": 64, "max_model_len": 512},
+    )  # fmt: skip
+    cluster = build_cluster(config, engine_config)
+    try:
+        assert isinstance(cluster.index, MirroredPrefixIndex)
+        router, doc = cluster.router, [(5 * i) % 1000 for i in range(160)]
+
+        def ask(question: int):
+            req = RouteRequest(prompt_token_ids=doc + [question] * 3, params=SamplingParams(max_tokens=2, temperature=0.0))  # fmt: skip
+
+            async def run():
+                return [out async for out in router.generate(req)][-1]
+
+            out = asyncio.run(run())
+            return out, router.records[out.request_id]
+
+        _, first = ask(901)
+        hashes = router.hasher.hash_prompt(doc)
+        assert wait_until(lambda: any(m.blocks for m in cluster.index.match(hashes).values()), 5.0)  # fmt: skip
+        out, rec = ask(902)
+        assert rec.group_id == first.group_id
+        assert rec.predicted_cached_tokens == rec.actual_cached_tokens == len(doc)
+    finally:
+        cluster.shutdown()
