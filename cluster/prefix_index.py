@@ -18,7 +18,6 @@ from __future__ import annotations
 import functools
 import itertools
 import json
-import logging
 import operator
 import re
 import threading
@@ -28,8 +27,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
 from worker.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
-
-logger = logging.getLogger(__name__)
 
 # Names become parts of Redis keys: no separators, spaces or hash-tag braces.
 _NAME = re.compile(r"[A-Za-z0-9_.\-/@+=]{1,128}")
@@ -138,6 +135,9 @@ class InventoryStats:
     groups: int  # live groups
     bytes_per_block: float | None = None  # Redis memory per entry; None in memory
     bytes_total: int | None = None  # Redis memory of all entries (MEMORY USAGE estimate)
+    # Redis memory of the change log that routers' mirrors follow (cluster/redis_mirror.py):
+    # recent writes, about LOG_MAX_ENTRIES of them, not part of bytes_total.
+    log_bytes: int | None = None
 
 
 class PrefixIndex(ABC):
@@ -438,33 +438,3 @@ class InMemoryPrefixIndex(PrefixIndex):
         for g in dead:
             self._drop(g)
         return len(dead)
-
-
-def make_prefix_index(
-    redis_url: str | None,
-    cluster: str,
-    model: str,
-    config: PrefixIndexConfig | None = None,
-) -> PrefixIndex:
-    """The Redis index when `redis_url` is given and answers, else the in-process one.
-
-    Falling back is logged as a warning: routers in other processes will not share its state.
-    """
-    check_name("cluster", cluster)
-    check_name("model", model)
-    if redis_url is None:
-        return InMemoryPrefixIndex(config)
-    from cluster.redis_index import RedisPrefixIndex  # redis is only needed when asked for
-
-    try:
-        index = RedisPrefixIndex.from_url(redis_url, cluster, model, config)
-        index.ping()
-        return index
-    except PrefixIndexError as e:
-        logger.warning(
-            "prefix index: Redis at %s unavailable (%s); using the in-process index, "
-            "which routers in other processes do not share",
-            redis_url,
-            e,
-        )
-        return InMemoryPrefixIndex(config)

@@ -181,7 +181,8 @@ class RedisPrefixIndex(PrefixIndex):
 
         `bytes_per_block` is the memory of one (group, block) entry: the sets' MEMORY USAGE
         (estimated from `stats_sample_keys` sampled members each) over the number of entries.
-        It does not include pending placements. SUNION copies every hash: not for the hot path.
+        It does not include pending placements nor the change log (`log_bytes`, apart). SUNION
+        copies every hash: not for the hot path.
         """
         c, p = self.client, self.prefix
         with _unavailable_as_index_error():
@@ -196,9 +197,10 @@ class RedisPrefixIndex(PrefixIndex):
             blocks = len(c.sunion(inv_keys)) if inv_keys else 0
             samples = self.config.stats_sample_keys
             total = sum(c.memory_usage(k, samples=samples) or 0 for k in inv_keys)
+            log_bytes = c.memory_usage(p + "log", samples=samples) or 0
         if not entries:
-            return InventoryStats(0, 0, len(live))
-        return InventoryStats(entries, blocks, len(live), total / entries, total)
+            return InventoryStats(0, 0, len(live), log_bytes=log_bytes)
+        return InventoryStats(entries, blocks, len(live), total / entries, total, log_bytes)
 
     def close(self) -> None:
         self.client.close()

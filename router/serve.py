@@ -134,8 +134,6 @@ def build_cluster(config: ServeConfig, make_engine_config: Callable[..., Any]) -
 
     `make_engine_config(model, **options)` is `pagefleet.llm.engine_config`: the face owns
     how flat options become an `EngineConfig`."""
-    from cluster.prefix_index import make_prefix_index
-    from cluster.redis_mirror import mirrored
     from router.metrics import ServerMetrics
     from router.policy import make_policy
     from router.router import Router
@@ -145,8 +143,7 @@ def build_cluster(config: ServeConfig, make_engine_config: Callable[..., Any]) -
     probe = make_engine_config(config.model, **engine_options)  # resolves the built-in model
     name = _model_name(probe.model)
     policy = make_policy(config.policy, options=config.policy_options)  # before groups start
-    # With Redis, the router matches on its local mirror of the index (no round trip).
-    index = mirrored(make_prefix_index(config.redis, config.cluster, name))
+    index = make_index(config, name)
     groups = _make_groups(config, make_engine_config, engine_options, index)
     try:
         hasher, tokenizer, info = router_side(probe, name)
@@ -161,6 +158,25 @@ def build_cluster(config: ServeConfig, make_engine_config: Callable[..., Any]) -
         index.close()
         raise
     return Cluster(router, groups, index, metrics)
+
+
+def make_index(config: ServeConfig, model: str):
+    """The prefix index of one serve process: in-process without `redis`; with it, the shared
+    Redis index, which the router matches on a local mirror of (cluster/redis_mirror.py: no
+    round trip per decision), behind a failover to an in-process copy of what this process's
+    groups publish (router/index_fallback.py): serving goes on when Redis is down at start or
+    later, and Redis gets every group's inventory again once it is back."""
+    from cluster.prefix_index import InMemoryPrefixIndex, check_name
+    from cluster.redis_index import RedisPrefixIndex
+    from cluster.redis_mirror import MirroredPrefixIndex
+    from router.index_fallback import FailoverPrefixIndex
+
+    check_name("cluster", config.cluster)
+    check_name("model", model)
+    if config.redis is None:
+        return InMemoryPrefixIndex()
+    shared = RedisPrefixIndex.from_url(config.redis, config.cluster, model)
+    return FailoverPrefixIndex(MirroredPrefixIndex(shared))
 
 
 def router_side(engine_config, name: str):

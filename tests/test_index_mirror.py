@@ -201,10 +201,11 @@ def test_mirrored_wraps_only_a_redis_index(redis_server):
         )
 
 
-def test_serve_routes_on_a_mirror_of_the_redis_index(redis_server):
-    """`pagefleet serve` with Redis (one in-process group: no Ray): the group publishes to
-    Redis, the router matches on its mirror, and a repeated document is predicted exactly as
-    the engine then reports it."""
+def test_serve_keeps_routing_on_prefixes_while_redis_is_down_and_converges_after():
+    """`pagefleet serve` with Redis (one in-process group: no Ray): the router matches on its
+    mirror and predicts a repeated document's hit exactly as the engine reports it. Redis stops
+    mid-run: requests are still served and predicted from the in-process copy; once Redis is
+    back, it holds the group's inventory again and the mirror answers from it."""
     import asyncio
 
     from pagefleet.llm import engine_config
@@ -212,14 +213,12 @@ def test_serve_routes_on_a_mirror_of_the_redis_index(redis_server):
     from router.serve import ServeConfig, build_cluster
     from worker.sampling_params import SamplingParams
 
-    config = ServeConfig(
-        groups=1, redis=redis_server.url, cluster=f"serve{uuid.uuid4().hex[:6]}",
-        metrics_port=None, engine={"num_blocks": 64, "max_model_len": 512},
-    )  # fmt: skip
-    cluster = build_cluster(config, engine_config)
-    try:
-        assert isinstance(cluster.index, MirroredPrefixIndex)
-        router, doc = cluster.router, [(5 * i) % 1000 for i in range(160)]
+    with RedisServer() as server:
+        config = ServeConfig(redis=server.url, metrics_port=None, engine={"num_blocks": 64, "max_model_len": 512})  # fmt: skip
+        cluster = build_cluster(config, engine_config)
+        router, doc = cluster.router, [(3 * i + 1) % 1000 for i in range(96)]
+        mirror = cluster.index.shared
+        hashes = router.hasher.hash_prompt(doc)
 
         def ask(question: int):
             req = RouteRequest(prompt_token_ids=doc + [question] * 3, params=SamplingParams(max_tokens=2, temperature=0.0))  # fmt: skip
@@ -228,13 +227,22 @@ def test_serve_routes_on_a_mirror_of_the_redis_index(redis_server):
                 return [out async for out in router.generate(req)][-1]
 
             out = asyncio.run(run())
-            return out, router.records[out.request_id]
+            return router.records[out.request_id]
 
-        _, first = ask(901)
-        hashes = router.hasher.hash_prompt(doc)
-        assert wait_until(lambda: any(m.blocks for m in cluster.index.match(hashes).values()), 5.0)  # fmt: skip
-        out, rec = ask(902)
-        assert rec.group_id == first.group_id
-        assert rec.predicted_cached_tokens == rec.actual_cached_tokens == len(doc)
-    finally:
-        cluster.shutdown()
+        try:
+            assert isinstance(mirror, MirroredPrefixIndex)
+            ask(1)
+            assert wait_until(lambda: mirror.match(hashes)["group-0"].blocks == 6, 5.0)
+            rec = ask(2)
+            assert rec.predicted_cached_tokens == rec.actual_cached_tokens == len(doc)
+            server.stop()
+            rec = ask(2)  # served; predicted from the in-process copy
+            assert rec.predicted_cached_tokens == rec.actual_cached_tokens == len(doc)
+            assert not cluster.index.shared_up
+            server.start()  # empty: the failover registers the group again and republishes
+            assert wait_until(lambda: ask(3) and cluster.index.shared_up and mirror.synced, 10.0)
+            assert wait_until(lambda: mirror.match(hashes).get("group-0") is not None and mirror.match(hashes)["group-0"].blocks == 6, 5.0)  # fmt: skip
+            rec = ask(4)
+            assert rec.predicted_cached_tokens == rec.actual_cached_tokens == len(doc)
+        finally:
+            cluster.shutdown()

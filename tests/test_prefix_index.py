@@ -18,11 +18,10 @@ from cluster.prefix_index import (
     InMemoryPrefixIndex,
     PrefixIndexConfig,
     StaleEpochError,
-    make_prefix_index,
 )
 from cluster.redis_index import RedisPrefixIndex
 from cluster.redis_mirror import MirroredPrefixIndex
-from tests.redis_server import RedisServer, free_port
+from tests.redis_server import RedisServer
 from worker.hashing import BlockHasher, ModelFingerprint
 from worker.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
@@ -397,24 +396,17 @@ def test_inventory_stats_measure_bytes_per_block(redis_server):
     grown = admin.info("memory")["used_memory"] - before
     stats = index.inventory_stats()
     assert (stats.entries, stats.blocks, stats.groups) == (6000, 4000, 2)
-    # MEMORY USAGE of the keys agrees with the allocator's growth within a factor of 2.5 (the
-    # growth also holds the sets' rehash tables and allocator slack); a 16-byte hash cannot
-    # cost less than 16 bytes.
-    assert 0.4 < stats.bytes_total / grown < 2.5, (stats, grown)
+    # MEMORY USAGE of the keys and the change log agrees with the allocator's growth within a
+    # factor of 2.5 (the growth also holds the sets' rehash tables and allocator slack); a
+    # 16-byte hash cannot cost less than 16 bytes.
+    assert 0.4 < (stats.bytes_total + stats.log_bytes) / grown < 2.5, (stats, grown)
     assert 16 <= stats.bytes_per_block <= 256
+    assert stats.log_bytes >= 16 * stats.entries  # the log holds every published hash, once
     line = {"bench": "redis_prefix_index_memory", "entries": stats.entries}
     line |= {"bytes_per_block": round(stats.bytes_per_block, 1)}
     line |= {"used_memory_delta_per_block": round(grown / stats.entries, 1)}
+    line |= {"log_bytes": stats.log_bytes}
     print(json.dumps(line))
-
-
-def test_make_prefix_index_falls_back_to_memory(redis_server, caplog):
-    assert isinstance(make_prefix_index(None, "c", "m"), InMemoryPrefixIndex)
-    assert isinstance(make_prefix_index(redis_server.url, "c", "m"), RedisPrefixIndex)
-    with caplog.at_level(logging.WARNING, logger="cluster.prefix_index"):
-        index = make_prefix_index(f"redis://127.0.0.1:{free_port()}/0", "c", "m")
-    assert isinstance(index, InMemoryPrefixIndex)
-    assert "in-process" in caplog.text
 
 
 @pytest.mark.parametrize(
@@ -424,7 +416,7 @@ def test_make_prefix_index_falls_back_to_memory(redis_server, caplog):
         (lambda: PublisherConfig(retry_initial_s=1.0, retry_max_s=0.5), "retry_max_s"),
         (lambda: load(free_blocks=9), "total_blocks"),
         (lambda: InMemoryPrefixIndex().register_group("a:b"), "group_id"),
-        (lambda: make_prefix_index(None, "c", "has space"), "model"),
+        (lambda: RedisPrefixIndex(None, "c", "has space"), "model"),
     ],
 )
 def test_bad_configuration_names_the_field(make, field):
