@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import threading
 import time
 
 import pytest
@@ -147,3 +148,128 @@ def test_benchmark_32k_prompt_with_cached_document(capsys):
     }
     with capsys.disabled():
         print("\n" + json.dumps(line))
+
+
+def fresh_token(rng: random.Random, avoid: int) -> int:
+    t = rng.randrange(VOCAB)
+    return t if t != avoid else (t + 1) % VOCAB
+
+
+def test_a_prompt_reuses_every_block_it_shares_with_a_stored_one():
+    # Divergence at every token of a 5-segment document (block 4, 12 tokens per segment): inside
+    # a block, at a block edge, at a segment edge, and no divergence (a prefix of the document).
+    rng = random.Random(8)
+    doc = random_ids(rng, 60)
+    for cut in range(len(doc) + 1):
+        for extra in (0, 1, 7, 30):
+            cache = make_cache(block_size=4, segment_blocks=3)
+            cache.hash_prompt(doc)
+            before = cache.stats.hashed_blocks
+            suffix = [fresh_token(rng, doc[cut] if cut < len(doc) else -1)] if extra else []
+            prompt = doc[:cut] + suffix + random_ids(rng, max(extra - 1, 0))
+            assert cache.hash_prompt(prompt) == cache.hasher.hash_prompt(prompt)
+            # Only the blocks from the first one holding a new token on are hashed.
+            new_blocks = len(prompt) // 4 - min(cut // 4, len(prompt) // 4) if extra else 0
+            assert cache.stats.hashed_blocks - before == new_blocks, (cut, extra)
+
+
+def test_many_questions_on_one_document_are_each_an_exact_hit_when_asked_again():
+    rng = random.Random(9)
+    cache = make_cache(block_size=4, segment_blocks=3)
+    doc = random_ids(rng, 4 * 10)  # ends inside a segment: every question shares its segment
+    questions = [random_ids(rng, rng.randrange(1, 20)) for _ in range(40)]
+    for q in questions:
+        before = cache.stats.hashed_blocks
+        chain = cache.hash_prompt(doc + q)
+        assert chain == cache.hasher.hash_prompt(doc + q)
+        if before:  # the document's 10 blocks are shared with the earlier prompts
+            assert cache.stats.hashed_blocks - before == len(chain) - 10
+    before = cache.stats.hashed_blocks
+    for q in reversed(questions):
+        assert cache.hash_prompt(doc + q) == cache.hasher.hash_prompt(doc + q)
+    assert cache.stats.hashed_blocks == before
+
+
+def test_a_growing_chat_hashes_only_its_new_blocks_and_keeps_no_stale_prefixes():
+    rng = random.Random(10)
+    cache = make_cache(block_size=4, segment_blocks=3)
+    prompt: list[int] = []
+    for _turn in range(15):
+        prompt += random_ids(rng, rng.randrange(1, 15))
+        before_hashed, before_cached = cache.stats.hashed_blocks, cache.stats.cached_blocks
+        chain = cache.hash_prompt(prompt)
+        assert chain == cache.hasher.hash_prompt(prompt)
+        assert cache.stats.cached_blocks - before_cached == before_hashed  # all earlier blocks
+        assert cache.stats.hashed_blocks == len(chain)
+        # One entry per (possibly partial) segment of the chain: a turn's partial last segment
+        # is replaced by the next turn's longer one.
+        assert len(cache) == -(-len(chain) // 3)
+
+
+@pytest.mark.parametrize(
+    "first, second",
+    [
+        ({}, {"cache_salt": "tenant-a"}),
+        ({}, {"adapter_id": "lora-1"}),
+        ({"adapter_id": "lora-1"}, {"adapter_id": "lora-2"}),
+        ({"adapter_id": "lora-1"}, {"cache_salt": "lora-1"}),
+    ],
+)
+def test_adapters_and_salts_never_share_entries(first, second):
+    rng = random.Random(11)
+    cache = make_cache()
+    doc = random_ids(rng, 70)
+    a = cache.hash_prompt(doc, **first)
+    hashed = cache.stats.hashed_blocks
+    b = cache.hash_prompt(doc[:50], **second)  # a partial segment, prefix of a stored one
+    assert cache.stats.hashed_blocks == hashed + len(b) and set(a).isdisjoint(b)
+    assert b == cache.hasher.hash_prompt(doc[:50], **second)
+
+
+def test_stats_count_every_block_once():
+    rng = random.Random(12)
+    cache = make_cache()
+    docs = [random_ids(rng, 90) for _ in range(3)]
+    total = 0
+    for _ in range(100):
+        prompt = rng.choice(docs)[: rng.randrange(91)] + random_ids(rng, rng.randrange(10))
+        total += len(cache.hash_prompt(prompt))
+        assert cache.stats.cached_blocks + cache.stats.hashed_blocks == total
+
+
+def test_threads_sharing_one_small_cache_get_exact_chains():
+    rng = random.Random(13)
+    probe = make_cache()
+    cache = make_cache(max_bytes=12 * probe.entry_bytes)
+    docs = [random_ids(rng, 80) for _ in range(4)]
+    prompts = [
+        rng.choice(docs)[: rng.randrange(81)] + random_ids(rng, rng.randrange(12))
+        for _ in range(400)
+    ]
+    errors: list[int] = []
+
+    def work(part: list[list[int]]) -> None:
+        for i, p in enumerate(part):
+            if cache.hash_prompt(p) != cache.hasher.hash_prompt(p):
+                errors.append(i)
+
+    threads = [threading.Thread(target=work, args=(prompts[i::4],)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(cache) <= 12 and cache.stats.evictions > 0
+
+
+def test_a_one_token_edit_anywhere_rehashes_from_its_block_on():
+    # The edited prompt equals the stored one before and after the edit, so a compare of a
+    # segment's first or last bytes alone would wrongly call it a hit.
+    rng = random.Random(14)
+    doc = random_ids(rng, 4 * 9 + 2)  # 3 segments of 3 blocks, plus a partial block
+    cache = make_cache(block_size=4, segment_blocks=3)
+    cache.hash_prompt(doc)
+    for i in range(len(doc)):
+        edited = doc[:i] + [fresh_token(rng, doc[i])] + doc[i + 1 :]
+        before = cache.stats.hashed_blocks
+        assert cache.hash_prompt(edited) == cache.hasher.hash_prompt(edited)
+        assert cache.stats.hashed_blocks - before == max(9 - i // 4, 0), i
