@@ -88,6 +88,7 @@ class MirroredPrefixIndex(PrefixIndex):
         self.retry_s = retry_s
         self._clock = clock
         self._ttl = shared.config.heartbeat_ttl_s
+        self._log = shared.prefix + "log"
         self._lock = threading.Lock()
         self._groups: dict[str, _Group] = {}
         self._seq: int | None = None  # last applied log entry; None: not in sync
@@ -236,15 +237,22 @@ class MirroredPrefixIndex(PrefixIndex):
 
     def _read_log(self, last_id: str) -> str:
         """Apply the entries after `last_id` (waiting up to read_block_s for some)."""
-        key = self.shared.prefix + "log"
-        reply = self.shared.client.xread({key: last_id}, count=4096, block=_ms(self.read_block_s))
+        conn = self.shared.connection()  # this thread's own: the client's path costs more
+        block = _ms(self.read_block_s)
+        try:
+            conn.send_command("XREAD", "COUNT", 4096, "BLOCK", block, "STREAMS", self._log, last_id)  # fmt: skip
+            reply = conn.read_response()
+        except Exception:
+            conn.disconnect()  # a half-read reply must not be taken for the next one's
+            raise
         if not reply:
             return last_id
-        entries = reply[0][1]
+        # RESP3 answers a map {stream: entries}, RESP2 a list [[stream, entries]].
+        entries = next(iter(reply.values())) if isinstance(reply, dict) else reply[0][1]
         with self._lock:
             now = self._clock()
-            for entry_id, fields in entries:
-                if not self._apply(fields[b"v"], now):
+            for entry_id, fields in entries:  # fields: [b"v", value]
+                if not self._apply(fields[1], now):
                     self._seq = None  # a gap: back to the snapshot
                     return last_id
                 last_id = entry_id

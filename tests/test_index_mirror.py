@@ -236,9 +236,9 @@ def test_serve_keeps_routing_on_prefixes_while_redis_is_down_and_converges_after
             rec = ask(2)
             assert rec.predicted_cached_tokens == rec.actual_cached_tokens == len(doc)
             server.stop()
+            assert wait_until(lambda: not cluster.index.shared_up, 5.0)  # the group's next beat
             rec = ask(2)  # served; predicted from the in-process copy
             assert rec.predicted_cached_tokens == rec.actual_cached_tokens == len(doc)
-            assert not cluster.index.shared_up
             server.start()  # empty: the failover registers the group again and republishes
             assert wait_until(lambda: ask(3) and cluster.index.shared_up and mirror.synced, 10.0)
             assert wait_until(lambda: mirror.match(hashes).get("group-0") is not None and mirror.match(hashes)["group-0"].blocks == 6, 5.0)  # fmt: skip
