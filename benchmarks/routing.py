@@ -10,8 +10,8 @@ runs simulated groups (cluster/sim_group.py: the real scheduler and block manage
 cost model for the forward) in simulated time, by default over the in-process index on the
 simulated clock (heartbeats and pending TTLs in simulated seconds; `--index redis` puts a real
 `redis-server` on loopback behind it, whose TTLs run on the wall clock); `--mode real` runs
-LocalGroups with the built-in model on this CPU over Redis and takes hit rates from the cached
-tokens the engines report.
+LocalGroups with the built-in model on this CPU publishing to Redis, routed on a mirror of it as
+`pagefleet serve` does, and takes hit rates from the cached tokens the engines report.
 
 `--latency G,...` measures what the router adds to a request (benchmarks/routing_latency.py)
 against a real `redis-server` on loopback holding G groups' inventories, at 8k- and 32k-token
@@ -36,6 +36,7 @@ from benchmarks.traces import TraceRequest, read
 from cluster.group import LocalGroup
 from cluster.prefix_index import InMemoryPrefixIndex
 from cluster.redis_index import RedisPrefixIndex
+from cluster.redis_mirror import MirroredPrefixIndex
 from cluster.sim_group import Arrival, CostModel, SimClock, SimGroup, SimGroupConfig, Simulation
 from router.policy import POLICIES, Oracle, PrefixAware, PrefixAwareConfig, make_policy
 from router.router import ModelInfo, Router, RouteRequest
@@ -142,11 +143,13 @@ def run_sim(args, policy_name: str, server: RedisServer | None, cost: CostModel)
 def run_real(args, policy_name: str, server: RedisServer, cost: CostModel) -> dict:
     from pagefleet.llm import engine_config
 
-    index = RedisPrefixIndex.from_url(server.url, f"real{uuid.uuid4().hex[:8]}", "bench")
+    ns = f"real{uuid.uuid4().hex[:8]}"
+    index = RedisPrefixIndex.from_url(server.url, ns, "bench")  # the groups'
+    routed = MirroredPrefixIndex(RedisPrefixIndex.from_url(server.url, ns, "bench"))  # the router's
     config = engine_config(None, num_blocks=args.blocks, block_size=args.block_size, cluster_secret=SECRET, max_num_batched_tokens=args.batch_tokens, max_model_len=min(4096, args.blocks * args.block_size))  # fmt: skip
     groups = [LocalGroup(config, index, group_id=f"g{i}") for i in range(args.groups)]
     hasher = groups[0].hasher
-    router = make_router(groups, index, hasher, args.block_size, policy_name, cost)
+    router = make_router(groups, routed, hasher, args.block_size, policy_name, cost)
     reqs = list(read(args.trace))
     rows: list = []
     decisions: list[float] = []
@@ -176,6 +179,7 @@ def run_real(args, policy_name: str, server: RedisServer, cost: CostModel) -> di
     router.pending.flush()
     for g in groups:
         g.shutdown()
+    routed.close()
     index.close()
     return summarize(policy_name, rows, [g.group_id for g in groups], decisions, extra)
 

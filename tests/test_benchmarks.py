@@ -43,3 +43,20 @@ def test_engine_benchmark_quick_agrees_with_transformers():
 def test_kernels_benchmark_smoke():
     lines = run("benchmarks/kernels.py", "--smoke")
     assert lines and all(line["max_abs_err_vs_sdpa"] < 1e-3 for line in lines)
+
+
+def test_routing_benchmark_smoke(tmp_path):
+    trace = tmp_path / "trace.jsonl"
+    run("-m", "benchmarks.traces", "--out", str(trace), "--groups", "2", "--blocks", "256", "--requests", "30")  # fmt: skip
+    common = ("-m", "benchmarks.routing", "--trace", str(trace), "--groups", "2", "--blocks", "256")
+    sim = {c["policy"]: c for c in run(*common, "--policy", "all")}
+    assert set(sim) == {"round_robin", "least_loaded", "prefix_hash", "prefix_aware", "oracle"}
+    for case in sim.values():
+        assert case["requests"] == 30 and 0 <= case["hit_rate"] <= 1
+    assert sim["oracle"]["hit_rate"] >= sim["round_robin"]["hit_rate"]
+    (real,) = run(*common, "--policy", "prefix_aware", "--mode", "real", "--time-scale", "0.2")
+    assert real["mode"] == "real" and real["requests"] == 30 and real["hit_rate"] > 0
+    lines = run("-m", "benchmarks.routing", "--latency", "2")
+    assert [c["index"] for c in lines] == ["redis", "mirror"]
+    for c in lines:
+        assert c["decision_ms_p50_32k"] > 0 and c["hash_uncached_ms_p50_32k"] > 0
