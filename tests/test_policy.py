@@ -94,7 +94,8 @@ def test_unknown_policy_names_the_choices():
 
 
 def test_a_hot_prefix_spreads_over_its_holders_and_spills_at_the_load_bound():
-    policy = PrefixAware(PrefixAwareConfig(load_slack=0.1, load_burst=2, balance_window=250))
+    one_bound = PrefixAwareConfig(load_slack=0.1, load_burst=2, balance_window=250, hit_slack=None)
+    policy = PrefixAware(one_bound)
     statuses = {g: status(g) for g in "abcd"}
     hot = chain(100)
     holders = {"a", "b"}
@@ -114,6 +115,45 @@ def test_a_hot_prefix_spreads_over_its_holders_and_spills_at_the_load_bound():
     assert reasons.count("spill") == 2  # one spill per new replica, then hits again
 
 
+def loaded(counts: dict[str, int], **options) -> PrefixAware:
+    """A policy whose window holds `counts` placements per group (a window long enough that
+    their decay is negligible)."""
+    policy = PrefixAware(PrefixAwareConfig(load_slack=0.1, load_burst=2, balance_window=10_000, **options))  # fmt: skip
+    for g, k in counts.items():
+        for _ in range(k):
+            policy.window.add(g, 0, len(counts))
+    return policy
+
+
+def test_a_sole_holder_over_the_bound_keeps_its_prefix_up_to_the_hit_bound():
+    counts = {"a": 30, "b": 10, "c": 10, "d": 10}  # mean 15: bound 18.5, hit bound (1.0) 32
+    statuses = {g: status(g) for g in "abcd"}
+    doc = chain(100)
+    only_a = {g: match(g, 100 if g == "a" else 0) for g in "abcd"}
+    p = loaded(counts, hit_slack=1.0).choose(doc, statuses, only_a)
+    assert (p.group_id, p.reason) == ("a", "prefix_hit")
+    # One bound for all: the holder is over it, so the document is computed a second time.
+    p = loaded(counts, hit_slack=None).choose(doc, statuses, only_a)
+    assert (p.group_id, p.reason) != ("a", "prefix_hit") and p.reason == "spill"
+    # Past the hit bound the holder takes nothing either.
+    p = loaded({**counts, "a": 40}, hit_slack=1.0).choose(doc, statuses, only_a)
+    assert p.reason == "spill"
+    # A new document (nothing to recompute elsewhere) keeps the bound: it avoids the holder.
+    for i in range(20):
+        assert loaded(counts, hit_slack=1.0).choose(chain(30, first=5 + i), statuses, {}).group_id != "a"  # fmt: skip
+
+
+def test_a_prefix_with_more_holders_than_hit_holders_spills_at_the_bound():
+    counts = {"a": 30, "b": 30, "c": 30, "d": 10}  # mean 25: bound 29.5, all holders over it
+    statuses = {g: status(g) for g in "abcd"}
+    hot = chain(100)
+    three = {g: match(g, 0 if g == "d" else 100) for g in "abcd"}
+    p = loaded(counts, hit_slack=1.0, hit_holders=2).choose(hot, statuses, three)
+    assert (p.group_id, p.reason) == ("d", "spill")  # a hot document: its questions can move
+    p = loaded(counts, hit_slack=1.0, hit_holders=3).choose(hot, statuses, three)
+    assert p.group_id in "abc" and p.reason == "prefix_hit"
+
+
 def test_new_content_goes_to_the_pool_that_took_in_least_lately():
     policy = make_policy("prefix_aware")
     full = {g: status(g, free=1000, cached=1000) for g in "abcd"}  # every placement evicts
@@ -128,6 +168,10 @@ def test_load_bound_config_is_validated():
             PrefixAwareConfig(**{field: -1.0})
     with pytest.raises(ValueError, match="balance_window"):
         PrefixAwareConfig(balance_window=0)
+    with pytest.raises(ValueError, match="hit_slack"):
+        PrefixAwareConfig(hit_slack=-0.1)
+    with pytest.raises(ValueError, match="hit_holders"):
+        PrefixAwareConfig(hit_holders=0)
 
 
 @pytest.fixture(scope="module")
