@@ -108,3 +108,14 @@ def test_steady_decodes_continue_across_blocks_and_finishes(ahead):
     seen = drive(sched, random.Random(2), ahead)
     assert seen["continues"] > 20 and seen["decodes_only"] > seen["continues"]
     assert seen["discarded"] >= (5 if ahead else 0)
+
+
+def test_a_decode_prepared_ahead_may_reach_past_the_tables_width():
+    """The kept tables grow on demand (16 blocks a row at first); a decode prepared ahead that
+    reaches the first block past that width has no column to read yet and must wait for the
+    step that brings the block (this crashed an engine at 91 columns)."""
+    sched, _ = make_scheduler(num_blocks=64, block_size=BLOCK, max_num_batched_tokens=64)
+    sched.add_request(make_request(15 * BLOCK - 2, max_tokens=3 * BLOCK))  # 15 blocks, then 18
+    sched.add_request(make_request(5, max_tokens=3 * BLOCK))
+    seen = drive(sched, random.Random(3))
+    assert seen["continues"] > 5

@@ -155,12 +155,13 @@ class ModelRunner:
         kept.until -= 1
         if kept.until:
             return
-        bs = self.block_size
+        bs, table = self.block_size, self.tables.table
         first = np.flatnonzero(kept.positions % bs == 0)  # (m,) sequences starting a block
         cols = kept.positions[first] // bs  # (m,) the block's index in each table
         rows = kept.rows[first]
         held = self.tables.count[rows] > cols  # (m,) bool: the table holds the block
-        kept.slots[first] = self.tables.table[rows, cols] * bs  # offset 0 (right where held)
+        inside = cols < table.shape[1]  # (m,) a column past the width grows with its block
+        kept.slots[first[inside]] = table[rows[inside], cols[inside]] * bs  # right where held
         kept.pending = first if not held.all() else _NO_SEQS
         kept.until = int((bs - kept.positions % bs).min())
 
