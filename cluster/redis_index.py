@@ -18,6 +18,7 @@ import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
+from cluster.chain_probes import probe_hashes
 from cluster.prefix_index import (
     GroupLoad,
     GroupMatch,
@@ -28,7 +29,6 @@ from cluster.prefix_index import (
     PrefixIndexConfig,
     StaleEpochError,
     check_name,
-    probe_hashes,
 )
 from cluster.redis_scripts import PRELUDE, SCRIPTS
 from worker.hashing import DIGEST_SIZE

@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from cluster.chain_probes import leading_held, probe_hashes, probe_positions
 from cluster.prefix_index import (
     GroupLoad,
     GroupMatch,
@@ -38,9 +39,6 @@ from cluster.prefix_index import (
     InventoryStats,
     PendingWrite,
     PrefixIndex,
-    leading_held,
-    probe_hashes,
-    probe_positions,
 )
 from cluster.redis_index import RedisPrefixIndex
 from worker.hashing import DIGEST_SIZE

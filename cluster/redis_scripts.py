@@ -50,7 +50,7 @@ live on one Redis (a single server or a replicated primary, not Redis Cluster).
 
 from __future__ import annotations
 
-from cluster.prefix_index import PROBE_DENSE, PROBE_STRIDE
+from cluster.chain_probes import PROBE_DENSE, PROBE_STRIDE
 from worker.hashing import DIGEST_SIZE
 
 # The log keeps about this many entries: a mirror that falls further behind reloads a snapshot.

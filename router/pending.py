@@ -12,15 +12,13 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
+from cluster.chain_probes import leading_probes, probe_hashes, probe_positions
 from cluster.prefix_index import (
     GroupMatch,
     PendingWrite,
     PrefixIndex,
     PrefixIndexConfig,
     PrefixIndexError,
-    leading_probes,
-    probe_hashes,
-    probe_positions,
 )
 
 log = logging.getLogger(__name__)
