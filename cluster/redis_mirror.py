@@ -35,7 +35,6 @@ from cluster.chain_probes import leading_held, probe_hashes, probe_positions
 from cluster.prefix_index import (
     GroupLoad,
     GroupMatch,
-    IndexUnavailableError,
     InventoryStats,
     PendingWrite,
     PrefixIndex,
@@ -335,11 +334,3 @@ def _split(blob: bytes) -> list[bytes]:
 
 def _ms(seconds: float) -> int:
     return max(1, round(seconds * 1000))
-
-
-def mirrored(index: PrefixIndex) -> PrefixIndex:
-    """`index` with a local mirror when it is a Redis index (a router's view); else itself."""
-    return MirroredPrefixIndex(index) if isinstance(index, RedisPrefixIndex) else index
-
-
-__all__ = ["IndexUnavailableError", "MirroredPrefixIndex", "mirrored"]

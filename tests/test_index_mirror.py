@@ -15,7 +15,7 @@ from factories import wait_until
 from cluster.index_publisher import IndexPublisher, PublisherConfig
 from cluster.prefix_index import GroupLoad, IndexUnavailableError, PendingWrite, PrefixIndexConfig
 from cluster.redis_index import RedisPrefixIndex
-from cluster.redis_mirror import MirroredPrefixIndex, mirrored
+from cluster.redis_mirror import MirroredPrefixIndex
 from tests.redis_server import RedisServer
 from worker.hashing import BlockHasher, ModelFingerprint
 from worker.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
@@ -186,19 +186,13 @@ def test_a_dead_group_leaves_the_mirror_within_the_ttl(redis_server):
         writer.close()
 
 
-def test_mirrored_wraps_only_a_redis_index(redis_server):
-    from cluster.prefix_index import InMemoryPrefixIndex
-
-    memory = InMemoryPrefixIndex()
-    assert mirrored(memory) is memory
-    shared = RedisPrefixIndex.from_url(redis_server.url, "wrap", "m")
-    m = mirrored(shared)
-    assert isinstance(m, MirroredPrefixIndex) and m.shared is shared
-    m.close()
+def test_bad_mirror_settings_name_the_field(redis_server):
+    shared = RedisPrefixIndex.from_url(redis_server.url, "bad", "m")
     with pytest.raises(ValueError, match="read_block_s"):
-        MirroredPrefixIndex(
-            RedisPrefixIndex.from_url(redis_server.url, "wrap", "m"), read_block_s=0
-        )
+        MirroredPrefixIndex(shared, read_block_s=0)
+    with pytest.raises(ValueError, match="retry_s"):
+        MirroredPrefixIndex(shared, retry_s=0)
+    shared.close()
 
 
 def test_serve_keeps_routing_on_prefixes_while_redis_is_down_and_converges_after():
