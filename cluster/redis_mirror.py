@@ -127,7 +127,7 @@ class MirroredPrefixIndex(PrefixIndex):
         with self._lock:
             now, out = self._clock(), {}
             h0 = block_hashes[0] if block_hashes else None
-            pos, probed = probe_positions(len(block_hashes)), None
+            pos, probed, hint = probe_positions(len(block_hashes)), None, 1
             for gid, g in self._groups.items():
                 if g.deadline <= now:
                     continue
@@ -137,7 +137,8 @@ class MirroredPrefixIndex(PrefixIndex):
                     cached = leading_held(block_hashes, g.inventory.__contains__, probed)
                 if h0 is not None and g.pending.get(h0, 0.0) > now:
                     probed = probed or probe_hashes(block_hashes)
-                    pending = pos[_leading_unexpired(probed, g.pending, now) - 1] + 1
+                    hint = _leading_unexpired(probed, g.pending, now, hint)
+                    pending = pos[hint - 1] + 1
                 if cached or pending:
                     out[gid] = GroupMatch(gid, g.epoch, cached, pending, g.load)
                 else:
@@ -288,10 +289,17 @@ class MirroredPrefixIndex(PrefixIndex):
         return True
 
 
-def _leading_unexpired(probed: Sequence[bytes], deadlines: dict[bytes, float], now: float) -> int:
+def _leading_unexpired(
+    probed: Sequence[bytes], deadlines: dict[bytes, float], now: float, hint: int = 1
+) -> int:
     """`leading_probes` over deadlines, inlined (it runs for every group a chain is pending
-    on); the first probe is known to be pending."""
-    lo, hi, get = 1, len(probed), deadlines.get
+    on); the first probe is known to be pending. `hint`: the answer for the group before,
+    tried first: a hot document pending on many groups ends at the same probe on most of them
+    (two lookups instead of a binary search's seven)."""
+    n, get = len(probed), deadlines.get
+    if get(probed[hint - 1], 0.0) > now and (hint == n or get(probed[hint], 0.0) <= now):
+        return hint
+    lo, hi = 1, n
     while lo < hi:
         mid = (lo + hi + 1) // 2
         if get(probed[mid - 1], 0.0) > now:
