@@ -240,3 +240,46 @@ def test_serve_keeps_routing_on_prefixes_while_redis_is_down_and_converges_after
             assert rec.predicted_cached_tokens == rec.actual_cached_tokens == len(doc)
         finally:
             cluster.shutdown()
+
+
+def test_serve_starts_without_redis_and_fills_it_once_it_answers(caplog):
+    """Redis is down when `pagefleet serve` starts: it serves from the in-process copy (with a
+    warning); once Redis answers, the group is registered there and the mirror sees it."""
+    import asyncio
+
+    from pagefleet.llm import engine_config
+    from router.router import RouteRequest
+    from router.serve import ServeConfig, build_cluster
+    from tests.redis_server import free_port
+    from worker.sampling_params import SamplingParams
+
+    server = RedisServer(port=free_port())  # not started yet
+    config = ServeConfig(redis=server.url, metrics_port=None, engine={"num_blocks": 64, "max_model_len": 512})  # fmt: skip
+    cluster = build_cluster(config, engine_config)
+    router, doc = cluster.router, [(7 * i + 2) % 1000 for i in range(64)]
+
+    def ask(question: int):
+        req = RouteRequest(prompt_token_ids=doc + [question] * 3, params=SamplingParams(max_tokens=2, temperature=0.0))  # fmt: skip
+
+        async def run():
+            return [out async for out in router.generate(req)][-1]
+
+        return router.records[asyncio.run(run()).request_id]
+
+    try:
+        ask(1)
+        rec = ask(2)
+        assert rec.predicted_cached_tokens == rec.actual_cached_tokens == len(doc)
+        assert not cluster.index.shared_up and "unavailable" in caplog.text
+        server.start()
+        mirror, hashes = cluster.index.shared, router.hasher.hash_prompt(doc)
+
+        def filled() -> bool:
+            ask(3)  # traffic drives the failover's reconnect
+            m = mirror.match(hashes).get("group-0") if mirror.synced else None
+            return m is not None and m.blocks == len(hashes)
+
+        assert wait_until(filled, 15.0)
+    finally:
+        cluster.shutdown()
+        server.stop()
