@@ -22,7 +22,7 @@ Measured with benchmarks/routing.py (simulated groups, a Zipf-hot document; 16 g
 requests, seeds 0 and 1): on the loose trace the hit rate is 0.970 / 0.964 against perfect
 document affinity's 0.974 / 0.969, with at most 1.06 / 1.10x the mean requests on any group,
 where the affinity oracle and `prefix_hash` put 3.6-4.9x on the hot document's group (64
-groups / 100k requests, before hit_slack: 0.972 vs 0.977). On the tight trace (documents twice
+groups / 100k requests: 0.973 vs 0.977, at 1.11x). On the tight trace (documents twice
 the pools) it is 0.930 / 0.922 against `prefix_hash`'s 0.931 / 0.920 and the oracle's 0.934 /
 0.924, at 1.08 / 1.13x instead of 4.1-4.4x: the replicas that balance needs take pool space
 (the hot document alone is asked 20% of the time, three groups' worth at the bound).
