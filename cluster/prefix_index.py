@@ -203,6 +203,21 @@ class PrefixIndex(ABC):
         """Release connections; the index is unusable afterwards."""
 
 
+class BatchedPendingIndex(PrefixIndex):
+    """A shared index whose pending placements are written in batches: `record_pending` is a
+    batch of one. Subclasses implement `record_pending_many`."""
+
+    def record_pending(
+        self, group_id: str, block_hashes: Sequence[bytes], ttl_s: float | None = None
+    ) -> None:
+        self.record_pending_many([PendingWrite(group_id, block_hashes)], ttl_s)
+
+    @abstractmethod
+    def record_pending_many(
+        self, writes: Sequence[PendingWrite], ttl_s: float | None = None
+    ) -> None: ...
+
+
 @dataclass
 class _Registration:
     epoch: int

@@ -20,12 +20,12 @@ from redis.retry import Retry
 
 from cluster.chain_probes import probe_hashes
 from cluster.prefix_index import (
+    BatchedPendingIndex,
     GroupLoad,
     GroupMatch,
     IndexUnavailableError,
     InventoryStats,
     PendingWrite,
-    PrefixIndex,
     PrefixIndexConfig,
     StaleEpochError,
     check_name,
@@ -56,7 +56,7 @@ def _unavailable_as_index_error() -> Iterator[None]:
         raise IndexUnavailableError(f"{type(e).__name__}: {e}") from e
 
 
-class RedisPrefixIndex(PrefixIndex):
+class RedisPrefixIndex(BatchedPendingIndex):
     """The prefix index over one Redis; every method is one round trip (scripts by EVALSHA).
 
     Thread-safe: redis-py's client takes a pooled connection per call.
@@ -150,11 +150,6 @@ class RedisPrefixIndex(PrefixIndex):
             self._rows.clear()
         self._rows[row] = m
         return m
-
-    def record_pending(
-        self, group_id: str, block_hashes: Sequence[bytes], ttl_s: float | None = None
-    ) -> None:
-        self.record_pending_many([PendingWrite(group_id, block_hashes)], ttl_s)
 
     def record_pending_many(
         self, writes: Sequence[PendingWrite], ttl_s: float | None = None

@@ -33,11 +33,11 @@ from dataclasses import dataclass, field
 
 from cluster.chain_probes import leading_held, probe_hashes, probe_positions
 from cluster.prefix_index import (
+    BatchedPendingIndex,
     GroupLoad,
     GroupMatch,
     InventoryStats,
     PendingWrite,
-    PrefixIndex,
 )
 from cluster.redis_index import RedisPrefixIndex
 from worker.hashing import DIGEST_SIZE
@@ -63,7 +63,7 @@ class _Group:
         return self.nothing
 
 
-class MirroredPrefixIndex(PrefixIndex):
+class MirroredPrefixIndex(BatchedPendingIndex):
     """A `RedisPrefixIndex` whose `match` is answered locally; see the module docstring."""
 
     def __init__(
@@ -166,11 +166,6 @@ class MirroredPrefixIndex(PrefixIndex):
 
     def inventory_stats(self) -> InventoryStats:
         return self.shared.inventory_stats()
-
-    def record_pending(
-        self, group_id: str, block_hashes: Sequence[bytes], ttl_s: float | None = None
-    ) -> None:
-        self.record_pending_many([PendingWrite(group_id, block_hashes)], ttl_s)
 
     def record_pending_many(
         self, writes: Sequence[PendingWrite], ttl_s: float | None = None
