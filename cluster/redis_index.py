@@ -59,7 +59,7 @@ def _unavailable_as_index_error() -> Iterator[None]:
 class RedisPrefixIndex(BatchedPendingIndex):
     """The prefix index over one Redis; every method is one round trip (scripts by EVALSHA).
 
-    Thread-safe: redis-py's client takes a pooled connection per call.
+    Thread-safe: each call takes a connection no other call is using.
     """
 
     def __init__(
@@ -72,15 +72,16 @@ class RedisPrefixIndex(BatchedPendingIndex):
         self.config = config or PrefixIndexConfig()
         self.client = client
         self.prefix = f"pf:{check_name('cluster', cluster)}:{check_name('model', model)}:"
-        self._ttl_ms = _ms(self.config.heartbeat_ttl_s)
+        self._ttl_ms = to_ms(self.config.heartbeat_ttl_s)
         self._rows: dict[bytes, GroupMatch] = {}  # hb row -> the group's match of nothing
         self._bodies = {name: PRELUDE + body for name, body in SCRIPTS.items()}
         self._shas = {name: hashlib.sha1(b.encode()).hexdigest() for name, b in self._bodies.items()}  # fmt: skip
-        # Scripts run on one connection per thread, straight through its parser: the client's
-        # command path (pool, retries, instrumentation) costs ~90 us of CPU a call on top.
-        self._local = threading.local()
-        self._connections: list[redis.Connection] = []
-        self._connections_lock = threading.Lock()
+        # Scripts run on connections of our own, straight through their parser: the client's
+        # command path (pool, retries, instrumentation) costs ~90 us of CPU a call on top. A
+        # call takes an idle one (or makes one) and gives it back: as many as calls at once.
+        self._idle: list[redis.Connection] = []
+        self._idle_lock = threading.Lock()
+        self._closed = False
 
     @classmethod
     def from_url(
@@ -167,7 +168,7 @@ class RedisPrefixIndex(BatchedPendingIndex):
                 probed = probe_hashes(w.block_hashes)
                 args += [w.group_id, min(w.fresh_probes, len(probed)), _blob(probed)]
         if args:
-            self._run("pending", _ms(ttl), *args)
+            self._run("pending", to_ms(ttl), *args)
 
     def cleanup(self) -> int:
         return int(self._run("cleanup"))
@@ -203,38 +204,48 @@ class RedisPrefixIndex(BatchedPendingIndex):
         return InventoryStats(entries, blocks, len(live), total / entries, total, log_bytes)
 
     def close(self) -> None:
-        with self._connections_lock:
-            for conn in self._connections:
-                conn.disconnect()
-            self._connections.clear()
+        with self._idle_lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.disconnect()
         self.client.close()
 
-    def connection(self) -> redis.Connection:
-        """This thread's own connection to the index's Redis (made on first use)."""
-        conn = getattr(self._local, "connection", None)
-        if conn is None:
-            conn = self._local.connection = self.client.connection_pool.make_connection()
-            with self._connections_lock:
-                self._connections.append(conn)
-        return conn
+    def new_connection(self) -> redis.Connection:
+        """A connection of its own to the index's Redis, with the client's settings (the
+        caller disconnects it)."""
+        return self.client.connection_pool.make_connection()
 
     def _run(self, script: str, *args: object) -> object:
-        """EVALSHA of a script on this thread's connection: the body is loaded on NOSCRIPT (a
-        new or restarted Redis), and a dropped connection is retried once."""
-        conn, sha = self.connection(), self._shas[script]
-        with _unavailable_as_index_error():
-            for attempt in range(3):
-                try:
-                    conn.send_command("EVALSHA", sha, 0, self.prefix, *args)
-                    return conn.read_response()
-                except redis.exceptions.NoScriptError:
-                    conn.send_command("SCRIPT", "LOAD", self._bodies[script])
-                    conn.read_response()
-                except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
-                    conn.disconnect()  # the next send reconnects
-                    if attempt:
-                        raise
-            raise IndexUnavailableError(f"script {script} could not be loaded")
+        """EVALSHA of a script on an idle connection: the body is loaded on NOSCRIPT (a new or
+        restarted Redis), and a dropped connection is retried once."""
+        with self._idle_lock:
+            conn = self._idle.pop() if self._idle else None
+        conn = conn or self.new_connection()
+        try:
+            with _unavailable_as_index_error():
+                return self._evalsha(conn, script, args)
+        finally:
+            with self._idle_lock:
+                closed = self._closed
+                if not closed:
+                    self._idle.append(conn)
+            if closed:
+                conn.disconnect()
+
+    def _evalsha(self, conn: redis.Connection, script: str, args: tuple) -> object:
+        for attempt in range(3):
+            try:
+                conn.send_command("EVALSHA", self._shas[script], 0, self.prefix, *args)
+                return conn.read_response()
+            except redis.exceptions.NoScriptError:
+                conn.send_command("SCRIPT", "LOAD", self._bodies[script])
+                conn.read_response()
+            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
+                conn.disconnect()  # the next send reconnects; a half-read reply is dropped
+                if attempt:
+                    raise
+        raise IndexUnavailableError(f"script {script} could not be loaded")
 
     @staticmethod
     def _fenced(what: str, group_id: str, epoch: int, result: object) -> None:
@@ -264,5 +275,6 @@ def _blob(hashes: Sequence[bytes]) -> bytes:
     return blob
 
 
-def _ms(seconds: float) -> int:
+def to_ms(seconds: float) -> int:
+    """A duration as whole milliseconds (at least 1), as Redis takes TTLs and timeouts."""
     return max(1, round(seconds * 1000))

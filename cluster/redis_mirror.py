@@ -8,10 +8,10 @@ the same state a moment (one log delivery, well under a millisecond on one host)
 write, the way every router of one cluster sees the same Redis.
 
 The copy answers exactly what `RedisPrefixIndex.match` answers: the leading cached blocks of the
-chain on each live group (the copy holds every block hash, so it counts them one by one), the
-leading pending blocks at probe granularity, and each group's latest load. Liveness is kept on
-this process's clock: a group is live until `heartbeat_ttl_s` after the last log entry of its
-registration arrived.
+chain on each live group (counted as the script counts them: at the chain's probe positions,
+then between the last probe held and the first missed), the leading pending blocks at probe
+granularity, and each group's latest load. Liveness is kept on this process's clock: a group is
+live until `heartbeat_ttl_s` after the last log entry of its registration arrived.
 
 When the follower cannot read the log (Redis down, or the copy fell behind the log's trimmed
 start), `match` asks Redis directly, which raises `IndexUnavailableError` when Redis is down, as
@@ -39,7 +39,7 @@ from cluster.prefix_index import (
     InventoryStats,
     PendingWrite,
 )
-from cluster.redis_index import RedisPrefixIndex
+from cluster.redis_index import RedisPrefixIndex, to_ms
 from worker.hashing import DIGEST_SIZE
 
 log = logging.getLogger(__name__)
@@ -91,6 +91,7 @@ class MirroredPrefixIndex(BatchedPendingIndex):
         self._seq: int | None = None  # last applied log entry; None: not in sync
         self._read_ok_at = float("-inf")  # when the last log read returned
         self._warned = False
+        self._conn = None  # the follower's own connection (its reads block)
         self.snapshots = 0  # snapshots loaded: one at start, one per gap or outage
         self._stop = threading.Event()
         self._follower = threading.Thread(target=self._follow, name="index-mirror", daemon=True)
@@ -101,11 +102,6 @@ class MirroredPrefixIndex(BatchedPendingIndex):
     def synced(self) -> bool:
         """Whether `match` is answered locally now (in sync and the log read is current)."""
         return self._seq is not None and self._clock() - self._read_ok_at < self._max_lag()
-
-    @property
-    def applied_seq(self) -> int | None:
-        """Sequence number of the last log entry applied; None while out of sync."""
-        return self._seq
 
     def wait_synced(self, timeout_s: float = 5.0) -> bool:
         """Block until the copy is in sync with everything written so far; False on timeout."""
@@ -183,6 +179,8 @@ class MirroredPrefixIndex(BatchedPendingIndex):
     def close(self) -> None:
         self._stop.set()
         self._follower.join(timeout=2 * self.read_block_s + 1.0)
+        if self._conn is not None:
+            self._conn.disconnect()
         self.shared.close()
 
     # ---- the follower thread ----------------------------------------------------------------
@@ -230,8 +228,9 @@ class MirroredPrefixIndex(BatchedPendingIndex):
 
     def _read_log(self, last_id: str) -> str:
         """Apply the entries after `last_id` (waiting up to read_block_s for some)."""
-        conn = self.shared.connection()  # this thread's own: the client's path costs more
-        block = _ms(self.read_block_s)
+        if self._conn is None:
+            self._conn = self.shared.new_connection()
+        conn, block = self._conn, to_ms(self.read_block_s)
         try:
             conn.send_command("XREAD", "COUNT", 4096, "BLOCK", block, "STREAMS", self._log, last_id)  # fmt: skip
             reply = conn.read_response()
@@ -333,7 +332,3 @@ def _prune(g: _Group, now: float) -> None:
 
 def _split(blob: bytes) -> list[bytes]:
     return [blob[i : i + DIGEST_SIZE] for i in range(0, len(blob), DIGEST_SIZE)]
-
-
-def _ms(seconds: float) -> int:
-    return max(1, round(seconds * 1000))

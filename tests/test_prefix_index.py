@@ -422,3 +422,22 @@ def test_inventory_stats_measure_bytes_per_block(redis_server):
 def test_bad_configuration_names_the_field(make, field):
     with pytest.raises(ValueError, match=field):
         make()
+
+
+def test_script_calls_reuse_connections_across_short_lived_threads(redis_server):
+    """A router's pending writer is a thread that exits when idle and starts again; its calls
+    must not leave a connection behind each time."""
+    import threading
+
+    index = RedisPrefixIndex.from_url(redis_server.url, f"conn{uuid.uuid4().hex[:6]}", "m1")
+    admin = redis.Redis.from_url(redis_server.url)
+    name = index.client.client_getname() or index.client.connection_pool.connection_kwargs["client_name"]  # fmt: skip
+    epoch = index.register_group("g0")
+    for _ in range(20):
+        t = threading.Thread(target=index.heartbeat, args=("g0", epoch))
+        t.start()
+        t.join()
+    ours = [c for c in admin.client_list() if c["name"] == name]
+    assert 1 <= len(ours) <= 2  # the script connection (and the client's own, from above)
+    index.close()
+    assert wait_until(lambda: not [c for c in admin.client_list() if c["name"] == name], 2.0)
