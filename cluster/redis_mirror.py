@@ -29,9 +29,9 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
-from cluster.chain_probes import leading_held, probe_hashes, probe_positions
+from cluster.chain_probes import probe_hashes
+from cluster.index_copy import IndexCopy
 from cluster.prefix_index import (
     BatchedPendingIndex,
     GroupLoad,
@@ -43,24 +43,6 @@ from cluster.redis_index import RedisPrefixIndex, to_ms
 from worker.hashing import DIGEST_SIZE
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _Group:
-    """One live registration as the copy knows it."""
-
-    epoch: int
-    deadline: float  # this process's clock
-    load: GroupLoad | None = None
-    inventory: set[bytes] = field(default_factory=set)
-    pending: dict[bytes, float] = field(default_factory=dict)  # probe hash -> deadline
-    nothing: GroupMatch | None = None  # the group's match of nothing, rebuilt when load changes
-    prune_at: int = 4096  # pending size at which expired probes are dropped
-
-    def empty_match(self, group_id: str) -> GroupMatch:
-        if self.nothing is None:
-            self.nothing = GroupMatch(group_id, self.epoch, 0, 0, self.load)
-        return self.nothing
 
 
 class MirroredPrefixIndex(BatchedPendingIndex):
@@ -87,7 +69,7 @@ class MirroredPrefixIndex(BatchedPendingIndex):
         self._ttl = shared.config.heartbeat_ttl_s
         self._log = shared.prefix + "log"
         self._lock = threading.Lock()
-        self._groups: dict[str, _Group] = {}
+        self._copy = IndexCopy(self._ttl)
         self._seq: int | None = None  # last applied log entry; None: not in sync
         self._read_ok_at = float("-inf")  # when the last log read returned
         self._warned = False
@@ -121,25 +103,7 @@ class MirroredPrefixIndex(BatchedPendingIndex):
         if not self.synced:
             return self.shared.match(block_hashes)  # IndexUnavailableError when Redis is down
         with self._lock:
-            now, out = self._clock(), {}
-            h0 = block_hashes[0] if block_hashes else None
-            pos, probed, hint = probe_positions(len(block_hashes)), None, 1
-            for gid, g in self._groups.items():
-                if g.deadline <= now:
-                    continue
-                cached = pending = 0
-                if h0 is not None and h0 in g.inventory:
-                    probed = probed or probe_hashes(block_hashes)
-                    cached = leading_held(block_hashes, g.inventory.__contains__, probed)
-                if h0 is not None and g.pending.get(h0, 0.0) > now:
-                    probed = probed or probe_hashes(block_hashes)
-                    hint = _leading_unexpired(probed, g.pending, now, hint)
-                    pending = pos[hint - 1] + 1
-                if cached or pending:
-                    out[gid] = GroupMatch(gid, g.epoch, cached, pending, g.load)
-                else:
-                    out[gid] = g.empty_match(gid)
-            return out
+            return self._copy.match(block_hashes, self._clock())
 
     # ---- writes: Redis --------------------------------------------------------------------
     def register_group(self, group_id: str) -> int:
@@ -171,10 +135,10 @@ class MirroredPrefixIndex(BatchedPendingIndex):
         with self._lock:  # the same rule as the pending script, on this clock
             now = self._clock()
             for w in writes:
-                g = self._groups.get(w.group_id)
+                g = self._copy.groups.get(w.group_id)
                 if g is not None and w.block_hashes:
                     probed = probe_hashes(w.block_hashes)
-                    _apply_pending(g, probed, min(w.fresh_probes, len(probed)), ttl, now)
+                    self._copy.place(g, probed, min(w.fresh_probes, len(probed)), ttl, now)
 
     def close(self) -> None:
         self._stop.set()
@@ -209,20 +173,18 @@ class MirroredPrefixIndex(BatchedPendingIndex):
         """Replace the copy with the snapshot script's answer; returns the log position to read
         from (the stream's last id at the snapshot: entries after it have larger seqs)."""
         seq, last_id, *rows, pend = self.shared.snapshot()
-        now = self._clock()
-        groups: dict[str, _Group] = {}
+        now, copy = self._clock(), IndexCopy(self._ttl)
         for i in range(0, len(rows), 4):
             gid, epoch, load, inventory = rows[i : i + 4]
-            g = _Group(int(epoch), now + self._ttl, GroupLoad.from_json(load) if load else None)
-            g.inventory = {inventory[j : j + DIGEST_SIZE] for j in range(0, len(inventory), DIGEST_SIZE)}  # fmt: skip
-            groups[gid.decode()] = g
+            g = copy.register(gid.decode(), int(epoch), now, GroupLoad.from_json(load) if load else None)  # fmt: skip
+            copy.store(g, _split(inventory))
         for line in pend:
             gid, epoch, ttl_ms, h = line.split(b"\t", 3)
-            g = groups.get(gid.decode())
+            g = copy.groups.get(gid.decode())
             if g is not None and g.epoch == int(epoch):
-                g.pending[h] = max(g.pending.get(h, 0.0), now + int(ttl_ms) / 1000)
+                copy.add_pending(g, (h,), now + int(ttl_ms) / 1000, now)
         with self._lock:
-            self._groups, self._seq = groups, int(seq)
+            self._copy, self._seq = copy, int(seq)
         self.snapshots += 1
         return last_id.decode()
 
@@ -256,78 +218,29 @@ class MirroredPrefixIndex(BatchedPendingIndex):
         if self._seq is None or int(seq) != self._seq + 1:
             return False
         self._seq += 1
-        name, epoch = gid.decode(), int(epoch)
+        name, epoch, copy = gid.decode(), int(epoch), self._copy
         if kind == b"G":
-            self._groups[name] = _Group(epoch, now + self._ttl)
+            copy.register(name, epoch, now)
             return True
-        g = self._groups.get(name)
+        g = copy.groups.get(name)
         if g is None or g.epoch != epoch:
             return True  # a registration this copy already dropped
         if kind == b"D":
-            del self._groups[name]
+            copy.drop(name)
             return True
-        g.deadline = now + self._ttl
+        copy.touch(g, now)
         if kind == b"S":
-            g.inventory.update(_split(payload))
+            copy.store(g, _split(payload))
         elif kind == b"R":
-            g.inventory.difference_update(_split(payload))
+            copy.remove(g, _split(payload))
         elif kind == b"C":
-            g.inventory.clear()
+            copy.clear(g)
         elif kind == b"B" and payload:
-            g.load, g.nothing = GroupLoad.from_json(payload), None
+            copy.set_load(name, g, GroupLoad.from_json(payload))
         elif kind == b"Q":
             ttl_ms, blob = payload.split(b"\t", 1)
-            deadline = now + int(ttl_ms) / 1000
-            g.pending.update((h, max(g.pending.get(h, 0.0), deadline)) for h in _split(blob))
-            _prune(g, now)
+            copy.add_pending(g, _split(blob), now + int(ttl_ms) / 1000, now)
         return True
-
-
-def _leading_unexpired(
-    probed: Sequence[bytes], deadlines: dict[bytes, float], now: float, hint: int = 1
-) -> int:
-    """`leading_probes` over deadlines, inlined (it runs for every group a chain is pending
-    on); the first probe is known to be pending. `hint`: the answer for the group before,
-    tried first: a hot document pending on many groups ends at the same probe on most of them
-    (two lookups instead of a binary search's seven)."""
-    n, get = len(probed), deadlines.get
-    if get(probed[hint - 1], 0.0) > now and (hint == n or get(probed[hint], 0.0) <= now):
-        return hint
-    lo, hi = 1, n
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if get(probed[mid - 1], 0.0) > now:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
-
-
-def _apply_pending(
-    g: _Group, probed: Sequence[bytes], fresh: int, ttl_s: float, now: float
-) -> None:
-    """The pending script's rule: probes after the `fresh` leading ones get now + ttl, capped at
-    the deadline of the last fresh probe while it is pending (deadlines never grow along a
-    chain); never shortens an entry."""
-    deadline = now + ttl_s
-    if fresh > 0:
-        d = g.pending.get(probed[fresh - 1], 0.0)
-        if d > now:
-            deadline = min(deadline, d)
-        else:
-            fresh = 0
-    for h in probed[fresh:]:
-        if g.pending.get(h, 0.0) < deadline:
-            g.pending[h] = deadline
-    _prune(g, now)
-
-
-def _prune(g: _Group, now: float) -> None:
-    """Drop expired pending probes whenever the table doubled since the last time (amortized
-    O(1) a probe)."""
-    if len(g.pending) >= g.prune_at:
-        g.pending = {h: d for h, d in g.pending.items() if d > now}
-        g.prune_at = max(4096, 2 * len(g.pending))
 
 
 def _split(blob: bytes) -> list[bytes]:

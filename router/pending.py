@@ -10,7 +10,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from cluster.chain_probes import leading_probes, probe_hashes, probe_positions
 from cluster.prefix_index import (
@@ -138,7 +138,7 @@ class PendingPlacements:
                 pos, probed = probe_positions(len(block_hashes)), probe_hashes(block_hashes)
             k = leading_probes(probed, p.probes.__contains__)
             if pos[k - 1] + 1 > m.pending_blocks:
-                out[p.group_id] = replace(m, pending_blocks=pos[k - 1] + 1)
+                out[p.group_id] = m._replace(pending_blocks=pos[k - 1] + 1)
         return out
 
     def flush(self, timeout_s: float = 5.0) -> bool:
