@@ -14,6 +14,8 @@ import itertools
 import operator
 from collections.abc import Callable, Sequence
 
+from worker.hashing import HashChain
+
 # Pending placements are kept (and `RedisPrefixIndex.match` probes chains) at these positions.
 PROBE_DENSE = 32  # every block up to here: short chains and gaps near the head are exact
 PROBE_STRIDE = 32  # then every STRIDE-th block
@@ -40,6 +42,8 @@ def _probe_getter(n: int) -> Callable[[Sequence[bytes]], tuple[bytes, ...]]:
 
 def probe_hashes(chain: Sequence[bytes]) -> tuple[bytes, ...]:
     """The chain's hashes at `probe_positions(len(chain))`."""
+    if isinstance(chain, HashChain):
+        return chain.at(probe_positions(len(chain)))  # sliced from its bytes, no list built
     return _probe_getter(len(chain))(chain) if chain else ()
 
 

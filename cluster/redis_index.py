@@ -31,7 +31,7 @@ from cluster.prefix_index import (
     check_name,
 )
 from cluster.redis_scripts import PRELUDE, SCRIPTS
-from worker.hashing import DIGEST_SIZE
+from worker.hashing import DIGEST_SIZE, HashChain
 from worker.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 # Parsed hb rows a client keeps: a few load reports of each of hundreds of groups.
@@ -269,6 +269,8 @@ def _encode_events(events: Sequence[KVEvent]) -> list[str]:
 
 def _blob(hashes: Sequence[bytes]) -> bytes:
     """Hashes concatenated into one script argument; each must be DIGEST_SIZE bytes."""
+    if isinstance(hashes, HashChain):
+        return hashes.blob  # already one
     blob = b"".join(hashes)
     if len(blob) != DIGEST_SIZE * len(hashes):
         raise ValueError(f"block_hashes must all be {DIGEST_SIZE}-byte hashes")

@@ -49,7 +49,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from operator import attrgetter
 
-from worker.hashing import DIGEST_SIZE, BlockHasher
+from worker.hashing import DIGEST_SIZE, BlockHasher, HashChain
 
 _TOKEN_BYTES = 4  # uint32 per token id, as `worker.hashing` encodes them
 _MAX_ROOTS = 4096  # memoised chain roots, one per (adapter, cache salt) seen; then start over
@@ -84,12 +84,13 @@ class HashCacheStats:
 class _Segment:
     """One stored segment; hashed by identity (its place in the LRU)."""
 
-    __slots__ = ("parent", "data", "hashes")
+    __slots__ = ("parent", "data", "blob", "last")
 
-    def __init__(self, parent: bytes, data: bytes, hashes: list[bytes]) -> None:
+    def __init__(self, parent: bytes, data: bytes, blob: bytes) -> None:
         self.parent = parent  # hash of the block before the segment (or the chain's root)
-        self.data = data  # (len(hashes) * block_size,) uint32 token ids as bytes
-        self.hashes = hashes  # one hash per full block, oldest first; never mutated
+        self.data = data  # (blocks * block_size,) uint32 token ids as bytes
+        self.blob = blob  # (blocks * DIGEST_SIZE,) one hash per full block, oldest first
+        self.last = blob[-DIGEST_SIZE:]  # the next segment's parent
 
 
 _DATA = attrgetter("data")  # siblings are sorted by it
@@ -133,31 +134,31 @@ class PrefixHashCache:
         token_ids: Sequence[int],
         adapter_id: str | None = None,
         cache_salt: str | None = None,
-    ) -> list[bytes]:
+    ) -> HashChain:
         """The whole chain of a prompt's full blocks, equal to `hasher.hash_prompt(...)`."""
         ids = _as_uint32(token_ids)
         raw = ids.tobytes()  # one copy; every compare below is a memcmp against it
         end = len(ids) // self.hasher.block_size * self._block_bytes  # bytes of the full blocks
-        chain: list[bytes] = []
+        parts: list[bytes] = []  # the chain's hashes served whole from stored segments
         used: list[_Segment] = []  # the stored segments the chain went through, in order
         with self._lock:
             root = self._root(adapter_id, cache_salt)
-            a, k = self._walk(raw, end, root, chain, used)
-        # The segment at byte a shares its first k blocks with a stored one; hash the rest.
-        tail = self.hasher.hash_blocks(
-            ids, chain[-1] if chain else root, a // self._block_bytes + k
+            a, parent, shared = self._walk(raw, end, root, parts, used)
+        # The segment at byte a (after `parent`) shares `shared` with a stored one; hash the rest.
+        start = a // self._block_bytes + len(shared) // DIGEST_SIZE
+        tail = b"".join(
+            self.hasher.hash_blocks(ids, shared[-DIGEST_SIZE:] if shared else parent, start)
         )
-        self.stats.cached_blocks += len(chain)
-        self.stats.hashed_blocks += len(tail)
+        self.stats.cached_blocks += start
+        self.stats.hashed_blocks += len(tail) // DIGEST_SIZE
         new: list[_Segment] = []
         if tail and self.max_entries:
-            parent = chain[-k - 1] if len(chain) > k else root  # of the segment at byte a
-            new = self._split(raw, a, parent, chain[-k:] + tail if k else tail)
-        chain += tail
+            new = self._split(raw, a, parent, shared + tail)
+        parts += (shared, tail)
         if self.max_entries:
             with self._lock:
                 self._refresh(used, new)
-        return chain
+        return HashChain(b"".join(parts))
 
     def _root(self, adapter_id: str | None, cache_salt: str | None) -> bytes:
         key = (adapter_id, cache_salt)
@@ -169,11 +170,11 @@ class PrefixHashCache:
         return root
 
     def _walk(
-        self, raw: bytes, end: int, parent: bytes, chain: list[bytes], used: list[_Segment]
-    ) -> tuple[int, int]:
-        """Appends to `chain` the hashes served by stored segments, segment by segment from the
-        root; returns the first byte of the first segment not served whole and how many of its
-        leading blocks were (shared with a stored sibling, their hashes appended too)."""
+        self, raw: bytes, end: int, parent: bytes, parts: list[bytes], used: list[_Segment]
+    ) -> tuple[int, bytes, bytes]:
+        """Appends to `parts` the hashes served by stored segments, segment by segment from the
+        root; returns the first byte of the first segment not served whole, the hash before
+        it, and the hashes of its leading blocks that a stored sibling shares."""
         get, seg_bytes, bb = self._children.get, self._segment_bytes, self._block_bytes
         a = 0
         while a < end:
@@ -184,8 +185,8 @@ class PrefixHashCache:
                 node = siblings[0]  # a shared document's chain: one memcmp, no slice
                 if len(node.data) == seg_bytes and raw.startswith(node.data, a):
                     used.append(node)
-                    chain += node.hashes
-                    parent = node.hashes[-1]
+                    parts.append(node.blob)
+                    parent = node.last
                     a += seg_bytes
                     continue
             seg = raw[a : a + seg_bytes if a + seg_bytes <= end else end]  # a last one may be short
@@ -193,22 +194,23 @@ class PrefixHashCache:
             if node is None:
                 break
             used.append(node)
-            chain += node.hashes[:k]
+            served = node.blob[: k * DIGEST_SIZE]
             if k * bb < len(seg):
-                return a, k  # diverges inside the segment
-            parent = chain[-1]
+                return a, parent, served  # diverges inside the segment
+            parts.append(served)
+            parent = served[-DIGEST_SIZE:]
             a += len(seg)
-        return a, 0
+        return a, parent, b""
 
-    def _split(self, raw: bytes, a: int, parent: bytes, hashes: list[bytes]) -> list[_Segment]:
-        """New segments holding `hashes`, those of the blocks from raw[a:] on; one huge prompt
-        keeps its leading segments only."""
-        seg, bb = self.config.segment_blocks, self._block_bytes
+    def _split(self, raw: bytes, a: int, parent: bytes, blob: bytes) -> list[_Segment]:
+        """New segments holding the hashes in `blob`, those of the blocks from raw[a:] on (the
+        first one after `parent`); one huge prompt keeps its leading segments only."""
+        seg, bb, w = self.config.segment_blocks, self._block_bytes, DIGEST_SIZE
         nodes = []
-        for j in range(0, min(len(hashes), self.max_entries * seg), seg):
-            part = hashes[j : j + seg]  # the last segment may hold fewer blocks
-            data = raw[a + j * bb : a + (j + len(part)) * bb]
-            nodes.append(_Segment(hashes[j - 1] if j else parent, data, part))
+        for j in range(0, min(len(blob) // w, self.max_entries * seg), seg):
+            part = blob[j * w : (j + seg) * w]  # the last segment may hold fewer blocks
+            data = raw[a + j * bb : a + (j + len(part) // w) * bb]
+            nodes.append(_Segment(blob[(j - 1) * w : j * w] if j else parent, data, part))
         return nodes
 
     def _refresh(self, used: list[_Segment], new: list[_Segment]) -> None:
@@ -293,9 +295,12 @@ def _shared_blocks(data: bytes, seg: bytes, lo: int, hi: int, bb: int) -> int:
 
 
 def _entry_bytes(segment_bytes: int, segment_blocks: int) -> int:
-    """Bytes one full segment holds: the segment object, its token bytes, the list of hashes and
-    the hash objects, plus its LRU slot and link node and its place in its siblings' list."""
+    """Bytes one full segment holds: the segment object, its token bytes, its hashes' bytes and
+    its parent's and last hash, plus its LRU slot and link node and its place in its siblings'
+    list."""
     digest = sys.getsizeof(bytes(DIGEST_SIZE))
-    node = sys.getsizeof(_Segment(b"", b"", [])) + sys.getsizeof(bytes(segment_bytes))
-    hashes = sys.getsizeof([None] * segment_blocks) + segment_blocks * digest
+    node = sys.getsizeof(_Segment(b"", b"", bytes(DIGEST_SIZE))) + sys.getsizeof(
+        bytes(segment_bytes)
+    )
+    hashes = sys.getsizeof(bytes(segment_blocks * DIGEST_SIZE)) + 2 * digest  # blob, parent, last
     return node + hashes + 160

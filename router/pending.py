@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import repeat
 
 from cluster.chain_probes import leading_probes, probe_hashes, probe_positions
 from cluster.prefix_index import (
@@ -92,10 +93,10 @@ class PendingPlacements:
             if fresh == len(probed):
                 return  # pending in the index for at least half a TTL more
             until = deadline(probed[fresh - 1]) if fresh else now + self.ttl_s
-            self._current.setdefault(group_id, {}).update(dict.fromkeys(probed[fresh:], until))
+            self._current.setdefault(group_id, {}).update(zip(probed[fresh:], repeat(until)))
             key = (group_id, probed[-1])  # chained hashes: the last one names the chain
             self._placed.pop(key, None)  # re-inserted at the end: the order stays by age
-            self._placed[key] = _Placed(group_id, dict.fromkeys(probed), until)
+            self._placed[key] = _Placed(group_id, probed, until)
             self._unconfirmed.add(key)
             self._trim_placed(now)
             if key in self._queue or len(self._queue) < self.max_queued:
@@ -131,12 +132,12 @@ class PendingPlacements:
             return out
         now, h0, pos = self._clock(), block_hashes[0], None
         for p in placed:
-            if p.deadline <= now or h0 not in p.probes:
+            if p.deadline <= now or p.probes[0] != h0:
                 continue  # the usual case: another document
             m = out.get(p.group_id) or GroupMatch(p.group_id, 0, 0, 0, None)  # index down
             if pos is None:
                 pos, probed = probe_positions(len(block_hashes)), probe_hashes(block_hashes)
-            k = leading_probes(probed, p.probes.__contains__)
+            k = _leading_shared(probed, p.probes)
             if pos[k - 1] + 1 > m.pending_blocks:
                 out[p.group_id] = m._replace(pending_blocks=pos[k - 1] + 1)
         return out
@@ -203,5 +204,19 @@ class _Placed:
     """A placement this router made: its chain's probe hashes, pending until `deadline`."""
 
     group_id: str
-    probes: dict[bytes, None]
+    probes: tuple[bytes, ...]  # at `probe_positions` of the chain's length
     deadline: float  # the router's clock
+
+
+def _leading_shared(a: Sequence[bytes], b: Sequence[bytes]) -> int:
+    """How many leading probes two chains share, both starting with the same one. Two chains
+    are probed at the same positions but for their last probes, and a chain hash covers every
+    block before it, so they agree exactly up to some index: a binary search finds it."""
+    lo, hi = 1, min(len(a), len(b))  # a[:lo] == b[:lo]; they differ at index hi, if any
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[mid - 1] == b[mid - 1]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

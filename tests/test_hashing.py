@@ -1,11 +1,13 @@
 import hashlib
+import pickle
 import subprocess
 import sys
 from array import array
 
 import pytest
 
-from worker.hashing import BlockHasher, ModelFingerprint
+from cluster.chain_probes import probe_hashes
+from worker.hashing import BlockHasher, HashChain, ModelFingerprint
 
 SECRET = b"s3cret"
 
@@ -100,3 +102,23 @@ def test_bad_input():
         BlockHasher(b"", ModelFingerprint("m"))
     with pytest.raises(ValueError, match="token ids"):
         hasher().hash_prompt([-1, 2, 3, 4])
+
+
+def test_hash_chain_reads_like_the_list_of_its_hashes():
+    hashes = hasher().hash_prompt(list(range(4 * 70)))
+    chain = HashChain(b"".join(hashes))
+    assert len(chain) == 70 and chain == hashes and chain == tuple(hashes)
+    assert [chain[i] for i in (0, 5, 69, -1, -70)] == [hashes[i] for i in (0, 5, 69, -1, -70)]
+    for s in (slice(3, 40), slice(None), slice(60, 200), slice(50, 10), slice(1, 60, 7)):
+        assert chain[s] == hashes[s]
+    assert list(chain) == hashes and chain.at((2, 64, 69)) == (hashes[2], hashes[64], hashes[69])
+    assert chain.at((7,)) == (hashes[7],) and chain.at(()) == ()
+    assert chain.index(hashes[33]) == 33 and hashes[33] in chain
+    assert pickle.loads(pickle.dumps(chain)) == chain
+    assert HashChain.of(hashes) == chain and HashChain.of(chain) is chain
+    assert chain != hashes[:-1] and chain != HashChain(b"".join(hashes[:-1]))
+    assert probe_hashes(chain) == probe_hashes(hashes)
+    with pytest.raises(IndexError):
+        chain[70]
+    with pytest.raises(ValueError, match="multiple of 16"):
+        HashChain(b"x" * 17)
