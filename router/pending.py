@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import repeat
 
-from cluster.chain_probes import leading_probes, probe_hashes, probe_positions
+from cluster.chain_probes import probe_hashes, probe_positions
 from cluster.prefix_index import (
     GroupMatch,
     PendingWrite,
@@ -88,11 +88,10 @@ class PendingPlacements:
                 self._previous, self._current = self._current, {}
                 self._rotate_at = now + self.ttl_s
             cur, prev = self._current.get(group_id, {}), self._previous.get(group_id, {})
-            deadline = lambda h: max(cur.get(h, 0.0), prev.get(h, 0.0))  # noqa: E731
-            fresh = leading_probes(probed, lambda h: deadline(h) > now + self.ttl_s / 2)
+            fresh, until = _fresh(probed, cur, prev, now + self.ttl_s / 2)
             if fresh == len(probed):
                 return  # pending in the index for at least half a TTL more
-            until = deadline(probed[fresh - 1]) if fresh else now + self.ttl_s
+            until = until if fresh else now + self.ttl_s
             self._current.setdefault(group_id, {}).update(zip(probed[fresh:], repeat(until)))
             key = (group_id, probed[-1])  # chained hashes: the last one names the chain
             self._placed.pop(key, None)  # re-inserted at the end: the order stays by age
@@ -206,6 +205,25 @@ class _Placed:
     group_id: str
     probes: tuple[bytes, ...]  # at `probe_positions` of the chain's length
     deadline: float  # the router's clock
+
+
+def _fresh(
+    probed: Sequence[bytes], cur: dict[bytes, float], prev: dict[bytes, float], after: float
+) -> tuple[int, float]:
+    """How many leading probes this router recorded with a deadline later than `after` (in
+    either generation), and the last one's deadline: `leading_probes`, inlined (it runs for
+    every placement; deadlines never grow along a chain, so those probes are a prefix)."""
+    lo, hi, until = 0, len(probed), 0.0  # probes before lo qualify; from hi + 1 on, none
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        h = probed[mid - 1]
+        d = cur.get(h, 0.0)
+        d = max(d, prev.get(h, 0.0))
+        if d > after:
+            lo, until = mid, d
+        else:
+            hi = mid - 1
+    return lo, until
 
 
 def _leading_shared(a: Sequence[bytes], b: Sequence[bytes]) -> int:

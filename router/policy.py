@@ -38,7 +38,7 @@ import hashlib
 import itertools
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 
 from cluster.group import GroupStatus
@@ -206,26 +206,29 @@ class PrefixAware(Policy):
 
     def choose(self, block_hashes, statuses, matches) -> Placement:
         cfg, n, key = self.config, len(block_hashes), _first(block_hashes)
-        hits = {}
-        for g in statuses:  # `_cached`, inlined: this loop runs over every live group
+        # One pass over the live groups: hits (`_cached`, inlined), placements, tokens sent.
+        requests, tokens, scale = self.window.raw()
+        hits, placed, sent, best_hit = {}, {}, {}, 0
+        for g in statuses:
             m = matches.get(g)
             if m is None:
-                hits[g] = 0
+                h = 0
             else:
                 h = m.blocks if m.blocks > m.pending_blocks else m.pending_blocks
-                hits[g] = h if h < n else n
-        best_hit = max(hits.values())
+                h = h if h < n else n
+                best_hit = h if h > best_hit else best_hit
+            hits[g] = h
+            placed[g] = requests.get(g, 0.0) * scale
+            sent[g] = tokens.get(g, 0.0)
         candidates = list(statuses)
         if best_hit > 0:
             holders = [g for g in statuses if 2 * hits[g] >= best_hit]
             if len(holders) >= (cfg.max_replicas or max(2, len(statuses) // 2)):
                 candidates = holders  # replication by cost is bounded: stay on the holders
-        placed = self.window.requests(statuses)
         mean = sum(placed.values()) / len(placed)
         if cfg.load_slack is not None:
             candidates = self._bounded(candidates, statuses, hits, best_hit, placed, mean)
-        pressure = self.window.relative_tokens(statuses)
-        scored = self._scores(n, candidates, statuses, hits, pressure, placed, mean)
+        scored = self._scores(n, candidates, statuses, hits, sent, placed, mean)
         low = min(scored.values())
         tied = [g for g, v in scored.items() if v == low]  # e.g. idle groups, a new prefix
         gid = tied[0] if len(tied) == 1 else max(tied, key=lambda g: rendezvous(key, g))
@@ -238,17 +241,18 @@ class PrefixAware(Policy):
             reason = "spill"
         return Placement(gid, reason, hits[gid])
 
-    def _scores(self, n, candidates, statuses, hits, pressure, placed, mean) -> dict[str, float]:
+    def _scores(self, n, candidates, statuses, hits, sent, placed, mean) -> dict[str, float]:
         """Each candidate's estimated cost in seconds of this `n`-block prompt: its time to first
-        token, plus the charges for recompute, eviction (scaled by the group's `pressure`, its
-        recent uncached tokens over the mean), neighbours and balance. One loop with the
-        constants hoisted out: at 64 groups it is most of a decision's policy time."""
+        token, plus the charges for recompute, eviction (scaled by the group's pressure: the
+        uncached tokens `sent` there lately over the mean), neighbours and balance. One loop
+        with the constants hoisted out: at 64 groups it is most of a decision's policy time."""
         cfg, c, bs = self.config, self.config.cost, self.block_size
         prefill_s, step_s, decode_s = c.prefill_token_s, c.step_s, c.decode_seq_s
         budget, half = cfg.max_num_batched_tokens, bs // 2
         recompute_w, eviction_w = cfg.recompute_weight, cfg.eviction_weight
         request_w, decode_tokens = cfg.request_weight, cfg.decode_tokens
         unit = cfg.balance_weight * cfg.decode_tokens * decode_s
+        total, live = sum(sent.values()), len(sent)  # pressure 1 for all when nothing was sent
         scored, by_hit = {}, {}  # by_hit: hit blocks -> (new tokens, their blocks, recompute)
         for g in candidates:
             s, h = statuses[g], hits[g]  # h <= n
@@ -262,7 +266,8 @@ class PrefixAware(Policy):
             empty = s.blocks_free - s.blocks_cached  # no content, no reference; cached are taken
             evicted = new_blocks - empty if empty > 0 else new_blocks
             evicted = evicted if evicted > 0 else 0
-            eviction = eviction_w * pressure.get(g, 1.0) * evicted * bs * prefill_s
+            pressure = sent[g] * live / total if total > 0 else 1.0
+            eviction = eviction_w * pressure * evicted * bs * prefill_s
             neighbours = request_w * (s.running + s.waiting) * decode_tokens * decode_s
             scored[g] = ttft + recompute + eviction + neighbours + unit * (placed[g] - mean)
         return scored
@@ -308,17 +313,10 @@ class GroupWindow:
         self._requests[group_id] = self._requests.get(group_id, 0.0) + 1.0 / self._scale
         self._tokens[group_id] = self._tokens.get(group_id, 0.0) + new_tokens / self._scale
 
-    def requests(self, groups: Iterable[str]) -> dict[str, float]:
-        """Decayed placement counts of `groups`."""
-        return {g: self._requests.get(g, 0.0) * self._scale for g in groups}
-
-    def relative_tokens(self, groups: Iterable[str]) -> dict[str, float]:
-        """Each group's decayed uncached tokens over their mean ({} when there were none)."""
-        tokens = {g: self._tokens.get(g, 0.0) for g in groups}
-        total = sum(tokens.values())
-        if total <= 0:
-            return {}
-        return {g: t * len(tokens) / total for g, t in tokens.items()}
+    def raw(self) -> tuple[dict[str, float], dict[str, float], float]:
+        """(requests, tokens, scale): each group's stored placements and uncached tokens; a
+        decayed count is the stored value times `scale`. Read-only views for one decision."""
+        return self._requests, self._tokens, self._scale
 
 
 class Oracle(Policy):
