@@ -285,4 +285,4 @@ def test_serve_starts_without_redis_and_fills_it_once_it_answers(caplog):
         assert wait_until(filled, 15.0)
     finally:
         cluster.shutdown()
-        server.stop()
+        server.close()

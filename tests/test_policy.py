@@ -209,7 +209,7 @@ def test_pending_writes_never_raise_and_log_one_warning(caplog):
     index.register_group("g0")
 
     pending = PendingPlacements(index)
-    server.stop()
+    server.close()  # down for good: every write after this fails
     with caplog.at_level(logging.WARNING):
         for i in range(3):
             pending.record("g0", chain(4, first=i))

@@ -163,3 +163,4 @@ def test_own_placements_count_while_the_shared_index_is_down(caplog):
     assert "prefix index unavailable" in caplog.text
     assert (second.group_id, second.cached_blocks) == (first.group_id, len(chain))
     index.close()
+    server.close()
