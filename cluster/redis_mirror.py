@@ -7,11 +7,12 @@ cluster/redis_scripts.py). Every router over one Redis reads the same log, so th
 the same state a moment (one log delivery, well under a millisecond on one host) after each
 write, the way every router of one cluster sees the same Redis.
 
-The copy answers exactly what `RedisPrefixIndex.match` answers: the leading cached blocks of the
-chain on each live group (counted as the script counts them: at the chain's probe positions,
-then between the last probe held and the first missed), the leading pending blocks at probe
-granularity, and each group's latest load. Liveness is kept on this process's clock: a group is
-live until `heartbeat_ttl_s` after the last log entry of its registration arrived.
+The copy (cluster/index_copy.py, kept inverted so that a match costs about the same at any
+group count) answers what `RedisPrefixIndex.match` answers: the leading cached blocks of the
+chain on each live group (at the chain's probe positions, then between the last probe held and
+the first missed), the leading pending blocks at probe granularity, and each group's latest
+load. Liveness is kept on this process's clock: a group is live until `heartbeat_ttl_s` after
+the last log entry of its registration arrived.
 
 When the follower cannot read the log (Redis down, or the copy fell behind the log's trimmed
 start), `match` asks Redis directly, which raises `IndexUnavailableError` when Redis is down, as
