@@ -65,6 +65,10 @@ class IndexCopy:
         self._live_until = float("-inf")
         self._empty: dict[str, GroupMatch] = {}  # every live group's empty answer
 
+    def sizes(self) -> tuple[int, int]:
+        """(distinct cached blocks, distinct pending probes) the copy holds masks for."""
+        return len(self._held), len(self._pending)
+
     # ---- registrations ----------------------------------------------------------------
     def register(
         self, group_id: str, epoch: int, now: float, load: GroupLoad | None = None

@@ -12,6 +12,8 @@ import pytest
 import redis
 from factories import wait_until
 
+from cluster.chain_probes import probe_hashes
+from cluster.index_copy import IndexCopy
 from cluster.index_publisher import IndexPublisher, PublisherConfig
 from cluster.prefix_index import GroupLoad, IndexUnavailableError, PendingWrite, PrefixIndexConfig
 from cluster.redis_index import RedisPrefixIndex
@@ -286,3 +288,31 @@ def test_serve_starts_without_redis_and_fills_it_once_it_answers(caplog):
     finally:
         cluster.shutdown()
         server.close()
+
+
+def test_the_copy_forgets_everything_of_a_registration_that_goes():
+    """Restarts, clears, evictions and deregistrations leave no mask behind (cluster/index_copy.py
+    keeps block -> holders and probe -> groups tables besides each registration's own)."""
+    rng = random.Random(3)
+    copy = IndexCopy(ttl_s=60.0)
+    docs = [chain(rng.randint(1, 300), d) for d in range(5)]
+    for step in range(400):
+        gid = f"g{rng.randrange(8)}"
+        g = copy.groups.get(gid) or copy.register(gid, step, now=0.0)
+        c = docs[rng.randrange(len(docs))]
+        op = rng.random()
+        if op < 0.4:
+            copy.store(g, c[: rng.randint(1, len(c))])
+        elif op < 0.6:
+            copy.remove(g, c[rng.randint(0, len(c) - 1) :])
+        elif op < 0.65:
+            copy.clear(g)
+        elif op < 0.9:
+            copy.place(g, probe_hashes(c[: rng.randint(1, len(c))]), 0, 2.0, now=step / 100)
+        else:
+            copy.register(gid, step + 1000, now=0.0)  # a restart replaces the registration
+    assert copy.sizes() != (0, 0)
+    for gid in list(copy.groups):
+        copy.drop(gid)
+    assert copy.sizes() == (0, 0)
+    assert copy.match(docs[0], now=1.0) == {}
