@@ -29,8 +29,9 @@ class PendingPlacements:
     """This router's recent placements, seen by its own next decisions at once and written to
     the shared index in the background, off the request's path.
 
-    One writer thread drains a bounded, coalescing queue (one entry per distinct (group, chain))
-    with one `index.record_pending_many` call per drain, so other routers see a placement a
+    `record` only hands the placement to one writer thread (an inbox, seen by `unconfirmed` at
+    once); the writer does the bookkeeping below and drains a bounded, coalescing queue (one
+    entry per distinct (group, chain)) with one `index.record_pending_many` call per drain, so other routers see a placement a
     moment (one write's round trip) after it was made. Until its write returns, a placement is
     "unconfirmed": `overlay` adds the unconfirmed ones (taken before the match was sent) to the
     index's answer; a confirmed one is in that answer already. A failed or dropped write stays
@@ -68,6 +69,8 @@ class PendingPlacements:
         self._queue: dict[tuple[str, bytes], PendingWrite] = {}  # insertion-ordered
         self._placed: dict[tuple[str, bytes], _Placed] = {}  # unexpired placements, oldest first
         self._unconfirmed: set[tuple[str, bytes]] = set()  # keys of `_placed` not yet written
+        # Placements handed over by `record`, not yet in `_placed`: (group, chain, probes, when)
+        self._inbox: list[tuple[str, Sequence[bytes], tuple[bytes, ...], float]] = []
         self._writing = False
         self._writer: threading.Thread | None = None
         self._failing = False
@@ -84,35 +87,47 @@ class PendingPlacements:
         # Only the probe positions (96 of a 2048-block chain), as the Redis index keeps.
         probed = probe_hashes(block_hashes)
         with self._lock:
-            if now >= self._rotate_at:
-                self._previous, self._current = self._current, {}
-                self._rotate_at = now + self.ttl_s
-            cur, prev = self._current.get(group_id, {}), self._previous.get(group_id, {})
-            fresh, until = _fresh(probed, cur, prev, now + self.ttl_s / 2)
-            if fresh == len(probed):
-                return  # pending in the index for at least half a TTL more
-            until = until if fresh else now + self.ttl_s
-            self._current.setdefault(group_id, {}).update(zip(probed[fresh:], repeat(until)))
-            key = (group_id, probed[-1])  # chained hashes: the last one names the chain
-            self._placed.pop(key, None)  # re-inserted at the end: the order stays by age
-            self._placed[key] = _Placed(group_id, probed, until)
-            self._unconfirmed.add(key)
-            self._trim_placed(now)
-            if key in self._queue or len(self._queue) < self.max_queued:
-                self._queue[key] = PendingWrite(group_id, block_hashes, fresh)
-            else:
-                self._log_once("pending-placement queue is full; dropping a shared write")
+            self._inbox.append((group_id, block_hashes, probed, now))
             if self._writer is None:
                 self._writer = threading.Thread(target=self._drain, name="pending-writer", daemon=True)  # fmt: skip
                 self._writer.start()
             self._lock.notify()
 
+    def _admit(
+        self, group_id: str, block_hashes: Sequence[bytes], probed: tuple[bytes, ...], now: float
+    ) -> None:
+        """Book one placement from the inbox and queue its write (the writer, lock held)."""
+        if now >= self._rotate_at:
+            self._previous, self._current = self._current, {}
+            self._rotate_at = now + self.ttl_s
+        cur, prev = self._current.get(group_id, {}), self._previous.get(group_id, {})
+        fresh, until = _fresh(probed, cur, prev, now + self.ttl_s / 2)
+        if fresh == len(probed):
+            return  # pending in the index for at least half a TTL more
+        until = until if fresh else now + self.ttl_s
+        self._current.setdefault(group_id, {}).update(zip(probed[fresh:], repeat(until)))
+        key = (group_id, probed[-1])  # chained hashes: the last one names the chain
+        self._placed.pop(key, None)  # re-inserted at the end: the order stays by age
+        self._placed[key] = _Placed(group_id, probed, until)
+        self._unconfirmed.add(key)
+        self._trim_placed(now)
+        if key in self._queue or len(self._queue) < self.max_queued:
+            self._queue[key] = PendingWrite(group_id, block_hashes, fresh)
+        else:
+            self._log_once("pending-placement queue is full; dropping a shared write")
+
     def unconfirmed(self) -> list[_Placed]:
         """Placements whose shared write has not returned: what a match sent now may miss."""
-        if not self._unconfirmed:  # the usual case once the writer caught up; no lock needed
+        if not self._unconfirmed and not self._inbox:  # the writer caught up; no lock needed
             return []
         with self._lock:
-            return [self._placed[k] for k in self._unconfirmed if k in self._placed]
+            return [
+                self._placed[k] for k in self._unconfirmed if k in self._placed
+            ] + self._handed()
+
+    def _handed(self) -> list[_Placed]:
+        """The inbox's placements, as the writer will book them at the latest (lock held)."""
+        return [_Placed(g, probed, t + self.ttl_s) for g, _, probed, t in self._inbox]
 
     def overlay(
         self,
@@ -126,7 +141,7 @@ class PendingPlacements:
         out = dict(matches)
         if placed is None:
             with self._lock:
-                placed = list(self._placed.values())
+                placed = list(self._placed.values()) + self._handed()
         if not placed or not block_hashes:
             return out
         now, h0, pos = self._clock(), block_hashes[0], None
@@ -145,7 +160,7 @@ class PendingPlacements:
         """Wait until every queued write reached the index (or failed); False on timeout."""
         deadline = time.monotonic() + timeout_s
         with self._lock:
-            while self._queue or self._writing:
+            while self._queue or self._writing or self._inbox:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
@@ -157,11 +172,16 @@ class PendingPlacements:
             with self._lock:
                 self._writing = False
                 self._lock.notify_all()
-                if not self._queue:
+                if not self._queue and not self._inbox:
                     self._lock.wait(self.idle_s)
+                    if not self._queue and not self._inbox:
+                        self._writer = None
+                        return
+                inbox, self._inbox = self._inbox, []
+                for entry in inbox:
+                    self._admit(*entry)
                 if not self._queue:
-                    self._writer = None
-                    return
+                    continue  # nothing new to write
                 batch, self._queue = self._queue, {}
                 placed = {key: self._placed.get(key) for key in batch}
                 self._writing = True
