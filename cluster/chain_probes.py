@@ -53,46 +53,9 @@ def leading_count(chain: Sequence[bytes], holds: Callable[[bytes], bool]) -> int
     return len(list(itertools.takewhile(holds, chain)))
 
 
-def leading_held(
-    chain: Sequence[bytes],
-    holds: Callable[[bytes], bool],
-    probed: Sequence[bytes] | None = None,
-) -> int:
-    """`leading_count` as the Redis match computes it: the probe positions first (`probed`:
-    `probe_hashes(chain)`, when the caller has it), then the blocks between the last probe held
-    and the first probe missed (~130 lookups for a 2048-block chain instead of 2048). Exact when
-    holdings are prefix-closed between two probes, which the block manager keeps (a request
-    frees its blocks tail first)."""
-    n = len(chain)
-    if n <= PROBE_DENSE:
-        return leading_count(chain, holds)
-    pos = probe_positions(n)
-    k = leading_count(probe_hashes(chain) if probed is None else probed, holds)
-    if k == len(pos):
-        return n
-    lo = pos[k - 1] + 1 if k else 0
-    return lo + leading_count(chain[lo : pos[k]], holds)
-
-
 def leading_unexpired(chain: Sequence[bytes], deadlines: dict[bytes, float], now: float) -> int:
     """How many leading hashes of `chain` have a deadline in `deadlines` later than `now`."""
     n = leading_count(chain, deadlines.__contains__)
     if n and min(map(deadlines.__getitem__, chain[:n])) > now:
         return n  # the usual case: nothing expired among them, checked at C speed
     return leading_count(chain, lambda h: deadlines.get(h, 0.0) > now)
-
-
-def leading_probes(hashes: Sequence[bytes], pending: Callable[[bytes], bool]) -> int:
-    """How many leading `hashes` (a chain's probe positions, in order) are `pending`, by binary
-    search. A chain hash covers every block before it, so a recorded hash implies the probes
-    before it were recorded with a deadline at least as late: `pending` holds for a prefix."""
-    if not hashes or not pending(hashes[0]):
-        return 0
-    lo, hi = 1, len(hashes)  # pending(hashes[lo - 1]); every position >= hi + 1 fails
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if pending(hashes[mid - 1]):
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo

@@ -231,7 +231,7 @@ def _fresh(
     probed: Sequence[bytes], cur: dict[bytes, float], prev: dict[bytes, float], after: float
 ) -> tuple[int, float]:
     """How many leading probes this router recorded with a deadline later than `after` (in
-    either generation), and the last one's deadline: `leading_probes`, inlined (it runs for
+    either generation), and the last one's deadline: a binary search (it runs for
     every placement; deadlines never grow along a chain, so those probes are a prefix)."""
     lo, hi, until = 0, len(probed), 0.0  # probes before lo qualify; from hi + 1 on, none
     while lo < hi:
