@@ -18,6 +18,8 @@ from cluster.prefix_index import PrefixIndexConfig
 from cluster.redis_index import RedisPrefixIndex
 from cluster.redis_mirror import MirroredPrefixIndex
 from cluster.sim_group import CostModel, SimGroup, SimGroupConfig
+from protos.pagefleet.v1 import pagefleet_pb2 as pb
+from router.api import route_request
 from router.policy import PrefixAware, PrefixAwareConfig
 from router.router import ModelInfo, Router, RouteRequest
 from router.serve import ROUTER_SWITCH_INTERVAL_S
@@ -52,7 +54,9 @@ def decision_latency(router: Router, doc: list[int], hasher: BlockHasher, n: int
       overhead    hash + decision
       background  CPU time per request of the router's other threads (the pending-placement
                   writer, the mirror's follower), off the request's path
-    and hash_uncached: the whole chain by the hasher alone (a document's first request).
+    and hash_uncached: the whole chain by the hasher alone (a document's first request);
+    grpc_door: what the gRPC server does before `Router.generate` (parsing the request
+    message, `router.api.route_request`: the checks and the prompt as a list).
     Requests arrive ARRIVAL_GAP_S apart, so each one's background work is done before the next
     (back to back, it would be timed inside the next request's parts instead)."""
     rng, out = random.Random(1), {}
@@ -61,7 +65,7 @@ def decision_latency(router: Router, doc: list[int], hasher: BlockHasher, n: int
         base = (doc + filler)[: size - QUESTION_TOKENS]
         router.hash_cache.hash_prompt(base)  # the document's first request hashed it
         prompts = [base + rng.choices(range(1000), k=QUESTION_TOKENS) for _ in range(n)]
-        timed = {k: [] for k in ("validate", "hash", "decision", "overhead", "hash_uncached")}
+        timed = {k: [] for k in ("validate", "hash", "decision", "overhead", "hash_uncached", "grpc_door")}  # fmt: skip
         cpu0 = _background_cpu_s()
         for tokens in prompts:
             t0 = time.perf_counter()
@@ -80,6 +84,10 @@ def decision_latency(router: Router, doc: list[int], hasher: BlockHasher, n: int
             t0 = time.perf_counter()
             hasher.hash_prompt(tokens)
             timed["hash_uncached"].append(time.perf_counter() - t0)
+            wire = pb.GenerateRequest(token_ids=tokens).SerializeToString()
+            t0 = time.perf_counter()
+            route_request(pb.GenerateRequest.FromString(wire), router, "bench")
+            timed["grpc_door"].append(time.perf_counter() - t0)
         k = f"{size // 1024}k"
         for name, xs in timed.items():
             out[f"{name}_ms_p50_{k}"] = round(1e3 * pct(xs, 0.5), 3)

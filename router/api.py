@@ -11,6 +11,7 @@ import re
 from typing import TYPE_CHECKING
 
 import grpc
+import numpy as np
 
 from protos.pagefleet.v1 import pagefleet_pb2 as pb
 
@@ -98,16 +99,20 @@ def prompt_token_ids(request: pb.GenerateRequest, router: Router) -> list[int]:
         raise _invalid(f"give exactly one of text, token_ids or messages (got {got})")
     if request.HasField("text") and not request.text:
         raise _invalid("text is empty")
-    vocab = router.model_info.vocab_size
-    for i, t in enumerate(request.token_ids):
-        if not 0 <= t < vocab:
-            raise _invalid(f"token_ids[{i}] = {t} is outside the vocabulary [0, {vocab})")
+    if request.token_ids:
+        # (n,) int64, one C copy of the repeated field; a Python loop over a 32k-token prompt
+        # took ~8 ms, and list() of the field ~2 ms more than tolist() of the array.
+        ids = np.array(request.token_ids, dtype=np.int64)
+        vocab = router.model_info.vocab_size
+        bad = np.flatnonzero((ids < 0) | (ids >= vocab))
+        if bad.size:
+            i = int(bad[0])
+            raise _invalid(f"token_ids[{i}] = {ids[i]} is outside the vocabulary [0, {vocab})")
+        return ids.tolist()  # checked: the router's own check at the door is all that is left
     messages = [chat_message(i, m) for i, m in enumerate(request.messages)] or None
     text = request.text if request.HasField("text") else None
     try:
-        return router.tokenize(
-            RouteRequest(prompt=text, prompt_token_ids=list(request.token_ids) or None, messages=messages)
-        )  # fmt: skip
+        return router.tokenize(RouteRequest(prompt=text, messages=messages))
     except ValueError as e:
         raise _invalid(str(e)) from None
 
