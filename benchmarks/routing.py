@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.latency:
         with RedisServer() as server:
             for n in (int(x) for x in args.latency.split(",")):
-                for kind in ("redis", "mirror"):
+                for kind in ("redis", "mirror", "memory"):
                     print(json.dumps(run_latency(args, server, n, cost, kind)), flush=True)
         return
     if not args.trace:

@@ -14,7 +14,7 @@ import sys
 import time
 import uuid
 
-from cluster.prefix_index import PrefixIndexConfig
+from cluster.prefix_index import InMemoryPrefixIndex, PrefixIndexConfig
 from cluster.redis_index import RedisPrefixIndex
 from cluster.redis_mirror import MirroredPrefixIndex
 from cluster.sim_group import CostModel, SimGroup, SimGroupConfig
@@ -108,13 +108,17 @@ def run_latency(
     """Decision latency over Redis with `n_groups` groups: each holds `args.blocks` blocks of
     its own documents; group 0 and one other also hold the document that every timed prompt
     extends (a hit on two groups, a miss on the rest). `index_kind`: "redis" (one round trip
-    per match) or "mirror" (the router's local copy, cluster/redis_mirror.py)."""
+    per match), "mirror" (the router's local copy, cluster/redis_mirror.py) or "memory" (the
+    in-process index of `pagefleet serve` without --redis; Redis unused)."""
     hasher = BlockHasher(SECRET, ModelFingerprint("bench", block_size=args.block_size))
     # Nothing beats here: with the default 3 s TTL the first groups died while the last ones
     # were still publishing (64 groups), and the decision was timed over fewer live groups.
     config = PrefixIndexConfig(heartbeat_ttl_s=600.0)
     ns = f"lat{uuid.uuid4().hex[:8]}"
-    index = RedisPrefixIndex.from_url(server.url, ns, "bench", config)
+    if index_kind == "memory":
+        index = InMemoryPrefixIndex(config)
+    else:
+        index = RedisPrefixIndex.from_url(server.url, ns, "bench", config)
     sched = SchedulerConfig(max_model_len=1 << 20, max_num_batched_tokens=args.batch_tokens)
     cfg = SimGroupConfig(args.blocks, args.block_size, sched, cost)
     groups = [SimGroup(f"g{i:02d}", cfg, hasher) for i in range(n_groups)]  # statuses only

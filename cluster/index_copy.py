@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from cluster.chain_probes import probe_hashes, probe_positions
-from cluster.prefix_index import GroupLoad, GroupMatch
+from cluster.index_types import GroupLoad, GroupMatch
 
 _PRUNE_MIN = 4096  # pending entries per group before expired ones are dropped
 

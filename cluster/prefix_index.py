@@ -15,16 +15,16 @@ inventory), so entries of dead groups and old epochs never match and may be drop
 
 from __future__ import annotations
 
-import json
 import re
 import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
-from typing import NamedTuple
+from dataclasses import dataclass
 
-from cluster.chain_probes import leading_count, leading_unexpired
+from cluster.chain_probes import probe_hashes
+from cluster.index_copy import CopiedGroup, IndexCopy
+from cluster.index_types import GroupLoad, GroupMatch
 from worker.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 # Names become parts of Redis keys: no separators, spaces or hash-tag braces.
@@ -70,48 +70,6 @@ class PrefixIndexConfig:
             raise ValueError(f"pending_ttl_s must be > 0, got {self.pending_ttl_s}")
         if self.stats_sample_keys < 1:
             raise ValueError(f"stats_sample_keys must be >= 1, got {self.stats_sample_keys}")
-
-
-@dataclass(frozen=True)
-class GroupLoad:
-    """A group's load at one engine step, as the router weighs it."""
-
-    waiting_prefill_tokens: int  # prompt tokens admitted or queued but not yet computed
-    running_seqs: int
-    waiting_seqs: int
-    free_blocks: int
-    total_blocks: int
-    timestamp: float = field(default_factory=time.time)  # wall clock (s) when measured
-
-    def __post_init__(self) -> None:
-        for name in ("waiting_prefill_tokens", "running_seqs", "waiting_seqs", "free_blocks"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if not 0 <= self.free_blocks <= self.total_blocks:
-            raise ValueError(f"total_blocks must be >= free_blocks, got {self.total_blocks}")
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), separators=(",", ":"))
-
-    @classmethod
-    def from_json(cls, text: str | bytes) -> GroupLoad:
-        return cls(**json.loads(text))
-
-
-class GroupMatch(NamedTuple):
-    """What one live group holds of a queried chain. A named tuple: a match builds one per
-    group it touches, at a quarter of a frozen dataclass's cost; `_replace` for a changed copy."""
-
-    group_id: str
-    epoch: int
-    blocks: int  # leading blocks of the chain cached on the group
-    pending_blocks: int  # leading blocks of the chain pending (recently placed) on the group
-    load: GroupLoad | None  # latest load report; None until the group reports one
-
-    @property
-    def expected_blocks(self) -> int:
-        """Leading blocks the group holds or is about to hold."""
-        return max(self.blocks, self.pending_blocks)
 
 
 @dataclass(frozen=True)
@@ -219,16 +177,11 @@ class BatchedPendingIndex(PrefixIndex):
     ) -> None: ...
 
 
-@dataclass
-class _Registration:
-    epoch: int
-    deadline: float  # clock value at which the group is dead without another beat
-    load: GroupLoad | None = None
-    inventory: set[bytes] = field(default_factory=set)
-
-
 class InMemoryPrefixIndex(PrefixIndex):
-    """The prefix index of one process: dicts under a lock, liveness by clock deadlines."""
+    """The prefix index of one process: an `IndexCopy` (cluster/index_copy.py) under a lock,
+    liveness by clock deadlines. It answers as the Redis backend does: pending placements are
+    kept at the chain's probe positions and cached blocks are counted by probes, then the gap,
+    so a match costs about the same at any group count and prompt length."""
 
     in_process = True
 
@@ -241,31 +194,34 @@ class InMemoryPrefixIndex(PrefixIndex):
         self._clock = clock
         self._lock = threading.Lock()
         self._epochs: dict[str, int] = {}  # group -> last epoch handed out; never shrinks
-        self._groups: dict[str, _Registration] = {}
-        self._pending: dict[str, dict[bytes, float]] = {}  # group -> block hash -> deadline
-        self._latest_deadline: dict[str, float] = {}  # group -> largest pending deadline
-        self._next_prune = float("-inf")  # expired pending entries go at most once per TTL
+        self._copy = IndexCopy(self.config.heartbeat_ttl_s)
 
     def register_group(self, group_id: str) -> int:
         check_name("group_id", group_id)
         with self._lock:
-            self._sweep_dead(self._clock())
-            self._drop(group_id)
+            now = self._clock()
+            self._sweep_dead(now)
             epoch = self._epochs.get(group_id, 0) + 1
             self._epochs[group_id] = epoch
-            deadline = self._clock() + self.config.heartbeat_ttl_s
-            self._groups[group_id] = _Registration(epoch, deadline)
+            self._copy.register(group_id, epoch, now)  # replaces an older registration
             return epoch
 
     def publish(self, group_id: str, epoch: int, events: Sequence[KVEvent]) -> None:
         with self._lock:
-            reg = self._live(group_id, epoch)
+            g = self._live(group_id, epoch)
             for event in events:
-                self._apply(reg, event)
+                if isinstance(event, BlockStored):
+                    self._copy.store(g, event.block_hashes)
+                elif isinstance(event, BlockRemoved):
+                    self._copy.remove(g, event.block_hashes)
+                elif isinstance(event, AllBlocksCleared):
+                    self._copy.clear(g)
+                else:
+                    raise TypeError(f"unknown KV event {event!r}")
 
     def report_load(self, group_id: str, epoch: int, load: GroupLoad) -> None:
         with self._lock:
-            self._live(group_id, epoch).load = load
+            self._copy.set_load(group_id, self._live(group_id, epoch), load)
 
     def heartbeat(self, group_id: str, epoch: int) -> None:
         with self._lock:
@@ -273,21 +229,13 @@ class InMemoryPrefixIndex(PrefixIndex):
 
     def deregister(self, group_id: str, epoch: int) -> None:
         with self._lock:
-            reg = self._groups.get(group_id)
-            if reg is not None and reg.epoch == epoch:
-                self._drop(group_id)
+            g = self._copy.groups.get(group_id)
+            if g is not None and g.epoch == epoch:
+                self._copy.drop(group_id)
 
     def match(self, block_hashes: Sequence[bytes]) -> dict[str, GroupMatch]:
         with self._lock:
-            now = self._clock()
-            out = {}
-            for gid, reg in self._groups.items():
-                if reg.deadline <= now:
-                    continue
-                cached = leading_count(block_hashes, reg.inventory.__contains__)
-                pending = leading_unexpired(block_hashes, self._pending.get(gid, {}), now)
-                out[gid] = GroupMatch(gid, reg.epoch, cached, pending, reg.load)
-            return out
+            return self._copy.match(block_hashes, self._clock())
 
     def record_pending(
         self, group_id: str, block_hashes: Sequence[bytes], ttl_s: float | None = None
@@ -298,17 +246,10 @@ class InMemoryPrefixIndex(PrefixIndex):
             raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
         with self._lock:
             now = self._clock()
-            if now >= self._next_prune:  # amortized: the dicts stay within about two TTLs
-                self._prune_pending(now)
-                self._next_prune = now + self.config.pending_ttl_s
-            deadlines = self._pending.setdefault(group_id, {})
-            deadline = now + ttl
-            if deadline >= self._latest_deadline.get(group_id, float("-inf")):
-                deadlines.update(dict.fromkeys(block_hashes, deadline))  # extends every entry
-                self._latest_deadline[group_id] = deadline
-            else:  # a shorter TTL than an earlier placement's must not shorten it
-                for h in block_hashes:
-                    deadlines[h] = max(deadlines.get(h, 0.0), deadline)
+            g = self._copy.groups.get(group_id)
+            if g is not None and g.deadline > now and block_hashes:
+                # never shortens an entry: a shorter TTL than an earlier placement's keeps it
+                self._copy.add_pending(g, probe_hashes(block_hashes), now + ttl, now)
 
     def cleanup(self) -> int:
         with self._lock:
@@ -319,56 +260,37 @@ class InMemoryPrefixIndex(PrefixIndex):
 
         What a failover index republishes into the shared index once it is back."""
         with self._lock:
-            reg = self._groups.get(group_id)
-            if reg is None or reg.deadline <= self._clock():
+            g = self._copy.groups.get(group_id)
+            if g is None or g.deadline <= self._clock():
                 return None
-            return reg.epoch, frozenset(reg.inventory), reg.load
+            return g.epoch, frozenset(g.inventory), g.load
 
     def live_groups(self) -> list[str]:
         with self._lock:
             now = self._clock()
-            return [g for g, reg in self._groups.items() if reg.deadline > now]
+            return [gid for gid, g in self._copy.groups.items() if g.deadline > now]
 
     def inventory_stats(self) -> InventoryStats:
         with self._lock:
             now = self._clock()
-            live = [reg for reg in self._groups.values() if reg.deadline > now]
-            entries = sum(len(reg.inventory) for reg in live)
-            distinct = len(set().union(*(reg.inventory for reg in live)))
+            live = [g for g in self._copy.groups.values() if g.deadline > now]
+            entries = sum(len(g.inventory) for g in live)
+            distinct = len(set().union(*(g.inventory for g in live)))
             return InventoryStats(entries=entries, blocks=distinct, groups=len(live))
 
     # Internals; the lock is held.
 
-    def _live(self, group_id: str, epoch: int) -> _Registration:
+    def _live(self, group_id: str, epoch: int) -> CopiedGroup:
         """The live registration (group, epoch), its deadline pushed back; else StaleEpochError."""
-        reg = self._groups.get(group_id)
+        g = self._copy.groups.get(group_id)
         now = self._clock()
-        if reg is None or reg.epoch != epoch or reg.deadline <= now:
+        if g is None or g.epoch != epoch or g.deadline <= now:
             raise StaleEpochError(f"group {group_id!r} epoch {epoch} is not live")
-        reg.deadline = now + self.config.heartbeat_ttl_s
-        return reg
-
-    def _apply(self, reg: _Registration, event: KVEvent) -> None:
-        if isinstance(event, BlockStored):
-            reg.inventory.update(event.block_hashes)
-        elif isinstance(event, BlockRemoved):
-            reg.inventory.difference_update(event.block_hashes)
-        elif isinstance(event, AllBlocksCleared):
-            reg.inventory.clear()
-        else:
-            raise TypeError(f"unknown KV event {event!r}")
-
-    def _drop(self, group_id: str) -> None:
-        self._groups.pop(group_id, None)
-        self._pending.pop(group_id, None)
-        self._latest_deadline.pop(group_id, None)
-
-    def _prune_pending(self, now: float) -> None:
-        for gid, deadlines in self._pending.items():
-            self._pending[gid] = {h: d for h, d in deadlines.items() if d > now}
+        self._copy.touch(g, now)
+        return g
 
     def _sweep_dead(self, now: float) -> int:
-        dead = [g for g, reg in self._groups.items() if reg.deadline <= now]
-        for g in dead:
-            self._drop(g)
+        dead = [gid for gid, g in self._copy.groups.items() if g.deadline <= now]
+        for gid in dead:
+            self._copy.drop(gid)
         return len(dead)

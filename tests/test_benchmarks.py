@@ -57,6 +57,6 @@ def test_routing_benchmark_smoke(tmp_path):
     (real,) = run(*common, "--policy", "prefix_aware", "--mode", "real", "--time-scale", "0.2")
     assert real["mode"] == "real" and real["requests"] == 30 and real["hit_rate"] > 0
     lines = run("-m", "benchmarks.routing", "--latency", "2")
-    assert [c["index"] for c in lines] == ["redis", "mirror"]
+    assert [c["index"] for c in lines] == ["redis", "mirror", "memory"]
     for c in lines:
         assert c["decision_ms_p50_32k"] > 0 and c["hash_uncached_ms_p50_32k"] > 0
