@@ -1,5 +1,6 @@
-"""A router's copy of the prefix index and its match (cluster/redis_mirror.py keeps it current
-from the index's log).
+"""Registrations, cached blocks and pending probes, and their match: the in-process index
+(`InMemoryPrefixIndex`) keeps its state in one, and a router's mirror of the Redis index
+(cluster/redis_mirror.py) keeps its copy current from the index's log.
 
 A match must cost little at any group count, so the copy is also kept inverted: besides each
 registration's own inventory and pending probes (needed to drop them when it goes), every cached
@@ -15,7 +16,7 @@ probe positions, then between the last probe held and the first missed (exact wh
 prefix-closed, which the block manager keeps), and leading pending blocks at probe granularity
 (deadlines never grow along a chain, so the unexpired probes are a prefix of those present).
 Liveness is on the caller's clock: a registration lives until `ttl_s` after its last `touch`.
-Not thread-safe: the mirror holds its lock around every call.
+Not thread-safe: its owners hold their lock around every call.
 """
 
 from __future__ import annotations

@@ -5,6 +5,8 @@ ask `match(chain)` and get, for every live group, how many leading blocks of the
 how many leading blocks are pending on it (placements other routers just made), and its latest
 load report. Two backends share these semantics: `InMemoryPrefixIndex` (the embedded default,
 one process) and `RedisPrefixIndex` (cluster/redis_index.py, shared by every router and group).
+Both keep pending placements at the chain's probe positions (cluster/chain_probes.py) and count
+cached blocks by probes, then between the last probe held and the first missed.
 
 Liveness and fencing: `register_group` hands out a new, larger epoch each time; every write
 names its (group, epoch) and is refused with `StaleEpochError` unless that pair is the group's

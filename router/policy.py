@@ -20,13 +20,13 @@ the same way.
 
 Measured with benchmarks/routing.py (simulated groups, a Zipf-hot document; 16 groups / 10k
 requests, seeds 0 and 1): on the loose trace the hit rate is 0.969 / 0.965 against perfect
-document affinity's 0.974 / 0.969, with at most 1.04 / 1.13x the mean requests on any group,
+document affinity's 0.974 / 0.969, with at most 1.05 / 1.09x the mean requests on any group,
 where the affinity oracle and `prefix_hash` put 3.9-4.9x on the hot document's group (64
-groups / 100k requests: 0.973 vs 0.977, at 1.08x). On the tight trace (documents twice the
-pools) it is 0.930 / 0.922 against `prefix_hash`'s 0.931 / 0.920 and the oracle's 0.934 /
-0.924, at 1.08 / 1.06x instead of 4.1-4.4x: the replicas that balance needs take pool space
+groups / 100k requests: 0.973 vs 0.977, at 1.09x). On the tight trace (documents twice
+the pools) it is 0.929 / 0.922 against `prefix_hash`'s 0.931 / 0.920 and the oracle's 0.934 /
+0.924, at 1.06 / 1.09x instead of 4.1-4.4x: the replicas that balance needs take pool space
 (the hot document alone is asked 20% of the time, three groups' worth at the bound). Over pools
-1% smaller or larger the figures move by up to 0.2 points and stay within 1.13x.
+1% smaller or larger the figures move by up to 0.1 points and stay within 1.10x.
 `load_slack=None` with `max_replicas=1` is pure affinity (0.934 there, no balance).
 
 Baselines: `round_robin`, `least_loaded`, `prefix_hash` (rendezvous hashing of the first block)
