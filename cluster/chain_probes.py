@@ -1,16 +1,16 @@
-"""Where a block-hash chain is probed, and how many of its leading blocks pass a test.
+"""Where a block-hash chain is probed.
 
-The prefix index keeps pending placements at a chain's probe positions only, and both matches
-(the Redis script and a router's mirror of it) look at those positions first, so that a
-2048-block chain costs about a hundred lookups, not two thousand. A chain hash covers every block
-before it, and a group's holdings stay prefix-closed (the block manager frees a request's blocks
-tail first), which is what makes counting by probes exact.
+The prefix index keeps pending placements at a chain's probe positions only, and every match
+(the Redis script, and the `IndexCopy` of the in-process index and of a router's mirror) looks
+at those positions first, so that a 2048-block chain costs about a hundred lookups, not two
+thousand. A chain hash covers every block before it, and a group's holdings stay prefix-closed
+(the block manager frees a request's blocks tail first), which is what makes counting by probes
+exact.
 """
 
 from __future__ import annotations
 
 import functools
-import itertools
 import operator
 from collections.abc import Callable, Sequence
 
@@ -45,17 +45,3 @@ def probe_hashes(chain: Sequence[bytes]) -> tuple[bytes, ...]:
     if isinstance(chain, HashChain):
         return chain.at(probe_positions(len(chain)))  # sliced from its bytes, no list built
     return _probe_getter(len(chain))(chain) if chain else ()
-
-
-def leading_count(chain: Sequence[bytes], holds: Callable[[bytes], bool]) -> int:
-    """How many leading hashes of `chain` satisfy `holds`; the first miss ends the count."""
-    # takewhile + a bound method + list run the loop in C: ~50 ns a hash instead of ~100.
-    return len(list(itertools.takewhile(holds, chain)))
-
-
-def leading_unexpired(chain: Sequence[bytes], deadlines: dict[bytes, float], now: float) -> int:
-    """How many leading hashes of `chain` have a deadline in `deadlines` later than `now`."""
-    n = leading_count(chain, deadlines.__contains__)
-    if n and min(map(deadlines.__getitem__, chain[:n])) > now:
-        return n  # the usual case: nothing expired among them, checked at C speed
-    return leading_count(chain, lambda h: deadlines.get(h, 0.0) > now)

@@ -1,7 +1,8 @@
 """Shared fixtures. `ray_runtime` starts one real Ray cluster for the whole session, on loopback:
 two nodes (ray.cluster_utils.Cluster), told apart by a custom resource, so that multi-node
 placement is tested on the same runtime as everything else. Only tests that ask for it start
-Ray; at the end of the session no actor or placement group may be left alive."""
+Ray; at the end of the session no actor or placement group may be left alive. `redis_server`
+is one real `redis-server` on a free loopback port per test module."""
 
 from __future__ import annotations
 
@@ -27,6 +28,14 @@ OBJECT_STORE_BYTES = 100 << 20
 class RayRuntime:
     address: str
     node_labels: tuple[str, ...]  # custom resources naming the nodes, e.g. {"node_a": 1}
+
+
+@pytest.fixture(scope="module")
+def redis_server():
+    from tests.redis_server import RedisServer
+
+    with RedisServer() as server:
+        yield server
 
 
 @pytest.fixture(scope="session")

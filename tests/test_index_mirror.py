@@ -33,12 +33,6 @@ def load(running: int) -> GroupLoad:
     return GroupLoad(0, running, 0, 8, 8)
 
 
-@pytest.fixture(scope="module")
-def redis_server():
-    with RedisServer() as server:
-        yield server
-
-
 @pytest.fixture
 def pair(redis_server):
     """(writer, mirror): the groups' and routers' client and a router's mirror, one namespace."""

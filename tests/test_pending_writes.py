@@ -13,7 +13,6 @@ from factories import wait_until
 from cluster.prefix_index import PendingWrite
 from cluster.redis_index import RedisPrefixIndex
 from router.router import PendingPlacements
-from tests.redis_server import RedisServer
 from worker.hashing import BlockHasher, ModelFingerprint
 
 HASHER = BlockHasher(b"pending-test-secret", ModelFingerprint("tiny-llama", block_size=4))
@@ -22,12 +21,6 @@ HASHER = BlockHasher(b"pending-test-secret", ModelFingerprint("tiny-llama", bloc
 def chain(n_blocks: int, first_token: int = 0) -> list[bytes]:
     tokens = list(range(first_token, first_token + n_blocks * HASHER.block_size))
     return HASHER.hash_prompt(tokens)
-
-
-@pytest.fixture(scope="module")
-def redis_server():
-    with RedisServer() as server:
-        yield server
 
 
 @pytest.fixture

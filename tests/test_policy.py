@@ -174,12 +174,6 @@ def test_load_bound_config_is_validated():
         PrefixAwareConfig(hit_holders=0)
 
 
-@pytest.fixture(scope="module")
-def redis_server():
-    with RedisServer() as server:
-        yield server
-
-
 def test_a_routers_own_placements_count_at_once_and_reach_others_soon(redis_server):
     group_side, router_a, router_b = (
         RedisPrefixIndex.from_url(redis_server.url, "own", "m1") for _ in range(3)

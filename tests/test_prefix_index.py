@@ -46,12 +46,6 @@ def blocks(index, hashes) -> dict[str, int]:
     return {g: m.blocks for g, m in index.match(hashes).items()}
 
 
-@pytest.fixture(scope="module")
-def redis_server():
-    with RedisServer() as server:
-        yield server
-
-
 class CaughtUpMirror(MirroredPrefixIndex):
     """A mirror whose every match first waits until its copy holds every write made so far:
     what these tests check is the copy's answer, not how fast the log arrives."""

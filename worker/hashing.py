@@ -116,10 +116,6 @@ class HashChain(Sequence[bytes]):
         self._list: list[bytes] | None = None
         self._at: tuple[tuple[int, ...], tuple[bytes, ...]] | None = None  # the last `at`
 
-    @classmethod
-    def of(cls, hashes: Sequence[bytes]) -> HashChain:
-        return hashes if isinstance(hashes, HashChain) else cls(b"".join(hashes))
-
     def __len__(self) -> int:
         return len(self.blob) // DIGEST_SIZE
 
