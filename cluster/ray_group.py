@@ -2,8 +2,8 @@
 
     RayGroup (driver) --Ray: requests in, outputs streamed out, lifecycle--> RankActor x tp
 
-Here is the driver side (`RayGroupConfig`, `parse_cpu_binding`, `check_tensor_parallel`,
-`RayGroup`); the actor that hosts each rank is cluster/rank_actor.py.
+Here is the driver side (`RayGroup`); its configuration and the checks made before placing
+anything are cluster/ray_group_config.py, the actor that hosts each rank cluster/rank_actor.py.
 
 The placement group holds one bundle per device (a GPU bundle when the engine runs on CUDA, a
 CPU bundle otherwise), STRICT_PACK so that all ranks share a node. Rank 0's actor picks a free
@@ -24,11 +24,16 @@ caller sees a request finish, the index already holds its blocks, whether it is 
 Redis. While idle, rank 0 sends an empty batch every half heartbeat, which keeps the group live
 in the index.
 
+Status: every batch carries rank 0's engine stats (an idle group sends an empty batch every
+half heartbeat), so `status()` answers from the latest batch and never waits on a rank: the
+router calls it for every group on every decision (a stats call per group took ~2 ms each).
+
 Health: each rank > 0 runs its loop inside a long-lived actor call (`serve`), whose result
 resolves only when the loop ends; rank 0's engine stops when a collective fails or times out.
-`status()` reports the group dead as soon as either happens, and in-flight streams fail with
-`EngineDeadError`. Within `heartbeat_s + collective_timeout_s` of a rank dying or hanging,
-rank 0 has noticed too.
+A watcher thread waits on those calls and pings rank 0 every heartbeat (`status_timeout_s` to
+answer); `status()` reports the group dead as soon as the watcher or the output stream sees a
+rank gone, and in-flight streams fail with `EngineDeadError`. Within `heartbeat_s +
+collective_timeout_s` of a rank dying or hanging, rank 0 has noticed too.
 """
 
 from __future__ import annotations
@@ -41,89 +46,21 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 from cluster.group import GroupHandle, GroupStatus, status_from_stats
 from cluster.index_publisher import IndexPublisher
 from cluster.output_delta import OutputAssembler
-from cluster.planner import local_kv_heads
 from cluster.prefix_index import PrefixIndex
 from cluster.rank_actor import KVEvents, RankActor, RequestFailed, bind_process, describe_error
+from cluster.ray_group_config import RayGroupConfig, check_tensor_parallel, parse_cpu_binding
 from cluster.ray_runtime import ensure_ray, ray
 from worker.async_engine import EngineDeadError, GenerationRequest
 from worker.engine import EngineConfig
-from worker.model_loader import read_model_config
 from worker.outputs import RequestOutput
 
 log = logging.getLogger(__name__)
 _group_ids = itertools.count()
-
-
-@dataclass(frozen=True)
-class RayGroupConfig:
-    """How a group is placed and watched; the engine's own options stay in EngineConfig."""
-
-    tensor_parallel_size: int = 1
-    cpus_per_rank: float = 1.0  # Ray CPUs reserved per rank (the driving thread is light)
-    bundle_resources: dict[str, float] = field(default_factory=dict)  # e.g. a node's label
-    collective_timeout_s: float = 60.0  # a rank silent this long is dead or hung
-    heartbeat_s: float = 1.0  # idle groups exchange a heartbeat this often
-    start_timeout_s: float = 600.0  # placement, process start, weights, pool
-    status_timeout_s: float = 5.0  # rank 0 must answer a status call within this
-    # CPU cores per rank, ranks separated by "|": "0|1", "0-15|16-31" (each rank's process and
-    # threads are bound to its cores, so ranks do not steal each other's; like NUMA binding
-    # of a GPU rank). None: the OS schedules them anywhere.
-    cpu_binding: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
-        for name in ("cpus_per_rank", "collective_timeout_s", "heartbeat_s", "start_timeout_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.cpu_binding is not None:
-            parse_cpu_binding(self.cpu_binding, self.tensor_parallel_size)
-        if self.heartbeat_s >= self.collective_timeout_s:
-            raise ValueError(
-                f"heartbeat_s ({self.heartbeat_s}) must be below collective_timeout_s "
-                f"({self.collective_timeout_s}), or idle ranks would time out"
-            )
-
-
-def parse_cpu_binding(text: str, ranks: int) -> list[frozenset[int]]:
-    """Each rank's cores from "0-3|4-7" (ranges and commas within a rank)."""
-    parts = text.split("|")
-    if len(parts) != ranks:
-        raise ValueError(f"cpu_binding {text!r} names {len(parts)} rank(s); the group has {ranks}")
-    out = []
-    for part in parts:
-        cores: set[int] = set()
-        try:
-            for item in part.split(","):
-                lo, _, hi = item.strip().partition("-")
-                cores.update(range(int(lo), int(hi or lo) + 1))
-        except ValueError:
-            raise ValueError(f"cpu_binding {text!r}: {part!r} is not a list of cores like 0-3,8") from None  # fmt: skip
-        out.append(frozenset(cores))
-    return out
-
-
-def check_tensor_parallel(model_dir: str, tp: int) -> None:
-    """Refuse, before placing anything, a tp that the model's heads cannot be split over."""
-    mc = read_model_config(model_dir)
-    if mc.num_heads % tp:
-        raise ValueError(
-            f"tensor_parallel_size={tp} does not divide the model's {mc.num_heads} attention "
-            f"heads; choose a divisor of {mc.num_heads}"
-        )
-    try:
-        local_kv_heads(mc.num_kv_heads, tp)
-    except ValueError as e:
-        raise ValueError(
-            f"tensor_parallel_size={tp} cannot split the model's {mc.num_kv_heads} KV heads: "
-            f"{e} (tp must divide the KV heads, or be a multiple of them so that each rank "
-            f"holds one replicated head)"
-        ) from None
 
 
 class RayGroup(GroupHandle):
@@ -154,6 +91,11 @@ class RayGroup(GroupHandle):
         self.index = index
         self.publisher: IndexPublisher | None = None  # owned by the output thread once started
         self._pump_thread: threading.Thread | None = None
+        self._watch_thread: threading.Thread | None = None
+        self._stats: dict = {}  # rank 0's engine stats, from the latest batch of the stream
+        self._status: GroupStatus | None = None  # built from _status_of, until it changes
+        self._status_of: dict | None = None
+        self._stopped = threading.Event()  # set by shutdown: the watcher leaves
         self._pg = ray.util.placement_group(
             [self._bundle() for _ in range(self.tp)], strategy="STRICT_PACK"
         )
@@ -196,18 +138,21 @@ class RayGroup(GroupHandle):
                 for rank, a in enumerate(self._actors)
             ]  # fmt: skip
             self._ranks = _first_error(refs, gc.start_timeout_s)
+            self._stats = ray.get(self._actors[0].stats.remote(), timeout=gc.start_timeout_s)
             if events:
                 self.publisher = IndexPublisher(self.index, self.group_id, self._inventory)
         except BaseException:
             self.shutdown()
             raise
         self._serve_refs = [a.serve.remote() for a in self._actors[1:]]
-        idle_s = None if self.publisher is None else self.publisher.config.heartbeat_interval_s / 2
-        stream = self._actors[0].outputs.remote(idle_s)
+        heartbeat_s = gc.heartbeat_s if self.publisher is None else self.publisher.config.heartbeat_interval_s  # fmt: skip
+        stream = self._actors[0].outputs.remote(heartbeat_s / 2)
         self._pump_thread = threading.Thread(
             target=self._pump, args=(stream,), name="pagefleet-outputs", daemon=True
         )
         self._pump_thread.start()
+        self._watch_thread = threading.Thread(target=self._watch, name="pagefleet-watch", daemon=True)  # fmt: skip
+        self._watch_thread.start()
 
     def _inventory(self) -> list[bytes]:
         timeout = self.group_config.collective_timeout_s  # (between two steps of rank 0)
@@ -253,6 +198,9 @@ class RayGroup(GroupHandle):
         try:
             for ref in stream:
                 batch, stats = ray.get(ref)
+                self._stats = stats
+                if stats.get("error"):
+                    self._error = self._error or stats["error"]
                 self._publish(batch, stats)
                 for item in batch:
                     if isinstance(item, KVEvents):
@@ -305,17 +253,24 @@ class RayGroup(GroupHandle):
             self._actors[0].abort.remote(request_id)
 
     def status(self) -> GroupStatus:
-        stats = self._poll()
-        return status_from_stats(
-            self.group_id, stats, alive=self._error is None and not self._closed, tp=self.tp,
-            devices=self.devices, error=self._error,
-        )  # fmt: skip
+        """Load as of rank 0's latest batch and liveness as the watcher last saw it; never
+        waits on a rank (see the module docstring)."""
+        stats, alive, error = self._stats, self._error is None and not self._closed, self._error
+        s = self._status
+        if s is None or s.alive != alive or s.error != error or self._status_of is not stats:
+            s = status_from_stats(
+                self.group_id, stats if alive else {}, alive=alive, tp=self.tp,
+                devices=self.devices, error=error,
+            )  # fmt: skip
+            self._status, self._status_of = s, stats
+        return s
 
     def shutdown(self) -> None:
         """Stop the engine and the loops, kill the actors, remove the placement group."""
         if self._closed:
             return
         self._closed = True
+        self._stopped.set()
         try:
             ray.get(self._actors[0].shutdown.remote(), timeout=10)
             ray.wait(self._serve_refs, num_returns=len(self._serve_refs), timeout=5)
@@ -353,6 +308,20 @@ class RayGroup(GroupHandle):
 
     def probe_broadcast(self, rounds: int = 100) -> float:
         return ray.get(self._actors[0].probe_broadcast.remote(rounds))
+
+    def _watch(self) -> None:
+        """Watcher thread: every heartbeat, has a rank's loop ended (the rank died or left the
+        group), and does rank 0 answer within `status_timeout_s` with a live engine? The first
+        failure marks the group dead."""
+        gc = self.group_config
+        while not self._stopped.is_set() and self._error is None:
+            if self._serve_refs:
+                ray.wait(self._serve_refs, num_returns=1, timeout=gc.heartbeat_s)
+            else:
+                self._stopped.wait(gc.heartbeat_s)
+            if self._stopped.is_set():
+                return
+            self._poll()
 
     def _poll(self) -> dict:
         """Rank 0's stats, and the liveness of every rank (marks the group dead)."""

@@ -345,6 +345,48 @@ def test_a_rank_that_dies_fails_in_flight_requests_at_once(groups):
     assert not group.status().alive
 
 
+def test_status_follows_the_stream_and_never_waits_on_a_stopped_rank(ray_runtime, model_dirs):
+    """The router reads every group's status on every decision: it must come from the output
+    stream, not from a call to rank 0, so a stopped rank 0 cannot hold the router up; the
+    watcher then finds it dead within a heartbeat and `status_timeout_s`."""
+    gc = RayGroupConfig(heartbeat_s=0.5, status_timeout_s=2.0)
+    group = RayGroup(engine_config(model_dirs["kv1"], **OPTIONS), gc)
+    try:
+        assert group.status().blocks_total == group.engine_stats()["blocks_total"] > 0
+        long = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+
+        async def busy():
+            stream = group.generate(GenerationRequest(prompts_of([8], seed=7)[0], long))
+            await stream.__anext__()
+            seen = group.status()  # mid-request: the stream's stats show it running
+            async for _ in stream:
+                pass
+            return seen
+
+        assert asyncio.run(asyncio.wait_for(busy(), 60)).running == 1
+        deadline = time.monotonic() + 10  # the idle batches bring the settled stats
+        while group.status().running and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert group.status().running == 0 and group.status().alive
+        os.kill(group.ranks[0]["pid"], signal.SIGSTOP)
+        try:
+            stopped, slowest = time.monotonic(), 0.0
+            while group.status().alive and time.monotonic() < stopped + 30:
+                t0 = time.monotonic()
+                group.status()
+                slowest = max(slowest, time.monotonic() - t0)
+                time.sleep(0.01)
+            found = time.monotonic() - stopped
+            status = group.status()
+            assert not status.alive and "rank 0 does not answer" in status.error
+            assert found < gc.heartbeat_s + gc.status_timeout_s + 5, found
+            assert slowest < gc.status_timeout_s / 4, slowest  # it never waited on rank 0
+        finally:
+            os.kill(group.ranks[0]["pid"], signal.SIGCONT)
+    finally:
+        group.shutdown()
+
+
 def _bound_cores(cores, q):
     from cluster.ray_group import bind_process
 
