@@ -14,20 +14,23 @@ answer. At 64 groups, a 2048-block chain cached on 2 and pending on 27 of them t
 It answers what `RedisPrefixIndex.match` answers: leading cached blocks counted at the chain's
 probe positions, then between the last probe held and the first missed (exact while holdings are
 prefix-closed, which the block manager keeps), and leading pending blocks at probe granularity
-(deadlines never grow along a chain, so the unexpired probes are a prefix of those present).
-Liveness is on the caller's clock: a registration lives until `ttl_s` after its last `touch`.
-Not thread-safe: its owners hold their lock around every call.
+(deadlines never grow along a chain, so the unexpired probes are a prefix). A pending probe
+leaves its masks when its deadline passes: every entry's deadline also goes on a heap, popped
+before each match, so a match never reads a deadline.
+Liveness is on the caller's clock: a registration lives until `ttl_s` after its last `touch`;
+the clock passed to the calls must not go back. Not thread-safe: its owners hold their lock
+around every call.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from cluster.chain_probes import probe_hashes, probe_positions
 from cluster.index_types import GroupLoad, GroupMatch
-
-_PRUNE_MIN = 4096  # pending entries per group before expired ones are dropped
 
 
 @dataclass
@@ -41,7 +44,6 @@ class CopiedGroup:
     inventory: set[bytes] = field(default_factory=set)
     pending: dict[bytes, float] = field(default_factory=dict)  # probe hash -> deadline
     nothing: GroupMatch | None = None  # the group's match of nothing, rebuilt when load changes
-    prune_at: int = _PRUNE_MIN  # pending size at which expired probes are dropped
 
     def empty_match(self, group_id: str) -> GroupMatch:
         if self.nothing is None:
@@ -60,6 +62,9 @@ class IndexCopy:
         self._next_bit = 1
         self._held: dict[bytes, int] = {}  # block hash -> registrations holding it
         self._pending: dict[bytes, int] = {}  # probe hash -> registrations with an entry
+        # (deadline, seq, registration, probes given that deadline): popped when it passes
+        self._expiry: list[tuple[float, int, CopiedGroup, list[bytes]]] = []
+        self._seq = itertools.count()
         # The live set as of the last count; it holds until _live_until (the earliest deadline
         # in it) unless a registration comes, goes or revives, which resets _live_until.
         self._live = 0
@@ -129,13 +134,19 @@ class IndexCopy:
         self, g: CopiedGroup, probes: Sequence[bytes], deadline: float, now: float
     ) -> None:
         """Raise the probes' deadlines to `deadline` (an entry never shortens)."""
+        self._expire(now)
+        if deadline <= now:
+            return
         pending, marks, get, bit = g.pending, self._pending, self._pending.get, g.bit
+        raised = []
         for h in probes:
             if pending.get(h, 0.0) < deadline:
                 if h not in pending:
                     marks[h] = get(h, 0) | bit
                 pending[h] = deadline
-        self._prune(g, now)
+                raised.append(h)
+        if raised:
+            heapq.heappush(self._expiry, (deadline, next(self._seq), g, raised))
 
     def place(
         self, g: CopiedGroup, probed: Sequence[bytes], fresh: int, ttl_s: float, now: float
@@ -152,21 +163,30 @@ class IndexCopy:
                 fresh = 0
         self.add_pending(g, probed[fresh:], deadline, now)
 
-    def _prune(self, g: CopiedGroup, now: float) -> None:
-        """Drop expired probes whenever the table doubled since the last time (amortized O(1)
-        a probe)."""
-        if len(g.pending) >= g.prune_at:
-            expired = [h for h, d in g.pending.items() if d <= now]
-            _unset(self._pending, expired, g.bit)
-            for h in expired:
-                del g.pending[h]
-            g.prune_at = max(_PRUNE_MIN, 2 * len(g.pending))
+    def _expire(self, now: float) -> None:
+        """Drop the pending probes whose deadline passed (those raised since stay)."""
+        heap, marks = self._expiry, self._pending
+        while heap and heap[0][0] <= now:
+            deadline, _, g, probes = heapq.heappop(heap)
+            if self._by_bit.get(g.bit, (None, None))[1] is not g:
+                continue  # dropped: its entries went with it
+            pending, bit = g.pending, g.bit
+            for h in probes:
+                if pending.get(h) == deadline:
+                    del pending[h]
+                    m = marks[h] & ~bit
+                    if m:
+                        marks[h] = m
+                    else:
+                        del marks[h]
 
     # ---- the match ----------------------------------------------------------------------
     def match(self, block_hashes: Sequence[bytes], now: float) -> dict[str, GroupMatch]:
         """Every live registration's match of the chain; see the module docstring."""
         if now >= self._live_until:
             self._count_live(now)
+        if self._expiry and self._expiry[0][0] <= now:
+            self._expire(now)
         out = self._empty.copy()
         if not block_hashes:
             return out
@@ -177,7 +197,7 @@ class IndexCopy:
             return out  # the usual case for a new prompt: no group touched at all
         pos, probed = probe_positions(len(block_hashes)), probe_hashes(block_hashes)
         cached = self._cached(block_hashes, pos, probed, held) if held else {}
-        pending = self._pending_blocks(pos, probed, pend, now) if pend else {}
+        pending = self._pending_blocks(pos, probed, pend) if pend else {}
         for bit, c in cached.items():
             gid, g = self._by_bit[bit]
             out[gid] = GroupMatch(gid, g.epoch, c, pending.pop(bit, 0), g.load)
@@ -198,19 +218,13 @@ class IndexCopy:
                 out.update(dict.fromkeys(_bits(gap_groups), lo + j))
         return out
 
-    def _pending_blocks(self, pos, probed, pend: int, now: float) -> dict[int, int]:
+    def _pending_blocks(self, pos, probed, pend: int) -> dict[int, int]:
         """bit -> leading pending blocks (at probe granularity), for the registrations in
-        `pend` (those with an entry, maybe expired, for the chain's first block)."""
+        `pend` (those pending on the chain's first block)."""
         out = {}
         for k, groups in _leading(pend, probed, self._pending.get):
-            for bit in _bits(groups):
-                deadlines = self._by_bit[bit][1].pending
-                if deadlines[probed[k - 1]] > now:
-                    c = k  # the usual case: the last probe present has not expired
-                else:
-                    c = _leading_unexpired(probed, k - 1, deadlines, now)
-                if c:
-                    out[bit] = pos[c - 1] + 1
+            if k:
+                out.update(dict.fromkeys(_bits(groups), pos[k - 1] + 1))
         return out
 
     def _count_live(self, now: float) -> None:
@@ -243,23 +257,6 @@ def _leading(
             else:
                 hi = mid - 1
         yield lo, groups
-
-
-def _leading_unexpired(
-    probed: Sequence[bytes], hi: int, deadlines: dict[bytes, float], now: float
-) -> int:
-    """How many leading `probed` are unexpired, by binary search; probes 0..hi are present
-    and probe hi has expired (deadlines never grow along a chain)."""
-    if deadlines[probed[0]] <= now:
-        return 0
-    lo = 1  # probes before lo are unexpired; those from hi on are not
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if deadlines[probed[mid - 1]] > now:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
 
 
 def _bits(mask: int) -> Iterator[int]:

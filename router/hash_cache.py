@@ -1,45 +1,54 @@
 """Router-side memo of block-hash chains, so a shared document is hashed once, not per request.
 
-A prompt's chain is cut into segments of `segment_blocks` full blocks (the last one may hold
-fewer). A segment's hashes are a pure function of (hash of the block before it, the segment's
-token bytes): that is exactly what `BlockHasher.hash_blocks` reads. So the cache stores segments
-(parent hash, token bytes, hashes), indexed by parent hash, the siblings under one parent sorted
-by their bytes, and walks a prompt segment by segment from the chain's root:
+A prompt's chain is stored in segments of at most `segment_blocks` full blocks. A segment's
+hashes are a pure function of (hash of the block before it, the segment's token bytes): that is
+exactly what `BlockHasher.hash_blocks` reads. So the cache is a tree of segments (parent hash,
+token bytes, hashes), indexed by parent hash and then by the segment's first block, siblings
+always differing in their first block, and walks a prompt from the chain's root:
 
-- a parent with one stored child (a shared document's chain): one memcmp of the segment's bytes;
-- several children: a binary search of the sorted siblings, memcmps that stop at the first
-  differing byte. An equal one is a hit; otherwise its neighbours in byte order are the siblings
-  sharing the longest block prefix (a binary search over block counts finds how long), their
-  hashes are reused and the hasher takes the prompt from the divergence on, in one call (a new
-  question after a document, a chat's new turn, a partial last segment);
-- nothing stored under the parent: the rest of the prompt goes to the hasher in one call.
+- one dict lookup on the next block's 64 bytes finds the only candidate; one memcmp of its bytes
+  serves it whole (a shared document's chain);
+- a candidate shared in part: a binary search over block counts finds how far, its hashes are
+  reused and the hasher takes the prompt from the divergence on, in one call; the stored segment
+  is then cut there, so the new sibling (a question after a document) hangs beside its rest;
+- no candidate: the rest of the prompt goes to the hasher in one call and is stored as new
+  segments; a short leaf segment the prompt went through whole (a chat's previous turn) is grown
+  first, so a chat keeps one entry per `segment_blocks` blocks.
+
+Runs: when a walk goes through several whole full segments in a row, the first one keeps a run of
+them: their token bytes and hashes copied into one span each, so that later walks serve a long
+document with one memcmp instead of one lookup and memcmp per segment. A run stays exact whatever
+later happens to its segments (cut, evicted): it holds the same pure function's values. It lists
+its segments only to refresh them in the LRU, is rebuilt when a walk serves a longer span from its
+first segment, is never started where a run missed (two documents behind one shared segment do
+not take turns rebuilding it), and is dropped with its first segment.
 
 No key is ever hashed over a segment's 4 KiB of tokens. Every served hash is the value
 `hash_blocks` would return, so the chain equals `BlockHasher.hash_prompt`. The root covers the
-model, the adapter and the tenant's cache salt, so tenants never share an entry. A stored segment
-that is a block prefix of a newer sibling (a document's partial last segment, a chat's previous
-turn) is dropped: the newer one serves it.
+model, the adapter and the tenant's cache salt, so tenants never share an entry. A prompt's chain
+is returned as a `HashChain`: the served hashes' bytes and the new tail's, joined in one copy (a
+list of 2048 hash objects took ~0.1 ms on a cold cache to build, one reference count each).
 
-Each stored segment keeps its hashes as one bytes object, and a prompt's chain is returned as a
-`HashChain`: the stored segments' bytes and the new tail's, joined in one copy (a list of 2048
-hash objects took ~0.1 ms on a cold cache to build, one reference count each).
+Cost with the default 64-block segments of 16 tokens, p50 on one shared core of the dev machine,
+with 2 ms between prompts (cold caches): a 32k-token prompt made of a cached 32,512-token document
+and a new 256-token question takes ~0.23-0.31 ms, 10-20% less than walking segment by segment in
+the same runs (~0.11 ms back to back, 25% less): the array-to-bytes copy (~0.03 ms), the walk
+(~0.05 ms: the run's 124 KiB memcmp, the document's 48-block last segment and one missed lookup),
+16 keyed BLAKE2b calls for the question (~0.04 ms), storing its segment (~0.02 ms), refreshing 32
+segments in the LRU (~0.01 ms) and the join (~0.01 ms); the first steps after an idle gap run
+several times slower than back to back. At 8k tokens: ~0.17-0.21 ms. A cold prompt costs the
+hasher's ~2.2 ms plus ~0.25 ms for the array copy and for storing (and evicting) its segments.
 
-Cost with the default 64-block segments of 16 tokens, p50 on one shared core of the dev machine: a
-32k-token prompt made of a cached 32,512-token document and a new 256-token question takes
-~0.11 ms back to back and ~0.15 ms with 2 ms between prompts (cold caches): the array-to-bytes
-copy (~0.02 ms), the walk (~0.065 ms: 31 memcmps of 4 KiB, a binary search among the document's
-stored questions and ~10 compares to find the 48 shared blocks of the last segment), 16 keyed
-BLAKE2b calls for the question (~0.03 ms), storing its segment (~0.02 ms) and the join
-(~0.01 ms). A cold prompt costs the hasher's ~2.2 ms plus ~0.25 ms for the array copy and for
-storing (and evicting) its 32 segments.
-
-Eviction is LRU over segments under `max_bytes`, refreshed from the chain's end: a later prompt
-reaches segment s only through segments 0..s-1, so a chain's first segment is its most recently
-used and a chain is evicted from its end.
+Memory: `num_bytes` counts every segment at a full one's size plus each run's bytes (its copy, and
+the objects of evicted segments it still lists: their bytes are freed); LRU eviction over segments
+keeps it under `max_bytes`, and a run may take at most a quarter of it. LRU order is refreshed
+from the chain's end: a later prompt reaches a segment only through the ones before it, so a
+chain's first segment is its most recently used and a chain is evicted from its end (its run,
+held by the first segment, last).
 
 Thread safety: the router calls this from its one event loop; a lock still guards the table so
-that a call from another thread (a test, a metrics scrape) cannot corrupt the LRU order. The long
-hashing of a prompt's new tail runs outside the lock; segments evicted meanwhile are skipped.
+that a call from another thread (a test, a metrics scrape) cannot corrupt it. The long hashing of
+a prompt's new tail runs outside the lock; if the tree changed meanwhile, the store walks again.
 """
 
 from __future__ import annotations
@@ -47,11 +56,9 @@ from __future__ import annotations
 import sys
 import threading
 from array import array
-from bisect import bisect_left
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from operator import attrgetter
 
 from worker.hashing import DIGEST_SIZE, BlockHasher, HashChain
 
@@ -83,21 +90,40 @@ class HashCacheStats:
     cached_blocks: int = 0
     hashed_blocks: int = 0
     evictions: int = 0
+    run_hits: int = 0  # walks that served several segments with one memcmp
 
 
 class _Segment:
-    """One stored segment; hashed by identity (its place in the LRU)."""
+    """Up to `segment_blocks` stored blocks; hashed by identity (its place in the LRU)."""
 
-    __slots__ = ("parent", "data", "blob", "last")
+    __slots__ = ("parent", "data", "blob", "last", "run")
 
     def __init__(self, parent: bytes, data: bytes, blob: bytes) -> None:
         self.parent = parent  # hash of the block before the segment (or the chain's root)
         self.data = data  # (blocks * block_size,) uint32 token ids as bytes
         self.blob = blob  # (blocks * DIGEST_SIZE,) one hash per full block, oldest first
-        self.last = blob[-DIGEST_SIZE:]  # the next segment's parent
+        self.last = blob[-DIGEST_SIZE:]  # its children's parent
+        self.run: _Run | None = None  # the whole full segments a walk went through from here
 
 
-_DATA = attrgetter("data")  # siblings are sorted by it
+# what an evicted segment listed in a run still holds: the object and its parent hash
+_PINNED_BYTES = sys.getsizeof(_Segment(b"", b"", bytes(DIGEST_SIZE))) + sys.getsizeof(
+    bytes(DIGEST_SIZE)
+)
+
+
+class _Run:
+    """Several whole full segments in a row, copied into one span: one memcmp serves them all.
+    Hashes are a pure function of (parent, tokens), so a run stays exact whatever later happens
+    to its segments; they are listed only to refresh them in the LRU."""
+
+    __slots__ = ("data", "blob", "last", "nodes", "size")
+
+    def __init__(self, data: bytes, blob: bytes, nodes: list[_Segment]) -> None:
+        self.data, self.blob, self.last, self.nodes = data, blob, blob[-DIGEST_SIZE:], nodes
+        # its own bytes, plus what the segments it lists keep once evicted (their data is freed)
+        parts = (self, data, blob, self.last, nodes)
+        self.size = sum(map(sys.getsizeof, parts)) + len(nodes) * _PINNED_BYTES
 
 
 class PrefixHashCache:
@@ -109,12 +135,14 @@ class PrefixHashCache:
         self.stats = HashCacheStats()
         self._block_bytes = hasher.block_size * _TOKEN_BYTES
         self._segment_bytes = self.config.segment_blocks * self._block_bytes
-        # parent hash -> the segments stored after it, sorted by their bytes; no two equal and
-        # none a prefix of another
-        self._children: dict[bytes, list[_Segment]] = {}
+        # parent hash -> {first block's bytes: the segment stored after it}: siblings differ in
+        # their first block, so one dict lookup finds the only candidate
+        self._children: dict[bytes, dict[bytes, _Segment]] = {}
         self._lru: OrderedDict[_Segment, None] = OrderedDict()  # least recently used first
         self._roots: dict[tuple[str | None, str | None], bytes] = {}  # (adapter, salt) -> root
         self._lock = threading.Lock()
+        self._version = 0  # bumped by every change of the tree; a walk is valid while it holds
+        self._run_bytes = 0  # held by the runs (`_Run.size` each), counted in the bound
         self.entry_bytes = _entry_bytes(self._segment_bytes, self.config.segment_blocks)
         self.max_entries = self.config.max_bytes // self.entry_bytes
 
@@ -123,8 +151,8 @@ class PrefixHashCache:
 
     @property
     def num_bytes(self) -> int:
-        """Estimated memory held by the table (every entry counted at a full segment's size)."""
-        return len(self._lru) * self.entry_bytes
+        """Estimated memory held by the table: every entry at a full segment's size, and runs."""
+        return len(self._lru) * self.entry_bytes + self._run_bytes
 
     def clear(self) -> None:
         """Drops every entry (e.g. when the cluster secret or model changes)."""
@@ -132,6 +160,8 @@ class PrefixHashCache:
             self._children.clear()
             self._lru.clear()
             self._roots.clear()
+            self._run_bytes = 0
+            self._version += 1
 
     def hash_prompt(
         self,
@@ -143,26 +173,25 @@ class PrefixHashCache:
         ids = _as_uint32(token_ids)
         raw = ids.tobytes()  # one copy; every compare below is a memcmp against it
         end = len(ids) // self.hasher.block_size * self._block_bytes  # bytes of the full blocks
-        parts: list[bytes] = []  # the chain's hashes served whole from stored segments
+        parts: list[bytes] = []  # the chain's hashes served from stored segments
         used: list[_Segment] = []  # the stored segments the chain went through, in order
         with self._lock:
             root = self._root(adapter_id, cache_salt)
-            a, parent, shared = self._walk(raw, end, root, parts, used)
-        # The segment at byte a (after `parent`) shares `shared` with a stored one; hash the rest.
-        start = a // self._block_bytes + len(shared) // DIGEST_SIZE
-        tail = b"".join(
-            self.hasher.hash_blocks(ids, shared[-DIGEST_SIZE:] if shared else parent, start)
-        )
-        self.stats.cached_blocks += start
+            stop = self._walk(raw, end, root, parts, used)
+            version = self._version
+        a, parent = stop[0], stop[1]  # blocks from byte a on (after `parent`) are not stored
+        tail = b"".join(self.hasher.hash_blocks(ids, parent, a // self._block_bytes))
+        self.stats.cached_blocks += a // self._block_bytes
         self.stats.hashed_blocks += len(tail) // DIGEST_SIZE
-        new: list[_Segment] = []
-        if tail and self.max_entries:
-            new = self._split(raw, a, parent, shared + tail)
-        parts += (shared, tail)
+        parts.append(tail)
+        chain = b"".join(parts)
         if self.max_entries:
             with self._lock:
+                if tail and self._version != version:  # another thread changed the tree
+                    stop = self._walk(raw, end, root, [], [])
+                new = self._store(raw, chain, *stop) if stop[0] < end else []
                 self._refresh(used, new)
-        return HashChain(b"".join(parts))
+        return HashChain(chain)
 
     def _root(self, adapter_id: str | None, cache_salt: str | None) -> bytes:
         key = (adapter_id, cache_salt)
@@ -175,36 +204,92 @@ class PrefixHashCache:
 
     def _walk(
         self, raw: bytes, end: int, parent: bytes, parts: list[bytes], used: list[_Segment]
-    ) -> tuple[int, bytes, bytes]:
-        """Appends to `parts` the hashes served by stored segments, segment by segment from the
-        root; returns the first byte of the first segment not served whole, the hash before
-        it, and the hashes of its leading blocks that a stored sibling shares."""
-        get, seg_bytes, bb = self._children.get, self._segment_bytes, self._block_bytes
-        a = 0
+    ) -> tuple[int, bytes, _Segment | None, int]:
+        """Appends to `parts` the hashes served by stored segments, from the root on. Returns the
+        first byte not served, the hash before it, the last segment the walk went through (None
+        if none, or a run) and how many of that segment's blocks the prompt shares."""
+        get, bb, full = self._children.get, self._block_bytes, self._segment_bytes
+        a, node, k = 0, None, 0
+        span = None  # (first, its index in used, in parts, its byte) of whole full segments
         while a < end:
             siblings = get(parent)
-            if siblings is None:
+            nxt = siblings.get(raw[a : a + bb]) if siblings else None  # by its first block
+            if nxt is None:
                 break
-            if len(siblings) == 1 and a + seg_bytes <= end:
-                node = siblings[0]  # a shared document's chain: one memcmp, no slice
-                if len(node.data) == seg_bytes and raw.startswith(node.data, a):
-                    used.append(node)
-                    parts.append(node.blob)
-                    parent = node.last
-                    a += seg_bytes
-                    continue
-            seg = raw[a : a + seg_bytes if a + seg_bytes <= end else end]  # a last one may be short
-            node, k = _match(siblings, seg, bb)
-            if node is None:
-                break
+            run = nxt.run
+            if run is not None and raw.startswith(run.data, a):  # a document: one memcmp
+                span = span or (nxt, len(used), len(parts), a)
+                used += run.nodes
+                parts.append(run.blob)
+                parent, node, k = run.last, None, 0  # its last segment may have changed since
+                a += len(run.data)
+                self.stats.run_hits += 1
+                continue
+            node = nxt
+            whole = raw.startswith(node.data, a)  # the usual case: one memcmp serves it
+            if span is not None and not (whole and len(node.data) == full):
+                self._remember(span, raw[span[3] : a], parts, used)
+                span = None
             used.append(node)
-            served = node.blob[: k * DIGEST_SIZE]
-            if k * bb < len(seg):
-                return a, parent, served  # diverges inside the segment
-            parts.append(served)
-            parent = served[-DIGEST_SIZE:]
-            a += len(seg)
-        return a, parent, b""
+            if whole:
+                if span is None and run is None and len(node.data) == full:
+                    span = (node, len(used) - 1, len(parts), a)  # not where a run missed
+                parts.append(node.blob)
+                parent, k = node.last, len(node.blob) // DIGEST_SIZE
+                a += len(node.data)
+                continue
+            n = min(len(node.data), end - a) // bb  # blocks of it the prompt could share
+            k = _shared_blocks(node.data, raw[a : a + n * bb], 1, n, bb)
+            parts.append(node.blob[: k * DIGEST_SIZE])
+            return a + k * bb, node.blob[(k - 1) * DIGEST_SIZE : k * DIGEST_SIZE], node, k
+        if span is not None:
+            self._remember(span, raw[span[3] : a], parts, used)
+        return a, parent, node, k
+
+    def _remember(self, span: tuple, data: bytes, parts: list[bytes], used: list[_Segment]) -> None:
+        """Gives the span's first segment a run of the span (`data`, from the prompt) if it
+        covers several segments and more than the segment's run."""
+        first, i, j, _ = span
+        if len(used) - i < 2 or 4 * len(data) > self.config.max_bytes:  # at most a quarter
+            return
+        if first.run is None or len(first.run.data) < len(data):
+            self._drop_run(first)
+            first.run = _Run(data, b"".join(parts[j:]), used[i:])
+            self._run_bytes += first.run.size
+
+    def _drop_run(self, node: _Segment) -> None:
+        if node.run is not None:
+            self._run_bytes -= node.run.size
+            node.run = None
+
+    def _store(
+        self, raw: bytes, chain: bytes, a: int, parent: bytes, node: _Segment | None, k: int
+    ) -> list[_Segment]:
+        """Stores the blocks from raw[a:] on (hashes in `chain`), after the walk's last segment
+        `node`: cut `node` where the prompt diverges from it, or grow it if it is a short leaf (a
+        chat's previous turn), then new segments. Returns the new segments, oldest block first."""
+        bb, w, seg = self._block_bytes, DIGEST_SIZE, self.config.segment_blocks
+        new = []
+        self._version += 1
+        if node is not None and k < len(node.blob) // w:
+            new.append(self._cut(node, k))
+        elif node is not None and k < seg and parent not in self._children:
+            grow = min(seg - k, (len(chain) // w) - a // bb)
+            node.data += raw[a : a + grow * bb]
+            node.blob += chain[a // bb * w : (a // bb + grow) * w]
+            node.last = parent = node.blob[-w:]
+            a += grow * bb
+        new += self._split(raw, a, parent, chain[a // bb * w :])
+        return new
+
+    def _cut(self, node: _Segment, k: int) -> _Segment:
+        """Keeps `node`'s first k blocks in it and moves the rest (and their children) to a new
+        segment after them, so that a sibling diverging at block k can be stored beside it."""
+        bb, w = self._block_bytes, DIGEST_SIZE
+        rest = _Segment(node.blob[(k - 1) * w : k * w], node.data[k * bb :], node.blob[k * w :])
+        node.data, node.blob = node.data[: k * bb], node.blob[: k * w]
+        node.last = rest.parent
+        return rest
 
     def _split(self, raw: bytes, a: int, parent: bytes, blob: bytes) -> list[_Segment]:
         """New segments holding the hashes in `blob`, those of the blocks from raw[a:] on (the
@@ -225,36 +310,33 @@ class PrefixHashCache:
         for node in reversed(new):
             add(node)
         for node in reversed(used):
-            if node in lru:  # else evicted by another thread, or replaced by a longer sibling
+            if node in lru:  # else evicted by another thread
                 move(node)
-        while len(lru) > self.max_entries:
+        while lru and self.num_bytes > self.config.max_bytes:
             self._unlink(lru.popitem(last=False)[0])
             self.stats.evictions += 1
+            self._version += 1
 
     def _add(self, node: _Segment) -> None:
-        """Stores `node` in byte order among its siblings, dropping those that are block
-        prefixes of it (it serves every prompt they served; they sort right before it)."""
-        siblings = self._children.get(node.parent)
-        if siblings is None:
-            self._children[node.parent] = [node]  # the usual case: a new chain's segment
-        else:
-            data = node.data
-            i = bisect_left(siblings, data, key=_DATA)
-            if i < len(siblings) and siblings[i].data == data:
-                return  # another thread stored the same segment meanwhile
-            while i and data.startswith(siblings[i - 1].data):
-                del self._lru[siblings.pop(i - 1)]
-                i -= 1
-            siblings.insert(i, node)
+        key = node.data[: self._block_bytes]
+        old = self._children.get(node.parent, {}).get(key)
+        if old is not None:  # only after a race left an orphan (its parent evicted) in the way
+            del self._lru[old]
+            self._unlink(old)
+        self._children.setdefault(node.parent, {})[key] = node
         self._lru[node] = None
 
     def _unlink(self, node: _Segment) -> None:
-        """Removes an evicted segment from its parent's siblings."""
-        siblings = self._children[node.parent]
-        if len(siblings) == 1:
-            del self._children[node.parent]
-        else:
-            del siblings[bisect_left(siblings, node.data, key=_DATA)]  # the one with its bytes
+        """Removes a segment gone from the LRU from its parent's children, drops its run and
+        frees its bytes (runs that list it keep only the object)."""
+        siblings = self._children.get(node.parent)
+        key = node.data[: self._block_bytes]
+        if siblings is not None and siblings.get(key) is node:
+            del siblings[key]
+            if not siblings:
+                del self._children[node.parent]
+        self._drop_run(node)
+        node.data = node.blob = node.last = b""
 
 
 def _as_uint32(token_ids: Sequence[int]) -> array:
@@ -264,23 +346,6 @@ def _as_uint32(token_ids: Sequence[int]) -> array:
         return array("I", token_ids)  # (num_tokens,) uint32, one conversion for all
     except OverflowError as e:
         raise ValueError("token ids must be in [0, 2**32)") from e
-
-
-def _match(siblings: list[_Segment], seg: bytes, bb: int) -> tuple[_Segment | None, int]:
-    """The sibling equal to `seg`, or else the one sharing the longest block prefix with it (in
-    byte order, one of its two neighbours), and how many blocks of `seg` it serves."""
-    n = len(seg) // bb
-    i = bisect_left(siblings, seg, key=_DATA)
-    if i < len(siblings) and siblings[i].data == seg:
-        return siblings[i], n
-    best, k = None, 0
-    for node in siblings[max(i - 1, 0) : i + 1]:
-        data = node.data  # to beat k blocks it must match block k, then blocks 0..k-1
-        if data[k * bb : (k + 1) * bb] != seg[k * bb : (k + 1) * bb]:
-            continue
-        if data[: k * bb] == seg[: k * bb]:
-            best, k = node, _shared_blocks(data, seg, k + 1, min(n, len(data) // bb), bb)
-    return best, k
 
 
 def _shared_blocks(data: bytes, seg: bytes, lo: int, hi: int, bb: int) -> int:

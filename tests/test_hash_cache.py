@@ -273,3 +273,118 @@ def test_a_one_token_edit_anywhere_rehashes_from_its_block_on():
         before = cache.stats.hashed_blocks
         assert cache.hash_prompt(edited) == cache.hasher.hash_prompt(edited)
         assert cache.stats.hashed_blocks - before == max(9 - i // 4, 0), i
+
+
+# Runs: several whole segments a walk went through, served later by one memcmp.
+
+
+def test_many_questions_on_a_long_document_are_served_by_one_run():
+    rng = random.Random(15)
+    cache = make_cache(block_size=4, segment_blocks=3)
+    doc = random_ids(rng, 12 * 10 + 5)  # 10 full segments and a partial one
+    for i in range(30):
+        prompt = doc + random_ids(rng, rng.randrange(0, 20))
+        before_hashed, before_runs = cache.stats.hashed_blocks, cache.stats.run_hits
+        chain = cache.hash_prompt(prompt)
+        assert chain == cache.hasher.hash_prompt(prompt)
+        if i >= 2:  # the second prompt went through the stored segments and left a run
+            assert cache.stats.run_hits == before_runs + 1
+            assert cache.stats.hashed_blocks - before_hashed == len(chain) - len(doc) // 4
+    assert cache.num_bytes > len(cache) * cache.entry_bytes  # the run is counted
+
+
+def test_a_prompt_diverging_inside_a_run_falls_back_to_its_segments():
+    rng = random.Random(16)
+    cache = make_cache(block_size=4, segment_blocks=3)
+    doc = random_ids(rng, 12 * 6)
+    for _ in range(2):
+        cache.hash_prompt(doc + random_ids(rng, 9))  # the second leaves a run of the document
+    for cut in range(len(doc) + 1):
+        tail = [fresh_token(rng, doc[cut])] if cut < len(doc) else []
+        prompt = doc[:cut] + tail + random_ids(rng, 6)
+        before = cache.stats.hashed_blocks
+        assert cache.hash_prompt(prompt) == cache.hasher.hash_prompt(prompt)
+        # Every block before the one holding the new token is reused.
+        assert cache.stats.hashed_blocks - before == len(prompt) // 4 - cut // 4, cut
+    before = cache.stats.run_hits
+    prompt = doc + random_ids(rng, 5)
+    assert cache.hash_prompt(prompt) == cache.hasher.hash_prompt(prompt)
+    assert cache.stats.run_hits == before + 1  # the run survived the cuts of its segments
+
+
+def test_a_run_serves_its_evicted_segments_and_goes_with_its_first():
+    rng = random.Random(17)
+    budget = 12 * make_cache().entry_bytes
+    doc = random_ids(rng, 12 * 5)  # 5 segments
+    others = [random_ids(rng, 12) for _ in range(30)]
+    outcomes = []
+    for pushed in range(len(others)):
+        cache = make_cache(max_bytes=budget)
+        for _ in range(2):
+            cache.hash_prompt(doc)  # the second leaves a run of the 5 segments
+        assert cache.num_bytes > len(cache) * cache.entry_bytes
+        for prompt in others[:pushed]:  # one-segment prompts push the document out, end first
+            assert cache.hash_prompt(prompt) == cache.hasher.hash_prompt(prompt)
+            assert cache.num_bytes <= budget
+        evicted, hashed = cache.stats.evictions, cache.stats.hashed_blocks
+        assert cache.hash_prompt(doc) == cache.hasher.hash_prompt(doc)
+        assert cache.num_bytes <= budget
+        if cache.stats.hashed_blocks == hashed:
+            assert cache.stats.run_hits == 1  # served by the run, evicted segments included
+            outcomes.append("run" if evicted else "kept")
+        else:  # the first segment went last, with the run: everything is hashed again
+            assert cache.stats.hashed_blocks - hashed == 15
+            outcomes.append("hashed")
+    # Early the document is whole; then its end is evicted but the run serves it; then it goes.
+    assert outcomes == sorted(outcomes, key=["kept", "run", "hashed"].index)
+    assert {"kept", "run", "hashed"} <= set(outcomes)
+
+
+def test_random_histories_with_runs_under_a_small_budget_match_hash_prompt():
+    rng = random.Random(18)
+    probe = make_cache()
+    for budget in (3, 8, 20, 60):
+        cache = make_cache(max_bytes=budget * probe.entry_bytes)
+        docs = [random_ids(rng, rng.randrange(30, 150)) for _ in range(5)]
+        for _ in range(250):
+            doc = rng.choice(docs)
+            prompt = doc[: rng.randrange(len(doc) + 1)] + random_ids(rng, rng.randrange(0, 20))
+            if rng.random() < 0.1:  # an edit inside the shared part
+                i = rng.randrange(len(prompt) or 1)
+                prompt[i:i] = [rng.randrange(VOCAB)]
+            salt = rng.choice([None, "tenant-a"])
+            want = cache.hasher.hash_prompt(prompt, cache_salt=salt)
+            assert cache.hash_prompt(prompt, cache_salt=salt) == want
+            assert cache.num_bytes <= cache.config.max_bytes
+        assert cache.stats.evictions > 0
+        if budget >= 20:
+            assert cache.stats.run_hits > 0
+
+
+def test_tenants_get_their_own_runs():
+    rng = random.Random(19)
+    cache = make_cache()
+    doc = random_ids(rng, 12 * 8)
+    chains = {}
+    for _ in range(3):
+        for salt in ("tenant-a", "tenant-b"):
+            before = cache.stats.hashed_blocks
+            chains[salt] = cache.hash_prompt(doc, cache_salt=salt)
+            assert chains[salt] == cache.hasher.hash_prompt(doc, cache_salt=salt)
+    assert cache.stats.hashed_blocks == before  # the third round was all served
+    assert cache.stats.run_hits == 2  # one run each, in the third round
+    assert set(chains["tenant-a"]).isdisjoint(chains["tenant-b"])
+
+
+def test_clear_drops_segments_and_runs():
+    rng = random.Random(20)
+    cache = make_cache()
+    doc = random_ids(rng, 12 * 6)
+    for _ in range(3):
+        cache.hash_prompt(doc)
+    assert cache.stats.run_hits == 1
+    cache.clear()
+    assert len(cache) == 0 and cache.num_bytes == 0
+    before = cache.stats.hashed_blocks
+    assert cache.hash_prompt(doc) == cache.hasher.hash_prompt(doc)
+    assert cache.stats.hashed_blocks - before == len(doc) // 4 and cache.stats.run_hits == 1
