@@ -163,6 +163,18 @@ class IndexCopy:
                 fresh = 0
         self.add_pending(g, probed[fresh:], deadline, now)
 
+    def fresh(self, g: CopiedGroup, probed: Sequence[bytes], after: float) -> int:
+        """How many leading `probed` are pending on `g` past `after`, by binary search
+        (deadlines never grow along a chain, so they are a prefix)."""
+        pending, lo, hi = g.pending, 0, len(probed)  # probes before lo qualify; from hi on, none
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if pending.get(probed[mid - 1], 0.0) > after:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
     def _expire(self, now: float) -> None:
         """Drop the pending probes whose deadline passed (those raised since stay)."""
         heap, marks = self._expiry, self._pending

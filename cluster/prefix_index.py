@@ -250,8 +250,13 @@ class InMemoryPrefixIndex(PrefixIndex):
             now = self._clock()
             g = self._copy.groups.get(group_id)
             if g is not None and g.deadline > now and block_hashes:
-                # never shortens an entry: a shorter TTL than an earlier placement's keeps it
-                self._copy.add_pending(g, probe_hashes(block_hashes), now + ttl, now)
+                # As a router's writes to Redis: probes pending for over half a TTL more are
+                # left as they are (a hot document's questions add their own tails), the rest
+                # pending until now + ttl at most; an entry never shortens.
+                probed = probe_hashes(block_hashes)
+                fresh = self._copy.fresh(g, probed, now + ttl / 2)
+                if fresh < len(probed):
+                    self._copy.place(g, probed, fresh, ttl, now)
 
     def cleanup(self) -> int:
         with self._lock:

@@ -14,7 +14,7 @@ import itertools
 import logging
 import time
 from array import array
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Container, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -150,23 +150,23 @@ class Router:
         return list(ids)
 
     # ---- placement ---------------------------------------------------------------------
-    def live_statuses(self) -> dict[str, GroupStatus]:
-        """Live groups' statuses, with the prefill this router just sent them counted."""
-        out = {}
+    def live_statuses(self, exclude: Container[str] = ()) -> dict[str, GroupStatus]:
+        """Live groups' statuses (but those in `exclude`), with the prefill this router just
+        sent them counted."""
+        out, in_flight = {}, self._in_flight
         for gid, g in self.groups.items():
             s = g.status()
-            if not s.alive:
+            if not s.alive or gid in exclude:
                 continue
-            sent = self._in_flight.get(gid, 0)
-            if sent > s.pending_prefill_tokens:
-                s = replace(s, pending_prefill_tokens=sent)
+            if in_flight.get(gid, 0) > s.pending_prefill_tokens:
+                s = replace(s, pending_prefill_tokens=in_flight[gid])
             out[gid] = s
         return out
 
-    def place(self, block_hashes: Sequence[bytes], exclude: set[str] = frozenset()) -> Placement:
+    def place(self, block_hashes: Sequence[bytes], exclude: Container[str] = ()) -> Placement:
         """Choose a group for a prompt's hash chain (one index round trip; the pending record
         reaches the shared index in the background, see PendingPlacements)."""
-        statuses = {gid: s for gid, s in self.live_statuses().items() if gid not in exclude}
+        statuses = self.live_statuses(exclude)
         if not statuses:
             raise NoGroupAvailableError("no live worker group is available")
         matches, placed = {}, self.pending.unconfirmed()  # before the match is sent
