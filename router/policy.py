@@ -45,6 +45,7 @@ from dataclasses import dataclass, field, fields
 from cluster.group import GroupStatus
 from cluster.prefix_index import GroupMatch
 from cluster.sim_group import CostModel
+from router.group_window import GroupWindow
 
 
 @dataclass(frozen=True)
@@ -79,9 +80,26 @@ def _first(block_hashes: Sequence[bytes]) -> bytes:
     return block_hashes[0] if block_hashes else b""
 
 
+_NO_MATCH = GroupMatch("", 0, 0, 0, None)  # (group_id, epoch, blocks, pending_blocks, load)
+
+
 def _cached(matches: Mapping[str, GroupMatch], gid: str) -> int:
     m = matches.get(gid)
     return 0 if m is None else m.expected_blocks
+
+
+def _hits(
+    n: int, statuses: Mapping[str, GroupStatus], matches: Mapping[str, GroupMatch]
+) -> list[int]:
+    """Each live group's leading blocks held or pending (`_cached`), at most `n`, in `statuses`
+    order."""
+    if not matches:
+        return [0] * len(statuses)
+    hits = []
+    for _, _, blocks, pending, _ in map(matches.get, statuses, itertools.repeat(_NO_MATCH)):
+        h = blocks if blocks > pending else pending
+        hits.append(h if h < n else n)
+    return hits
 
 
 class RoundRobin(Policy):
@@ -206,120 +224,113 @@ class PrefixAware(Policy):
     def __init__(self, config: PrefixAwareConfig | None = None) -> None:
         self.config = config or PrefixAwareConfig()
         self.window = GroupWindow(self.config.balance_window)  # per live group
+        # group id -> (its status, that status's terms of the score; see _status_terms). A
+        # group's handle returns the same status object until the group reports again, so an
+        # entry whose object `is not` the one passed in is stale and is recomputed.
+        self._terms: dict[str, tuple[GroupStatus, int, float, int, float]] = {}
+        cfg = self.config
+        unit = cfg.balance_weight * cfg.decode_tokens * cfg.cost.decode_seq_s  # per placement
+        self._constants = (cfg.cost.prefill_token_s, cfg.max_num_batched_tokens, cfg.recompute_weight, cfg.eviction_weight, unit)  # fmt: skip
 
     def choose(self, block_hashes, statuses, matches) -> Placement:
-        cfg, n, key = self.config, len(block_hashes), _first(block_hashes)
-        # One pass over the live groups: hits (`_cached`, inlined), placements, tokens sent.
-        requests, tokens, scale = self.window.raw()
-        hits, placed, sent, best_hit = {}, {}, {}, 0
-        for g in statuses:
-            m = matches.get(g)
-            if m is None:
-                h = 0
-            else:
-                h = m.blocks if m.blocks > m.pending_blocks else m.pending_blocks
-                h = h if h < n else n
-                best_hit = h if h > best_hit else best_hit
-            hits[g] = h
-            placed[g] = requests.get(g, 0.0) * scale
-            sent[g] = tokens.get(g, 0.0)
-        candidates = list(statuses)
-        if best_hit > 0:
-            holders = [g for g in statuses if 2 * hits[g] >= best_hit]
-            if len(holders) >= (cfg.max_replicas or max(2, len(statuses) // 2)):
-                candidates = holders  # replication by cost is bounded: stay on the holders
-        mean = sum(placed.values()) / len(placed)
-        if cfg.load_slack is not None:
-            candidates = self._bounded(candidates, statuses, hits, best_hit, placed, mean)
-        scored = self._scores(n, candidates, statuses, hits, sent, placed, mean)
-        low = min(scored.values())
-        tied = [g for g, v in scored.items() if v == low]  # e.g. idle groups, a new prefix
+        n, key, live = len(block_hashes), _first(block_hashes), len(statuses)
+        # Lists in `statuses` order: hit blocks (`_cached`, capped at n) and decayed placements.
+        hits = _hits(n, statuses, matches)
+        requests, _, scale = self.window.raw()
+        placed = [r * scale for r in map(requests.get, statuses, itertools.repeat(0.0))]
+        best_hit, mean = max(hits), sum(placed) / live
+        min_hit, bound, high = self._limits(hits, best_hit, placed, mean)
+        rows = statuses, hits, placed, mean
+        tied = self._lowest(n, rows, best_hit, min_hit, bound, high)
+        if not tied:  # every candidate is over the bound: any group under it, else any group
+            tied = self._lowest(n, rows, best_hit, 0, bound, -math.inf)
+            tied = tied or self._lowest(n, rows, best_hit, 0, math.inf, -math.inf)
         gid = tied[0] if len(tied) == 1 else max(tied, key=lambda g: rendezvous(key, g))
-        self.window.add(gid, (n - hits[gid]) * self.block_size, len(statuses))
+        hit = hits[list(statuses).index(gid)]
+        self.window.add(gid, (n - hit) * self.block_size, live)
         if best_hit == 0:
             reason = "new_prefix"
-        elif hits[gid] == best_hit:
+        elif hit == best_hit:
             reason = "prefix_hit"
         else:
             reason = "spill"
-        return Placement(gid, reason, hits[gid])
+        return Placement(gid, reason, hit)
 
-    def _scores(self, n, candidates, statuses, hits, sent, placed, mean) -> dict[str, float]:
-        """Each candidate's estimated cost in seconds of this `n`-block prompt: its time to first
-        token, plus the charges for recompute, eviction (scaled by the group's pressure: the
-        uncached tokens `sent` there lately over the mean), neighbours and balance. One loop
-        with the constants hoisted out: at 64 groups it is most of a decision's policy time."""
-        cfg, c, bs = self.config, self.config.cost, self.block_size
-        prefill_s, step_s, decode_s = c.prefill_token_s, c.step_s, c.decode_seq_s
-        budget, half = cfg.max_num_batched_tokens, bs // 2
-        recompute_w, eviction_w = cfg.recompute_weight, cfg.eviction_weight
-        request_w, decode_tokens = cfg.request_weight, cfg.decode_tokens
-        unit = cfg.balance_weight * cfg.decode_tokens * decode_s
-        total, live = sum(sent.values()), len(sent)  # pressure 1 for all when nothing was sent
-        scored, by_hit = {}, {}  # by_hit: hit blocks -> (new tokens, their blocks, recompute)
-        for g in candidates:
-            s, h = statuses[g], hits[g]  # h <= n
-            if h not in by_hit:
-                t = (n - h) * bs + half
-                by_hit[h] = (t, math.ceil(t / bs), recompute_w * t * prefill_s)
-            new_tokens, new_blocks, recompute = by_hit[h]
-            work = s.pending_prefill_tokens + new_tokens
-            steps = math.ceil(work / budget)
-            ttft = work * prefill_s + steps * (step_s + s.running * decode_s)
-            empty = s.blocks_free - s.blocks_cached  # no content, no reference; cached are taken
-            evicted = new_blocks - empty if empty > 0 else new_blocks
-            evicted = evicted if evicted > 0 else 0
-            pressure = sent[g] * live / total if total > 0 else 1.0
-            eviction = eviction_w * pressure * evicted * bs * prefill_s
-            neighbours = request_w * (s.running + s.waiting) * decode_tokens * decode_s
-            scored[g] = ttft + recompute + eviction + neighbours + unit * (placed[g] - mean)
-        return scored
+    def _limits(self, hits, best_hit, placed, mean) -> tuple[int, float, float]:
+        """(min_hit, bound, high): a group is a candidate if it holds at least min_hit blocks and
+        its placements are under the load bound, or it is one of a prefix's only holders and
+        under the hit bound `high`.
 
-    def _bounded(self, candidates, statuses, hits, best_hit, placed, mean) -> list[str]:
-        """The candidates under the load bound; the least placed group always is. A prefix's
-        only holders (at most hit_holders groups with its longest match), all over the bound,
-        stay candidates up to the hit bound: diverting the request would recompute the prefix
-        and store a second copy, while the bound is kept by the requests that cost nothing to
-        place elsewhere (new prefixes, chats, a prefix with more holders)."""
+        Replication by cost is bounded: once max_replicas groups hold at least half the longest
+        match, only they are candidates. The least placed group is always under the bound. A
+        prefix's only holders (at most hit_holders groups with its longest match), all over the
+        bound, stay candidates up to the hit bound: diverting the request would recompute the
+        prefix and store a second copy, while the bound is kept by the requests that cost
+        nothing to place elsewhere (new prefixes, chats, a prefix with more holders)."""
         cfg = self.config
+        min_hit = 0
+        if best_hit > 0:
+            half = (best_hit + 1) // 2  # 2 * hit >= best_hit
+            holders = len([h for h in hits if h >= half])
+            if holders >= (cfg.max_replicas or max(2, len(hits) // 2)):
+                min_hit = half
+        if cfg.load_slack is None:
+            return min_hit, math.inf, -math.inf
         bound = (1.0 + cfg.load_slack) * mean + cfg.load_burst
-        under = [g for g in candidates if placed[g] < bound]
         if cfg.hit_slack is not None and best_hit > 0:
-            best = [g for g in candidates if hits[g] == best_hit]
-            if len(best) <= cfg.hit_holders and all(placed[g] >= bound for g in best):
-                high = (1.0 + cfg.hit_slack) * mean + cfg.load_burst
-                under += [g for g in best if placed[g] < high]
-        return under or [g for g in statuses if placed[g] < bound]
+            best = [p for h, p in zip(hits, placed, strict=True) if h == best_hit]
+            if len(best) <= cfg.hit_holders and min(best) >= bound:
+                return min_hit, bound, (1.0 + cfg.hit_slack) * mean + cfg.load_burst
+        return min_hit, bound, -math.inf
 
+    def _lowest(self, n, rows, best_hit, min_hit, bound, high) -> list[str]:
+        """The candidates (see _limits) of lowest estimated cost in seconds of this `n`-block
+        prompt, several on a tie (e.g. idle groups, a new prefix): its time to first token, plus
+        the charges for recompute, eviction (scaled by the group's pressure: the uncached tokens
+        sent there lately over the mean), neighbours and balance. `rows`: (statuses, hits,
+        placed, mean), the lists in `statuses` order. One loop with the constants hoisted out,
+        the terms that only a status sets cached (`_status_terms`) and those that only the hit
+        sets computed once per hit: at 64 groups it is most of a decision's time."""
+        bs, ceil, (prefill_s, budget, recompute_w, eviction_w, unit) = self.block_size, math.ceil, self._constants  # fmt: skip
+        half, (statuses, hits, placed, mean), live = bs // 2, rows, len(rows[1])
+        tokens, total = self.window.raw()[1], None  # total: sent lately, summed when needed
+        terms, by_hit = self._terms, {}  # by_hit: hit blocks -> (new tokens, blocks, recompute)
+        low, tied = math.inf, []
+        for (g, s), h, p in zip(statuses.items(), hits, placed, strict=True):
+            if h < min_hit or (p >= bound and (h != best_hit or p >= high)):
+                continue
+            t = terms.get(g)
+            if t is None or t[0] is not s:
+                t = terms[g] = self._status_terms(s)
+            _, queued, step, room, neighbours = t
+            if h not in by_hit:
+                new = (n - h) * bs + half
+                by_hit[h] = (new, ceil(new / bs), recompute_w * new * prefill_s)
+            new, new_blocks, recompute = by_hit[h]
+            work = queued + new
+            cost = work * prefill_s + ceil(work / budget) * step + recompute  # ttft + recompute
+            evicted = new_blocks - room
+            if evicted > 0:  # else the eviction charge is 0
+                if total is None:  # pressure 1 for all when nothing was sent
+                    total = sum(map(tokens.get, statuses, itertools.repeat(0.0)))
+                pressure = tokens.get(g, 0.0) * live / total if total > 0 else 1.0
+                cost += eviction_w * pressure * evicted * bs * prefill_s
+            cost = cost + neighbours + unit * (p - mean)
+            if cost < low:
+                low, tied = cost, [g]
+            elif cost == low:
+                tied.append(g)
+        if len(terms) > 2 * live + 16:  # forget groups that left
+            self._terms = {g: t for g, t in terms.items() if g in statuses}
+        return tied
 
-class GroupWindow:
-    """Each group's part of a router's last ~`window` x (live groups) placements, exponentially
-    decayed: the requests placed there and the prompt tokens they sent there uncached.
-
-    Stored values are the decayed ones divided by the product of the decays so far, so a
-    placement updates one entry instead of decaying every group's."""
-
-    def __init__(self, window: int) -> None:
-        self.window = window  # placements per live group
-        self._scale = 1.0  # the product of the decays since the last renormalization
-        self._requests: dict[str, float] = {}
-        self._tokens: dict[str, float] = {}
-
-    def add(self, group_id: str, new_tokens: int, live_groups: int = 1) -> None:
-        """Count one placement on `group_id` that sends it `new_tokens` uncached tokens."""
-        self._scale *= 1.0 - 1.0 / (self.window * max(1, live_groups))
-        if self._scale < 1e-100:  # renormalize before the stored values overflow
-            for counts in (self._requests, self._tokens):
-                for g in counts:
-                    counts[g] *= self._scale
-            self._scale = 1.0
-        self._requests[group_id] = self._requests.get(group_id, 0.0) + 1.0 / self._scale
-        self._tokens[group_id] = self._tokens.get(group_id, 0.0) + new_tokens / self._scale
-
-    def raw(self) -> tuple[dict[str, float], dict[str, float], float]:
-        """(requests, tokens, scale): each group's stored placements and uncached tokens; a
-        decayed count is the stored value times `scale`. Read-only views for one decision."""
-        return self._requests, self._tokens, self._scale
+    def _status_terms(self, s: GroupStatus) -> tuple[GroupStatus, int, float, int, float]:
+        """(s, queued prefill tokens, seconds of a prefill step with its running decodes, empty
+        blocks, neighbours' charge): the parts of a group's cost that only its status sets."""
+        cfg, c = self.config, self.config.cost
+        room = max(0, s.blocks_free - s.blocks_cached)  # no content, no reference: cached are taken
+        neighbours = cfg.request_weight * (s.running + s.waiting) * cfg.decode_tokens * c.decode_seq_s  # fmt: skip
+        return s, s.pending_prefill_tokens, c.step_s + s.running * c.decode_seq_s, room, neighbours
 
 
 class Oracle(Policy):

@@ -53,6 +53,20 @@ def test_spills_when_the_holders_queue_costs_more_than_a_prefill_elsewhere():
     assert (p.group_id, p.reason) == ("b", "spill")
 
 
+def test_the_choice_follows_a_groups_new_status():
+    # The policy keeps the terms that only a status sets between decisions; a group that
+    # reports again (a new status object) must be scored on the new one.
+    policy = make_policy("prefix_aware")
+    c = chain(50)
+    matches = {g: match(g) for g in "ab"}
+    statuses = {"a": status("a", queued=20_000, running=50), "b": status("b")}
+    assert policy.choose(c, statuses, matches).group_id == "b"
+    statuses = {"a": status("a"), "b": status("b", queued=5_000)}
+    assert policy.choose(c, statuses, matches).group_id == "a"
+    statuses["a"] = status("a", queued=20_000, running=50)  # only a reports; b's is the same
+    assert policy.choose(c, statuses, matches).group_id == "b"
+
+
 def test_replication_is_bounded_by_max_replicas():
     policy = PrefixAware(PrefixAwareConfig(max_replicas=2))
     c = chain(100)
@@ -160,6 +174,15 @@ def test_new_content_goes_to_the_pool_that_took_in_least_lately():
     for g, tokens in (("a", 4000), ("b", 4000), ("c", 100), ("d", 4000)):
         policy.window.add(g, tokens)
     assert policy.choose(chain(50, first=3), full, {}).group_id == "c"  # its LRU tail is oldest
+
+
+def test_a_bound_without_burst_still_places_the_first_requests():
+    """With load_burst 0 the bound is 0 while nothing was placed: no group is under it, and
+    the request still goes somewhere (the lowest cost), then the bound spreads the rest."""
+    policy = PrefixAware(PrefixAwareConfig(load_slack=0.0, load_burst=0.0))
+    statuses = {g: status(g) for g in "abc"}
+    placed = [policy.choose(chain(4, 16 * i), statuses, {}).group_id for i in range(6)]
+    assert sorted(placed) == ["a", "a", "b", "b", "c", "c"]
 
 
 def test_load_bound_config_is_validated():
