@@ -22,7 +22,7 @@ from protos.pagefleet.v1 import pagefleet_pb2 as pb
 from router.api import route_request
 from router.policy import PrefixAware, PrefixAwareConfig
 from router.router import ModelInfo, Router, RouteRequest
-from router.serve import ROUTER_SWITCH_INTERVAL_S
+from router.serve import ROUTER_SWITCH_INTERVAL_S, freeze_heap
 from tests.redis_server import RedisServer
 from worker.config import SchedulerConfig
 from worker.hashing import BlockHasher, ModelFingerprint
@@ -142,6 +142,7 @@ def run_latency(
     else:
         routed = index
     router = Router(groups, routed, hasher, info, policy=policy)
+    freeze_heap()  # as `pagefleet serve` does once its cluster is up
     out = {"latency_groups": n_groups, "index": index_kind, "blocks_per_group": args.blocks}
     out.update(decision_latency(router, doc, hasher))
     router.pending.flush()

@@ -41,7 +41,9 @@ class CopiedGroup:
     bit: int  # 1 << slot: the registration's bit in the copy's masks
     deadline: float  # the caller's clock
     load: GroupLoad | None = None
-    inventory: set[bytes] = field(default_factory=set)
+    # the cached block hashes, as a dict's keys: a dict of bytes is never tracked by the garbage
+    # collector (a set is, and a full collection over 64 groups' sets stalls the router)
+    inventory: dict[bytes, None] = field(default_factory=dict)
     pending: dict[bytes, float] = field(default_factory=dict)  # probe hash -> deadline
     nothing: GroupMatch | None = None  # the group's match of nothing, rebuilt when load changes
 
@@ -115,19 +117,20 @@ class IndexCopy:
     # ---- cached blocks ------------------------------------------------------------------
     def store(self, g: CopiedGroup, hashes: Sequence[bytes]) -> None:
         new = [h for h in hashes if h not in g.inventory]
-        g.inventory.update(new)
+        g.inventory.update(dict.fromkeys(new))
         held, get, bit = self._held, self._held.get, g.bit
         for h in new:
             held[h] = get(h, 0) | bit
 
     def remove(self, g: CopiedGroup, hashes: Sequence[bytes]) -> None:
         gone = [h for h in hashes if h in g.inventory]
-        g.inventory.difference_update(gone)
+        for h in gone:
+            del g.inventory[h]
         _unset(self._held, gone, g.bit)
 
     def clear(self, g: CopiedGroup) -> None:
         _unset(self._held, g.inventory, g.bit)
-        g.inventory = set()
+        g.inventory = {}
 
     # ---- pending probes -----------------------------------------------------------------
     def add_pending(

@@ -17,6 +17,7 @@ then report SERVING. SIGTERM or SIGINT: NOT_SERVING, drain in-flight calls for `
 from __future__ import annotations
 
 import asyncio
+import gc
 import importlib.util
 import logging
 import os
@@ -279,6 +280,7 @@ async def serve(config: ServeConfig, make_engine_config: Callable[..., Any]) -> 
         )
         if cluster is not None:
             await warm_up(cluster.groups)
+            freeze_heap()
             metrics_http = _serve_metrics(config, cluster.metrics)
             await door.set_ready(cluster.router, cluster.metrics)
             where = "" if metrics_http is None else (
@@ -298,6 +300,15 @@ async def serve(config: ServeConfig, make_engine_config: Callable[..., Any]) -> 
             metrics_http.shutdown()
         if cluster is not None:
             cluster.shutdown()
+
+
+def freeze_heap() -> None:
+    """Hide what is built by now (the model and groups, the tokenizer, the index as loaded) from
+    the garbage collector: it lives as long as the server, and a full collection over it would
+    stall the router's event loop (~0.2 s at 64 groups in the routing latency benchmark).
+    Objects made later are collected as usual."""
+    gc.collect()
+    gc.freeze()
 
 
 def _in_daemon_thread(fn: Callable, *args) -> asyncio.Future:
