@@ -222,7 +222,11 @@ class RequestFailed:
 
 
 def describe_error(e: BaseException) -> str:
-    """An error as one line for the group's status: its type and message."""
+    """An error as one line for the group's status: its type and message (a task's own error
+    for a failed actor call, not Ray's wrapper with the remote traceback)."""
+    cause = getattr(e, "cause", None)
+    if isinstance(e, ray.exceptions.RayTaskError) and isinstance(cause, BaseException):
+        e = cause
     return f"{type(e).__name__}: {e}"
 
 

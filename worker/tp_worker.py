@@ -63,8 +63,8 @@ class TPWorker:
                 handlers[kind](message)
             except RuntimeError as e:  # gloo / NCCL: rank 0 gone, a peer gone, or a timeout
                 raise GroupFailedError(
-                    f"rank {self._rank} of {self.world_size} lost its group after "
-                    f"{self.steps} steps: {e}"
+                    f"rank {self._rank} of {self.world_size}: the tensor-parallel group failed "
+                    f"or stopped answering after {self.steps} steps: {e}"
                 ) from e
 
     def _step(self, message: bytes) -> None:
