@@ -40,6 +40,19 @@ def _probe_getter(n: int) -> Callable[[Sequence[bytes]], tuple[bytes, ...]]:
     return operator.itemgetter(*pos)  # picks every probe in one C call
 
 
+def prefix_length(n: int, holds: Callable[[int], bool]) -> int:
+    """How many leading indices of range(n) satisfy `holds`, when those that do are a prefix
+    (as along a chain: a chain hash covers every block before it), by binary search."""
+    lo, hi = 0, n  # indices below lo hold; from hi on, none
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if holds(mid - 1):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
 def probe_hashes(chain: Sequence[bytes]) -> tuple[bytes, ...]:
     """The chain's hashes at `probe_positions(len(chain))`."""
     if isinstance(chain, HashChain):

@@ -29,7 +29,7 @@ import itertools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from cluster.chain_probes import probe_hashes, probe_positions
+from cluster.chain_probes import prefix_length, probe_hashes, probe_positions
 from cluster.index_types import GroupLoad, GroupMatch
 
 
@@ -169,14 +169,8 @@ class IndexCopy:
     def fresh(self, g: CopiedGroup, probed: Sequence[bytes], after: float) -> int:
         """How many leading `probed` are pending on `g` past `after`, by binary search
         (deadlines never grow along a chain, so they are a prefix)."""
-        pending, lo, hi = g.pending, 0, len(probed)  # probes before lo qualify; from hi on, none
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if pending.get(probed[mid - 1], 0.0) > after:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+        pending = g.pending
+        return prefix_length(len(probed), lambda i: pending.get(probed[i], 0.0) > after)
 
     def _expire(self, now: float) -> None:
         """Drop the pending probes whose deadline passed (those raised since stay)."""

@@ -154,7 +154,7 @@ class RankActor:
             self._ready.clear()
             batch, self._outbox = self._outbox, []
             if batch or idle_s is not None:
-                yield batch, self.engine.stats()
+                yield batch, self.stats()
 
     async def abort(self, request_id: str) -> None:
         task = self._streams.get(request_id)

@@ -91,7 +91,6 @@ class RayGroup(GroupHandle):
         self.index = index
         self.publisher: IndexPublisher | None = None  # owned by the output thread once started
         self._pump_thread: threading.Thread | None = None
-        self._watch_thread: threading.Thread | None = None
         self._stats: dict = {}  # rank 0's engine stats, from the latest batch of the stream
         self._status: GroupStatus | None = None  # built from _status_of, until it changes
         self._status_of: dict | None = None
@@ -151,8 +150,7 @@ class RayGroup(GroupHandle):
             target=self._pump, args=(stream,), name="pagefleet-outputs", daemon=True
         )
         self._pump_thread.start()
-        self._watch_thread = threading.Thread(target=self._watch, name="pagefleet-watch", daemon=True)  # fmt: skip
-        self._watch_thread.start()
+        threading.Thread(target=self._watch, name="pagefleet-watch", daemon=True).start()
 
     def _inventory(self) -> list[bytes]:
         timeout = self.group_config.collective_timeout_s  # (between two steps of rank 0)

@@ -41,7 +41,7 @@ from cluster.prefix_index import (
     PendingWrite,
 )
 from cluster.redis_index import RedisPrefixIndex, to_ms
-from worker.hashing import DIGEST_SIZE
+from worker.hashing import HashChain
 
 log = logging.getLogger(__name__)
 
@@ -178,7 +178,7 @@ class MirroredPrefixIndex(BatchedPendingIndex):
         for i in range(0, len(rows), 4):
             gid, epoch, load, inventory = rows[i : i + 4]
             g = copy.register(gid.decode(), int(epoch), now, GroupLoad.from_json(load) if load else None)  # fmt: skip
-            copy.store(g, _split(inventory))
+            copy.store(g, HashChain(inventory))
         for line in pend:
             gid, epoch, ttl_ms, h = line.split(b"\t", 3)
             g = copy.groups.get(gid.decode())
@@ -231,18 +231,14 @@ class MirroredPrefixIndex(BatchedPendingIndex):
             return True
         copy.touch(g, now)
         if kind == b"S":
-            copy.store(g, _split(payload))
+            copy.store(g, HashChain(payload))
         elif kind == b"R":
-            copy.remove(g, _split(payload))
+            copy.remove(g, HashChain(payload))
         elif kind == b"C":
             copy.clear(g)
         elif kind == b"B" and payload:
             copy.set_load(name, g, GroupLoad.from_json(payload))
         elif kind == b"Q":
             ttl_ms, blob = payload.split(b"\t", 1)
-            copy.add_pending(g, _split(blob), now + int(ttl_ms) / 1000, now)
+            copy.add_pending(g, HashChain(blob), now + int(ttl_ms) / 1000, now)
         return True
-
-
-def _split(blob: bytes) -> list[bytes]:
-    return [blob[i : i + DIGEST_SIZE] for i in range(0, len(blob), DIGEST_SIZE)]

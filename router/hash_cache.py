@@ -365,8 +365,8 @@ def _shared_blocks(data: bytes, seg: bytes, lo: int, hi: int, bb: int) -> int:
 
 def _entry_bytes(segment_bytes: int, segment_blocks: int) -> int:
     """Bytes one full segment holds: the segment object, its token bytes, its hashes' bytes and
-    its parent's and last hash, plus its LRU slot and link node and its place in its siblings'
-    list."""
+    its parent's and last hash, plus its LRU slot and link node and its entry in its siblings'
+    dict."""
     digest = sys.getsizeof(bytes(DIGEST_SIZE))
     node = sys.getsizeof(_Segment(b"", b"", bytes(DIGEST_SIZE))) + sys.getsizeof(
         bytes(segment_bytes)

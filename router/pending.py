@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import repeat
 
-from cluster.chain_probes import probe_hashes, probe_positions
+from cluster.chain_probes import prefix_length, probe_hashes, probe_positions
 from cluster.prefix_index import (
     GroupMatch,
     PendingWrite,
@@ -31,12 +31,12 @@ class PendingPlacements:
 
     `record` only hands the placement to one writer thread (an inbox, seen by `unconfirmed` at
     once); the writer does the bookkeeping below and drains a bounded, coalescing queue (one
-    entry per distinct (group, chain)) with one `index.record_pending_many` call per drain, so other routers see a placement a
-    moment (one write's round trip) after it was made. Until its write returns, a placement is
-    "unconfirmed": `overlay` adds the unconfirmed ones (taken before the match was sent) to the
-    index's answer; a confirmed one is in that answer already. A failed or dropped write stays
-    unconfirmed until its deadline. Write errors are logged once per run of failures and never
-    reach the caller.
+    entry per distinct (group, chain)) with one `index.record_pending_many` call per drain, so
+    other routers see a placement a moment (one write's round trip) after it was made. Until
+    its write returns, a placement is "unconfirmed": `overlay` adds the unconfirmed ones (taken
+    before the match was sent) to the index's answer; a confirmed one is in that answer
+    already. A failed or dropped write stays unconfirmed until its deadline. Write errors are
+    logged once per run of failures and never reach the caller.
 
     Rewrites are skipped: a placement whose leading probes this router recorded on the group
     with more than half a TTL left writes only the rest (a hot document's questions write their
@@ -101,10 +101,15 @@ class PendingPlacements:
             self._previous, self._current = self._current, {}
             self._rotate_at = now + self.ttl_s
         cur, prev = self._current.get(group_id, {}), self._previous.get(group_id, {})
-        fresh, until = _fresh(probed, cur, prev, now + self.ttl_s / 2)
+
+        def deadline(h: bytes) -> float:
+            return max(cur.get(h, 0.0), prev.get(h, 0.0))
+
+        after = now + self.ttl_s / 2  # deadlines never grow along a chain: a prefix qualifies
+        fresh = prefix_length(len(probed), lambda i: deadline(probed[i]) > after)
         if fresh == len(probed):
             return  # pending in the index for at least half a TTL more
-        until = until if fresh else now + self.ttl_s
+        until = deadline(probed[fresh - 1]) if fresh else now + self.ttl_s
         self._current.setdefault(group_id, {}).update(zip(probed[fresh:], repeat(until)))
         key = (group_id, probed[-1])  # chained hashes: the last one names the chain
         self._placed.pop(key, None)  # re-inserted at the end: the order stays by age
@@ -151,7 +156,7 @@ class PendingPlacements:
             m = out.get(p.group_id) or GroupMatch(p.group_id, 0, 0, 0, None)  # index down
             if pos is None:
                 pos, probed = probe_positions(len(block_hashes)), probe_hashes(block_hashes)
-            k = _leading_shared(probed, p.probes)
+            k = _shared_probes(probed, p.probes)
             if pos[k - 1] + 1 > m.pending_blocks:
                 out[p.group_id] = m._replace(pending_blocks=pos[k - 1] + 1)
         return out
@@ -227,34 +232,7 @@ class _Placed:
     deadline: float  # the router's clock
 
 
-def _fresh(
-    probed: Sequence[bytes], cur: dict[bytes, float], prev: dict[bytes, float], after: float
-) -> tuple[int, float]:
-    """How many leading probes this router recorded with a deadline later than `after` (in
-    either generation), and the last one's deadline: a binary search (it runs for
-    every placement; deadlines never grow along a chain, so those probes are a prefix)."""
-    lo, hi, until = 0, len(probed), 0.0  # probes before lo qualify; from hi + 1 on, none
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        h = probed[mid - 1]
-        d = cur.get(h, 0.0)
-        d = max(d, prev.get(h, 0.0))
-        if d > after:
-            lo, until = mid, d
-        else:
-            hi = mid - 1
-    return lo, until
-
-
-def _leading_shared(a: Sequence[bytes], b: Sequence[bytes]) -> int:
-    """How many leading probes two chains share, both starting with the same one. Two chains
-    are probed at the same positions but for their last probes, and a chain hash covers every
-    block before it, so they agree exactly up to some index: a binary search finds it."""
-    lo, hi = 1, min(len(a), len(b))  # a[:lo] == b[:lo]; they differ at index hi, if any
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[mid - 1] == b[mid - 1]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
+def _shared_probes(a: Sequence[bytes], b: Sequence[bytes]) -> int:
+    """How many leading probes two chains share. Probed at the same positions (but for their
+    last probes) and chained, they agree exactly up to some probe."""
+    return prefix_length(min(len(a), len(b)), lambda i: a[i] == b[i])
