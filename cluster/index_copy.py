@@ -206,13 +206,18 @@ class IndexCopy:
             return out  # the usual case for a new prompt: no group touched at all
         pos, probed = probe_positions(len(block_hashes)), probe_hashes(block_hashes)
         cached = self._cached(block_hashes, pos, probed, held) if held else {}
-        pending = self._pending_blocks(pos, probed, pend) if pend else {}
+        by_bit, pop = self._by_bit, cached.pop
+        if pend:  # leading pending blocks, at probe granularity
+            for k, groups in _leading(pend, probed, self._pending.get):
+                p = pos[k - 1] + 1 if k else 0
+                while groups:
+                    bit = groups & -groups
+                    groups ^= bit
+                    gid, g = by_bit[bit]
+                    out[gid] = _answer(GroupMatch, (gid, g.epoch, pop(bit, 0), p, g.load))
         for bit, c in cached.items():
-            gid, g = self._by_bit[bit]
-            out[gid] = GroupMatch(gid, g.epoch, c, pending.pop(bit, 0), g.load)
-        for bit, p in pending.items():
-            gid, g = self._by_bit[bit]
-            out[gid] = GroupMatch(gid, g.epoch, 0, p, g.load)
+            gid, g = by_bit[bit]
+            out[gid] = _answer(GroupMatch, (gid, g.epoch, c, 0, g.load))
         return out
 
     def _cached(self, chain, pos, probed, held: int) -> dict[int, int]:
@@ -225,15 +230,6 @@ class IndexCopy:
             lo = pos[k - 1] + 1 if k else 0  # the gap between the last probe held and the next
             for j, gap_groups in _leading(groups, chain[lo : pos[k]], get):
                 out.update(dict.fromkeys(_bits(gap_groups), lo + j))
-        return out
-
-    def _pending_blocks(self, pos, probed, pend: int) -> dict[int, int]:
-        """bit -> leading pending blocks (at probe granularity), for the registrations in
-        `pend` (those pending on the chain's first block)."""
-        out = {}
-        for k, groups in _leading(pend, probed, self._pending.get):
-            if k:
-                out.update(dict.fromkeys(_bits(groups), pos[k - 1] + 1))
         return out
 
     def _count_live(self, now: float) -> None:
@@ -266,6 +262,11 @@ def _leading(
             else:
                 hi = mid - 1
         yield lo, groups
+
+
+# A match builds an answer per group it touches: tuple.__new__ skips the named tuple's
+# Python-level __new__, half the cost.
+_answer = tuple.__new__
 
 
 def _bits(mask: int) -> Iterator[int]:

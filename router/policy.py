@@ -80,26 +80,20 @@ def _first(block_hashes: Sequence[bytes]) -> bytes:
     return block_hashes[0] if block_hashes else b""
 
 
-_NO_MATCH = GroupMatch("", 0, 0, 0, None)  # (group_id, epoch, blocks, pending_blocks, load)
-
-
 def _cached(matches: Mapping[str, GroupMatch], gid: str) -> int:
     m = matches.get(gid)
     return 0 if m is None else m.expected_blocks
 
 
-def _hits(
-    n: int, statuses: Mapping[str, GroupStatus], matches: Mapping[str, GroupMatch]
-) -> list[int]:
-    """Each live group's leading blocks held or pending (`_cached`), at most `n`, in `statuses`
-    order."""
-    if not matches:
-        return [0] * len(statuses)
-    hits = []
-    for _, _, blocks, pending, _ in map(matches.get, statuses, itertools.repeat(_NO_MATCH)):
-        h = blocks if blocks > pending else pending
-        hits.append(h if h < n else n)
-    return hits
+def _held(n: int, statuses: Mapping[str, GroupStatus], matches: Mapping[str, GroupMatch]) -> dict[str, int]:  # fmt: skip
+    """The live groups that hold or have pending any leading block, with how many (`_cached`,
+    at most `n`). A match answers for every live group, most of them with nothing."""
+    held = {}
+    for gid, m in matches.items():
+        h = m[2] if m[2] > m[3] else m[3]  # blocks, pending_blocks
+        if h and gid in statuses:
+            held[gid] = h if h < n else n
+    return held
 
 
 class RoundRobin(Policy):
@@ -234,19 +228,18 @@ class PrefixAware(Policy):
 
     def choose(self, block_hashes, statuses, matches) -> Placement:
         n, key, live = len(block_hashes), _first(block_hashes), len(statuses)
-        # Lists in `statuses` order: hit blocks (`_cached`, capped at n) and decayed placements.
-        hits = _hits(n, statuses, matches)
-        requests, _, scale = self.window.raw()
-        placed = [r * scale for r in map(requests.get, statuses, itertools.repeat(0.0))]
-        best_hit, mean = max(hits), sum(placed) / live
-        min_hit, bound, high = self._limits(hits, best_hit, placed, mean)
-        rows = statuses, hits, placed, mean
-        tied = self._lowest(n, rows, best_hit, min_hit, bound, high)
+        held = _held(n, statuses, matches)  # the groups with a hit; every other one has 0
+        requests, _, scale = self.window.raw()  # decayed placements, in `statuses` order
+        placed = dict(zip(statuses, [r * scale for r in map(requests.get, statuses, itertools.repeat(0.0))], strict=True))  # fmt: skip
+        best_hit, mean = max(held.values(), default=0), sum(placed.values()) / live
+        min_hit, bound, high = self._limits(held, best_hit, placed, mean)
+        rows = statuses, held, placed, mean, best_hit
+        tied = self._lowest(n, rows, min_hit, bound, high)
         if not tied:  # every candidate is over the bound: any group under it, else any group
-            tied = self._lowest(n, rows, best_hit, 0, bound, -math.inf)
-            tied = tied or self._lowest(n, rows, best_hit, 0, math.inf, -math.inf)
+            tied = self._lowest(n, rows, 0, bound, -math.inf)
+            tied = tied or self._lowest(n, rows, 0, math.inf, -math.inf)
         gid = tied[0] if len(tied) == 1 else max(tied, key=lambda g: rendezvous(key, g))
-        hit = hits[list(statuses).index(gid)]
+        hit = held.get(gid, 0)
         self.window.add(gid, (n - hit) * self.block_size, live)
         if best_hit == 0:
             reason = "new_prefix"
@@ -256,7 +249,7 @@ class PrefixAware(Policy):
             reason = "spill"
         return Placement(gid, reason, hit)
 
-    def _limits(self, hits, best_hit, placed, mean) -> tuple[int, float, float]:
+    def _limits(self, held, best_hit, placed, mean) -> tuple[int, float, float]:
         """(min_hit, bound, high): a group is a candidate if it holds at least min_hit blocks and
         its placements are under the load bound, or it is one of a prefix's only holders and
         under the hit bound `high`.
@@ -271,55 +264,72 @@ class PrefixAware(Policy):
         min_hit = 0
         if best_hit > 0:
             half = (best_hit + 1) // 2  # 2 * hit >= best_hit
-            holders = len([h for h in hits if h >= half])
-            if holders >= (cfg.max_replicas or max(2, len(hits) // 2)):
+            holders = len([h for h in held.values() if h >= half])
+            if holders >= (cfg.max_replicas or max(2, len(placed) // 2)):
                 min_hit = half
         if cfg.load_slack is None:
             return min_hit, math.inf, -math.inf
         bound = (1.0 + cfg.load_slack) * mean + cfg.load_burst
         if cfg.hit_slack is not None and best_hit > 0:
-            best = [p for h, p in zip(hits, placed, strict=True) if h == best_hit]
+            best = [placed[g] for g, h in held.items() if h == best_hit]
             if len(best) <= cfg.hit_holders and min(best) >= bound:
                 return min_hit, bound, (1.0 + cfg.hit_slack) * mean + cfg.load_burst
         return min_hit, bound, -math.inf
 
-    def _lowest(self, n, rows, best_hit, min_hit, bound, high) -> list[str]:
+    def _lowest(self, n, rows, min_hit, bound, high) -> list[str]:
         """The candidates (see _limits) of lowest estimated cost in seconds of this `n`-block
         prompt, several on a tie (e.g. idle groups, a new prefix): its time to first token, plus
         the charges for recompute, eviction (scaled by the group's pressure: the uncached tokens
-        sent there lately over the mean), neighbours and balance. `rows`: (statuses, hits,
-        placed, mean), the lists in `statuses` order. One loop with the constants hoisted out,
-        the terms that only a status sets cached (`_status_terms`) and those that only the hit
-        sets computed once per hit: at 64 groups it is most of a decision's time."""
+        sent there lately over the mean), neighbours and balance. `rows`: (statuses, held,
+        placed, mean, best_hit), see `choose`.
+
+        The groups with a hit are scored first. The rest (hit 0) all pay the same recompute, so
+        none of them can cost less than `floor`, the whole prompt's prefill and recompute with
+        the least placements of any group and no other charge; when a hit already costs less,
+        they are not scored at all (every term is a sum of non-negative products, and rounding
+        keeps the order, so the skipped cost more even in floating point). One loop with the
+        constants hoisted out, the terms that only a status sets cached (`_status_terms`) and
+        those that only the hit sets computed once per hit: at 64 groups it is most of a
+        decision's time."""
         bs, ceil, (prefill_s, budget, recompute_w, eviction_w, unit) = self.block_size, math.ceil, self._constants  # fmt: skip
-        half, (statuses, hits, placed, mean), live = bs // 2, rows, len(rows[1])
+        half, (statuses, held, placed, mean, best_hit), live = bs // 2, rows, len(rows[0])
         tokens, total = self.window.raw()[1], None  # total: sent lately, summed when needed
         terms, by_hit = self._terms, {}  # by_hit: hit blocks -> (new tokens, blocks, recompute)
         low, tied = math.inf, []
-        for (g, s), h, p in zip(statuses.items(), hits, placed, strict=True):
-            if h < min_hit or (p >= bound and (h != best_hit or p >= high)):
-                continue
-            t = terms.get(g)
-            if t is None or t[0] is not s:
-                t = terms[g] = self._status_terms(s)
-            _, queued, step, room, neighbours = t
-            if h not in by_hit:
-                new = (n - h) * bs + half
-                by_hit[h] = (new, ceil(new / bs), recompute_w * new * prefill_s)
-            new, new_blocks, recompute = by_hit[h]
-            work = queued + new
-            cost = work * prefill_s + ceil(work / budget) * step + recompute  # ttft + recompute
-            evicted = new_blocks - room
-            if evicted > 0:  # else the eviction charge is 0
-                if total is None:  # pressure 1 for all when nothing was sent
-                    total = sum(map(tokens.get, statuses, itertools.repeat(0.0)))
-                pressure = tokens.get(g, 0.0) * live / total if total > 0 else 1.0
-                cost += eviction_w * pressure * evicted * bs * prefill_s
-            cost = cost + neighbours + unit * (p - mean)
-            if cost < low:
-                low, tied = cost, [g]
-            elif cost == low:
-                tied.append(g)
+        todo = [(g, h) for g, h in held.items() if h >= min_hit]
+        for rest in (False, True):
+            if rest:  # the groups without a hit, if candidates and not all dearer
+                new = n * bs + half
+                floor = new * prefill_s + recompute_w * new * prefill_s + unit * (min(placed.values()) - mean)  # fmt: skip
+                if min_hit > 0 or floor > low:
+                    break
+                todo = [(g, 0) for g in statuses if g not in held]
+            for g, h in todo:
+                p = placed[g]
+                if p >= bound and (h != best_hit or p >= high):
+                    continue
+                s = statuses[g]
+                t = terms.get(g)
+                if t is None or t[0] is not s:
+                    t = terms[g] = self._status_terms(s)
+                _, queued, step, room, neighbours = t
+                if h not in by_hit:
+                    new = (n - h) * bs + half
+                    by_hit[h] = (new, ceil(new / bs), recompute_w * new * prefill_s)
+                new, new_blocks, recompute = by_hit[h]
+                work = queued + new
+                cost = work * prefill_s + ceil(work / budget) * step + recompute  # ttft + recompute
+                evicted = new_blocks - room
+                if evicted > 0:  # else the eviction charge is 0
+                    if total is None:  # pressure 1 for all when nothing was sent
+                        total = sum(map(tokens.get, statuses, itertools.repeat(0.0)))
+                    pressure = tokens.get(g, 0.0) * live / total if total > 0 else 1.0
+                    cost += eviction_w * pressure * evicted * bs * prefill_s
+                cost = cost + neighbours + unit * (p - mean)
+                if cost < low:
+                    low, tied = cost, [g]
+                elif cost == low:
+                    tied.append(g)
         if len(terms) > 2 * live + 16:  # forget groups that left
             self._terms = {g: t for g, t in terms.items() if g in statuses}
         return tied

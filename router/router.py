@@ -14,7 +14,7 @@ import itertools
 import logging
 import time
 from array import array
-from collections.abc import AsyncIterator, Container, Mapping, Sequence
+from collections.abc import AsyncIterator, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -150,20 +150,19 @@ class Router:
         return list(ids)
 
     # ---- placement ---------------------------------------------------------------------
-    def live_statuses(self, exclude: Container[str] = ()) -> dict[str, GroupStatus]:
+    def live_statuses(self, exclude: Collection[str] = ()) -> dict[str, GroupStatus]:
         """Live groups' statuses (but those in `exclude`), with the prefill this router just
         sent them counted."""
-        out, in_flight = {}, self._in_flight
-        for gid, g in self.groups.items():
-            s = g.status()
-            if not s.alive or gid in exclude:
-                continue
-            if in_flight.get(gid, 0) > s.pending_prefill_tokens:
-                s = replace(s, pending_prefill_tokens=in_flight[gid])
-            out[gid] = s
+        out = {gid: s for gid, g in self.groups.items() if (s := g.status()).alive}
+        for gid in exclude:
+            out.pop(gid, None)
+        for gid, tokens in self._in_flight.items():  # only groups with prefill in flight
+            s = out.get(gid)
+            if s is not None and tokens > s.pending_prefill_tokens:
+                out[gid] = replace(s, pending_prefill_tokens=tokens)
         return out
 
-    def place(self, block_hashes: Sequence[bytes], exclude: Container[str] = ()) -> Placement:
+    def place(self, block_hashes: Sequence[bytes], exclude: Collection[str] = ()) -> Placement:
         """Choose a group for a prompt's hash chain (one index round trip; the pending record
         reaches the shared index in the background, see PendingPlacements)."""
         statuses = self.live_statuses(exclude)
@@ -230,7 +229,11 @@ class Router:
                 self._trim_records()
 
     def _add_in_flight(self, group_id: str, tokens: int) -> None:
-        self._in_flight[group_id] = max(0, self._in_flight.get(group_id, 0) + tokens)
+        left = self._in_flight.get(group_id, 0) + tokens
+        if left > 0:
+            self._in_flight[group_id] = left
+        else:
+            self._in_flight.pop(group_id, None)
 
     def abort(self, request_id: str) -> None:
         record = self.records.get(request_id)
