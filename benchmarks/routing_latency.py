@@ -55,8 +55,9 @@ def decision_latency(router: Router, doc: list[int], hasher: BlockHasher, n: int
       background  CPU time per request of the router's other threads (the pending-placement
                   writer, the mirror's follower), off the request's path
     and hash_uncached: the whole chain by the hasher alone (a document's first request);
-    grpc_door: what the gRPC server does before `Router.generate` (parsing the request
-    message, `router.api.route_request`: the checks and the prompt as a list).
+    grpc_door: what a gRPC request goes through before its hash: parsing the request message,
+    `router.api.route_request` (the checks, the prompt as a numpy array) and the router's
+    `checked_prompt` of that array (validate's part on this path).
     Requests arrive ARRIVAL_GAP_S apart, so each one's background work is done before the next
     (back to back, it would be timed inside the next request's parts instead)."""
     rng, out = random.Random(1), {}
@@ -86,7 +87,8 @@ def decision_latency(router: Router, doc: list[int], hasher: BlockHasher, n: int
             timed["hash_uncached"].append(time.perf_counter() - t0)
             wire = pb.GenerateRequest(token_ids=tokens).SerializeToString()
             t0 = time.perf_counter()
-            route_request(pb.GenerateRequest.FromString(wire), router, "bench")
+            route, _ = route_request(pb.GenerateRequest.FromString(wire), router, "bench")
+            router.checked_prompt(route)
             timed["grpc_door"].append(time.perf_counter() - t0)
         k = f"{size // 1024}k"
         for name, xs in timed.items():

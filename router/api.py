@@ -81,7 +81,7 @@ def sampling_params(msg: pb.SamplingParams):
         raise _invalid(str(e).replace("SamplingParams.", "sampling.")) from None
 
 
-def prompt_token_ids(request: pb.GenerateRequest, router: Router) -> list[int]:
+def prompt_token_ids(request: pb.GenerateRequest, router: Router) -> np.ndarray | list[int]:
     """The prompt as token ids: exactly one of text, token_ids or messages."""
     from router.router import RouteRequest
 
@@ -100,15 +100,15 @@ def prompt_token_ids(request: pb.GenerateRequest, router: Router) -> list[int]:
     if request.HasField("text") and not request.text:
         raise _invalid("text is empty")
     if request.token_ids:
-        # (n,) int64, one C copy of the repeated field; a Python loop over a 32k-token prompt
-        # took ~8 ms, and list() of the field ~2 ms more than tolist() of the array.
+        # (n,) int64, one C copy of the repeated field (0.02 ms at 32k tokens; list() of the
+        # field takes 2 ms, a Python loop over it ~8 ms).
         ids = np.array(request.token_ids, dtype=np.int64)
         vocab = router.model_info.vocab_size
         bad = np.flatnonzero((ids < 0) | (ids >= vocab))
         if bad.size:
             i = int(bad[0])
             raise _invalid(f"token_ids[{i}] = {ids[i]} is outside the vocabulary [0, {vocab})")
-        return ids.tolist()  # checked: the router's own check at the door is all that is left
+        return ids  # checked; the router takes the array as it is (Router.checked_prompt)
     messages = [chat_message(i, m) for i, m in enumerate(request.messages)] or None
     text = request.text if request.HasField("text") else None
     try:

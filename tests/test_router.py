@@ -7,6 +7,7 @@ import logging
 import time
 import uuid
 
+import numpy as np
 import pytest
 
 from cluster.group import LocalGroup
@@ -143,6 +144,18 @@ def test_the_vocabulary_check_names_the_bad_token_and_passes_the_array_to_hashin
     ids, checked = router.checked_prompt(RouteRequest(prompt_token_ids=DOC))
     assert ids == DOC and list(checked) == DOC and checked.typecode == "I"
     assert router.hash_cache.hash_prompt(checked) == made[0].hasher.hash_prompt(DOC)
+    # A numpy array (what the gRPC door passes on) is checked and converted alike, and the
+    # engine gets plain ints.
+    for dtype in (np.int64, np.int32, np.uint16):
+        ids, checked = router.checked_prompt(RouteRequest(prompt_token_ids=np.array(DOC, dtype)))
+        assert ids == DOC and all(type(t) is int for t in ids)
+        assert list(checked) == DOC and checked.typecode == "I"
+    for bad in (-1, 1024, 2**40):
+        with pytest.raises(ValueError, match=f"token id {bad} is outside"):
+            router.tokenize(RouteRequest(prompt_token_ids=np.array([1, 2, bad, 3])))
+    for bad in (np.array([1.0, 2.0]), np.array([[1, 2]]), np.array([], np.int64)):
+        with pytest.raises(ValueError, match="1-d array of integers|prompt is empty"):
+            router.tokenize(RouteRequest(prompt_token_ids=bad))
 
 
 def test_own_placements_count_while_the_shared_index_is_down(caplog):
