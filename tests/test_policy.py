@@ -185,6 +185,41 @@ def test_a_bound_without_burst_still_places_the_first_requests():
     assert sorted(placed) == ["a", "a", "b", "b", "c", "c"]
 
 
+def test_groups_skipped_for_their_floor_never_change_a_choice(monkeypatch):
+    """prefix_aware does not score the groups without a hit when a hit already costs less than
+    their floor. The same random decisions (statuses, holders, pending blocks, group counts and
+    options of every kind) with every group scored give the same choices."""
+    import random
+
+    from router import policy as policy_module
+
+    chains = {n: chain(n) for n in (0, 1, 20, 200, 300)}
+
+    def decisions(seed: int) -> list[tuple]:
+        rng = random.Random(seed)
+        options = rng.choice([{}, {"load_slack": None}, {"max_replicas": 1}, {"hit_slack": None}, {"eviction_weight": 0.0}, {"request_weight": 0.0, "balance_weight": 0.0}])  # fmt: skip
+        policy, gids = PrefixAware(PrefixAwareConfig(**options)), [f"g{i}" for i in range(rng.choice([1, 3, 16, 64]))]  # fmt: skip
+        statuses, out = {}, []
+        for step in range(400):
+            for g in gids if step == 0 else rng.sample(gids, min(3, len(gids))):
+                statuses[g] = status(g, rng.choice([0, 0, 500, 20000]), rng.randint(0, 9), rng.choice([0, 40, 1000]), rng.choice([0, 500]))  # fmt: skip
+            n = rng.choice(list(chains))
+            matches = {g: match(g, rng.randint(0, n + 2), rng.choice([0, rng.randint(0, n)])) for g in gids if rng.random() < 0.2}  # fmt: skip
+            p = policy.choose(chains[n], statuses, matches)
+            out.append((p.group_id, p.reason, p.cached_blocks))
+        return out
+
+    pruned = [decisions(seed) for seed in range(12)]
+    held = policy_module._held
+
+    def every(n, statuses, matches):  # every group a "holder" (most with 0): all are scored
+        hits = held(n, statuses, matches)
+        return {g: hits.get(g, 0) for g in statuses}
+
+    monkeypatch.setattr(policy_module, "_held", every)
+    assert [decisions(seed) for seed in range(12)] == pruned
+
+
 def test_load_bound_config_is_validated():
     for field in ("load_slack", "load_burst", "balance_weight", "recompute_weight"):
         with pytest.raises(ValueError, match=field):
