@@ -72,6 +72,9 @@ class IndexCopy:
         self._live = 0
         self._live_until = float("-inf")
         self._empty: dict[str, GroupMatch] = {}  # every live group's empty answer
+        # bit -> the last answer built for that registration: a hot document's chain gets the
+        # same counts from most of its groups match after match
+        self._answers: dict[int, GroupMatch] = {}
 
     def sizes(self) -> tuple[int, int]:
         """(distinct cached blocks, distinct pending probes) the copy holds masks for."""
@@ -91,6 +94,7 @@ class IndexCopy:
         g = CopiedGroup(epoch, bit, now + self.ttl_s, load)
         self.groups[group_id] = g
         self._by_bit[bit] = (group_id, g)
+        self._answers.pop(bit, None)
         self._live_until = float("-inf")
         return g
 
@@ -111,6 +115,7 @@ class IndexCopy:
 
     def set_load(self, group_id: str, g: CopiedGroup, load: GroupLoad) -> None:
         g.load, g.nothing = load, None
+        self._answers.pop(g.bit, None)
         if group_id in self._empty:
             self._empty[group_id] = g.empty_match(group_id)
 
@@ -206,19 +211,29 @@ class IndexCopy:
             return out  # the usual case for a new prompt: no group touched at all
         pos, probed = probe_positions(len(block_hashes)), probe_hashes(block_hashes)
         cached = self._cached(block_hashes, pos, probed, held) if held else {}
-        by_bit, pop = self._by_bit, cached.pop
+        pop = cached.pop
         if pend:  # leading pending blocks, at probe granularity
             for k, groups in _leading(pend, probed, self._pending.get):
                 p = pos[k - 1] + 1 if k else 0
                 while groups:
                     bit = groups & -groups
                     groups ^= bit
-                    gid, g = by_bit[bit]
-                    out[gid] = _answer(GroupMatch, (gid, g.epoch, pop(bit, 0), p, g.load))
+                    a = self._answer(bit, pop(bit, 0), p)
+                    out[a[0]] = a
         for bit, c in cached.items():
-            gid, g = by_bit[bit]
-            out[gid] = _answer(GroupMatch, (gid, g.epoch, c, 0, g.load))
+            a = self._answer(bit, c, 0)
+            out[a[0]] = a
         return out
+
+    def _answer(self, bit: int, blocks: int, pending: int) -> GroupMatch:
+        """The registration's answer with these counts: the last one built, if it had them."""
+        a = self._answers.get(bit)
+        if a is None or a[2] != blocks or a[3] != pending:
+            gid, g = self._by_bit[bit]
+            a = self._answers[bit] = _new_answer(
+                GroupMatch, (gid, g.epoch, blocks, pending, g.load)
+            )
+        return a
 
     def _cached(self, chain, pos, probed, held: int) -> dict[int, int]:
         """bit -> leading cached blocks, for the registrations in `held`."""
@@ -266,7 +281,7 @@ def _leading(
 
 # A match builds an answer per group it touches: tuple.__new__ skips the named tuple's
 # Python-level __new__, half the cost.
-_answer = tuple.__new__
+_new_answer = tuple.__new__
 
 
 def _bits(mask: int) -> Iterator[int]:
