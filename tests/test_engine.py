@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -206,6 +207,11 @@ def test_bad_input_raises_value_error_naming_the_field(model_dirs):
             SamplingParams(**kwargs)
     with pytest.raises(ValueError, match="outside the vocabulary"):
         llm.generate([[1, 2, 256]], GREEDY)
+    with pytest.raises(ValueError, match="token id 256 is outside the vocabulary"):
+        llm.generate([np.array([1, 2, 256])], GREEDY)
+    as_list, as_array = llm.generate([[5, 6, 7, 8], np.array([5, 6, 7, 8], np.int32)], GREEDY)
+    assert as_array.prompt_token_ids == [5, 6, 7, 8] and type(as_array.prompt_token_ids[0]) is int
+    assert as_array.token_ids == as_list.token_ids
     with pytest.raises(ValueError, match="empty"):
         llm.generate([[]], GREEDY)
     with pytest.raises(ValueError, match="no tokenizer"):

@@ -23,6 +23,7 @@ from worker.request import Request, RequestStatus
 from worker.sampler import TokenLogprobs
 from worker.sampling_params import SamplingParams
 from worker.scheduler import Scheduler, SchedulerOutput
+from worker.token_ids import check_token_ids
 
 KVEventsCallback = Callable[[list[KVEvent]], None]
 
@@ -107,8 +108,9 @@ class LLMEngine:
     ) -> str:
         """Queue a prompt (text, when the model has a tokenizer, or token ids)."""
         params = params or SamplingParams()
-        token_ids = self.tokenize(prompt)
-        self._check_tokens(token_ids)
+        if isinstance(prompt, str):
+            prompt = self.tokenize(prompt)
+        token_ids, _ = check_token_ids(prompt, self.model_config.vocab_size)
         if len(token_ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt is {len(token_ids)} tokens; the model's context is {self.max_model_len}"
@@ -136,14 +138,6 @@ class LLMEngine:
                 )
             return self.tokenizer.encode(prompt)
         return list(prompt)
-
-    def _check_tokens(self, token_ids: list[int]) -> None:
-        if not token_ids:
-            raise ValueError("prompt is empty")
-        vocab = self.model_config.vocab_size
-        bad = next((t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
 
     def abort(self, request_ids: str | Sequence[str]) -> None:
         for req in self.scheduler.abort(request_ids):
