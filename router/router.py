@@ -108,10 +108,12 @@ class Router:
     # ---- input -------------------------------------------------------------------------
     def tokenize(self, request: RouteRequest) -> list[int]:
         """The prompt's token ids: given, tokenized text, or the rendered chat template."""
-        return self.checked_prompt(request)[0]
+        ids = self.checked_prompt(request)[0]
+        return ids if isinstance(ids, list) else ids.tolist()
 
-    def checked_prompt(self, request: RouteRequest) -> tuple[list[int], array]:
-        """The prompt's ids, checked, and as the uint32 array the hash cache reads."""
+    def checked_prompt(self, request: RouteRequest) -> tuple[list[int] | array, array]:
+        """The prompt's ids, checked, and as the uint32 array the hash cache reads; ids given as
+        an array stay that array (see worker/token_ids.py)."""
         given = [
             x is not None for x in (request.prompt, request.prompt_token_ids, request.messages)
         ]

@@ -10,6 +10,7 @@ get a larger initializer range so that they do not just repeat their last input 
 from __future__ import annotations
 
 import random
+from array import array
 
 import numpy as np
 import pytest
@@ -209,9 +210,13 @@ def test_bad_input_raises_value_error_naming_the_field(model_dirs):
         llm.generate([[1, 2, 256]], GREEDY)
     with pytest.raises(ValueError, match="token id 256 is outside the vocabulary"):
         llm.generate([np.array([1, 2, 256])], GREEDY)
-    as_list, as_array = llm.generate([[5, 6, 7, 8], np.array([5, 6, 7, 8], np.int32)], GREEDY)
-    assert as_array.prompt_token_ids == [5, 6, 7, 8] and type(as_array.prompt_token_ids[0]) is int
-    assert as_array.token_ids == as_list.token_ids
+    with pytest.raises(ValueError, match="token id 256 is outside the vocabulary"):
+        llm.generate([array("I", [1, 2, 256])], GREEDY)
+    prompts = [[5, 6, 7, 8], np.array([5, 6, 7, 8], np.int32), array("I", [5, 6, 7, 8])]
+    as_list, *as_arrays = llm.generate(prompts, GREEDY)
+    for out in as_arrays:  # arrays are taken as the same ids, as plain ints
+        assert out.prompt_token_ids == [5, 6, 7, 8] and type(out.prompt_token_ids[0]) is int
+        assert out.token_ids == as_list.token_ids
     with pytest.raises(ValueError, match="empty"):
         llm.generate([[]], GREEDY)
     with pytest.raises(ValueError, match="no tokenizer"):

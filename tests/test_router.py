@@ -144,12 +144,13 @@ def test_the_vocabulary_check_names_the_bad_token_and_passes_the_array_to_hashin
     ids, checked = router.checked_prompt(RouteRequest(prompt_token_ids=DOC))
     assert ids == DOC and list(checked) == DOC and checked.typecode == "I"
     assert router.hash_cache.hash_prompt(checked) == made[0].hasher.hash_prompt(DOC)
-    # A numpy array (what the gRPC door passes on) is checked and converted alike, and the
-    # engine gets plain ints.
+    # A numpy array (what the gRPC door passes on) is checked alike and stays an array, the
+    # uint32 one, up to the engine: no list of Python ints is made on the way.
     for dtype in (np.int64, np.int32, np.uint16):
         ids, checked = router.checked_prompt(RouteRequest(prompt_token_ids=np.array(DOC, dtype)))
-        assert ids == DOC and all(type(t) is int for t in ids)
-        assert list(checked) == DOC and checked.typecode == "I"
+        assert ids is checked and list(checked) == DOC and checked.typecode == "I"
+        tokens = router.tokenize(RouteRequest(prompt_token_ids=np.array(DOC, dtype)))
+        assert tokens == DOC and all(type(t) is int for t in tokens)
     for bad in (-1, 1024, 2**40):
         with pytest.raises(ValueError, match=f"token id {bad} is outside"):
             router.tokenize(RouteRequest(prompt_token_ids=np.array([1, 2, bad, 3])))

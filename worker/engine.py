@@ -23,7 +23,7 @@ from worker.request import Request, RequestStatus
 from worker.sampler import TokenLogprobs
 from worker.sampling_params import SamplingParams
 from worker.scheduler import Scheduler, SchedulerOutput
-from worker.token_ids import check_token_ids
+from worker.token_ids import token_list
 
 KVEventsCallback = Callable[[list[KVEvent]], None]
 
@@ -110,7 +110,7 @@ class LLMEngine:
         params = params or SamplingParams()
         if isinstance(prompt, str):
             prompt = self.tokenize(prompt)
-        token_ids, _ = check_token_ids(prompt, self.model_config.vocab_size)
+        token_ids = token_list(prompt, self.model_config.vocab_size)
         if len(token_ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt is {len(token_ids)} tokens; the model's context is {self.max_model_len}"
