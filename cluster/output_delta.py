@@ -2,12 +2,15 @@
 
 An engine's `RequestOutput` carries everything so far (prompt, tokens, timings, logprobs), so
 sending it whole every step costs more each step. Across Ray only what changed travels; the
-receiving side rebuilds the full outputs, one small state per open request.
+receiving side rebuilds the full outputs, one small state per open request. The prompt's ids
+travel only when the receiving side does not have them (a text prompt): a 32k-token list takes
+~1.7 ms to pickle and unpickle, before the first token.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from worker.outputs import RequestMetrics, RequestOutput
@@ -19,7 +22,7 @@ class OutputDelta:
     """What one engine step added to one request's output."""
 
     request_id: str
-    prompt_token_ids: list[int] | None  # the first delta of a request only
+    prompt_token_ids: list[int] | None  # the first delta of a request whose ids were not given
     new_token_ids: list[int]
     new_text: str
     finished: bool
@@ -34,11 +37,13 @@ class OutputDelta:
     token_time: float | None  # when this step's token was sampled
 
     @classmethod
-    def of(cls, out: RequestOutput, first: bool) -> OutputDelta:
+    def of(cls, out: RequestOutput, with_prompt: bool) -> OutputDelta:
+        """The delta of `out`; `with_prompt` for a request's first delta when the receiving
+        side was not given its ids (see `OutputAssembler.expect`)."""
         m, n = out.metrics, len(out.new_token_ids)
         return cls(
             request_id=out.request_id,
-            prompt_token_ids=list(out.prompt_token_ids) if first else None,
+            prompt_token_ids=list(out.prompt_token_ids) if with_prompt else None,
             new_token_ids=list(out.new_token_ids),
             new_text=out.new_text,
             finished=out.finished,
@@ -56,7 +61,7 @@ class OutputDelta:
 
 @dataclass
 class _Open:
-    prompt: list[int]
+    prompt: Sequence[int]
     tokens: list[int]
     text: str
     metrics: RequestMetrics
@@ -70,6 +75,11 @@ class OutputAssembler:
         self._open: dict[str, _Open] = {}
         self._lock = threading.Lock()
 
+    def expect(self, request_id: str, prompt_token_ids: Sequence[int]) -> None:
+        """Open a request whose prompt ids the sender will not send (they are these)."""
+        with self._lock:
+            self._open[request_id] = _Open(prompt_token_ids, [], "", RequestMetrics(0.0), None)
+
     def apply(self, d: OutputDelta) -> RequestOutput | None:
         """The request's output after this delta; None for a request already dropped."""
         with self._lock:
@@ -79,6 +89,7 @@ class OutputAssembler:
                     return None  # dropped (aborted) while its deltas were in flight
                 state = _Open(d.prompt_token_ids, [], "", RequestMetrics(d.arrival_time), None)
                 self._open[d.request_id] = state
+            state.metrics.arrival_time = d.arrival_time
             if d.finished:
                 del self._open[d.request_id]
         m = state.metrics

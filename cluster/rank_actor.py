@@ -125,10 +125,10 @@ class RankActor:
 
     async def _follow(self, request: GenerationRequest) -> None:
         try:
-            first = True
+            send_prompt = isinstance(request.prompt, str)  # ids given: the driver has them
             async for out in self.engine.generate(request):
-                self._emit(OutputDelta.of(out, first))  # only what changed crosses Ray
-                first = False
+                self._emit(OutputDelta.of(out, send_prompt))  # only what changed crosses Ray
+                send_prompt = False
         except Exception as e:  # bad input, a full queue, a dead engine: the caller's error
             self._emit(RequestFailed(request.request_id, e))
         finally:

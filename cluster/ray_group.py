@@ -168,6 +168,8 @@ class RayGroup(GroupHandle):
             raise ValueError(f"request_id {rid!r} is already in use")
         q: asyncio.Queue = asyncio.Queue()
         self._queues[rid] = (asyncio.get_running_loop(), q)
+        if not isinstance(request.prompt, str):  # rank 0 does not send back what we have
+            self._assembler.expect(rid, request.prompt)
         finished = False
         try:
             await self._actors[0].submit.remote(request)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from array import array
 
 from cluster.output_delta import OutputAssembler, OutputDelta
 from pagefleet.llm import engine_config
@@ -20,7 +21,7 @@ def test_deltas_rebuild_every_output():
     async def run():
         first, steps = True, 0
         async for out in engine.generate(request):
-            rebuilt = assembler.apply(OutputDelta.of(out, first))
+            rebuilt = assembler.apply(OutputDelta.of(out, with_prompt=first))
             first, steps = False, steps + 1
             # compared as each step arrives: later steps extend the same request's state
             assert rebuilt.token_ids == out.token_ids
@@ -38,4 +39,33 @@ def test_deltas_rebuild_every_output():
     assert last.finished and last.finish_reason == last_out.finish_reason
     assert last.text == last_out.text and last.metrics.ttft == last_out.metrics.ttft
     # a finished or dropped request leaves no state; late deltas for it are ignored
-    assert assembler.apply(OutputDelta.of(last_out, first=False)) is None
+    assert assembler.apply(OutputDelta.of(last_out, with_prompt=False)) is None
+
+
+def test_a_prompt_given_as_ids_is_not_sent_back():
+    """When the receiving side gave the ids (`expect`), no delta carries them, and the outputs
+    rebuilt are the engine's all the same."""
+    engine = AsyncEngine(LLMEngine(engine_config(None, num_blocks=64, max_model_len=256)))
+    params = SamplingParams(temperature=0, max_tokens=5)
+    prompt = array("I", range(40, 80))
+    assembler = OutputAssembler()
+    assembler.expect("r", prompt)
+    request = GenerationRequest(prompt, params, request_id="r")
+
+    async def run():
+        outs = []
+        async for out in engine.generate(request):
+            delta = OutputDelta.of(out, with_prompt=False)
+            assert delta.prompt_token_ids is None
+            rebuilt = assembler.apply(delta)  # compared as each step arrives, as above
+            assert list(rebuilt.prompt_token_ids) == out.prompt_token_ids == list(range(40, 80))
+            assert rebuilt.token_ids == out.token_ids and rebuilt.finished == out.finished
+            assert rebuilt.metrics.arrival_time == out.metrics.arrival_time
+            outs.append(out)
+        return outs
+
+    try:
+        outs = asyncio.run(run())
+    finally:
+        engine.shutdown()
+    assert len(outs) == 5 and assembler.apply(OutputDelta.of(outs[-1], False)) is None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from worker.sampler import TokenLogprobs
@@ -48,7 +49,7 @@ class RequestOutput:
     """A request's state after a step: the whole output so far plus this step's delta."""
 
     request_id: str
-    prompt_token_ids: list[int]
+    prompt_token_ids: Sequence[int]  # a list (a Ray group hands back the ids it was given)
     token_ids: list[int]  # every generated token so far
     text: str  # detokenized output so far (empty without a tokenizer)
     new_token_ids: list[int]  # generated in this step
