@@ -1,6 +1,6 @@
 """Routing benchmark: hit rate, load balance, TTFT and decision latency per placement policy.
 
-    python -m benchmarks.routing --trace T.jsonl --groups 16 --policy all --mode sim
+    python -m benchmarks.routing --trace T.jsonl --groups 16 --policy all --mode sim --plot r.svg
     python -m benchmarks.routing --trace T.jsonl --groups 2 --policy all --mode real
     python -m benchmarks.routing --latency 4,16,64
     python -m benchmarks.routing --calibrate --cost-out cost.json
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
 import time
@@ -31,6 +32,7 @@ import uuid
 from collections import Counter
 from pathlib import Path
 
+from benchmarks.plot import routing_svg
 from benchmarks.routing_latency import SECRET, decision_latency, pct, run_latency
 from benchmarks.traces import TraceRequest, read
 from cluster.group import LocalGroup
@@ -223,6 +225,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--latency", help="comma-separated group counts: decision latency over Redis")
     p.add_argument("--calibrate", action="store_true")
     p.add_argument("--cost-out")
+    p.add_argument("--plot", help="also write the policies' results as an SVG (benchmarks/plot.py)")
     args = p.parse_args(argv)
     if args.calibrate:
         cost = calibrate(args.block_size)
@@ -241,14 +244,15 @@ def main(argv: list[str] | None = None) -> None:
     if not args.trace:
         p.error("--trace is required (generate one with python -m benchmarks.traces)")
     names = sorted(POLICIES) if args.policy == "all" else [args.policy]
-    if args.mode == "sim" and args.index == "memory":
-        for name in names:
-            print(json.dumps(run_sim(args, name, None, cost)), flush=True)
-        return
     run = run_sim if args.mode == "sim" else run_real
-    with RedisServer() as server:
+    results = []
+    with contextlib.ExitStack() as stack:
+        server = None if args.mode == "sim" and args.index == "memory" else stack.enter_context(RedisServer())  # fmt: skip
         for name in names:
-            print(json.dumps(run(args, name, server, cost)), flush=True)
+            results.append(run(args, name, server, cost))
+            print(json.dumps(results[-1]), flush=True)
+    if args.plot:
+        Path(args.plot).write_text(routing_svg(results), encoding="utf-8")
 
 
 if __name__ == "__main__":

@@ -6,7 +6,12 @@ import json
 import os
 import subprocess
 import sys
+import xml.etree.ElementTree as ET
 from pathlib import Path
+
+import pytest
+
+from benchmarks.plot import PANEL_H
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -49,10 +54,22 @@ def test_routing_benchmark_smoke(tmp_path):
     trace = tmp_path / "trace.jsonl"
     run("-m", "benchmarks.traces", "--out", str(trace), "--groups", "2", "--blocks", "256", "--requests", "30")  # fmt: skip
     common = ("-m", "benchmarks.routing", "--trace", str(trace), "--groups", "2", "--blocks", "256")
-    sim = {c["policy"]: c for c in run(*common, "--policy", "all")}
+    sim = {c["policy"]: c for c in run(*common, "--policy", "all", "--plot", str(tmp_path / "r.svg"))}  # fmt: skip
     assert set(sim) == {"round_robin", "least_loaded", "prefix_hash", "prefix_aware", "oracle"}
     for case in sim.values():
         assert case["requests"] == 30 and 0 <= case["hit_rate"] <= 1
+    # The plot: per policy (in the order printed), a bar per group for requests, then for
+    # prefill tokens; the requests' bars are as tall as their counts, on one scale.
+    svg = ET.parse(tmp_path / "r.svg").getroot()
+    bars = svg.findall("{http://www.w3.org/2000/svg}rect[@class='bar']")
+    assert len(bars) == 5 * 2 * 2
+    counts = [v for c in sim.values() for v in c["requests_per_group"]["per_group"]]
+    heights = [float(b.get("height")) for i in range(5) for b in bars[4 * i : 4 * i + 2]]
+    assert max(heights) == pytest.approx(PANEL_H - 16, abs=0.1)
+    ratios = [h / v for h, v in zip(heights, counts, strict=True) if v >= 5]
+    assert ratios and max(ratios) / min(ratios) < 1.02
+    titles = [t.text for t in svg.iter("{http://www.w3.org/2000/svg}text")]
+    assert all(any(t.startswith(f"{name} ·") for t in titles) for name in sim)
     assert sim["oracle"]["hit_rate"] >= sim["round_robin"]["hit_rate"]
     (real,) = run(*common, "--policy", "prefix_aware", "--mode", "real", "--time-scale", "0.2")
     assert real["mode"] == "real" and real["requests"] == 30 and real["hit_rate"] > 0
