@@ -32,6 +32,8 @@ import uuid
 from collections import Counter
 from pathlib import Path
 
+from tqdm import tqdm
+
 from benchmarks.plot import routing_svg
 from benchmarks.routing_latency import SECRET, decision_latency, pct, run_latency
 from benchmarks.traces import TraceRequest, read
@@ -104,7 +106,7 @@ def run_sim(args, policy_name: str, server: RedisServer | None, cost: CostModel)
     doc_hashes: dict[tuple, list[bytes]] = {}
 
     def arrivals():
-        for r in read(args.trace):
+        for r in tqdm(read(args.trace), desc=policy_name, unit="req", leave=False, disable=None):
             hashes = None
             if r.doc is not None:  # the document's blocks are hashed once per tenant
                 key = (r.doc, r.tenant)
