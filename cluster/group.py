@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, dataclass
 
 from cluster.index_publisher import IndexPublisher
@@ -77,6 +77,16 @@ class GroupHandle(ABC):
     """What the router needs from a worker group."""
 
     group_id: str
+    _watchers: tuple[Callable[[str], None], ...] = ()
+
+    def watch(self, changed: Callable[[str], None]) -> bool:
+        """Ask to be told, `changed(group_id)` from any thread, whenever `status()` may answer
+        differently; False if this handle cannot tell (its status is then read every time)."""
+        return False
+
+    def _status_changed(self) -> None:
+        for changed in self._watchers:
+            changed(self.group_id)
 
     @abstractmethod
     def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:

@@ -138,6 +138,7 @@ class RayGroup(GroupHandle):
             ]  # fmt: skip
             self._ranks = _first_error(refs, gc.start_timeout_s)
             self._stats = ray.get(self._actors[0].stats.remote(), timeout=gc.start_timeout_s)
+            self._status_changed()
             if events:
                 self.publisher = IndexPublisher(self.index, self.group_id, self._inventory)
         except BaseException:
@@ -210,10 +211,12 @@ class RayGroup(GroupHandle):
                         self._route(item.request_id, self._as_error(item.error))
                     elif (out := self._assembler.apply(item)) is not None:
                         self._route(item.request_id, out)
+                self._status_changed()  # new stats, and maybe an error
         except Exception as e:  # rank 0 died
             error = f"rank 0's output stream failed: {describe_error(e)}"
         if not self._closed:
             self._error = self._error or error or "rank 0's output stream ended"
+        self._status_changed()
         reason = self._error or "shut down"
         for rid in list(self._queues):
             self._route(rid, EngineDeadError(f"group {self.group_id} is dead: {reason}"))
@@ -252,6 +255,10 @@ class RayGroup(GroupHandle):
         if not self._closed:
             self._actors[0].abort.remote(request_id)
 
+    def watch(self, changed) -> bool:
+        self._watchers = (*self._watchers, changed)
+        return True
+
     def status(self) -> GroupStatus:
         """Load as of rank 0's latest batch and liveness as the watcher last saw it; never
         waits on a rank (see the module docstring)."""
@@ -271,6 +278,7 @@ class RayGroup(GroupHandle):
             return
         self._closed = True
         self._stopped.set()
+        self._status_changed()
         try:
             ray.get(self._actors[0].shutdown.remote(), timeout=10)
             ray.wait(self._serve_refs, num_returns=len(self._serve_refs), timeout=5)
@@ -322,6 +330,7 @@ class RayGroup(GroupHandle):
             if self._stopped.is_set():
                 return
             self._poll()
+            self._status_changed()  # (when it marked the group dead)
 
     def _poll(self) -> dict:
         """Rank 0's stats, and the liveness of every rank (marks the group dead)."""

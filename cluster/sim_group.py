@@ -151,7 +151,7 @@ class SimGroup(GroupHandle):
             hash_root=self.hasher.root(None, cache_salt), block_hashes=block_hashes,
         )  # fmt: skip
         self.scheduler.add_request(req)
-        self._status = None
+        self._stale()
         self.records[request_id] = SimRecord(request_id, self.group_id, now, len(prompt))
 
     def start_step(self, now: float) -> float | None:
@@ -169,7 +169,7 @@ class SimGroup(GroupHandle):
             if rec.cached_tokens < 0 and s.request.num_cached_tokens >= 0:
                 rec.cached_tokens = s.request.num_cached_tokens
         self._step = out
-        self._status = None
+        self._stale()
         self.busy_until = now + self.config.cost.step_seconds(prefill, decodes)
         return self.busy_until
 
@@ -187,7 +187,8 @@ class SimGroup(GroupHandle):
             rec = self.records.pop(req.request_id)
             rec.finished_s = now
             done.append(rec)
-        self.busy_until, self._step, self._status = None, None, None
+        self.busy_until, self._step = None, None
+        self._stale()
         return done
 
     def flush(self) -> None:
@@ -213,7 +214,15 @@ class SimGroup(GroupHandle):
     def abort(self, request_id: str) -> None:
         self.scheduler.abort([request_id])
         self.records.pop(request_id, None)
+        self._stale()
+
+    def watch(self, changed) -> bool:
+        self._watchers = (*self._watchers, changed)
+        return True
+
+    def _stale(self) -> None:
         self._status = None
+        self._status_changed()
 
     def status(self) -> GroupStatus:
         if self._status is None or self._status.alive != self.alive:
@@ -233,6 +242,7 @@ class SimGroup(GroupHandle):
 
     def shutdown(self) -> None:
         self.alive = False
+        self._status_changed()
         if self.publisher is not None:
             self.publisher.close()
 

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import time
 from array import array
+from collections import deque
 from collections.abc import AsyncIterator, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -31,6 +33,8 @@ from worker.sampling_params import SamplingParams
 from worker.token_ids import check_token_ids
 
 log = logging.getLogger(__name__)
+
+STATUS_REFRESH_S = 1.0  # every group's status is read at least this often (see live_statuses)
 
 
 class NoGroupAvailableError(RuntimeError):
@@ -104,6 +108,14 @@ class Router:
         # a group's own load report lags by up to a step, and a burst must not all see it idle.
         self._in_flight: dict[str, int] = {}
         self.pending = PendingPlacements(index)
+        # The live groups' latest statuses. Groups that can tell (`GroupHandle.watch`) queue
+        # their id on a change and are read again only then; the others are read at every
+        # decision, and all of them once a second all the same. Bounded: a full queue means
+        # read them all.
+        self._changed: deque[str] = deque(maxlen=64 * len(groups))
+        self._polled = [g for g in groups if not g.watch(self._changed.append)]
+        self._live: dict[str, GroupStatus] = {}
+        self._read_all_at = -math.inf
 
     # ---- input -------------------------------------------------------------------------
     def tokenize(self, request: RouteRequest) -> list[int]:
@@ -148,7 +160,17 @@ class Router:
     def live_statuses(self, exclude: Collection[str] = ()) -> dict[str, GroupStatus]:
         """Live groups' statuses (but those in `exclude`), with the prefill this router just
         sent them counted."""
-        out = {gid: s for gid, g in self.groups.items() if (s := g.status()).alive}
+        changed, now = self._changed, time.monotonic()
+        if len(changed) == changed.maxlen or now - self._read_all_at > STATUS_REFRESH_S:
+            changed.clear()  # (before reading: what changes from now on is queued again)
+            self._read_all_at, stale = now, self.groups.values()
+        else:
+            stale = self._polled
+            while changed:
+                self._read(self.groups[changed.popleft()])
+        for g in stale:
+            self._read(g)
+        out = self._live.copy()
         for gid in exclude:
             out.pop(gid, None)
         for gid, tokens in self._in_flight.items():  # only groups with prefill in flight
@@ -156,6 +178,13 @@ class Router:
             if s is not None and tokens > s.pending_prefill_tokens:
                 out[gid] = replace(s, pending_prefill_tokens=tokens)
         return out
+
+    def _read(self, g: GroupHandle) -> None:
+        s = g.status()
+        if s.alive:
+            self._live[g.group_id] = s
+        else:
+            self._live.pop(g.group_id, None)
 
     def place(self, block_hashes: Sequence[bytes], exclude: Collection[str] = ()) -> Placement:
         """Choose a group for a prompt's hash chain (one index round trip; the pending record

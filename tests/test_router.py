@@ -178,3 +178,47 @@ def test_own_placements_count_while_the_shared_index_is_down(caplog):
     assert (second.group_id, second.cached_blocks) == (first.group_id, len(chain))
     index.close()
     server.close()
+
+
+def test_statuses_follow_what_groups_report_and_every_group_is_read_each_second(monkeypatch):
+    """Groups that tell of their changes (`watch`) are read again only when they change; the
+    router still sees every change at its next decision, a stopped group leaves at once, and
+    every group is read again once a second (here: at once) even without a word."""
+    from cluster.sim_group import SimGroup, SimGroupConfig
+    from router import router as router_module
+    from worker.hashing import BlockHasher, ModelFingerprint
+    from worker.request import Request
+
+    hasher = BlockHasher(b"board-secret", ModelFingerprint("m", block_size=16))
+    groups = [SimGroup(f"g{i}", SimGroupConfig(num_blocks=512), hasher) for i in range(3)]
+    router = Router(groups, InMemoryPrefixIndex(), hasher, ModelInfo("m", 4096, 16, "auto", 1000))
+    assert sorted(router.live_statuses()) == ["g0", "g1", "g2"]
+    reads = dict.fromkeys(("g0", "g1", "g2"), 0)
+
+    def counted(group):
+        status = group.status
+
+        def read():
+            reads[group.group_id] += 1
+            return status()
+
+        return read
+
+    for g in groups:
+        monkeypatch.setattr(g, "status", counted(g))
+    for _ in range(3):
+        router.live_statuses()
+    assert reads == {"g0": 0, "g1": 0, "g2": 0}  # nothing changed: nothing read
+    groups[1].submit("r1", list(range(100)), 4, now=0.0)
+    assert router.live_statuses()["g1"].waiting == 1
+    assert reads == {"g0": 0, "g1": 1, "g2": 0}
+    groups[2].shutdown()
+    assert sorted(router.live_statuses()) == ["g0", "g1"]
+    # A change the group does not tell of (a request put in its scheduler behind its back)
+    # shows at the next full read.
+    quiet = Request("quiet", list(range(50)), SamplingParams(max_tokens=2), max_tokens=2, arrival_time=0.0, hash_root=hasher.root())  # fmt: skip
+    groups[0].scheduler.add_request(quiet)
+    groups[0]._status = None
+    assert router.live_statuses()["g0"].waiting == 0
+    monkeypatch.setattr(router_module, "STATUS_REFRESH_S", 0.0)
+    assert router.live_statuses()["g0"].waiting == 1
