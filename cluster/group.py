@@ -77,12 +77,15 @@ class GroupHandle(ABC):
     """What the router needs from a worker group."""
 
     group_id: str
+    tells_changes = False  # whether it calls `_status_changed` on every change of its status
     _watchers: tuple[Callable[[str], None], ...] = ()
 
     def watch(self, changed: Callable[[str], None]) -> bool:
         """Ask to be told, `changed(group_id)` from any thread, whenever `status()` may answer
         differently; False if this handle cannot tell (its status is then read every time)."""
-        return False
+        if self.tells_changes:
+            self._watchers = (*self._watchers, changed)
+        return self.tells_changes
 
     def _status_changed(self) -> None:
         for changed in self._watchers:

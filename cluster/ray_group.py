@@ -66,6 +66,8 @@ _group_ids = itertools.count()
 class RayGroup(GroupHandle):
     """A group of `tensor_parallel_size` devices on one node of a Ray cluster."""
 
+    tells_changes = True
+
     def __init__(
         self,
         config: EngineConfig,
@@ -254,10 +256,6 @@ class RayGroup(GroupHandle):
     def abort(self, request_id: str) -> None:
         if not self._closed:
             self._actors[0].abort.remote(request_id)
-
-    def watch(self, changed) -> bool:
-        self._watchers = (*self._watchers, changed)
-        return True
 
     def status(self) -> GroupStatus:
         """Load as of rank 0's latest batch and liveness as the watcher last saw it; never

@@ -110,6 +110,8 @@ class SimGroupConfig:
 class SimGroup(GroupHandle):
     """One group in simulated time: real scheduling and caching, modelled step durations."""
 
+    tells_changes = True
+
     def __init__(
         self,
         group_id: str,
@@ -215,10 +217,6 @@ class SimGroup(GroupHandle):
         self.scheduler.abort([request_id])
         self.records.pop(request_id, None)
         self._stale()
-
-    def watch(self, changed) -> bool:
-        self._watchers = (*self._watchers, changed)
-        return True
 
     def _stale(self) -> None:
         self._status = None

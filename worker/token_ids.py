@@ -19,17 +19,11 @@ def check_token_ids(ids: Sequence[int] | np.ndarray, vocab: int) -> tuple[list[i
     """(ids, checked) when every id is an integer in [0, vocab), else a ValueError that names
     the first that is not: `checked` is the ids as a uint32 array (what the hashers read), and
     `ids` a list of them, or `checked` itself when they came as an array."""
+    if isinstance(ids, array) and ids.typecode == "I":
+        ids = np.frombuffer(ids, dtype=np.uint32)  # checked and copied as a numpy array
     if isinstance(ids, np.ndarray):
         checked = _from_numpy(ids, vocab)
         return checked, checked
-    if isinstance(ids, array) and ids.typecode == "I":
-        ids = array("I", ids)  # a copy: the caller's array may change
-        if not ids:
-            raise ValueError("prompt is empty")
-        if np.frombuffer(ids, dtype=np.uint32).max() >= vocab:
-            bad = next(t for t in ids if t >= vocab)
-            raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
-        return ids, ids
     ids = list(ids)
     if not ids:
         raise ValueError("prompt is empty")
@@ -57,14 +51,19 @@ def _all_below(ids: list[int], vocab: int) -> array | None:
     return checked if np.frombuffer(checked, dtype=np.uint32).max() < vocab else None
 
 
+def first_outside(ids: np.ndarray, vocab: int) -> int | None:
+    """The position of the first id of an integer array outside [0, vocab), or None."""
+    bad = np.flatnonzero((ids < 0) | (ids >= vocab))
+    return int(bad[0]) if bad.size else None
+
+
 def _from_numpy(ids: np.ndarray, vocab: int) -> array:
     if ids.ndim != 1 or not (ids.size == 0 or np.issubdtype(ids.dtype, np.integer)):
         raise ValueError(f"prompt token ids must be a 1-d array of integers, got {ids.dtype} {ids.shape}")  # fmt: skip
     if ids.size == 0:
         raise ValueError("prompt is empty")
-    bad = np.flatnonzero((ids < 0) | (ids >= vocab))
-    if bad.size:
-        raise ValueError(f"prompt token id {int(ids[bad[0]])} is outside the vocabulary [0, {vocab})")  # fmt: skip
+    if (i := first_outside(ids, vocab)) is not None:
+        raise ValueError(f"prompt token id {int(ids[i])} is outside the vocabulary [0, {vocab})")
     checked = array("I")
     checked.frombytes(ids.astype(np.uint32).tobytes())
     return checked
