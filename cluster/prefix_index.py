@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from cluster.chain_probes import probe_hashes
 from cluster.index_copy import CopiedGroup, IndexCopy
-from cluster.index_types import GroupLoad, GroupMatch
+from cluster.index_types import GroupLoad, GroupMatch, Matches  # noqa: F401  (GroupMatch: the API's)
 from worker.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 # Names become parts of Redis keys: no separators, spaces or hash-tag braces.
@@ -134,8 +134,9 @@ class PrefixIndex(ABC):
         """End the registration and drop its entries; a no-op for a stale epoch."""
 
     @abstractmethod
-    def match(self, block_hashes: Sequence[bytes]) -> dict[str, GroupMatch]:
-        """For every live group, its leading cached and pending blocks of the chain."""
+    def match(self, block_hashes: Sequence[bytes]) -> Matches:
+        """For every live group, its leading cached and pending blocks of the chain (and which
+        groups may have any: `Matches.touched`)."""
 
     @abstractmethod
     def record_pending(
@@ -235,7 +236,7 @@ class InMemoryPrefixIndex(PrefixIndex):
             if g is not None and g.epoch == epoch:
                 self._copy.drop(group_id)
 
-    def match(self, block_hashes: Sequence[bytes]) -> dict[str, GroupMatch]:
+    def match(self, block_hashes: Sequence[bytes]) -> Matches:
         with self._lock:
             return self._copy.match(block_hashes, self._clock())
 

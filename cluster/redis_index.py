@@ -25,6 +25,7 @@ from cluster.prefix_index import (
     GroupMatch,
     IndexUnavailableError,
     InventoryStats,
+    Matches,
     PendingWrite,
     PrefixIndexConfig,
     StaleEpochError,
@@ -127,13 +128,13 @@ class RedisPrefixIndex(BatchedPendingIndex):
     def deregister(self, group_id: str, epoch: int) -> None:
         self._run("deregister", group_id, epoch)
 
-    def match(self, block_hashes: Sequence[bytes]) -> dict[str, GroupMatch]:
+    def match(self, block_hashes: Sequence[bytes]) -> Matches:
         reply = self._run("match", _blob(block_hashes))
+        out = Matches()
         if not reply:
-            return {}
+            return out
         counts, _, rows = reply.partition(b"\n\n")
         known = self._rows
-        out = {}
         for row in rows.split(b"\n"):
             m = known.get(row) or self._parse_row(row)
             out[m.group_id] = m
@@ -141,6 +142,7 @@ class RedisPrefixIndex(BatchedPendingIndex):
             gid, cached, pending = line.split(b"\t")
             m = out[gid.decode()]
             out[m.group_id] = GroupMatch(m.group_id, m.epoch, int(cached), int(pending), m.load)
+            out.touched.append(m.group_id)
         return out
 
     def _parse_row(self, row: bytes) -> GroupMatch:

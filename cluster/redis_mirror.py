@@ -36,8 +36,8 @@ from cluster.index_copy import IndexCopy
 from cluster.prefix_index import (
     BatchedPendingIndex,
     GroupLoad,
-    GroupMatch,
     InventoryStats,
+    Matches,
     PendingWrite,
 )
 from cluster.redis_index import RedisPrefixIndex, to_ms
@@ -100,7 +100,7 @@ class MirroredPrefixIndex(BatchedPendingIndex):
         return False
 
     # ---- reads: the copy ----------------------------------------------------------------
-    def match(self, block_hashes: Sequence[bytes]) -> dict[str, GroupMatch]:
+    def match(self, block_hashes: Sequence[bytes]) -> Matches:
         if not self.synced:
             return self.shared.match(block_hashes)  # IndexUnavailableError when Redis is down
         with self._lock:

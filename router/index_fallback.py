@@ -21,10 +21,10 @@ from collections.abc import Callable, Sequence
 
 from cluster.prefix_index import (
     GroupLoad,
-    GroupMatch,
     IndexUnavailableError,
     InMemoryPrefixIndex,
     InventoryStats,
+    Matches,
     PendingWrite,
     PrefixIndex,
     PrefixIndexConfig,
@@ -107,7 +107,7 @@ class FailoverPrefixIndex(PrefixIndex):
         return n
 
     # ---- reads: Redis while it answers ---------------------------------------------------
-    def match(self, block_hashes: Sequence[bytes]) -> dict[str, GroupMatch]:
+    def match(self, block_hashes: Sequence[bytes]) -> Matches:
         answer = self._shared(lambda: self.shared.match(block_hashes))
         return self.local.match(block_hashes) if answer is None else answer
 

@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from cluster.prefix_index import GroupMatch, InventoryStats, PrefixIndex
+from cluster.prefix_index import InventoryStats, Matches, PrefixIndex
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py), so histograms compare bucket for bucket.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
@@ -165,7 +165,7 @@ class TimedPrefixIndex(PrefixIndex):
         self._match_hist = match_hist
         self._pending_hist = pending_hist
 
-    def match(self, block_hashes) -> dict[str, GroupMatch]:
+    def match(self, block_hashes) -> Matches:
         t0 = time.perf_counter()
         try:
             return self.inner.match(block_hashes)

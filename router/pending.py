@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from itertools import repeat
 
 from cluster.chain_probes import prefix_length, probe_hashes, probe_positions
+from cluster.index_types import Matches, touched_ids
 from cluster.prefix_index import (
     GroupMatch,
     PendingWrite,
@@ -139,11 +140,11 @@ class PendingPlacements:
         block_hashes: Sequence[bytes],
         matches: Mapping[str, GroupMatch],
         placed: Sequence[_Placed] | None = None,
-    ) -> dict[str, GroupMatch]:
+    ) -> Matches:
         """`matches` with each group's pending blocks raised to this router's placements:
         `placed` (`unconfirmed()` taken before the match was sent: the match holds the rest),
         by default all of them. O(len(placed)), not O(groups)."""
-        out = dict(matches)
+        out = Matches(matches, touched_ids(matches))
         if placed is None:
             with self._lock:
                 placed = list(self._placed.values()) + self._handed()
@@ -158,6 +159,8 @@ class PendingPlacements:
                 pos, probed = probe_positions(len(block_hashes)), probe_hashes(block_hashes)
             k = _shared_probes(probed, p.probes)
             if pos[k - 1] + 1 > m.pending_blocks:
+                if not m.expected_blocks:
+                    out.touched.append(p.group_id)
                 out[p.group_id] = m._replace(pending_blocks=pos[k - 1] + 1)
         return out
 

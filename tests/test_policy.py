@@ -7,7 +7,7 @@ import logging
 import pytest
 
 from cluster.group import GroupStatus
-from cluster.prefix_index import GroupMatch
+from cluster.prefix_index import GroupMatch, Matches
 from cluster.redis_index import RedisPrefixIndex
 from router.policy import PrefixAware, PrefixAwareConfig, make_policy
 from router.router import PendingPlacements
@@ -241,9 +241,11 @@ def test_a_routers_own_placements_count_at_once_and_reach_others_soon(redis_serv
         group_side.register_group(gid)
     pending = PendingPlacements(router_a, ttl_s=30.0)
     pending.record("g1", c)
-    nothing = {g: GroupMatch(g, 1, 0, 0, None) for g in ("g0", "g1")}  # as if not written yet
+    # as if not written yet: the index touched no group
+    nothing = Matches({g: GroupMatch(g, 1, 0, 0, None) for g in ("g0", "g1")})
     seen = pending.overlay(c, nothing)
     assert (seen["g1"].pending_blocks, seen["g0"].pending_blocks) == (100, 0)
+    assert seen.touched == ["g1"] and nothing.touched == []  # what the policy reads
     assert pending.overlay(chain(5, first=9), {}) == {}
     assert pending.flush(timeout_s=5.0)
     assert router_b.match(c)["g1"].pending_blocks == 100  # the shared write, a moment later

@@ -43,7 +43,10 @@ def load(**kw) -> GroupLoad:
 
 
 def blocks(index, hashes) -> dict[str, int]:
-    return {g: m.blocks for g, m in index.match(hashes).items()}
+    m = index.match(hashes)
+    # a policy reads only the answers the match says it touched: every one with a hit is
+    assert {g for g, a in m.items() if a.expected_blocks} <= set(m.touched) <= set(m)
+    return {g: a.blocks for g, a in m.items()}
 
 
 class CaughtUpMirror(MirroredPrefixIndex):
