@@ -5,7 +5,9 @@
     python -m benchmarks.routing --latency 4,16,64
     python -m benchmarks.routing --calibrate --cost-out cost.json
 
-Every policy replays the same trace against fresh groups and prints one JSON line. `--mode sim`
+Every policy replays the same trace against fresh groups and prints one JSON line; `all` runs the
+router's policies and `oracle_balanced`, the clairvoyant placement under the load bound
+(benchmarks/oracles.py). `--mode sim`
 runs simulated groups (cluster/sim_group.py: the real scheduler and block manager, a calibrated
 cost model for the forward) in simulated time, by default over the in-process index on the
 simulated clock (heartbeats and pending TTLs in simulated seconds; `--index redis` puts a real
@@ -34,6 +36,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from benchmarks.oracles import BalancedOracle
 from benchmarks.plot import routing_svg
 from benchmarks.routing_latency import SECRET, decision_latency, pct, run_latency
 from benchmarks.traces import TraceRequest, read
@@ -49,6 +52,9 @@ from worker.config import SchedulerConfig
 from worker.hashing import BlockHasher, ModelFingerprint
 from worker.sampling_params import SamplingParams
 
+# the router's policies, then the benchmark's clairvoyant peer under the load bound
+NAMES = [*sorted(POLICIES), BalancedOracle.name]
+
 
 def spread(counts: Counter, groups: list[str]) -> dict:
     values = [counts.get(g, 0) for g in groups]
@@ -56,9 +62,12 @@ def spread(counts: Counter, groups: list[str]) -> dict:
     return {"per_group": values, "max_over_mean": round(max(values) / mean, 3) if mean else None}
 
 
-def make_router(groups, index, hasher, block_size: int, policy_name: str, cost: CostModel, tuning: dict | None = None):  # fmt: skip
+def make_router(groups, index, hasher, block_size: int, policy_name: str, cost: CostModel, tuning: dict | None = None, trace: str | None = None):  # fmt: skip
     if policy_name == "prefix_aware":
         policy = PrefixAware(PrefixAwareConfig(cost=cost, **(tuning or {})))
+        policy.block_size = block_size
+    elif policy_name == BalancedOracle.name:  # plans over the whole trace first
+        policy = BalancedOracle.plan(read(trace), [g.group_id for g in groups])
         policy.block_size = block_size
     else:
         policy = make_policy(policy_name, block_size)
@@ -101,7 +110,7 @@ def run_sim(args, policy_name: str, server: RedisServer | None, cost: CostModel)
     sched = SchedulerConfig(max_model_len=1 << 20, max_num_batched_tokens=args.batch_tokens)
     cfg = SimGroupConfig(args.blocks, args.block_size, sched, cost)
     groups = [SimGroup(f"g{i:02d}", cfg, hasher, index, clock or time.monotonic) for i in range(args.groups)]  # fmt: skip
-    router = make_router(groups, index, hasher, args.block_size, policy_name, cost, args.tuning)
+    router = make_router(groups, index, hasher, args.block_size, policy_name, cost, args.tuning, args.trace)  # fmt: skip
     predicted, decisions, last_doc = {}, [], [[]]
     doc_hashes: dict[tuple, list[bytes]] = {}
 
@@ -153,7 +162,7 @@ def run_real(args, policy_name: str, server: RedisServer, cost: CostModel) -> di
     config = engine_config(None, num_blocks=args.blocks, block_size=args.block_size, cluster_secret=SECRET, max_num_batched_tokens=args.batch_tokens, max_model_len=min(4096, args.blocks * args.block_size))  # fmt: skip
     groups = [LocalGroup(config, index, group_id=f"g{i}") for i in range(args.groups)]
     hasher = groups[0].hasher
-    router = make_router(groups, routed, hasher, args.block_size, policy_name, cost)
+    router = make_router(groups, routed, hasher, args.block_size, policy_name, cost, trace=args.trace)  # fmt: skip
     reqs = list(read(args.trace))
     rows: list = []
     decisions: list[float] = []
@@ -215,7 +224,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--trace")
     p.add_argument("--groups", type=int, default=4)
-    p.add_argument("--policy", default="all", help=f"one of {sorted(POLICIES)} or 'all'")
+    p.add_argument("--policy", default="all", help=f"one of {NAMES} or 'all'")
     p.add_argument("--mode", choices=("sim", "real"), default="sim")
     p.add_argument("--blocks", type=int, default=2048, help="KV blocks per group")
     p.add_argument("--block-size", type=int, default=16)
@@ -245,7 +254,9 @@ def main(argv: list[str] | None = None) -> None:
         return
     if not args.trace:
         p.error("--trace is required (generate one with python -m benchmarks.traces)")
-    names = sorted(POLICIES) if args.policy == "all" else [args.policy]
+    if args.policy not in (*NAMES, "all"):
+        p.error(f"--policy must be one of {NAMES} or 'all', got {args.policy!r}")
+    names = NAMES if args.policy == "all" else [args.policy]
     run = run_sim if args.mode == "sim" else run_real
     results = []
     with contextlib.ExitStack() as stack:

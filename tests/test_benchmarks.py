@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
+from collections import Counter
 from pathlib import Path
 
 import pytest
 
+from benchmarks.oracles import BalancedOracle
 from benchmarks.plot import PANEL_H
+from benchmarks.traces import TraceRequest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -55,16 +59,16 @@ def test_routing_benchmark_smoke(tmp_path):
     run("-m", "benchmarks.traces", "--out", str(trace), "--groups", "2", "--blocks", "256", "--requests", "30")  # fmt: skip
     common = ("-m", "benchmarks.routing", "--trace", str(trace), "--groups", "2", "--blocks", "256")
     sim = {c["policy"]: c for c in run(*common, "--policy", "all", "--plot", str(tmp_path / "r.svg"))}  # fmt: skip
-    assert set(sim) == {"round_robin", "least_loaded", "prefix_hash", "prefix_aware", "oracle"}
+    assert list(sim) == ["least_loaded", "oracle", "prefix_aware", "prefix_hash", "round_robin", "oracle_balanced"]  # fmt: skip
     for case in sim.values():
         assert case["requests"] == 30 and 0 <= case["hit_rate"] <= 1
     # The plot: per policy (in the order printed), a bar per group for requests, then for
     # prefill tokens; the requests' bars are as tall as their counts, on one scale.
     svg = ET.parse(tmp_path / "r.svg").getroot()
     bars = svg.findall("{http://www.w3.org/2000/svg}rect[@class='bar']")
-    assert len(bars) == 5 * 2 * 2
+    assert len(bars) == 6 * 2 * 2
     counts = [v for c in sim.values() for v in c["requests_per_group"]["per_group"]]
-    heights = [float(b.get("height")) for i in range(5) for b in bars[4 * i : 4 * i + 2]]
+    heights = [float(b.get("height")) for i in range(6) for b in bars[4 * i : 4 * i + 2]]
     assert max(heights) == pytest.approx(PANEL_H - 16, abs=0.1)
     ratios = [h / v for h, v in zip(heights, counts, strict=True) if v >= 5]
     assert ratios and max(ratios) / min(ratios) < 1.02
@@ -77,3 +81,30 @@ def test_routing_benchmark_smoke(tmp_path):
     assert [c["index"] for c in lines] == ["redis", "mirror", "memory"]
     for c in lines:
         assert c["decision_ms_p50_32k"] > 0 and c["hash_uncached_ms_p50_32k"] > 0
+
+
+def trace_request(i: int, doc: str | None, doc_tokens: int = 0) -> TraceRequest:
+    return TraceRequest(f"r{i}", i * 0.01, [1, 2, 3], None, 4, None, doc, doc_tokens)
+
+
+def test_the_balanced_oracle_splits_a_hot_document_and_keeps_the_bound():
+    """A document asked by half the requests of 4 groups gets two copies; every document's
+    requests go to its copies; no group ends above the bound; a bad cap names the field."""
+    docs = ["hot"] * 50 + ["a"] * 12 + ["b"] * 10 + ["c"] * 8 + [None] * 20
+    trace = [trace_request(i, d, {"hot": 4000, "a": 3000}.get(d, 1000)) for i, d in enumerate(docs)]  # fmt: skip
+    random.Random(0).shuffle(trace)
+    groups = ["g0", "g1", "g2", "g3"]
+    oracle = BalancedOracle.plan(trace, groups, cap=1.15)
+    assert len(oracle.homes["hot"]) == 2 and len(set(oracle.homes["hot"])) == 2
+    assert all(len(oracle.homes[d]) == 1 for d in "abc")
+    assert not set(oracle.homes["a"]) & set(oracle.homes["hot"])  # the largest pools left
+    statuses = dict.fromkeys(groups)
+    placed = []
+    for r in trace:
+        oracle.expect(r.doc, 3)
+        placed.append((r.doc, oracle.choose([b"x"], statuses, {}).group_id))
+    assert all(g in oracle.homes[d] for d, g in placed if d is not None)
+    per_group = Counter(g for _, g in placed)
+    assert max(per_group.values()) <= 1.15 * len(trace) / len(groups)
+    with pytest.raises(ValueError, match="cap"):
+        BalancedOracle.plan(trace, groups, cap=0.9)
