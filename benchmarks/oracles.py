@@ -41,7 +41,8 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 
 from benchmarks.traces import TraceRequest
-from router.policy import Oracle, Placement, _cached
+from router.placement import Placement, cached_blocks
+from router.policy import Oracle
 
 
 class BalancedOracle(Oracle):
@@ -92,4 +93,4 @@ class BalancedOracle(Oracle):
         homes = [g for g in self.homes.get(expected[0], ()) if g in statuses] if expected else []
         gid = min(homes or statuses, key=lambda g: (self.placed[g], g))
         self.placed[gid] += 1
-        return Placement(gid, self.name, _cached(matches, gid))
+        return Placement(gid, self.name, cached_blocks(matches, gid))

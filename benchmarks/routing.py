@@ -45,7 +45,8 @@ from cluster.prefix_index import InMemoryPrefixIndex
 from cluster.redis_index import RedisPrefixIndex
 from cluster.redis_mirror import MirroredPrefixIndex
 from cluster.sim_group import Arrival, CostModel, SimClock, SimGroup, SimGroupConfig, Simulation
-from router.policy import POLICIES, Oracle, PrefixAware, PrefixAwareConfig, make_policy
+from router.policy import POLICIES, Oracle, make_policy
+from router.prefix_aware import PrefixAware, PrefixAwareConfig
 from router.router import ModelInfo, Router, RouteRequest
 from tests.redis_server import RedisServer
 from worker.config import SchedulerConfig

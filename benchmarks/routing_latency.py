@@ -20,7 +20,7 @@ from cluster.redis_mirror import MirroredPrefixIndex
 from cluster.sim_group import CostModel, SimGroup, SimGroupConfig
 from protos.pagefleet.v1 import pagefleet_pb2 as pb
 from router.api import route_request
-from router.policy import PrefixAware, PrefixAwareConfig
+from router.prefix_aware import PrefixAware, PrefixAwareConfig
 from router.router import ModelInfo, Router, RouteRequest
 from router.serve import ROUTER_SWITCH_INTERVAL_S, freeze_heap
 from tests.redis_server import RedisServer

@@ -1,5 +1,5 @@
 """A router's recent placements per group, for the load bound of `prefix_aware`
-(router/policy.py)."""
+(router/prefix_aware.py)."""
 
 from __future__ import annotations
 

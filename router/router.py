@@ -25,7 +25,8 @@ from cluster.group import GroupHandle, GroupStatus
 from cluster.prefix_index import PrefixIndex, PrefixIndexError
 from router.hash_cache import PrefixHashCache
 from router.pending import PendingPlacements
-from router.policy import Placement, Policy, make_policy
+from router.placement import Placement, Policy
+from router.policy import make_policy
 from worker.async_engine import EngineDeadError, GenerationRequest
 from worker.hashing import BlockHasher
 from worker.outputs import RequestOutput

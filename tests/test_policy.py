@@ -9,7 +9,8 @@ import pytest
 from cluster.group import GroupStatus
 from cluster.prefix_index import GroupMatch, Matches
 from cluster.redis_index import RedisPrefixIndex
-from router.policy import PrefixAware, PrefixAwareConfig, make_policy
+from router.policy import make_policy
+from router.prefix_aware import PrefixAware, PrefixAwareConfig
 from router.router import PendingPlacements
 from tests.redis_server import RedisServer
 from worker.hashing import BlockHasher, ModelFingerprint
@@ -191,7 +192,7 @@ def test_groups_skipped_for_their_floor_never_change_a_choice(monkeypatch):
     options of every kind) with every group scored give the same choices."""
     import random
 
-    from router import policy as policy_module
+    from router import prefix_aware as policy_module
 
     chains = {n: chain(n) for n in (0, 1, 20, 200, 300)}
 
