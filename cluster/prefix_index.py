@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from cluster.chain_probes import probe_hashes
 from cluster.index_copy import CopiedGroup, IndexCopy
-from cluster.index_types import GroupLoad, GroupMatch, Matches  # noqa: F401  (GroupMatch: the API's)
+from cluster.index_types import GroupLoad, Matches
 from worker.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 # Names become parts of Redis keys: no separators, spaces or hash-tag braces.

@@ -19,13 +19,12 @@ from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 from cluster.chain_probes import probe_hashes
+from cluster.index_types import GroupMatch, Matches
 from cluster.prefix_index import (
     BatchedPendingIndex,
     GroupLoad,
-    GroupMatch,
     IndexUnavailableError,
     InventoryStats,
-    Matches,
     PendingWrite,
     PrefixIndexConfig,
     StaleEpochError,

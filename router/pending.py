@@ -14,9 +14,8 @@ from dataclasses import dataclass
 from itertools import repeat
 
 from cluster.chain_probes import prefix_length, probe_hashes, probe_positions
-from cluster.index_types import Matches, touched_ids
+from cluster.index_types import GroupMatch, Matches, touched_ids
 from cluster.prefix_index import (
-    GroupMatch,
     PendingWrite,
     PrefixIndex,
     PrefixIndexConfig,
