@@ -6,8 +6,10 @@ Here is the driver side (`RayGroup`); its configuration and the checks made befo
 anything are cluster/ray_group_config.py, the actor that hosts each rank cluster/rank_actor.py.
 
 The placement group holds one bundle per device (a GPU bundle when the engine runs on CUDA, a
-CPU bundle otherwise), STRICT_PACK so that all ranks share a node. Rank 0's actor picks a free
-port on its node for the rendezvous; the driver hands it to every rank.
+CPU bundle otherwise), STRICT_PACK so that all ranks share a node. Rank 0's actor names a store
+file on that node for the rendezvous; the driver hands it to every rank, and the ranks talk over
+the node's loopback interface (`RayGroupConfig.rendezvous_host`), so a group listens on no
+network interface.
 
 Requests go in with one actor call each (`submit`); outputs come back on one Ray streaming
 generator per group (`outputs`), a batch of every request's outputs per engine step, which a
@@ -130,8 +132,10 @@ class RayGroup(GroupHandle):
         gc = self.group_config
         try:
             ray.get(self._pg.ready(), timeout=gc.start_timeout_s)
-            host, port = ray.get(self._actors[0].free_port.remote(), timeout=gc.start_timeout_s)
-            rdv = Rendezvous(host, port, self.tp, gc.collective_timeout_s, gc.start_timeout_s)
+            path = ray.get(self._actors[0].store_path.remote(), timeout=gc.start_timeout_s)
+            rdv = Rendezvous(
+                path, self.tp, gc.rendezvous_host, gc.collective_timeout_s, gc.start_timeout_s
+            )
             events = self.index is not None
             cores = parse_cpu_binding(gc.cpu_binding, self.tp) if gc.cpu_binding else None
             refs = [

@@ -174,7 +174,7 @@ def run_serve(args: argparse.Namespace) -> int:
     import asyncio
     import logging
 
-    from router.serve import load_config, serve
+    from router.serve import ServeError, load_config, serve
 
     keys = ("model", "tp", "groups", "redis", "address", "ray", "host", "port", "metrics_host",
             "metrics_port", "device", "policy", "grace_s")  # fmt: skip
@@ -185,7 +185,11 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.no_metrics:
         config = replace(config, metrics_port=None)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    return asyncio.run(serve(config, _engine_config))
+    try:
+        return asyncio.run(serve(config, _engine_config))
+    except ServeError as e:
+        print(f"pagefleet serve: error: {e}", file=sys.stderr)
+        return 1
 
 
 def _engine_config(model, **options):

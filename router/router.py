@@ -42,6 +42,10 @@ class NoGroupAvailableError(RuntimeError):
     """No live group can take the request (the server answers UNAVAILABLE)."""
 
 
+class PromptTooLongError(ValueError):
+    """A prompt that cannot fit the model's context (the server answers OUT_OF_RANGE)."""
+
+
 @dataclass(frozen=True)
 class ModelInfo:
     """What the front door tells clients about the served model."""
@@ -100,6 +104,11 @@ class Router:
         self.hash_cache = PrefixHashCache(hasher)  # a shared document is hashed once
         self.model_info = model_info
         self.tokenizer = tokenizer
+        # Text beyond this many characters cannot fit the context, whatever its tokens: it is
+        # refused before the tokenizer spends seconds on it.
+        self.max_prompt_chars = (
+            None if tokenizer is None else max_prompt_chars(tokenizer, model_info.max_model_len)
+        )
         self.policy = make_policy(policy) if isinstance(policy, str) else policy
         self.policy.block_size = model_info.block_size
         self.max_attempts = max_attempts
@@ -137,19 +146,34 @@ class Router:
         if self.tokenizer is None:
             raise ValueError("the model has no tokenizer: send prompt_token_ids")
         if request.messages is not None:
+            check_messages(request.messages)
+        self.check_text_size(request.prompt, request.messages)
+        if request.messages is not None:
             ids = self.render_chat(request.messages)
         else:
             ids = self.tokenizer.encode(request.prompt)
         return check_token_ids(ids, self.model_info.vocab_size)
 
+    def check_text_size(self, prompt: str | None, messages: Sequence[dict] | None) -> None:
+        """PromptTooLongError for text that cannot fit the context (see `max_prompt_chars`)."""
+        limit, context = self.max_prompt_chars, self.model_info.max_model_len
+        if messages is not None:
+            if len(messages) > context:
+                raise PromptTooLongError(
+                    f"messages has {len(messages)} entries; the model's context of {context} "
+                    "tokens cannot hold that many"
+                )
+            chars = sum(len(m["content"]) + len(m["role"]) for m in messages)
+        else:
+            chars = len(prompt or "")
+        if limit is not None and chars > limit:
+            raise PromptTooLongError(
+                f"the prompt's text is {chars} characters, more than the model's context of "
+                f"{context} tokens can hold (at most {limit} characters)"
+            )
+
     def render_chat(self, messages: Sequence[dict]) -> list[int]:
-        for i, m in enumerate(messages):
-            if (
-                not isinstance(m, dict)
-                or not isinstance(m.get("role"), str)
-                or not isinstance(m.get("content"), str)
-            ):
-                raise ValueError(f"messages[{i}] must have string 'role' and 'content'")
+        """The chat template's token ids for `messages` (checked by `check_messages`)."""
         ids = self.tokenizer.apply_chat_template(
             list(messages), add_generation_prompt=True, tokenize=True
         )
@@ -272,3 +296,23 @@ class Router:
         if len(self.records) > keep:
             for rid in list(self.records)[: len(self.records) - keep]:
                 del self.records[rid]
+
+
+def check_messages(messages: Sequence[dict]) -> None:
+    for i, m in enumerate(messages):
+        if (
+            not isinstance(m, dict)
+            or not isinstance(m.get("role"), str)
+            or not isinstance(m.get("content"), str)
+        ):
+            raise ValueError(f"messages[{i}] must have string 'role' and 'content'")
+
+
+def max_prompt_chars(tokenizer, max_model_len: int) -> int:
+    """The most characters of text whose tokens could still fit `max_model_len`: no token
+    decodes to more than `longest` characters (special tokens included; +1 for the space a
+    SentencePiece token drops at the start of a text), so a text of N characters is at least
+    N / longest tokens. Doubled, for a normalizer that folds characters into fewer."""
+    pieces = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
+    longest = max(len(p) for p in pieces) + 1
+    return 2 * longest * max_model_len

@@ -42,6 +42,10 @@ DEFAULT_METRICS_PORT = 9151
 ROUTER_SWITCH_INTERVAL_S = 0.0005
 
 
+class ServeError(RuntimeError):
+    """The server cannot start as configured; the message tells the operator what to change."""
+
+
 @dataclass(frozen=True)
 class ServeConfig:
     """What `pagefleet serve` builds; flags and the YAML `--config` use these names."""
@@ -130,16 +134,20 @@ class Cluster:
         self.index.close()
 
 
-def build_cluster(config: ServeConfig, make_engine_config: Callable[..., Any]) -> Cluster:
+def build_cluster(
+    config: ServeConfig, make_engine_config: Callable[..., Any], secret: str | None = None
+) -> Cluster:
     """Load the groups and build the router (blocking: minutes for a large model).
 
     `make_engine_config(model, **options)` is `pagefleet.llm.engine_config`: the face owns
-    how flat options become an `EngineConfig`."""
+    how flat options become an `EngineConfig`. `secret`: the cluster secret (None: from the
+    environment, see `take_cluster_secret`). With Ray-placed groups, call `start_ray` on the
+    main thread first."""
     from router.metrics import ServerMetrics
     from router.policy import make_policy
     from router.router import Router
 
-    secret = os.environ.get("PAGEFLEET_CLUSTER_SECRET") or os.urandom(32).hex()
+    secret = secret or take_cluster_secret()
     engine_options = {"cluster_secret": secret, **config.engine}
     probe = make_engine_config(config.model, **engine_options)  # resolves the built-in model
     name = _model_name(probe.model)
@@ -178,6 +186,28 @@ def make_index(config: ServeConfig, model: str):
         return InMemoryPrefixIndex()
     shared = RedisPrefixIndex.from_url(config.redis, config.cluster, model)
     return FailoverPrefixIndex(MirroredPrefixIndex(shared))
+
+
+def take_cluster_secret() -> str:
+    """PAGEFLEET_CLUSTER_SECRET, removed from this process's environment so that no process
+    started from here (a local Ray runtime and its workers) inherits it; a random one when it
+    is not set. Groups get it in their EngineConfig."""
+    from worker.config import CLUSTER_SECRET_ENV
+
+    return os.environ.pop(CLUSTER_SECRET_ENV, None) or os.urandom(32).hex()
+
+
+def start_ray(config: ServeConfig) -> None:
+    """Join the Ray cluster at `config.address`, or start a local runtime declaring enough CPUs
+    for every rank (a rank's thread is light). Must run on the main thread when it starts a
+    local runtime (cluster/ray_runtime.py says why); a no-op once connected."""
+    from cluster.ray_runtime import RayStartError, ensure_ray
+
+    cpus = None if config.address else max(os.cpu_count() or 1, config.groups * config.tp)
+    try:
+        ensure_ray(config.address, num_cpus=cpus)
+    except RayStartError as e:
+        raise ServeError(str(e)) from None
 
 
 def router_side(engine_config, name: str):
@@ -227,11 +257,8 @@ def _ray_groups(config, make_engine_config, options, index) -> list:
     """Ray-placed groups (cluster/ray_group.py) of `config.tp` devices each, publishing to
     `index`. Placed one after the other: a group that cannot start stops the others."""
     from cluster.ray_group import RayGroup, RayGroupConfig
-    from cluster.ray_runtime import ensure_ray
 
-    # A local runtime declares enough CPUs for every rank (a rank's thread is light).
-    cpus = None if config.address else max(os.cpu_count() or 1, config.groups * config.tp)
-    ensure_ray(config.address, num_cpus=cpus)
+    start_ray(config)  # (connected already when `serve` started it on the main thread)
     engine_config = make_engine_config(config.model, **{"device": config.device, **options})
     group_config = RayGroupConfig(tensor_parallel_size=config.tp)
     groups: list = []
@@ -270,13 +297,19 @@ async def serve(config: ServeConfig, make_engine_config: Callable[..., Any]) -> 
     port = await door.start()
     _say(f"gRPC on {config.host}:{port}: loading {config.groups} group(s)")
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     cluster, metrics_http = None, None
+    secret = take_cluster_secret()  # before Ray starts processes that would inherit it
     try:
+        if config.uses_ray:
+            where = config.address or "a local runtime on 127.0.0.1"
+            _say(f"Ray: {'joining' if config.address else 'starting'} {where}")
+            start_ray(config)  # on the main thread (blocks the loop for a few seconds)
+        # After Ray: on the main thread, Ray installs handlers that end the process at once.
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
         cluster = await _until_stopped(
-            _in_daemon_thread(build_cluster, config, make_engine_config), stop
+            _in_daemon_thread(build_cluster, config, make_engine_config, secret), stop
         )
         if cluster is not None:
             await warm_up(cluster.groups)
@@ -300,6 +333,10 @@ async def serve(config: ServeConfig, make_engine_config: Callable[..., Any]) -> 
             metrics_http.shutdown()
         if cluster is not None:
             cluster.shutdown()
+        if config.uses_ray:  # a local runtime's processes stop with it; a cluster is left
+            from cluster.ray_runtime import shutdown_ray
+
+            shutdown_ray()
 
 
 def freeze_heap() -> None:
