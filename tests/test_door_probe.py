@@ -12,56 +12,31 @@ from __future__ import annotations
 import asyncio
 import random
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import grpc
 import pytest
 
 from protos.pagefleet.v1 import pagefleet_pb2 as pb
 from router.client import AsyncClient, Client, build_request
+from tests.redis_server import free_port
+from tests.serve_process import start_serve
 
-ROOT = Path(__file__).resolve().parents[1]
 CONTEXT = 512
 START_TIMEOUT_S = 240
 INVALID, RANGE = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE
 GENERATE = "/pagefleet.v1.PageFleet/Generate"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def probed(tmp_path_factory):
     """(process, client, log path) of a server on the built-in model."""
-    port = free_port()
     log = tmp_path_factory.mktemp("probe") / "serve.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "pagefleet", "serve", f"--port={port}", "--no-metrics",
-             "--grace=1", f"--max-model-len={CONTEXT}", "--num-blocks=256",
-             "--max-num-seqs=4", "--max-waiting=64"],
-            cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-    client = Client(f"127.0.0.1:{port}", timeout=60)
+    flags = ["--no-metrics", "--grace=1", f"--max-model-len={CONTEXT}", "--num-blocks=256",
+             "--max-num-seqs=4", "--max-waiting=64"]  # fmt: skip
+    proc, client = start_serve(flags, free_port(), log, START_TIMEOUT_S)
     try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            assert proc.poll() is None, log.read_text()
-            try:
-                if client.health(timeout=2) == "SERVING":
-                    break
-            except grpc.RpcError:
-                pass
-            assert time.monotonic() < deadline, f"not SERVING after {START_TIMEOUT_S} s"
-            time.sleep(0.1)
         yield proc, client, log
     finally:
         client.close()

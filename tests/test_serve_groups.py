@@ -14,59 +14,35 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import grpc
 import pytest
 
-from router.client import Client
 from tests.process_tree import descendants, is_loopback, listening_sockets, process_state
+from tests.redis_server import free_port
+from tests.serve_process import start_serve
 from worker.builtin_model import make_model_dir
 
-ROOT = Path(__file__).resolve().parents[1]
 READY_WITHIN_S = 300  # a local Ray runtime and two groups, on a busy 2-core machine
 GCS_GIVE_UP_S = 60  # a driver that loses its GCS exits this long after (Ray's default)
 LONG_PROMPT = 27_000  # token ids: ~108 KB as the uint32 array the router sends a group
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def groups_server(tmp_path_factory):
     """`pagefleet serve --groups 2` on a tiny model with a 32k context; yields (process,
-    client, log path, the time it became ready)."""
+    client, log path, the time it became ready). On SIGTERM it must exit 0 and leave no Ray
+    process behind."""
     tmp = tmp_path_factory.mktemp("serve-groups")
     model = make_model_dir(tmp / "model", max_position_embeddings=32_768)
-    port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
     log = tmp / "serve.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "pagefleet", "serve", "--groups", "2", "--model", str(model),
-             "--port", str(port), "--no-metrics", "--num-blocks", "2048",
-             "--max-model-len", "32768", "--grace", "5"],
-            cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-    client = Client(f"127.0.0.1:{port}", timeout=120)
+    flags = ["--groups", "2", "--model", str(model), "--no-metrics", "--num-blocks", "2048",
+             "--max-model-len", "32768", "--grace", "5"]  # fmt: skip
+    proc, client = start_serve(flags, free_port(), log, READY_WITHIN_S, env)
     try:
-        deadline = time.monotonic() + READY_WITHIN_S
-        while True:
-            assert proc.poll() is None, log.read_text()
-            try:
-                if client.health(timeout=2) == "SERVING":
-                    break
-            except grpc.RpcError:
-                pass
-            assert time.monotonic() < deadline, f"not SERVING after {READY_WITHIN_S} s"
-            time.sleep(0.5)
         yield proc, client, log, time.monotonic()
     finally:
         client.close()
