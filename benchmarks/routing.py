@@ -41,9 +41,7 @@ from benchmarks.plot import routing_svg
 from benchmarks.routing_latency import SECRET, decision_latency, pct, run_latency
 from benchmarks.traces import TraceRequest, read
 from cluster.group import LocalGroup
-from cluster.prefix_index import InMemoryPrefixIndex
-from cluster.redis_index import RedisPrefixIndex
-from cluster.redis_mirror import MirroredPrefixIndex
+from cluster.index import InMemoryPrefixIndex, MirroredPrefixIndex, RedisPrefixIndex
 from cluster.sim_group import Arrival, CostModel, SimClock, SimGroup, SimGroupConfig, Simulation
 from router.policy import POLICIES, Oracle, make_policy
 from router.prefix_aware import PrefixAware, PrefixAwareConfig

@@ -15,9 +15,12 @@ import sys
 import time
 import uuid
 
-from cluster.prefix_index import InMemoryPrefixIndex, PrefixIndexConfig
-from cluster.redis_index import RedisPrefixIndex
-from cluster.redis_mirror import MirroredPrefixIndex
+from cluster.index import (
+    InMemoryPrefixIndex,
+    MirroredPrefixIndex,
+    PrefixIndexConfig,
+    RedisPrefixIndex,
+)
 from cluster.sim_group import CostModel, SimGroup, SimGroupConfig
 from protos.pagefleet.v1 import pagefleet_pb2 as pb
 from router.api import route_request
@@ -120,7 +123,7 @@ def run_latency(
     """Decision latency over Redis with `n_groups` groups: each holds `args.blocks` blocks of
     its own documents; group 0 and one other also hold the document that every timed prompt
     extends (a hit on two groups, a miss on the rest). `index_kind`: "redis" (one round trip
-    per match), "mirror" (the router's local copy, cluster/redis_mirror.py) or "memory" (the
+    per match), "mirror" (the router's local copy, cluster/index/mirror.py) or "memory" (the
     in-process index of `pagefleet serve` without --redis; Redis unused)."""
     hasher = BlockHasher(SECRET, ModelFingerprint("bench", block_size=args.block_size))
     # Nothing beats here: with the default 3 s TTL the first groups died while the last ones

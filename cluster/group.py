@@ -3,18 +3,17 @@
 A group is one engine over `tensor_parallel_size` devices. `LocalGroup` runs a TP=1 engine in
 this process (the embedded default and tests); a Ray-placed group (cluster/ray_group.py)
 implements the same interface. Each group publishes its KV events and load to the prefix index
-through an `IndexPublisher`, so the router's index knows which blocks it holds.
+through a `GroupPublisher`, so the routers' index knows which blocks it holds.
 """
 
 from __future__ import annotations
 
 import itertools
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import asdict, dataclass
 
-from cluster.index_publisher import IndexPublisher
-from cluster.prefix_index import GroupLoad, PrefixIndex
+from cluster.index import GroupLoad, GroupPublisher, IndexWriter
 from worker.async_engine import AsyncEngine, GenerationRequest
 from worker.engine import EngineConfig, LLMEngine
 from worker.outputs import RequestOutput
@@ -114,16 +113,19 @@ class LocalGroup(GroupHandle):
     def __init__(
         self,
         config: EngineConfig,
-        index: PrefixIndex | None = None,
+        index: IndexWriter | Sequence[IndexWriter] | None = None,
         group_id: str | None = None,
     ) -> None:
+        """`index`: where the group publishes its KV events and load (one index or several;
+        None: nowhere)."""
         self.group_id = group_id or f"group-{next(_group_ids)}"
         self.config = config
         engine = LLMEngine(config)
         self.publisher = None
+        self._events: list = []  # this step's KV events, published after the step
         if index is not None:
-            self.publisher = IndexPublisher(index, self.group_id, engine.scheduler.bm.cached_hashes)
-            engine.on_kv_events = self._publish
+            self.publisher = GroupPublisher(index, self.group_id, engine.scheduler.bm.cached_hashes)
+            engine.on_kv_events = self._events.extend
         self.engine = AsyncEngine(engine, on_step=self._tick)
 
     @property
@@ -134,13 +136,10 @@ class LocalGroup(GroupHandle):
     def tokenizer(self):
         return self.engine.engine.tokenizer
 
-    def _publish(self, events) -> None:
-        for e in events:
-            self.publisher.sink(e)
-
     def _tick(self, engine: LLMEngine) -> None:
         if self.publisher is not None:
-            self.publisher.tick(self.status().load())
+            events, self._events[:] = list(self._events), []
+            self.publisher.publish_step(events, self.status().load())
 
     def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
         return self.engine.generate(request)

@@ -21,7 +21,7 @@ a stream early aborts the request on the engine.
 
 Prefix index: with an `index`, rank 0's engine puts its KV events into the same output stream,
 ahead of the outputs of the step that made them, and every batch carries the engine's stats;
-the driver thread feeds them to an `IndexPublisher` before routing the outputs. So when a
+the driver thread feeds them to a `GroupPublisher` before routing the outputs. So when a
 caller sees a request finish, the index already holds its blocks, whether it is in-process or
 Redis. While idle, rank 0 sends an empty batch every half heartbeat, which keeps the group live
 in the index.
@@ -47,13 +47,12 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import replace
 
 from cluster.group import GroupHandle, GroupStatus, status_from_stats
-from cluster.index_publisher import IndexPublisher
+from cluster.index import GroupPublisher, IndexWriter
 from cluster.output_delta import OutputAssembler
-from cluster.prefix_index import PrefixIndex
 from cluster.rank_actor import KVEvents, RankActor, RequestFailed, bind_process, describe_error
 from cluster.ray_group_config import RayGroupConfig, check_tensor_parallel, parse_cpu_binding
 from cluster.ray_runtime import ensure_ray, ray
@@ -76,9 +75,10 @@ class RayGroup(GroupHandle):
         group_config: RayGroupConfig | None = None,
         group_id: str | None = None,
         wait: bool = True,
-        index: PrefixIndex | None = None,
+        index: IndexWriter | Sequence[IndexWriter] | None = None,
     ) -> None:
-        """`index`: where the group publishes its KV events and load (None: nowhere)."""
+        """`index`: where the group publishes its KV events and load (one index or several;
+        None: nowhere)."""
         self.config = config
         self.group_config = gc = group_config or RayGroupConfig()
         self.group_id = group_id or f"ray-group-{next(_group_ids)}-{uuid.uuid4().hex[:6]}"
@@ -93,7 +93,7 @@ class RayGroup(GroupHandle):
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._assembler = OutputAssembler()  # full outputs rebuilt from rank 0's deltas
         self.index = index
-        self.publisher: IndexPublisher | None = None  # owned by the output thread once started
+        self.publisher: GroupPublisher | None = None  # owned by the output thread once started
         self._pump_thread: threading.Thread | None = None
         self._stats: dict = {}  # rank 0's engine stats, from the latest batch of the stream
         self._status: GroupStatus | None = None  # built from _status_of, until it changes
@@ -146,7 +146,7 @@ class RayGroup(GroupHandle):
             self._stats = ray.get(self._actors[0].stats.remote(), timeout=gc.start_timeout_s)
             self._status_changed()
             if events:
-                self.publisher = IndexPublisher(self.index, self.group_id, self._inventory)
+                self.publisher = GroupPublisher(self.index, self.group_id, self._inventory)
         except BaseException:
             self.shutdown()
             raise
@@ -235,12 +235,9 @@ class RayGroup(GroupHandle):
         if self.publisher is None:
             return
         try:
-            for item in batch:
-                if isinstance(item, KVEvents):
-                    for event in item.events:
-                        self.publisher.sink(event)
+            events = [e for item in batch if isinstance(item, KVEvents) for e in item.events]
             load = status_from_stats(self.group_id, stats, True, self.tp, self.devices).load()
-            self.publisher.tick(load)
+            self.publisher.publish_step(events, load)
         except Exception:  # e.g. rank 0 gone while the publisher fetched the inventory
             log.exception("group %s: publishing to the prefix index failed", self.group_id)
 

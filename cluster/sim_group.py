@@ -24,8 +24,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from cluster.group import GroupHandle, GroupStatus
-from cluster.index_publisher import IndexPublisher
-from cluster.prefix_index import PrefixIndex
+from cluster.index import IndexPublisher, IndexWriter
 from worker.block_manager import BlockManager
 from worker.config import SchedulerConfig
 from worker.hashing import BlockHasher
@@ -117,7 +116,7 @@ class SimGroup(GroupHandle):
         group_id: str,
         config: SimGroupConfig,
         hasher: BlockHasher,
-        index: PrefixIndex | None = None,
+        index: IndexWriter | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """`clock` drives the publisher's heartbeats: a `SimClock` for simulated liveness."""

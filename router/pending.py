@@ -13,14 +13,16 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import repeat
 
-from cluster.chain_probes import prefix_length, probe_hashes, probe_positions
-from cluster.index_types import GroupMatch, Matches, touched_ids
-from cluster.prefix_index import (
+from cluster.index import (
+    GroupMatch,
+    Matches,
     PendingWrite,
     PrefixIndex,
     PrefixIndexConfig,
     PrefixIndexError,
+    touched_ids,
 )
+from cluster.index.probes import prefix_length, probe_hashes, probe_positions
 
 log = logging.getLogger(__name__)
 

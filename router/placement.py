@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from cluster.group import GroupStatus
-from cluster.index_types import GroupMatch
+from cluster.index import GroupMatch
 
 
 @dataclass(frozen=True)

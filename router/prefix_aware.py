@@ -39,7 +39,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from cluster.group import GroupStatus
-from cluster.index_types import GroupMatch, touched_ids
+from cluster.index import GroupMatch, touched_ids
 from cluster.sim_group import CostModel
 from router.group_window import GroupWindow
 from router.placement import Placement, Policy, first_block, rendezvous

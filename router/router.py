@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from cluster.group import GroupHandle, GroupStatus
-from cluster.prefix_index import PrefixIndex, PrefixIndexError
+from cluster.index import PrefixIndex, PrefixIndexError
 from router.hash_cache import PrefixHashCache
 from router.pending import PendingPlacements
 from router.placement import Placement, Policy

@@ -120,12 +120,26 @@ def load_config(path: str | None, overrides: Mapping[str, Any]) -> ServeConfig:
 
 
 @dataclass
+class Indexes:
+    """The prefix index of one serve process: what its groups write to, what its router
+    reads."""
+
+    writers: tuple  # cluster.index.IndexWriter, one publisher each per group
+    reader: Any  # cluster.index.IndexReader
+
+    def close(self) -> None:
+        self.reader.close()
+        for writer in self.writers:
+            writer.close()
+
+
+@dataclass
 class Cluster:
     """What `build_cluster` made: the router, its groups and the index."""
 
     router: Any  # router.router.Router
     groups: list
-    index: Any
+    index: Indexes
     metrics: Any  # router.metrics.ServerMetrics
 
     def shutdown(self) -> None:
@@ -153,14 +167,13 @@ def build_cluster(
     name = _model_name(probe.model)
     policy = make_policy(config.policy, options=config.policy_options)  # before groups start
     index = make_index(config, name)
-    groups = _make_groups(config, make_engine_config, engine_options, index)
+    groups = _make_groups(config, make_engine_config, engine_options, index.writers)
     try:
         hasher, tokenizer, info = router_side(probe, name)
         metrics = ServerMetrics(name)
         metrics.watch_groups(lambda: [g.status() for g in groups])
-        router = Router(
-            groups, metrics.timed_index(index), hasher, info, tokenizer=tokenizer, policy=policy
-        )
+        reader = metrics.timed_index(index.reader)
+        router = Router(groups, reader, hasher, info, tokenizer=tokenizer, policy=policy)
     except BaseException:  # the groups started: stop them rather than leave them behind
         for group in groups:
             group.shutdown()
@@ -169,23 +182,28 @@ def build_cluster(
     return Cluster(router, groups, index, metrics)
 
 
-def make_index(config: ServeConfig, model: str):
-    """The prefix index of one serve process: in-process without `redis`; with it, the shared
-    Redis index, which the router matches on a local mirror of (cluster/redis_mirror.py: no
-    round trip per decision), behind a failover to an in-process copy of what this process's
-    groups publish (router/index_fallback.py): serving goes on when Redis is down at start or
-    later, and Redis gets every group's inventory again once it is back."""
-    from cluster.prefix_index import InMemoryPrefixIndex, check_name
-    from cluster.redis_index import RedisPrefixIndex
-    from cluster.redis_mirror import MirroredPrefixIndex
-    from router.index_fallback import FailoverPrefixIndex
+def make_index(config: ServeConfig, model: str) -> Indexes:
+    """The prefix index of one serve process: in-process without `redis`. With it, groups
+    publish to Redis and to an in-process index; the router matches on a local mirror of Redis
+    (cluster/index/mirror.py: no round trip per decision) while Redis answers, and on the
+    in-process index otherwise (cluster/index/failover.py): serving goes on when Redis is down
+    at start or later, and each group republishes its inventory to Redis once it is back."""
+    from cluster.index import (
+        FailoverReader,
+        InMemoryPrefixIndex,
+        MirroredPrefixIndex,
+        RedisPrefixIndex,
+        check_name,
+    )
 
     check_name("cluster", config.cluster)
     check_name("model", model)
+    local = InMemoryPrefixIndex()
     if config.redis is None:
-        return InMemoryPrefixIndex()
+        return Indexes(writers=(local,), reader=local)
     shared = RedisPrefixIndex.from_url(config.redis, config.cluster, model)
-    return FailoverPrefixIndex(MirroredPrefixIndex(shared))
+    mirror = MirroredPrefixIndex(RedisPrefixIndex.from_url(config.redis, config.cluster, model))
+    return Indexes(writers=(local, shared), reader=FailoverReader(mirror, local))
 
 
 def take_cluster_secret() -> str:

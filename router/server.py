@@ -212,7 +212,7 @@ def deadline_passed(left: float | None, budget: float | None) -> bool:
 
 def _status_for(e: Exception, request_id: str) -> tuple[grpc.StatusCode, str]:
     """A gRPC status for an error from the router or a group; never a traceback."""
-    from cluster.prefix_index import PrefixIndexError
+    from cluster.index import PrefixIndexError
     from router.router import NoGroupAvailableError
     from worker.async_engine import EngineDeadError
     from worker.scheduler import QueueFullError

@@ -10,8 +10,7 @@ import pytest
 import redis
 from factories import wait_until
 
-from cluster.prefix_index import PendingWrite
-from cluster.redis_index import RedisPrefixIndex
+from cluster.index import PendingWrite, RedisPrefixIndex
 from router.router import PendingPlacements
 from worker.hashing import BlockHasher, ModelFingerprint
 

@@ -7,8 +7,7 @@ import logging
 import pytest
 
 from cluster.group import GroupStatus
-from cluster.index_types import GroupMatch, Matches
-from cluster.redis_index import RedisPrefixIndex
+from cluster.index import GroupMatch, Matches, RedisPrefixIndex
 from router.policy import make_policy
 from router.prefix_aware import PrefixAware, PrefixAwareConfig
 from router.router import PendingPlacements

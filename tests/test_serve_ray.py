@@ -29,7 +29,7 @@ import grpc
 import pytest
 
 from cluster.group import LocalGroup
-from cluster.prefix_index import InMemoryPrefixIndex
+from cluster.index import InMemoryPrefixIndex
 from cluster.ray_group import RayGroup, RayGroupConfig
 from pagefleet.llm import engine_config
 from router.client import Client

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.prefix_index import InMemoryPrefixIndex
+from cluster.index import InMemoryPrefixIndex
 from cluster.sim_group import (
     Arrival,
     CostModel,

@@ -1,6 +1,6 @@
 """Registrations, cached blocks and pending probes, and their match: the in-process index
 (`InMemoryPrefixIndex`) keeps its state in one, and a router's mirror of the Redis index
-(cluster/redis_mirror.py) keeps its copy current from the index's log.
+(cluster/index/mirror.py) keeps its copy current from the index's log.
 
 A match must cost little at any group count, so the copy is also kept inverted: besides each
 registration's own inventory and pending probes (needed to drop them when it goes), every cached
@@ -29,8 +29,8 @@ import itertools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from cluster.chain_probes import prefix_length, probe_hashes, probe_positions
-from cluster.index_types import GroupLoad, GroupMatch, Matches
+from cluster.index.probes import prefix_length, probe_hashes, probe_positions
+from cluster.index.types import GroupLoad, GroupMatch, Matches
 
 
 @dataclass

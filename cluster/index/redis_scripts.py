@@ -1,4 +1,4 @@
-"""The Lua scripts of the Redis prefix index (cluster/redis_index.py is the Python side).
+"""The Lua scripts of the Redis prefix index (cluster/index/redis_index.py is the Python side).
 
 Data layout; every key starts with P = `pf:<cluster>:<model>:`; block hashes are stored as their
 raw 16 bytes (set members, hash fields and script arguments are binary-safe):
@@ -38,7 +38,7 @@ The log: every script that changes what a match answers also appends one entry p
 `log`, a stream with one field `v` = `kind TAB seq TAB group TAB epoch TAB payload`, where seq is
 `INCR logseq`. Kinds: G register, D deregister, B heartbeat (payload: the load JSON, or empty),
 S / R blocks stored / removed (payload: their hashes concatenated), C cleared, Q pending (payload:
-`ttl_ms TAB probe hashes`). A router's mirror (cluster/redis_mirror.py) loads a `snapshot`, then
+`ttl_ms TAB probe hashes`). A router's mirror (cluster/index/mirror.py) loads a `snapshot`, then
 follows the log from the snapshot's seq; a seq that is not the next one (the log was trimmed, or
 Redis restarted and lost it) sends it back to the snapshot. Both log keys expire after an hour
 without writes, so an abandoned cluster leaves nothing behind.
@@ -50,7 +50,7 @@ live on one Redis (a single server or a replicated primary, not Redis Cluster).
 
 from __future__ import annotations
 
-from cluster.chain_probes import PROBE_DENSE, PROBE_STRIDE
+from cluster.index.probes import PROBE_DENSE, PROBE_STRIDE
 from worker.hashing import DIGEST_SIZE
 
 # The log keeps about this many entries: a mirror that falls further behind reloads a snapshot.
