@@ -22,6 +22,7 @@ from cluster.index import (
     PrefixIndexError,
     touched_ids,
 )
+from cluster.index.outage import Outage
 from cluster.index.probes import prefix_length, probe_hashes, probe_positions
 
 log = logging.getLogger(__name__)
@@ -75,7 +76,7 @@ class PendingPlacements:
         self._inbox: list[tuple[str, Sequence[bytes], tuple[bytes, ...], float]] = []
         self._writing = False
         self._writer: threading.Thread | None = None
-        self._failing = False
+        self._outage = Outage(log, "shared index (pending placements)", clock=clock)
 
     def record(self, group_id: str, block_hashes: Sequence[bytes]) -> None:
         """Count the chain as pending on the group here now, and in the shared index soon."""
@@ -121,7 +122,7 @@ class PendingPlacements:
         if key in self._queue or len(self._queue) < self.max_queued:
             self._queue[key] = PendingWrite(group_id, block_hashes, fresh)
         else:
-            self._log_once("pending-placement queue is full; dropping a shared write")
+            self._outage.failed(RuntimeError("the queue is full"), "dropping a shared write")
 
     def unconfirmed(self) -> list[_Placed]:
         """Placements whose shared write has not returned: what a match sent now may miss."""
@@ -203,10 +204,10 @@ class PendingPlacements:
     def _write(self, writes: list[PendingWrite]) -> bool:
         try:
             self.index.record_pending_many(writes, self.ttl_s)
-            self._failing = False
+            self._outage.recovered()
             return True
         except Exception as e:  # noqa: BLE001  (a background write must never kill the writer)
-            self._log_once(f"pending placements not shared ({type(e).__name__}: {e})")
+            self._outage.failed(e, "pending placements not shared until a write succeeds")
             with self._lock:  # the index may lack what we wrote: the next placements write all
                 self._current, self._previous = {}, {}
             return False
@@ -220,11 +221,6 @@ class PendingPlacements:
                 break
             del table[key]
             self._unconfirmed.discard(key)
-
-    def _log_once(self, message: str) -> None:
-        if not self._failing:
-            self._failing = True
-            log.warning("%s; further failures are not logged until a write succeeds", message)
 
 
 @dataclass(frozen=True)

@@ -268,7 +268,7 @@ def test_pending_writes_never_raise_and_log_one_warning(caplog):
         for i in range(3):
             pending.record("g0", chain(4, first=i))
             assert pending.flush(timeout_s=5.0)
-    warnings = [r for r in caplog.records if "pending placements not shared" in r.message]
+    warnings = [r for r in caplog.records if "pending placements not shared" in r.getMessage()]
     assert len(warnings) == 1
     m = pending.overlay(chain(4, first=2), {"g0": GroupMatch("g0", 1, 0, 0, None)})
     assert m["g0"].pending_blocks == 4  # the local table still has it

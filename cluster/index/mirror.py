@@ -34,6 +34,7 @@ from collections.abc import Callable, Sequence
 
 from cluster.index.base import IndexReader
 from cluster.index.copy import IndexCopy
+from cluster.index.outage import Outage
 from cluster.index.probes import probe_hashes
 from cluster.index.redis_index import RedisPrefixIndex, to_ms
 from cluster.index.types import GroupLoad, InventoryStats, Matches, PendingWrite
@@ -69,7 +70,7 @@ class MirroredPrefixIndex(IndexReader):
         self._copy = IndexCopy(self._ttl)
         self._seq: int | None = None  # last applied log entry; None: not in sync
         self._read_ok_at = float("-inf")  # when the last log read returned
-        self._warned = False
+        self._outage = Outage(log, "prefix index log (mirror)", retry_s, retry_s, clock)
         self._conn = None  # the follower's own connection (its reads block)
         self.snapshots = 0  # snapshots loaded: one at start, one per gap or outage
         self._stop = threading.Event()
@@ -140,12 +141,10 @@ class MirroredPrefixIndex(IndexReader):
                     last_id = self._load_snapshot()
                 last_id = self._read_log(last_id)
                 self._read_ok_at = self._clock()
-                self._warned = False
+                self._outage.recovered("the mirror is in sync again")
             except Exception as e:  # noqa: BLE001  (the follower must outlive any fault)
                 self._seq = None
-                if not self._warned:
-                    self._warned = True
-                    log.warning("prefix index mirror out of sync (%s); matching on Redis", e)
+                self._outage.failed(e, "the mirror is out of sync; matching on Redis")
                 self._stop.wait(self.retry_s)
 
     def _load_snapshot(self) -> str:
