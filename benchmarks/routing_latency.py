@@ -15,16 +15,17 @@ import sys
 import time
 import uuid
 
+from cluster.cost_model import CostModel
 from cluster.index import (
     InMemoryPrefixIndex,
     MirroredPrefixIndex,
     PrefixIndexConfig,
     RedisPrefixIndex,
 )
-from cluster.sim_group import CostModel, SimGroup, SimGroupConfig
+from cluster.sim_group import SimGroup, SimGroupConfig
 from protos.pagefleet.v1 import pagefleet_pb2 as pb
 from router.api import route_request
-from router.prefix_aware import PrefixAware, PrefixAwareConfig
+from router.placement import PrefixAware, PrefixAwareConfig
 from router.router import ModelInfo, Router, RouteRequest
 from router.serve import ROUTER_SWITCH_INTERVAL_S, freeze_heap
 from tests.redis_server import RedisServer
@@ -83,7 +84,7 @@ def decision_latency(router: Router, doc: list[int], hasher: BlockHasher, n: int
             for k, v in zip(timed, (t1 - t0, t2 - t1, t3 - t2, t3 - t1), strict=False):
                 timed[k].append(v)
             time.sleep(ARRIVAL_GAP_S)
-        router.pending.flush()
+        router.ledger.pending.flush()
         background = (_background_cpu_s() - cpu0) / n
         for tokens in prompts[: n // 4]:
             t0 = time.perf_counter()
@@ -146,8 +147,7 @@ def run_latency(
         held = own[: args.blocks - len(doc_hashes)] + doc_hashes if i in (0, n_groups // 2) else own
         index.publish(g.group_id, epoch, [BlockStored(tuple(held), None)])
         index.report_load(g.group_id, epoch, g.status().load())
-    policy = PrefixAware(PrefixAwareConfig(cost=cost))
-    policy.block_size = args.block_size
+    policy = PrefixAware(PrefixAwareConfig(cost=cost), args.block_size, args.batch_tokens)
     info = ModelInfo("bench", max_model_len=1 << 20, block_size=args.block_size, kv_cache_dtype="auto", vocab_size=1 << 20)  # fmt: skip
     sys.setswitchinterval(ROUTER_SWITCH_INTERVAL_S)  # as `pagefleet serve` runs the router
     if index_kind == "mirror":  # the router's own client, as `pagefleet serve` builds it
@@ -160,7 +160,7 @@ def run_latency(
     freeze_heap()  # as `pagefleet serve` does once its cluster is up
     out = {"latency_groups": n_groups, "index": index_kind, "blocks_per_group": args.blocks}
     out.update(decision_latency(router, doc, hasher))
-    router.pending.flush()
+    router.ledger.pending.flush()
     routed.close()
     index.close()
     return out

@@ -3,9 +3,10 @@
 For each request it tokenizes (applying the chat template for chat messages, exactly as the
 engine would render them), computes the block hashes once with the same keyed function the
 groups use, asks the placement policy for a group, records the choice as pending (in the
-router's own table at once, in the shared prefix index in the background), forwards the
+router's ledger at once, in the shared prefix index in the background), forwards the
 request with its hashes, and streams the results back. A group that fails before the first
-token is retried on another group. The pending table itself is router/pending.py.
+token is retried on another group. The ledger of recent placements is
+router/placement/ledger.py.
 """
 
 from __future__ import annotations
@@ -17,16 +18,14 @@ import time
 from array import array
 from collections import deque
 from collections.abc import AsyncIterator, Collection, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from cluster.group import GroupHandle, GroupStatus
-from cluster.index import PrefixIndex, PrefixIndexError
+from cluster.index import IndexReader
 from router.hash_cache import PrefixHashCache
-from router.pending import PendingPlacements
-from router.placement import Placement, Policy
-from router.policy import make_policy
+from router.placement import Ledger, Placement, Policy, make_policy
 from worker.async_engine import EngineDeadError, GenerationRequest
 from worker.hashing import BlockHasher
 from worker.outputs import RequestOutput
@@ -89,7 +88,7 @@ class Router:
     def __init__(
         self,
         groups: Sequence[GroupHandle],
-        index: PrefixIndex,
+        index: IndexReader,
         hasher: BlockHasher,
         model_info: ModelInfo,
         tokenizer=None,
@@ -109,15 +108,18 @@ class Router:
         self.max_prompt_chars = (
             None if tokenizer is None else max_prompt_chars(tokenizer, model_info.max_model_len)
         )
-        self.policy = make_policy(policy) if isinstance(policy, str) else policy
-        self.policy.block_size = model_info.block_size
+        if isinstance(policy, str):
+            policy = make_policy(policy, model_info.block_size)
+        if policy.block_size != model_info.block_size:
+            raise ValueError(
+                f"the policy counts blocks of {policy.block_size} tokens; the model's are "
+                f"{model_info.block_size}"
+            )
+        self.policy = policy
         self.max_attempts = max_attempts
         self.records: dict[str, RouteRecord] = {}  # recent decisions, for predicted vs actual
         self._ids = itertools.count()
-        # Prompt tokens this router sent to each group that have not produced a first token:
-        # a group's own load report lags by up to a step, and a burst must not all see it idle.
-        self._in_flight: dict[str, int] = {}
-        self.pending = PendingPlacements(index)
+        self.ledger = Ledger(index, model_info.block_size, policy.placed_window())
         # The live groups' latest statuses. Groups that can tell (`GroupHandle.watch`) queue
         # their id on a change and are read again only then; the others are read at every
         # decision, and all of them once a second all the same. Bounded: a full queue means
@@ -198,11 +200,7 @@ class Router:
         out = self._live.copy()
         for gid in exclude:
             out.pop(gid, None)
-        for gid, tokens in self._in_flight.items():  # only groups with prefill in flight
-            s = out.get(gid)
-            if s is not None and tokens > s.pending_prefill_tokens:
-                out[gid] = replace(s, pending_prefill_tokens=tokens)
-        return out
+        return self.ledger.with_in_flight(out)
 
     def _read(self, g: GroupHandle) -> None:
         s = g.status()
@@ -213,20 +211,13 @@ class Router:
 
     def place(self, block_hashes: Sequence[bytes], exclude: Collection[str] = ()) -> Placement:
         """Choose a group for a prompt's hash chain (one index round trip; the pending record
-        reaches the shared index in the background, see PendingPlacements)."""
+        reaches the shared index in the background, see router/placement/ledger.py)."""
         statuses = self.live_statuses(exclude)
         if not statuses:
             raise NoGroupAvailableError("no live worker group is available")
-        matches, placed = {}, self.pending.unconfirmed()  # before the match is sent
-        try:
-            if block_hashes:
-                matches = self.index.match(block_hashes)
-        except PrefixIndexError as e:  # route on load and this router's placements alone
-            log.warning("prefix index unavailable (%s); placing by load", e)
-            placed = None  # nothing came back: every placement of ours counts
-        matches = self.pending.overlay(block_hashes, matches, placed)
-        placement = self.policy.choose(block_hashes, statuses, matches)
-        self.pending.record(placement.group_id, block_hashes)
+        matches = self.ledger.matches(block_hashes)
+        placement = self.policy.choose(block_hashes, statuses, matches, self.ledger.placed)
+        self.ledger.record(placement, block_hashes, len(statuses))
         return placement
 
     # ---- one request -------------------------------------------------------------------
@@ -252,13 +243,13 @@ class Router:
                 cache_salt=request.cache_salt, block_hashes=hashes,
             )  # fmt: skip
             sent = len(ids) - record.predicted_cached_tokens
-            self._add_in_flight(placement.group_id, sent)
+            self.ledger.add_in_flight(placement.group_id, sent)
             started = False
             try:
                 async for out in group.generate(forwarded):
                     if not started:
                         started = True
-                        self._add_in_flight(placement.group_id, -sent)
+                        self.ledger.add_in_flight(placement.group_id, -sent)
                         record.actual_cached_tokens = out.num_cached_tokens
                     yield out
                 return
@@ -274,15 +265,8 @@ class Router:
                 )
             finally:
                 if not started:
-                    self._add_in_flight(placement.group_id, -sent)
+                    self.ledger.add_in_flight(placement.group_id, -sent)
                 self._trim_records()
-
-    def _add_in_flight(self, group_id: str, tokens: int) -> None:
-        left = self._in_flight.get(group_id, 0) + tokens
-        if left > 0:
-            self._in_flight[group_id] = left
-        else:
-            self._in_flight.pop(group_id, None)
 
     def abort(self, request_id: str) -> None:
         record = self.records.get(request_id)

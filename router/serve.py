@@ -158,14 +158,17 @@ def build_cluster(
     environment, see `take_cluster_secret`). With Ray-placed groups, call `start_ray` on the
     main thread first."""
     from router.metrics import ServerMetrics
-    from router.policy import make_policy
+    from router.placement import make_policy
     from router.router import Router
 
     secret = secret or take_cluster_secret()
     engine_options = {"cluster_secret": secret, **config.engine}
     probe = make_engine_config(config.model, **engine_options)  # resolves the built-in model
     name = _model_name(probe.model)
-    policy = make_policy(config.policy, options=config.policy_options)  # before groups start
+    policy = make_policy(  # before groups start: bad options fail at once
+        config.policy, probe.cache.block_size, probe.scheduler.max_num_batched_tokens,
+        config.policy_options,
+    )  # fmt: skip
     index = make_index(config, name)
     groups = _make_groups(config, make_engine_config, engine_options, index.writers)
     try:

@@ -11,7 +11,7 @@ import redis
 from factories import wait_until
 
 from cluster.index import PendingWrite, RedisPrefixIndex
-from router.router import PendingPlacements
+from router.placement import PendingPlacements
 from worker.hashing import BlockHasher, ModelFingerprint
 
 HASHER = BlockHasher(b"pending-test-secret", ModelFingerprint("tiny-llama", block_size=4))
