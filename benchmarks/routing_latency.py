@@ -24,7 +24,7 @@ from cluster.index import (
 )
 from cluster.sim_group import SimGroup, SimGroupConfig
 from protos.pagefleet.v1 import pagefleet_pb2 as pb
-from router.api import route_request
+from router.door.api import route_request
 from router.placement import PrefixAware, PrefixAwareConfig
 from router.router import ModelInfo, Router, RouteRequest
 from router.serve import ROUTER_SWITCH_INTERVAL_S, freeze_heap
@@ -61,7 +61,7 @@ def decision_latency(router: Router, doc: list[int], hasher: BlockHasher, n: int
                   writer, the mirror's follower), off the request's path
     and hash_uncached: the whole chain by the hasher alone (a document's first request);
     grpc_door: what a gRPC request goes through before its hash: parsing the request message,
-    `router.api.route_request` (the checks, the prompt as a numpy array) and the router's
+    `router.door.api.route_request` (the checks, the prompt as a numpy array) and the router's
     `checked_prompt` of that array (validate's part on this path).
     Requests arrive ARRIVAL_GAP_S apart, so each one's background work is done before the next
     (back to back, it would be timed inside the next request's parts instead)."""

@@ -226,7 +226,7 @@ def run_generate(args: argparse.Namespace) -> int:
     """Stream one generation to stdout; usage to stderr (or all of it as --json)."""
     import grpc
 
-    from router.client import Client, Completion, _add
+    from pagefleet.client import Client, Completion, _add
 
     prompt = {"token_ids": args.tokens} if args.tokens else _prompt(args)
     options = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
@@ -285,7 +285,7 @@ def run_demo(args: argparse.Namespace) -> int:
     computed for the first question and served from the prefix cache for every later one."""
     import grpc
 
-    from router.client import Client
+    from pagefleet.client import Client
 
     with Client(args.server, timeout=args.timeout) as client:
         try:

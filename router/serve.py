@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from router.server import DEFAULT_PORT, MAX_MESSAGE_BYTES, FrontDoor
+from router.door.server import DEFAULT_PORT, MAX_MESSAGE_BYTES, FrontDoor
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +140,7 @@ class Cluster:
     router: Any  # router.router.Router
     groups: list
     index: Indexes
-    metrics: Any  # router.metrics.ServerMetrics
+    metrics: Any  # router.door.metrics.ServerMetrics
 
     def shutdown(self) -> None:
         for group in self.groups:
@@ -157,7 +157,7 @@ def build_cluster(
     how flat options become an `EngineConfig`. `secret`: the cluster secret (None: from the
     environment, see `take_cluster_secret`). With Ray-placed groups, call `start_ray` on the
     main thread first."""
-    from router.metrics import ServerMetrics
+    from router.door.metrics import ServerMetrics
     from router.placement import make_policy
     from router.router import Router
 
@@ -407,7 +407,7 @@ async def _until_stopped(task: asyncio.Future, stop: asyncio.Event):
 def _serve_metrics(config: ServeConfig, metrics):
     if config.metrics_port is None:
         return None
-    from router.metrics import serve_metrics
+    from router.door.metrics import serve_metrics
 
     return serve_metrics(metrics, config.metrics_host, config.metrics_port)
 

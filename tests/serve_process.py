@@ -10,7 +10,7 @@ from pathlib import Path
 
 import grpc
 
-from router.client import Client
+from pagefleet.client import Client
 
 ROOT = Path(__file__).resolve().parents[1]
 

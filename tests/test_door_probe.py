@@ -18,8 +18,8 @@ import time
 import grpc
 import pytest
 
+from pagefleet.client import AsyncClient, Client, build_request
 from protos.pagefleet.v1 import pagefleet_pb2 as pb
-from router.client import AsyncClient, Client, build_request
 from tests.redis_server import free_port
 from tests.serve_process import start_serve
 

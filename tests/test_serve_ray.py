@@ -31,8 +31,8 @@ import pytest
 from cluster.group import LocalGroup
 from cluster.index import InMemoryPrefixIndex
 from cluster.ray_group import RayGroup, RayGroupConfig
+from pagefleet.client import Client
 from pagefleet.llm import engine_config
-from router.client import Client
 from router.router import Router, RouteRequest
 from router.serve import ServeConfig, router_side
 from worker.async_engine import GenerationRequest

@@ -21,9 +21,9 @@ from pathlib import Path
 import grpc
 import pytest
 
+from pagefleet.client import AsyncClient, Client, build_request
 from protos.pagefleet.v1 import pagefleet_pb2 as pb
 from protos.pagefleet.v1 import pagefleet_pb2_grpc as pb_grpc
-from router.client import AsyncClient, Client, build_request
 
 ROOT = Path(__file__).resolve().parents[1]
 ENGINE = dict(num_blocks=256, max_model_len=512, max_num_seqs=2, max_waiting=2)

@@ -35,7 +35,7 @@ from grpc_reflection.v1alpha import reflection
 
 from protos.pagefleet.v1 import pagefleet_pb2 as pb
 from protos.pagefleet.v1 import pagefleet_pb2_grpc as pb_grpc
-from router.api import (
+from router.door.api import (
     Reject,
     check_context,
     model_info_message,
@@ -44,7 +44,7 @@ from router.api import (
     status_message,
     tokenized,
 )
-from router.metrics import ServerMetrics
+from router.door.metrics import ServerMetrics
 
 if TYPE_CHECKING:
     from router.router import Router
