@@ -41,8 +41,8 @@ from benchmarks.plot import routing_svg
 from benchmarks.routing_latency import SECRET, decision_latency, pct, run_latency
 from benchmarks.traces import TraceRequest, read
 from cluster.cost_model import CostModel
-from cluster.group import LocalGroup
 from cluster.index import InMemoryPrefixIndex, MirroredPrefixIndex, RedisPrefixIndex
+from cluster.local_group import LocalGroup
 from cluster.sim_group import Arrival, SimClock, SimGroup, SimGroupConfig, Simulation
 from router.placement import POLICIES, PrefixAware, PrefixAwareConfig, make_policy
 from router.router import ModelInfo, Router, RouteRequest

@@ -5,7 +5,7 @@ index, the built-in small model, gRPC on 127.0.0.1:50151 and metrics on 127.0.0.
 group runs in this process: a local Ray runtime and a Ray-placed group would add about 20 s to
 start-up on a small CPU host (`ray` opts in). The same config with `model`, `tp`, `groups`,
 `redis` and `address` is the multi-node deployment: with `ray`, `tp > 1`, `groups > 1` or a Ray
-`address`, groups are Ray-placed (`cluster/ray_group.py`), on the cluster at `address` or on a
+`address`, groups are Ray-placed (`cluster/ray/group.py`), on the cluster at `address` or on a
 local runtime, and publish their KV events and load to the index like in-process groups. All
 groups and the router share one cluster secret (PAGEFLEET_CLUSTER_SECRET, or a random one).
 
@@ -221,8 +221,8 @@ def take_cluster_secret() -> str:
 def start_ray(config: ServeConfig) -> None:
     """Join the Ray cluster at `config.address`, or start a local runtime declaring enough CPUs
     for every rank (a rank's thread is light). Must run on the main thread when it starts a
-    local runtime (cluster/ray_runtime.py says why); a no-op once connected."""
-    from cluster.ray_runtime import RayStartError, ensure_ray
+    local runtime (cluster/ray/runtime.py says why); a no-op once connected."""
+    from cluster.ray.runtime import RayStartError, ensure_ray
 
     cpus = None if config.address else max(os.cpu_count() or 1, config.groups * config.tp)
     try:
@@ -254,7 +254,7 @@ def _make_groups(config, make_engine_config, options, index) -> list:
     """One TP=1 group in this process, or Ray-placed groups (`ServeConfig.uses_ray`)."""
     if config.uses_ray:
         return _ray_groups(config, make_engine_config, options, index)
-    from cluster.group import LocalGroup
+    from cluster.local_group import LocalGroup
 
     groups = []
     for i in range(config.groups):
@@ -266,18 +266,18 @@ def _make_groups(config, make_engine_config, options, index) -> list:
 
 def check_deployment(config: ServeConfig) -> None:
     """Fail before binding a port when the config asks for what this installation lacks."""
-    if config.uses_ray and importlib.util.find_spec("cluster.ray_group") is None:
+    if config.uses_ray and importlib.util.find_spec("cluster.ray.group") is None:
         raise ValueError(
             "--ray, --tp > 1, --groups > 1 and --address need Ray-placed groups "
-            "(cluster/ray_group.py), which this installation lacks; leave them out for one "
+            "(cluster/ray/group.py), which this installation lacks; leave them out for one "
             "in-process group"
         )
 
 
 def _ray_groups(config, make_engine_config, options, index) -> list:
-    """Ray-placed groups (cluster/ray_group.py) of `config.tp` devices each, publishing to
+    """Ray-placed groups (cluster/ray/group.py) of `config.tp` devices each, publishing to
     `index`. Placed one after the other: a group that cannot start stops the others."""
-    from cluster.ray_group import RayGroup, RayGroupConfig
+    from cluster.ray.group import RayGroup, RayGroupConfig
 
     start_ray(config)  # (connected already when `serve` started it on the main thread)
     engine_config = make_engine_config(config.model, **{"device": config.device, **options})
@@ -355,7 +355,7 @@ async def serve(config: ServeConfig, make_engine_config: Callable[..., Any]) -> 
         if cluster is not None:
             cluster.shutdown()
         if config.uses_ray:  # a local runtime's processes stop with it; a cluster is left
-            from cluster.ray_runtime import shutdown_ray
+            from cluster.ray.runtime import shutdown_ray
 
             shutdown_ray()
 

@@ -42,7 +42,7 @@ def redis_server():
 def ray_runtime():
     from ray.cluster_utils import Cluster
 
-    from cluster.ray_runtime import (
+    from cluster.ray.runtime import (
         LOOPBACK,
         ensure_ray,
         live_actors,

@@ -10,8 +10,8 @@ import uuid
 import numpy as np
 import pytest
 
-from cluster.group import LocalGroup
 from cluster.index import FailoverReader, InMemoryPrefixIndex, RedisPrefixIndex
+from cluster.local_group import LocalGroup
 from pagefleet.llm import engine_config
 from router.router import ModelInfo, Router, RouteRequest
 from tests.factories import wait_until

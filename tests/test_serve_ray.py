@@ -28,9 +28,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from cluster.group import LocalGroup
 from cluster.index import InMemoryPrefixIndex
-from cluster.ray_group import RayGroup, RayGroupConfig
+from cluster.local_group import LocalGroup
+from cluster.ray.group import RayGroup, RayGroupConfig
 from pagefleet.client import Client
 from pagefleet.llm import engine_config
 from router.router import Router, RouteRequest

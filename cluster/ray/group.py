@@ -3,7 +3,7 @@
     RayGroup (driver) --Ray: requests in, outputs streamed out, lifecycle--> RankActor x tp
 
 Here is the driver side (`RayGroup`); its configuration and the checks made before placing
-anything are cluster/ray_group_config.py, the actor that hosts each rank cluster/rank_actor.py.
+anything are cluster/ray/config.py, the actor that hosts each rank cluster/ray/rank_actor.py.
 
 The placement group holds one bundle per device (a GPU bundle when the engine runs on CUDA, a
 CPU bundle otherwise), STRICT_PACK so that all ranks share a node. Rank 0's actor names a store
@@ -15,7 +15,7 @@ Requests go in with one actor call each (`submit`); outputs come back on one Ray
 generator per group (`outputs`), a batch of every request's outputs per engine step, which a
 driver thread routes to the callers' asyncio queues. (A streaming generator per request was
 simpler but carried one Ray object per token: 2.3x fewer tokens/s on the benchmark.) Each
-output travels as a delta (cluster/output_delta.py): only the step's new tokens, text and
+output travels as a delta (cluster/ray/output_delta.py): only the step's new tokens, text and
 timings cross Ray, so rank 0's cost per step does not grow with the outputs' length. Leaving
 a stream early aborts the request on the engine.
 
@@ -52,10 +52,10 @@ from dataclasses import replace
 
 from cluster.group import GroupHandle, GroupStatus, status_from_stats
 from cluster.index import GroupPublisher, IndexWriter
-from cluster.output_delta import OutputAssembler
-from cluster.rank_actor import KVEvents, RankActor, RequestFailed, bind_process, describe_error
-from cluster.ray_group_config import RayGroupConfig, check_tensor_parallel, parse_cpu_binding
-from cluster.ray_runtime import ensure_ray, ray
+from cluster.ray.config import RayGroupConfig, check_tensor_parallel, parse_cpu_binding
+from cluster.ray.output_delta import OutputAssembler
+from cluster.ray.rank_actor import KVEvents, RankActor, RequestFailed, bind_process, describe_error
+from cluster.ray.runtime import ensure_ray, ray
 from worker.async_engine import EngineDeadError, GenerationRequest
 from worker.engine import EngineConfig
 from worker.outputs import RequestOutput
@@ -374,7 +374,7 @@ def _first_error(refs: list, timeout: float) -> list:
 __all__ = [
     "RayGroup",
     "RayGroupConfig",
-    "bind_process",  # (cluster/rank_actor.py; imported from here by callers)
+    "bind_process",  # (cluster/ray/rank_actor.py; imported from here by callers)
     "check_tensor_parallel",
     "parse_cpu_binding",
 ]

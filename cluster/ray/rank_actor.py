@@ -1,4 +1,4 @@
-"""The Ray actor that hosts one rank of a tensor-parallel group; cluster/ray_group.py places
+"""The Ray actor that hosts one rank of a tensor-parallel group; cluster/ray/group.py places
 the actors and drives them.
 
     RankActor rank 0: LLMEngine(executor=TPExecutor) inside an AsyncEngine
@@ -6,7 +6,7 @@ the actors and drives them.
 
 Rank 0 names a store file on its node for the rendezvous (`store_path`); every rank joins the
 group in `start`, bound to its cores if the group names them. Rank 0 takes requests one call
-each (`submit`) and puts every request's outputs, as deltas (cluster/output_delta.py), failures
+each (`submit`) and puts every request's outputs, as deltas (cluster/ray/output_delta.py), failures
 (`RequestFailed`) and, with KV events on, the engine's KV-event batches (`KVEvents`, ahead of the
 outputs of the step that made them) into one outbox, which `outputs` streams to the driver a
 batch per wake-up, with the engine's stats. While idle it sends an empty batch every `idle_s`.
@@ -24,8 +24,8 @@ import queue
 import sys
 from dataclasses import dataclass, replace
 
-from cluster.output_delta import OutputDelta
-from cluster.ray_runtime import ray
+from cluster.ray.output_delta import OutputDelta
+from cluster.ray.runtime import ray
 from worker.async_engine import GenerationRequest
 from worker.engine import EngineConfig
 
