@@ -18,20 +18,7 @@ group at most `cap`). It plans once, before the first request:
   without a document to the group with the fewest placed.
 
 It answers what static placement by demand and size reaches at the same balance, with no cost
-model and no index. 16 groups of 2048 blocks, 10k requests (benchmarks/traces.py, seeds 0-3;
-tight: --fill 2):
-
-    trace (seed)   oracle_balanced     prefix_aware        prefix_hash
-    tight (0)      0.9284 at 1.150x    0.9294 at 1.064x    0.9314 at 4.41x
-    tight (1)      0.9196 at 1.155x    0.9219 at 1.09x     0.9200 at 4.12x
-    tight (2)      0.9248 at 1.152x    0.9273 at 1.056x    0.9299 at 3.58x
-    tight (3)      0.9319 at 1.152x    0.9340 at 1.09x     0.9363 at 4.43x
-    loose (0)      0.9700 at 1.147x    0.9690 at 1.053x
-    loose (1)      0.9664 at 1.149x    0.9653 at 1.09x
-
-(hit rate at max/mean requests per group). On the tight traces the bound costs it more than
-`prefix_aware` pays: a hot document's copies take whole groups, whose pools the bound then keeps
-from filling with other documents' traffic.
+model and no index (figures: benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 The embedded default (no flags) is one TP=1 group on this machine's CPU, the in-process prefix
 index, the built-in small model, gRPC on 127.0.0.1:50151 and metrics on 127.0.0.1:9151. That
-group runs in this process: a local Ray runtime and a Ray-placed group would add about 20 s to
-start-up on a small CPU host (`ray` opts in). The same config with `model`, `tp`, `groups`,
+group runs in this process: a local Ray runtime and a Ray-placed group would add tens of
+seconds to start-up on a small CPU host (`ray` opts in). The same config with `model`, `tp`, `groups`,
 `redis` and `address` is the multi-node deployment: with `ray`, `tp > 1`, `groups > 1` or a Ray
 `address`, groups are Ray-placed (`cluster/ray/group.py`), on the cluster at `address` or on a
 local runtime, and publish their KV events and load to the index like in-process groups. All
@@ -37,8 +37,7 @@ log = logging.getLogger(__name__)
 DEFAULT_METRICS_PORT = 9151
 # The router's event loop shares the GIL with its background threads (the pending-placement
 # writer, the index mirror's follower, in-process engines); a decision waiting on one of them
-# gets the GIL back after this, not after the default 5 ms (benchmarks/routing_latency.py:
-# decision p99 at 32k tokens 2.6 ms at 5 ms, 1.1-1.9 ms at 0.5 ms).
+# gets the GIL back after this, not after the default 5 ms (the decision's p99: RESULTS.md).
 ROUTER_SWITCH_INTERVAL_S = 0.0005
 
 
@@ -363,7 +362,7 @@ async def serve(config: ServeConfig, make_engine_config: Callable[..., Any]) -> 
 def freeze_heap() -> None:
     """Hide what is built by now (the model and groups, the tokenizer, the index as loaded) from
     the garbage collector: it lives as long as the server, and a full collection over it would
-    stall the router's event loop (~0.2 s at 64 groups in the routing latency benchmark).
+    stall the router's event loop for a noticeable time at 64 groups.
     Objects made later are collected as usual."""
     gc.collect()
     gc.freeze()

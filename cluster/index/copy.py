@@ -8,8 +8,7 @@ block maps to a bitmask of the registrations holding it, and every pending probe
 those with an entry for it. A match walks the chain's probes once for all groups (a running AND
 of their masks, one binary search for all the groups that answer alike) and touches a group only
 where the chain is cached or pending on it; every other live group gets its prebuilt empty
-answer. At 64 groups, a 2048-block chain cached on 2 and pending on 27 of them takes ~0.06 ms
-(a loop over the groups took ~0.2 ms).
+answer (benchmarks/RESULTS.md: the match against a loop over the groups).
 
 It answers what `RedisPrefixIndex.match` answers: leading cached blocks counted at the chain's
 probe positions, then between the last probe held and the first missed (exact while holdings are

@@ -78,7 +78,7 @@ class RedisPrefixIndex(PrefixIndex):
         self._bodies = {name: PRELUDE + body for name, body in SCRIPTS.items()}
         self._shas = {name: hashlib.sha1(b.encode()).hexdigest() for name, b in self._bodies.items()}  # fmt: skip
         # Scripts run on connections of our own, straight through their parser: the client's
-        # command path (pool, retries, instrumentation) costs ~90 us of CPU a call on top. A
+        # command path (pool, retries, instrumentation) costs more CPU than the call. A
         # call takes an idle one (or makes one) and gives it back: as many as calls at once.
         self._idle: list[redis.Connection] = []
         self._idle_lock = threading.Lock()

@@ -14,7 +14,7 @@ network interface.
 Requests go in with one actor call each (`submit`); outputs come back on one Ray streaming
 generator per group (`outputs`), a batch of every request's outputs per engine step, which a
 driver thread routes to the callers' asyncio queues. (A streaming generator per request was
-simpler but carried one Ray object per token: 2.3x fewer tokens/s on the benchmark.) Each
+simpler but carried one Ray object per token, and far fewer tokens/s.) Each
 output travels as a delta (cluster/ray/output_delta.py): only the step's new tokens, text and
 timings cross Ray, so rank 0's cost per step does not grow with the outputs' length. Leaving
 a stream early aborts the request on the engine.
@@ -28,7 +28,8 @@ in the index.
 
 Status: every batch carries rank 0's engine stats (an idle group sends an empty batch every
 half heartbeat), so `status()` answers from the latest batch and never waits on a rank: the
-router calls it for every group on every decision (a stats call per group took ~2 ms each).
+router calls it for every group on every decision, where a call per group would cost a round
+trip each.
 
 Health: each rank > 0 runs its loop inside a long-lived actor call (`serve`), whose result
 resolves only when the loop ends; rank 0's engine stops when a collective fails or times out.
