@@ -43,6 +43,7 @@ import itertools
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from cluster.cost_model import CostModel
 from cluster.group import GroupStatus
@@ -107,11 +108,10 @@ class PrefixAwareConfig:
             raise ValueError(f"hit_holders must be >= 1, got {self.hit_holders}")
 
 
-@dataclass(frozen=True)
-class LoadBound:
+class LoadBound(NamedTuple):
     """Which groups may take a request: a group is a candidate if it holds at least `min_hit`
     blocks and its recent placements are under `bound`, or it holds the longest match
-    (`best_hit`) and is under the hit bound `high`."""
+    (`best_hit`) and is under the hit bound `high`. (A named tuple: one is made per decision.)"""
 
     min_hit: int
     bound: float
@@ -228,8 +228,9 @@ class PrefixAware(Policy):
         bound = LoadBound.of(self.config, held, share, mean)
         rows = statuses, held, share, mean, tokens
         tied = self._lowest(n, rows, bound)
-        for limits in bound.relaxed():  # every candidate is over the bound
-            tied = tied or self._lowest(n, rows, limits)
+        if not tied:  # every candidate is over the bound
+            for limits in bound.relaxed():
+                tied = tied or self._lowest(n, rows, limits)
         return self._placement(block_hashes, tied, held, bound.best_hit)
 
     def _placement(self, block_hashes, tied: list[str], held, best_hit: int) -> Placement:
