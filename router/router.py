@@ -224,9 +224,9 @@ class Router:
     async def generate(self, request: RouteRequest) -> AsyncIterator[RequestOutput]:
         """Tokenize, hash once, place, forward, stream. Errors: ValueError (bad input),
         NoGroupAvailableError, and whatever the group raises (e.g. a full queue)."""
-        ids, checked = self.checked_prompt(request)
+        _, ids = self.checked_prompt(request)  # CheckedIds: trusted from here on
         rid = request.request_id or f"rt-{next(self._ids)}"
-        hashes = self.hash_cache.hash_prompt(checked, cache_salt=request.cache_salt)
+        hashes = self.hash_cache.hash_prompt(ids, cache_salt=request.cache_salt)
         tried: set[str] = set()
         while True:
             t0 = time.perf_counter()

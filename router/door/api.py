@@ -17,7 +17,7 @@ import numpy as np
 from protos.pagefleet.v1 import pagefleet_pb2 as pb
 from worker.hashing import cache_namespace
 from worker.sampling_params import shown
-from worker.token_ids import first_outside
+from worker.token_ids import CheckedIds, first_outside
 
 if TYPE_CHECKING:
     from cluster.group import GroupStatus
@@ -88,7 +88,7 @@ def sampling_params(msg: pb.SamplingParams):
         raise _invalid(str(e).replace("SamplingParams.", "sampling.")) from None
 
 
-async def prompt_token_ids(request: pb.GenerateRequest, router: Router) -> np.ndarray | list[int]:
+async def prompt_token_ids(request: pb.GenerateRequest, router: Router) -> CheckedIds:
     """The prompt as token ids: exactly one of text, token_ids or messages."""
     given = [
         name
@@ -111,11 +111,11 @@ async def prompt_token_ids(request: pb.GenerateRequest, router: Router) -> np.nd
         vocab = router.model_info.vocab_size
         if (i := first_outside(ids, vocab)) is not None:
             raise _invalid(f"token_ids[{i}] = {ids[i]} is outside the vocabulary [0, {vocab})")
-        return ids  # checked; the router takes the array as it is (Router.checked_prompt)
+        return CheckedIds.trusted(ids, vocab)  # checked here, trusted below
     return await tokenized(request, router)
 
 
-async def tokenized(request: pb.GenerateRequest | pb.TokenizeRequest, router: Router) -> list[int]:
+async def tokenized(request: pb.GenerateRequest | pb.TokenizeRequest, router: Router) -> CheckedIds:
     """The token ids of the request's text or chat messages, computed on a worker thread after
     the checks that refuse at once what cannot fit the context."""
     from router.router import PromptTooLongError
@@ -135,12 +135,12 @@ async def tokenized(request: pb.GenerateRequest | pb.TokenizeRequest, router: Ro
         raise _invalid(str(e)) from None
 
 
-def _tokenize(request: pb.GenerateRequest | pb.TokenizeRequest, router: Router) -> list[int]:
+def _tokenize(request: pb.GenerateRequest | pb.TokenizeRequest, router: Router) -> CheckedIds:
     from router.router import RouteRequest
 
     messages = [chat_message(i, m) for i, m in enumerate(request.messages)] or None
     text = request.text if request.HasField("text") else None
-    return router.tokenize(RouteRequest(prompt=text, messages=messages))
+    return router.checked_prompt(RouteRequest(prompt=text, messages=messages))[1]
 
 
 def chat_message(i: int, m: pb.ChatMessage) -> dict:

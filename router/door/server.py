@@ -121,7 +121,7 @@ class PageFleetServicer(pb_grpc.PageFleetServicer):
             check_context(len(ids), None, router.model_info.max_model_len)
         except Reject as r:
             await self._abort(context, r.code, r.message)
-        return pb.TokenizeResponse(token_ids=ids)
+        return pb.TokenizeResponse(token_ids=ids.tolist())
 
     async def GetModelInfo(self, request, context) -> pb.ModelInfo:
         return model_info_message((await self._ready(request, context)).model_info)
