@@ -37,6 +37,7 @@ class GroupStatus:
     prefix_cache_hits: int = 0
     preemptions: int = 0
     error: str | None = None
+    draining: bool = False  # alive, but taking no new request (its in-flight ones finish)
 
     def load(self) -> GroupLoad:
         return GroupLoad(
@@ -66,7 +67,7 @@ def status_from_stats(
         waiting=stats.get("waiting", 0), pending_prefill_tokens=stats.get("pending_prefill_tokens", 0),
         prefix_cache_queries=stats.get("prefix_cache_queries", 0),
         prefix_cache_hits=stats.get("prefix_cache_hits", 0), preemptions=stats.get("preemptions", 0),
-        error=error,
+        error=error, draining=bool(stats.get("draining", False)),
     )  # fmt: skip
 
 

@@ -1,17 +1,27 @@
-"""The Ray actor that hosts one rank of a tensor-parallel group; cluster/ray/group.py places
-the actors and drives them.
+"""The Ray actor that hosts one rank of a tensor-parallel group; cluster/ray/ranks.py places
+the actors, cluster/ray/group.py is a router's handle on rank 0.
 
     RankActor rank 0: LLMEngine(executor=TPExecutor) inside an AsyncEngine
     RankActor rank r: TPWorker loop; steps arrive from rank 0 over torch.distributed (gloo)
 
 Rank 0 names a store file on its node for the rendezvous (`store_path`); every rank joins the
-group in `start`, bound to its cores if the group names them. Rank 0 takes requests one call
-each (`submit`) and puts every request's outputs, as deltas (cluster/ray/output_delta.py), failures
-(`RequestFailed`) and, with KV events on, the engine's KV-event batches (`KVEvents`, ahead of the
-outputs of the step that made them) into one outbox, which `outputs` streams to the driver a
-batch per wake-up, with the engine's stats. While idle it sends an empty batch every `idle_s`.
-Calls that read engine state (`cached_hashes`, `probe_broadcast`) run on the engine thread
-between steps. Each rank > 0 runs its step loop inside one long-lived call (`serve`).
+group in `start`, bound to its cores if the group names them. Each rank > 0 runs its step loop
+inside one long-lived call (`serve`).
+
+Rank 0 serves any number of subscribers (routers): each opens its own output stream
+(`outputs(subscriber)`) and sends requests one call each (`submit(request, subscriber)`); every
+request's outputs, as deltas (cluster/ray/output_delta.py), and failures (`RequestFailed`) go
+into its subscriber's outbox, streamed a batch per wake-up with the engine's stats; while idle,
+an empty batch every `idle_s`. A subscriber whose stream ends (its router left or died) has its
+requests aborted.
+
+The group's KV events reach the prefix index one of two ways (`start(..., index=)`): an
+`IndexTarget` with a Redis URL makes rank 0 publish them itself, from its engine thread, as an
+in-process group does; one naming a subscriber puts them into that subscriber's stream
+(`KVEvents`, ahead of the outputs of the step that made them), for a router that keeps the
+index in its own process. Calls that read engine state (`cached_hashes`, `probe_broadcast`) run
+on the engine thread between steps. `set_draining` marks the group as draining in its stats:
+routers place nothing new there.
 """
 
 from __future__ import annotations
@@ -28,6 +38,21 @@ from cluster.ray.output_delta import OutputDelta
 from cluster.ray.runtime import ray
 from worker.async_engine import GenerationRequest
 from worker.engine import EngineConfig
+
+OWNER = ""  # the subscriber of the process that placed the group (and of `submit` by default)
+
+
+@dataclass(frozen=True)
+class IndexTarget:
+    """Where a group's KV events and load go: published by rank 0 to the Redis index at
+    `redis_url` (in `cluster`, for `model`), or streamed to `subscriber` for its process's
+    index."""
+
+    group_id: str
+    redis_url: str | None = None
+    cluster: str = "pagefleet"
+    model: str = "model"
+    subscriber: str | None = None
 
 ENGINE_SWITCH_INTERVAL_S = 0.0002
 
@@ -50,9 +75,11 @@ class RankActor:
         self.executor = None  # rank 0: TPExecutor
         self.worker = None  # rank > 0: TPWorker
         self._calls: queue.SimpleQueue = queue.SimpleQueue()  # work for rank 0's engine thread
-        self._streams: dict[str, asyncio.Task] = {}  # rank 0: request id -> its follower
-        self._outbox: list = []  # rank 0: outputs not yet streamed to the driver
-        self._ready = asyncio.Event()
+        self._streams: dict[str, tuple[str, asyncio.Task]] = {}  # id -> (subscriber, follower)
+        self._subscribers: dict[str, _Outbox] = {}  # rank 0: outputs not yet streamed
+        self._events_to: str | None = None  # the subscriber whose stream carries KV events
+        self._publisher = None  # rank 0 publishing to Redis itself: a GroupPublisher
+        self._draining = False
         self._closing = False
         self._loop: asyncio.AbstractEventLoop | None = None  # the actor's event loop
 
@@ -64,18 +91,17 @@ class RankActor:
         return Rendezvous.new_store_path()
 
     async def start(
-        self, config: EngineConfig, rank: int, rendezvous, heartbeat_s: float, kv_events: bool,
-        cores: frozenset[int] | None = None,
+        self, config: EngineConfig, rank: int, rendezvous, heartbeat_s: float,
+        index: IndexTarget | None = None, cores: frozenset[int] | None = None,
     ) -> dict:  # fmt: skip
-        """Join the group; rank 0 builds the engine (streaming its KV events if `kv_events`).
-        `cores`: bind this rank's process to them first."""
+        """Join the group; rank 0 builds the engine, its KV events going to `index` (None:
+        nowhere). `cores`: bind this rank's process to them first."""
         self._loop = asyncio.get_running_loop()
         if cores is not None:
             bind_process(cores)
-        args = (config, rank, rendezvous, heartbeat_s, kv_events)
-        return await asyncio.to_thread(self._start, *args)
+        return await asyncio.to_thread(self._start, config, rank, rendezvous, heartbeat_s, index)
 
-    def _start(self, config, rank: int, rendezvous, heartbeat_s: float, kv_events: bool) -> dict:
+    def _start(self, config, rank: int, rendezvous, heartbeat_s: float, index) -> dict:
         import torch
 
         from worker.async_engine import AsyncEngine
@@ -93,8 +119,12 @@ class RankActor:
             # default 5 ms switch interval.
             sys.setswitchinterval(ENGINE_SWITCH_INTERVAL_S)
             self.executor = TPExecutor(config, comm, channel, heartbeat_s)
-            on_kv_events = self._kv_events if kv_events else None
-            engine = LLMEngine(config, on_kv_events=on_kv_events, executor=self.executor)
+            engine = LLMEngine(config, executor=self.executor)
+            if index is not None and index.redis_url is not None:
+                self._publish_to_redis(engine, index)
+            elif index is not None:
+                self._events_to = index.subscriber
+                engine.on_kv_events = self._kv_events
             self.engine = AsyncEngine(engine, self._tick)
             layout = self.executor.layout
         else:
@@ -118,42 +148,64 @@ class RankActor:
         return await asyncio.to_thread(self.worker.run)
 
     # ---- rank 0 ------------------------------------------------------------------------
-    async def submit(self, request: GenerationRequest) -> None:
-        """Start a request; its outputs join the group's output stream."""
-        self._streams[request.request_id] = asyncio.create_task(self._follow(request))
+    def _publish_to_redis(self, engine, index: IndexTarget) -> None:
+        from cluster.index import GroupPublisher, RedisPrefixIndex
 
-    async def _follow(self, request: GenerationRequest) -> None:
+        redis = RedisPrefixIndex.from_url(index.redis_url, index.cluster, index.model)
+        self._publisher = GroupPublisher(redis, index.group_id, engine.scheduler.bm.cached_hashes)
+        self._events: list = []  # this step's KV events, published after the step
+        engine.on_kv_events = self._events.extend
+
+    async def submit(self, request: GenerationRequest, subscriber: str = OWNER) -> None:
+        """Start a request; its outputs join `subscriber`'s output stream."""
+        task = asyncio.create_task(self._follow(request, subscriber))
+        self._streams[request.request_id] = (subscriber, task)
+
+    async def _follow(self, request: GenerationRequest, subscriber: str) -> None:
         try:
-            send_prompt = isinstance(request.prompt, str)  # ids given: the driver has them
+            send_prompt = isinstance(request.prompt, str)  # ids given: the router has them
             async for out in self.engine.generate(request):
-                self._emit(OutputDelta.of(out, send_prompt))  # only what changed crosses Ray
+                # only what changed crosses Ray
+                self._emit(subscriber, OutputDelta.of(out, send_prompt))
                 send_prompt = False
         except Exception as e:  # bad input, a full queue, a dead engine: the caller's error
-            self._emit(RequestFailed(request.request_id, e))
+            self._emit(subscriber, RequestFailed(request.request_id, e))
         finally:
             self._streams.pop(request.request_id, None)
 
-    def _emit(self, item) -> None:
-        self._outbox.append(item)
-        self._ready.set()
+    def _emit(self, subscriber: str, item) -> None:
+        box = self._subscribers.get(subscriber)
+        if box is None:
+            box = self._subscribers[subscriber] = _Outbox()
+        box.items.append(item)
+        box.ready.set()
 
     def _kv_events(self, events: list) -> None:
         # Engine thread, during a step: queued on the event loop ahead of the step's outputs
         # (they reach the outbox one hop later, through the requests' followers).
-        self._loop.call_soon_threadsafe(self._emit, KVEvents(events))
+        self._loop.call_soon_threadsafe(self._emit, self._events_to, KVEvents(events))
 
-    async def outputs(self, idle_s: float | None = None):
-        """The group's output stream: (batch, engine stats) with every output (or failure) of
-        every request and every KV-event batch, a batch per wake-up, so that Ray carries one
-        object per step rather than one per token. With `idle_s`, an empty batch at least that
-        often (the driver's heartbeat to the index)."""
-        while not self._closing:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._ready.wait(), idle_s)
-            self._ready.clear()
-            batch, self._outbox = self._outbox, []
-            if batch or idle_s is not None:
-                yield batch, self.stats()
+    async def outputs(self, subscriber: str = OWNER, idle_s: float | None = None):
+        """`subscriber`'s output stream: (batch, engine stats) with every output (or failure)
+        of its requests (and the KV-event batches, for the subscriber that publishes them), a
+        batch per wake-up, so that Ray carries one object per step rather than one per token.
+        With `idle_s`, an empty batch at least that often (a heartbeat). When the stream ends,
+        the subscriber's requests are aborted."""
+        box = self._subscribers.setdefault(subscriber, _Outbox())
+        try:
+            while not self._closing:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(box.ready.wait(), idle_s)
+                box.ready.clear()
+                batch, box.items = box.items, []
+                if batch or idle_s is not None:
+                    yield batch, self.stats()
+        finally:
+            if self._subscribers.get(subscriber) is box:
+                del self._subscribers[subscriber]
+            for rid, (owner, _) in list(self._streams.items()):
+                if owner == subscriber and self.engine is not None:
+                    self.engine.abort(rid)
 
     async def abort(self, request_id: str) -> None:
         """Stop the request; its final output ("abort") follows in the output stream."""
@@ -162,7 +214,12 @@ class RankActor:
 
     def stats(self) -> dict:
         dead = self.engine.dead
-        return {**self.engine.stats(), "error": None if dead is None else describe_error(dead)}
+        error = None if dead is None else describe_error(dead)
+        return {**self.engine.stats(), "error": error, "draining": self._draining}
+
+    def set_draining(self, draining: bool = True) -> None:
+        """Routers place no new request on a draining group; those in flight finish."""
+        self._draining = draining
 
     def timings(self) -> list[tuple[int, float, tuple[float, ...]]]:
         """(scheduled requests, seconds from decision to forward, its parts) of recent steps,
@@ -188,14 +245,20 @@ class RankActor:
 
     async def shutdown(self) -> None:
         self._closing = True
-        self._ready.set()  # ends the output stream
+        for box in self._subscribers.values():
+            box.ready.set()  # ends the output streams
         if self.engine is not None:
             await asyncio.to_thread(self.engine.shutdown)
             if not self.engine._thread.is_alive():  # not stuck in a collective
                 self.executor.shutdown()
+        if self._publisher is not None:
+            self._publisher.close()  # the group's blocks leave the index at once
 
     def _tick(self, engine) -> None:
         """Rank 0's engine thread, after every step and while idle."""
+        if self._publisher is not None:
+            events, self._events[:] = list(self._events), []
+            self._publisher.publish_step(events, self._load())
         while not self._calls.empty():
             fn, done = self._calls.get()
             try:
@@ -203,6 +266,20 @@ class RankActor:
             except BaseException as e:  # (the caller gets it)
                 done.set_exception(e)
         self.executor.keepalive()
+
+
+    def _load(self):
+        from cluster.group import status_from_stats
+
+        return status_from_stats("", self.engine.engine.stats(), True, 1, ()).load()
+
+
+class _Outbox:
+    """One subscriber's outputs not yet streamed, and the event that wakes its stream."""
+
+    def __init__(self) -> None:
+        self.items: list = []
+        self.ready = asyncio.Event()
 
 
 @dataclass
@@ -229,4 +306,12 @@ def describe_error(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
 
 
-__all__ = ["KVEvents", "RankActor", "RequestFailed", "bind_process", "describe_error"]
+__all__ = [
+    "OWNER",
+    "IndexTarget",
+    "KVEvents",
+    "RankActor",
+    "RequestFailed",
+    "bind_process",
+    "describe_error",
+]
