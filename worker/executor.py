@@ -12,6 +12,7 @@ import torch
 
 from kernels.registry import get_backend
 from worker.distributed import Collectives
+from worker.kv_calibration import calibrate_tensor_scales
 from worker.kv_pool import KVLayout, KVPool, layout_for, num_blocks_from_memory
 from worker.model_config import ModelConfig
 from worker.model_loader import load_model
@@ -30,9 +31,9 @@ class DeviceWorker:
             config.model, config.dtype, self.device, collectives, backend
         )
         local_kv_heads = self.model.attention_layers()[0].num_kv_heads
-        model_dtype = next(self.model.parameters()).dtype
+        self.model_dtype = next(self.model.parameters()).dtype
         self.layout: KVLayout = layout_for(
-            self.model_config, config.cache, local_kv_heads, model_dtype
+            self.model_config, config.cache, local_kv_heads, self.model_dtype
         )
         self.runner = ModelRunner(self.model, config.cache.block_size, self.device)
         self.pool: KVPool | None = None
@@ -51,7 +52,21 @@ class DeviceWorker:
         )
 
     def init_pool(self, num_blocks: int) -> None:
+        """Allocate the pool; a float8 one gets its per-tensor scales first (every rank of a
+        group calls this at the same point, so the calibration's collectives meet)."""
         self.pool = KVPool(self.layout, num_blocks, self.device)
+        if self.layout.tensor_scales:
+            mc = self.model_config
+            self.pool.set_tensor_scales(
+                *calibrate_tensor_scales(
+                    self.model,
+                    self.layout,
+                    self.model_dtype,
+                    mc.vocab_size,
+                    mc.max_position_embeddings,
+                    self.device,
+                )  # fmt: skip
+            )
         self.pool.bind(self.model.attention_layers())
 
     def execute(self, out: SchedulerOutput, sample: bool = True) -> Sampled:
