@@ -10,6 +10,7 @@ cache's at the same bytes; KV dtypes kept apart by the prefix cache and the rout
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import random
 import time
 from types import SimpleNamespace
@@ -183,3 +184,26 @@ def test_unsupported_kv_cache_dtype_is_refused_naming_the_field(model_dir):
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         CacheConfig(kv_cache_dtype="float8")
     assert LLM(str(model_dir), kv_cache_dtype="fp8", num_blocks=16, max_model_len=64).engine.layout.dtype == FP8_E4M3  # fmt: skip
+
+
+def test_tensor_parallel_8bit_caches_equal_tp1(ray_runtime, model_dir):
+    """int8's scales shard with their heads and float8's are the group's, so TP=2 gives the
+    TP=1 engine's tokens (and transformers' over the same 8-bit K/V), with each device holding
+    half the KV bytes per token, as the planner says."""
+    prompts = [d + q for d in prompts_of([30, 25], seed=5) for q in prompts_of([9, 14], seed=6)]
+    with concurrent.futures.ThreadPoolExecutor(len(DTYPES)) as pool:
+        starting = {d: pool.submit(LLM, str(model_dir), tensor_parallel_size=2, kv_cache_dtype=d, **TIGHT) for d in DTYPES}  # fmt: skip
+        want = {}
+        for d in DTYPES:  # meanwhile, TP=1 here
+            tp1 = LLM(str(model_dir), kv_cache_dtype=d, **TIGHT)
+            want[d] = [o.token_ids for o in tp1.generate(prompts, GREEDY)]
+            assert want[d] == hf_greedy(quantized_reference(model_dir, tp1), prompts, 12)
+        groups = {d: f.result() for d, f in starting.items()}
+    try:
+        for d, llm in groups.items():
+            assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == want[d], d
+            shape = KVShape.from_hf_config(model_dir, kv_dtype=d, block_size=TIGHT["block_size"])
+            assert [r["kv_bytes_per_token"] for r in llm.group.ranks] == [shape.bytes_per_token(2)] * 2  # fmt: skip
+    finally:
+        for llm in groups.values():
+            llm.shutdown()

@@ -11,7 +11,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from kernels.registry import get_backend
-from worker.distributed import Collectives
+from worker.distributed import Collectives, SingleRank
 from worker.kv_calibration import calibrate_tensor_scales
 from worker.kv_pool import KVLayout, KVPool, layout_for, num_blocks_from_memory
 from worker.model_config import ModelConfig
@@ -26,6 +26,7 @@ class DeviceWorker:
     def __init__(self, config, collectives: Collectives | None = None) -> None:
         self.config = config  # an EngineConfig
         self.device = torch.device(config.device)
+        self.collectives = collectives or SingleRank()
         backend = get_backend(config.attention_backend, self.device)
         self.model, self.model_config = load_model(
             config.model, config.dtype, self.device, collectives, backend
@@ -57,16 +58,11 @@ class DeviceWorker:
         self.pool = KVPool(self.layout, num_blocks, self.device)
         if self.layout.tensor_scales:
             mc = self.model_config
-            self.pool.set_tensor_scales(
-                *calibrate_tensor_scales(
-                    self.model,
-                    self.layout,
-                    self.model_dtype,
-                    mc.vocab_size,
-                    mc.max_position_embeddings,
-                    self.device,
-                )  # fmt: skip
-            )
+            scales = calibrate_tensor_scales(
+                self.model, self.layout, self.model_dtype, mc.vocab_size,
+                mc.max_position_embeddings, self.device, self.collectives,
+            )  # fmt: skip
+            self.pool.set_tensor_scales(*scales)
         self.pool.bind(self.model.attention_layers())
 
     def execute(self, out: SchedulerOutput, sample: bool = True) -> Sampled:

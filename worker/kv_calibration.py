@@ -8,7 +8,9 @@ absmax to 448 / HEADROOM. Values up to HEADROOM times larger than the calibratio
 fit unclipped, and values down to 2**-6 / 448 x HEADROOM (1/1792) of the absmax stay normal.
 
 Every rank of a tensor-parallel group runs the same pass (the same ids; its collectives meet
-the other ranks'), and every group of one model and KV dtype computes the same scales.
+the other ranks') and the ranks take the largest absmax of any rank's heads, so a layer's scale
+is the same on every device and at every tensor-parallel size: the 8-bit K/V, and so the output,
+do not depend on how the heads are split.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 
 from kernels.kv_quant import FP8_MAX
 from worker.attention_metadata import AttentionMetadata
+from worker.distributed import Collectives
 from worker.kv_pool import KVLayout, KVPool
 
 CALIBRATION_TOKENS = 256
@@ -35,6 +38,7 @@ def calibrate_tensor_scales(
     vocab_size: int,
     max_tokens: int,
     device: torch.device,
+    collectives: Collectives,
 ) -> tuple[list[float], list[float]]:
     """(K scales, V scales), one per layer, for a float8 pool of `layout` on this device.
     Leaves the model's attention layers bound to a scratch pool: bind the real one after."""
@@ -62,6 +66,7 @@ def calibrate_tensor_scales(
     finally:
         for hook in hooks:
             hook.remove()
+    amax = collectives.all_gather(amax[None], dim=0).amax(dim=0)  # over the ranks' heads
     scales = amax.clamp_min(torch.finfo(torch.float32).tiny) * HEADROOM / FP8_MAX
     k_scales, v_scales = scales.tolist()
     return k_scales, v_scales
