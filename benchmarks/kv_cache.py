@@ -128,3 +128,67 @@ def capacity_case(model_dir: str, dtype: str, budget: int, args) -> dict:
         "sequence_tokens": seq, "planned_sequences": planned.max_sequences, **got,
         "blocks_total": llm.stats()["blocks_total"], "wall_s": round(time.perf_counter() - t0, 2),
     }  # fmt: skip
+
+
+def throughput_line(run: KVRun, base: KVRun, reqs: list[BenchRequest]) -> dict:
+    """One dtype's run against the 16-bit cache's."""
+    generated = sum(map(len, run.tokens))
+    tok_s = generated / run.wall_s
+    base_tok_s = sum(map(len, base.tokens)) / base.wall_s
+    same = sum(a == b for a, b in zip(run.tokens, base.tokens, strict=True)) / len(reqs)
+    return {
+        "case": "throughput", "kv_cache_dtype": run.kv_cache_dtype, "requests": len(reqs),
+        "generated_tokens": generated, "wall_s": round(run.wall_s, 3), "gen_tok_s": round(tok_s, 2),
+        "ratio_vs_16bit": round(tok_s / base_tok_s, 3), "max_running": run.max_running,
+        "max_running_ratio_vs_16bit": round(run.max_running / base.max_running, 3),
+        "identical_tokens_vs_16bit": round(same, 4), **run.stats,
+    }  # fmt: skip
+
+
+def kv_lines(model_dir: str, reqs: list[BenchRequest], args) -> list[dict]:
+    """Every line of the KV-dtype comparison: throughput, capacity and accuracy per dtype."""
+    from worker.builtin_model import make_model_dir
+
+    dtypes = [args.kv_baseline, *args.kv_cache_dtype]
+    budget = budget_bytes(model_dir, args.kv_tokens, args.block_size, args.kv_baseline)
+    runs = {d: run_engine(model_dir, reqs, d, budget, args) for d in dtypes}
+    lines = [throughput_line(runs[d], runs[args.kv_baseline], reqs) for d in dtypes]
+    for line in lines:
+        line["budget_bytes"] = budget
+    capacity_dir = make_model_dir(
+        args.tmp / "capacity", seed=args.seed, vocab_size=512,
+        **{**CAPACITY_MODEL, "max_position_embeddings": args.capacity_len},
+    )  # fmt: skip
+    seq_bytes = budget_bytes(str(capacity_dir), args.capacity_len, args.block_size, args.kv_baseline)  # fmt: skip
+    cap_budget = args.capacity_seqs * seq_bytes + seq_bytes // 2
+    caps = [capacity_case(str(capacity_dir), d, cap_budget, args) for d in dtypes]
+    for cap in caps:
+        cap["ratio_vs_16bit"] = round(cap["admitted_at_once"] / caps[0]["admitted_at_once"], 3)
+    if args.accuracy_tokens:
+        accuracy = _accuracy(dtypes, args)
+        for line in lines:
+            line["accuracy"] = accuracy.get(line["kv_cache_dtype"])
+    return lines + caps
+
+
+def _accuracy(dtypes: list[str], args) -> dict[str, dict]:
+    """kv_accuracy's engine cases on the real model (or --accuracy-model), by dtype."""
+    from types import SimpleNamespace
+
+    from benchmarks.kv_accuracy import real_model_dir, run_engine_cases
+
+    from worker.builtin_model import builtin_model_path
+
+    model, name = args.accuracy_model, args.accuracy_model
+    if model is None:  # a smoke run uses the built-in model: it has a tokenizer, and no download
+        model = str(builtin_model_path() if args.quick else real_model_dir())
+        name = "built-in (random weights)" if args.quick else "SmolLM2-135M-Instruct"
+    options = SimpleNamespace(tokens=args.accuracy_tokens, chunk=512)
+    lines, _ = run_engine_cases(model, dtypes, options)
+    keep = ("ppl_ratio", "kl_mean", "argmax_agreement", "greedy_prefix_fraction",
+            "greedy_identical_prompts", "greedy_prompts")  # fmt: skip
+    return {
+        line["kv_cache_dtype"]: {"model": name, "text_tokens": args.accuracy_tokens}
+        | {k: line[k] for k in keep}
+        for line in lines
+    }
