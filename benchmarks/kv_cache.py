@@ -176,7 +176,6 @@ def _accuracy(dtypes: list[str], args) -> dict[str, dict]:
     from types import SimpleNamespace
 
     from benchmarks.kv_accuracy import real_model_dir, run_engine_cases
-
     from worker.builtin_model import builtin_model_path
 
     model, name = args.accuracy_model, args.accuracy_model

@@ -67,7 +67,14 @@ def dequantize(
     s = scale.to(dtype)
     if s.dim() == codes.dim() - 1:
         s = s.unsqueeze(-1)
-    return codes.to(dtype) * s
+    if codes.dtype != FP8_E4M3:
+        return codes.to(dtype).mul_(s)
+    # torch's own float8 cast runs ~10x slower than this on CPU: an e4m3 code's bits, moved
+    # into a float16's (the sign, then exponent and mantissa one bit lower: the widening copies
+    # the sign into bit 14, which is cleared), are the same number x 2**-8 (exponent bias 15
+    # against 7), subnormals included; NaN codes are never written (writes saturate).
+    half = codes.view(torch.int8).to(torch.int16).bitwise_left_shift_(7).bitwise_and_(-16385)
+    return half.view(torch.float16).to(dtype).mul_(s * 256.0)
 
 
 def gather_scale(scale: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
