@@ -50,8 +50,15 @@ def test_engine_benchmark_quick_agrees_with_transformers():
 
 
 def test_kernels_benchmark_smoke():
-    lines = run("benchmarks/kernels.py", "--smoke")
+    lines = run("benchmarks/kernels.py", "--smoke", "--kv-cache-dtype", "auto,int8,fp8_e4m3")
     assert lines and all(line["max_abs_err_vs_sdpa"] < 1e-3 for line in lines)
+    decode = {c["kv_cache_dtype"]: c for c in lines if c["case"] == "decode"}
+    assert set(decode) == {"float32", "int8", "fp8_e4m3"}  # without CUDA: float32 queries
+    assert decode["fp8_e4m3"]["kv_bytes"] * 4 == decode["float32"]["kv_bytes"]
+    assert (
+        decode["int8"]["kv_bytes"] * 4 > decode["float32"]["kv_bytes"]
+        and "speedup_vs_16bit" in decode["int8"]
+    )
 
 
 def test_routing_benchmark_smoke(tmp_path):
