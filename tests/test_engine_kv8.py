@@ -17,6 +17,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from test_engine import hf_greedy
 from transformers import AutoModelForCausalLM
 
 from benchmarks.kv_accuracy import engine_chunk_logits, fake_quant, per_token, static
@@ -60,19 +61,6 @@ def quantized_reference(model_dir, llm):
         scales = {(i, kind): s[i].cpu() for kind, s in (("k", pool.k_scales), ("v", pool.v_scales)) for i in range(len(s))}  # fmt: skip
         fake_quant(hf, static(pool.layout.dtype, scales))
     return hf
-
-
-def hf_greedy(hf, prompts, n):
-    outs = []
-    for p in prompts:
-        ids = torch.tensor([p])
-        with torch.no_grad():
-            gen = hf.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
-                pad_token_id=0,
-            )  # fmt: skip
-        outs.append(gen[0, len(p) :].tolist())
-    return outs
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
