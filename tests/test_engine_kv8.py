@@ -20,16 +20,23 @@ import torch
 from test_engine import hf_greedy
 from transformers import AutoModelForCausalLM
 
-from benchmarks.kv_accuracy import engine_chunk_logits, fake_quant, per_token, static
+from benchmarks.kv_accuracy import (
+    absmax_per_head,
+    engine_chunk_logits,
+    fake_quant,
+    per_token,
+    static,
+)
 from benchmarks.kv_cache import CAPACITY_MODEL, capacity_case
 from cluster.group import LocalGroup
 from cluster.planner import KVShape
 from cluster.prefix_index import InMemoryPrefixIndex
-from kernels.kv_quant import FP8_E4M3
+from kernels.kv_quant import FP8_E4M3, FP8_MAX
 from pagefleet.llm import LLM, engine_config
 from worker.async_engine import GenerationRequest
 from worker.builtin_model import make_model_dir
 from worker.config import CacheConfig
+from worker.kv_calibration import CALIBRATION_SEED, CALIBRATION_TOKENS, HEADROOM
 from worker.sampling_params import SamplingParams
 
 DTYPES = ["int8", "fp8"]
@@ -79,6 +86,21 @@ def test_logits_equal_transformers_on_the_same_quantized_kv(dtype, model_dir):
     err, quant_effect = (ours - want).abs().max(), (want - full).abs().max()
     assert err < 1e-4, err
     assert quant_effect > 1e-2, quant_effect
+
+
+def test_fp8_scales_place_the_calibration_absmax_at_448_over_the_headroom(model_dir):
+    """Each layer's K and V scale: transformers' absmax of K and V over the calibration ids
+    (the model's own forward pass, the same ids), x HEADROOM / 448."""
+    llm = LLM(str(model_dir), kv_cache_dtype="fp8", num_blocks=16, max_model_len=128)
+    pool = llm.engine.executor.worker.pool
+    vocab = llm.engine.model_config.vocab_size
+    ids = torch.randint(0, vocab, (CALIBRATION_TOKENS,), generator=torch.Generator().manual_seed(CALIBRATION_SEED))  # fmt: skip
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    amax = absmax_per_head(hf, ids.tolist())
+    for i, (ks, vs) in enumerate(zip(pool.k_scales, pool.v_scales, strict=True)):
+        for kind, got in (("k", ks), ("v", vs)):
+            want = float(amax[(i, kind)].max()) * HEADROOM / FP8_MAX
+            assert float(got) == pytest.approx(want, rel=1e-5), (i, kind)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
