@@ -222,12 +222,11 @@ def choose_num_splits(
 
 def _check_float(name: str, t: torch.Tensor, like: torch.Tensor) -> None:
     """A float tensor in `like`'s dtype, or (caches) an 8-bit one."""
-    if name.endswith("_cache") and is_quantized(t.dtype):
-        pass
-    elif t.dtype not in _DTYPES:
-        raise ValueError(f"{name} dtype {t.dtype} is not one of {_DTYPES} (or int8/float8)")
-    elif t.dtype != like.dtype:
-        raise ValueError(f"{name} dtype {t.dtype} != query dtype {like.dtype}")
+    if not (name.endswith("_cache") and is_quantized(t.dtype)):
+        if t.dtype not in _DTYPES:
+            raise ValueError(f"{name} dtype {t.dtype} is not one of {_DTYPES} (or int8/float8)")
+        if t.dtype != like.dtype:
+            raise ValueError(f"{name} dtype {t.dtype} != query dtype {like.dtype}")
     if t.stride(-1) != 1:
         raise ValueError(f"{name} must be contiguous in head_dim (stride {t.stride(-1)})")
     if t.device != like.device:
