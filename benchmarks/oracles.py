@@ -1,6 +1,6 @@
 """Placements that know the whole trace, for the routing benchmark to measure policies against.
 
-`oracle` (router/policy.py) is perfect document affinity: every document on one group, chosen
+`oracle` (`Oracle`) is perfect document affinity: every document on one group, chosen
 when its first request comes, whatever that does to the load (a hot document's group takes 4x
 the mean of requests or more).
 
@@ -18,20 +18,7 @@ group at most `cap`). It plans once, before the first request:
   without a document to the group with the fewest placed.
 
 It answers what static placement by demand and size reaches at the same balance, with no cost
-model and no index. 16 groups of 2048 blocks, 10k requests (benchmarks/traces.py, seeds 0-3;
-tight: --fill 2):
-
-    trace (seed)   oracle_balanced     prefix_aware        prefix_hash
-    tight (0)      0.9284 at 1.150x    0.9294 at 1.064x    0.9314 at 4.41x
-    tight (1)      0.9196 at 1.155x    0.9219 at 1.09x     0.9200 at 4.12x
-    tight (2)      0.9248 at 1.152x    0.9273 at 1.056x    0.9299 at 3.58x
-    tight (3)      0.9319 at 1.152x    0.9340 at 1.09x     0.9363 at 4.43x
-    loose (0)      0.9700 at 1.147x    0.9690 at 1.053x
-    loose (1)      0.9664 at 1.149x    0.9653 at 1.09x
-
-(hit rate at max/mean requests per group). On the tight traces the bound costs it more than
-`prefix_aware` pays: a hot document's copies take whole groups, whose pools the bound then keeps
-from filling with other documents' traffic.
+model and no index (figures: benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -41,8 +28,39 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 
 from benchmarks.traces import TraceRequest
-from router.placement import Placement, cached_blocks
-from router.policy import Oracle
+from router.placement.policy import Placement, Policy, cached_blocks
+from router.placement.registry import LeastLoaded
+
+
+class Oracle(Policy):
+    """Perfect document affinity, for the routing benchmark: the benchmark names each request's
+    document with `expect(key, tokens)`; a document's first request goes to the group with the
+    fewest document tokens assigned so far, and every later one follows it. Requests without a
+    document go to the least loaded group."""
+
+    name = "oracle"
+
+    def __init__(self, block_size: int = 16) -> None:
+        super().__init__(block_size)
+        self._home: dict[str, str] = {}
+        self._assigned: dict[str, int] = {}
+        self._key: tuple[str, int] | None = None
+        self._fallback = LeastLoaded(block_size)
+
+    def expect(self, key: str | None, tokens: int = 0) -> None:
+        self._key = None if key is None else (key, tokens)
+
+    def choose(self, block_hashes, statuses, matches, placed) -> Placement:
+        expected, self._key = self._key, None
+        if expected is None:
+            return self._fallback.choose(block_hashes, statuses, matches, placed)
+        key, tokens = expected
+        home = self._home.get(key)
+        if home not in statuses:
+            home = min(statuses, key=lambda g: (self._assigned.get(g, 0), g))
+            self._home[key] = home
+            self._assigned[home] = self._assigned.get(home, 0) + tokens
+        return Placement(home, self.name, cached_blocks(matches, home))
 
 
 class BalancedOracle(Oracle):
@@ -50,15 +68,15 @@ class BalancedOracle(Oracle):
 
     name = "oracle_balanced"
 
-    def __init__(self, homes: dict[str, list[str]], groups: Sequence[str]) -> None:
-        super().__init__()
+    def __init__(self, homes: dict[str, list[str]], groups: Sequence[str], block_size: int = 16) -> None:  # fmt: skip
+        super().__init__(block_size)
         if not groups:
             raise ValueError("groups must not be empty")
         self.homes = homes  # document -> the groups holding a copy of it
         self.placed = Counter(dict.fromkeys(groups, 0))
 
     @classmethod
-    def plan(cls, requests: Iterable[TraceRequest], groups: Sequence[str], cap: float = 1.15) -> BalancedOracle:  # fmt: skip
+    def plan(cls, requests: Iterable[TraceRequest], groups: Sequence[str], cap: float = 1.15, block_size: int = 16) -> BalancedOracle:  # fmt: skip
         """The placement of a trace's documents over `groups`, bounded at `cap` x the mean."""
         if not cap >= 1.0:
             raise ValueError(f"cap must be >= 1, got {cap}")
@@ -86,9 +104,9 @@ class BalancedOracle(Oracle):
                 homes[doc].append(g)
                 tokens[g] += size[doc]
                 load[g] += share
-        return cls(homes, groups)
+        return cls(homes, groups, block_size)
 
-    def choose(self, block_hashes, statuses, matches) -> Placement:
+    def choose(self, block_hashes, statuses, matches, placed) -> Placement:
         expected, self._key = self._key, None
         homes = [g for g in self.homes.get(expected[0], ()) if g in statuses] if expected else []
         gid = min(homes or statuses, key=lambda g: (self.placed[g], g))

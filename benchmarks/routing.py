@@ -36,17 +36,15 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from benchmarks.oracles import BalancedOracle
+from benchmarks.oracles import BalancedOracle, Oracle
 from benchmarks.plot import routing_svg
 from benchmarks.routing_latency import SECRET, decision_latency, pct, run_latency
 from benchmarks.traces import TraceRequest, read
-from cluster.group import LocalGroup
-from cluster.prefix_index import InMemoryPrefixIndex
-from cluster.redis_index import RedisPrefixIndex
-from cluster.redis_mirror import MirroredPrefixIndex
-from cluster.sim_group import Arrival, CostModel, SimClock, SimGroup, SimGroupConfig, Simulation
-from router.policy import POLICIES, Oracle, make_policy
-from router.prefix_aware import PrefixAware, PrefixAwareConfig
+from cluster.cost_model import CostModel
+from cluster.index import InMemoryPrefixIndex, MirroredPrefixIndex, RedisPrefixIndex
+from cluster.local_group import LocalGroup
+from cluster.sim_group import Arrival, SimClock, SimGroup, SimGroupConfig, Simulation
+from router.placement import POLICIES, PrefixAware, PrefixAwareConfig, make_policy
 from router.router import ModelInfo, Router, RouteRequest
 from tests.redis_server import RedisServer
 from worker.config import SchedulerConfig
@@ -54,7 +52,7 @@ from worker.hashing import BlockHasher, ModelFingerprint
 from worker.sampling_params import SamplingParams
 
 # the router's policies, then the benchmark's clairvoyant peer under the load bound
-NAMES = [*sorted(POLICIES), BalancedOracle.name]
+NAMES = [*sorted([*POLICIES, Oracle.name]), BalancedOracle.name]
 
 
 def spread(counts: Counter, groups: list[str]) -> dict:
@@ -63,15 +61,15 @@ def spread(counts: Counter, groups: list[str]) -> dict:
     return {"per_group": values, "max_over_mean": round(max(values) / mean, 3) if mean else None}
 
 
-def make_router(groups, index, hasher, block_size: int, policy_name: str, cost: CostModel, tuning: dict | None = None, trace: str | None = None):  # fmt: skip
+def make_router(groups, index, hasher, block_size: int, policy_name: str, cost: CostModel, tuning: dict | None = None, trace: str | None = None, batch_tokens: int = 2048):  # fmt: skip
     if policy_name == "prefix_aware":
-        policy = PrefixAware(PrefixAwareConfig(cost=cost, **(tuning or {})))
-        policy.block_size = block_size
+        policy = PrefixAware(PrefixAwareConfig(cost=cost, **(tuning or {})), block_size, batch_tokens)  # fmt: skip
     elif policy_name == BalancedOracle.name:  # plans over the whole trace first
-        policy = BalancedOracle.plan(read(trace), [g.group_id for g in groups])
-        policy.block_size = block_size
+        policy = BalancedOracle.plan(read(trace), [g.group_id for g in groups], block_size=block_size)  # fmt: skip
+    elif policy_name == Oracle.name:
+        policy = Oracle(block_size)
     else:
-        policy = make_policy(policy_name, block_size)
+        policy = make_policy(policy_name, block_size, batch_tokens)
     info = ModelInfo("bench", max_model_len=1 << 20, block_size=block_size, kv_cache_dtype="auto", vocab_size=1 << 20)  # fmt: skip
     return Router(groups, index, hasher, info, policy=policy)
 
@@ -111,7 +109,7 @@ def run_sim(args, policy_name: str, server: RedisServer | None, cost: CostModel)
     sched = SchedulerConfig(max_model_len=1 << 20, max_num_batched_tokens=args.batch_tokens)
     cfg = SimGroupConfig(args.blocks, args.block_size, sched, cost)
     groups = [SimGroup(f"g{i:02d}", cfg, hasher, index, clock or time.monotonic) for i in range(args.groups)]  # fmt: skip
-    router = make_router(groups, index, hasher, args.block_size, policy_name, cost, args.tuning, args.trace)  # fmt: skip
+    router = make_router(groups, index, hasher, args.block_size, policy_name, cost, args.tuning, args.trace, args.batch_tokens)  # fmt: skip
     predicted, decisions, last_doc = {}, [], [[]]
     doc_hashes: dict[tuple, list[bytes]] = {}
 
@@ -144,7 +142,7 @@ def run_sim(args, policy_name: str, server: RedisServer | None, cost: CostModel)
     extra = {"prefill": {g.group_id: g.prefill_tokens for g in groups}, "mode": "sim", "index": args.index, "groups": args.groups, "wall_s": round(wall, 1)}  # fmt: skip
     if server is not None:
         extra.update(decision_latency(router, last_doc[0], hasher, n=40))
-    router.pending.flush()
+    router.ledger.pending.flush()
     for g in groups:
         g.shutdown()
     index.close()
@@ -163,7 +161,7 @@ def run_real(args, policy_name: str, server: RedisServer, cost: CostModel) -> di
     config = engine_config(None, num_blocks=args.blocks, block_size=args.block_size, cluster_secret=SECRET, max_num_batched_tokens=args.batch_tokens, max_model_len=min(4096, args.blocks * args.block_size))  # fmt: skip
     groups = [LocalGroup(config, index, group_id=f"g{i}") for i in range(args.groups)]
     hasher = groups[0].hasher
-    router = make_router(groups, routed, hasher, args.block_size, policy_name, cost, trace=args.trace)  # fmt: skip
+    router = make_router(groups, routed, hasher, args.block_size, policy_name, cost, trace=args.trace, batch_tokens=args.batch_tokens)  # fmt: skip
     reqs = list(read(args.trace))
     rows: list = []
     decisions: list[float] = []
@@ -190,7 +188,7 @@ def run_real(args, policy_name: str, server: RedisServer, cost: CostModel) -> di
     extra = {"prefill": prefill, "mode": "real", "groups": args.groups}
     docs = [r.prompt_token_ids[: r.doc_tokens] for r in reqs if r.doc]
     extra.update(decision_latency(router, docs[-1] if docs else [], hasher, n=20))
-    router.pending.flush()
+    router.ledger.pending.flush()
     for g in groups:
         g.shutdown()
     routed.close()

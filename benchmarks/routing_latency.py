@@ -9,18 +9,23 @@ trip per match) and over the router's mirror of it (none).
 
 from __future__ import annotations
 
+import asyncio
 import random
 import sys
 import time
 import uuid
 
-from cluster.prefix_index import InMemoryPrefixIndex, PrefixIndexConfig
-from cluster.redis_index import RedisPrefixIndex
-from cluster.redis_mirror import MirroredPrefixIndex
-from cluster.sim_group import CostModel, SimGroup, SimGroupConfig
+from cluster.cost_model import CostModel
+from cluster.index import (
+    InMemoryPrefixIndex,
+    MirroredPrefixIndex,
+    PrefixIndexConfig,
+    RedisPrefixIndex,
+)
+from cluster.sim_group import SimGroup, SimGroupConfig
 from protos.pagefleet.v1 import pagefleet_pb2 as pb
-from router.api import route_request
-from router.prefix_aware import PrefixAware, PrefixAwareConfig
+from router.door.api import route_request
+from router.placement import PrefixAware, PrefixAwareConfig
 from router.router import ModelInfo, Router, RouteRequest
 from router.serve import ROUTER_SWITCH_INTERVAL_S, freeze_heap
 from tests.redis_server import RedisServer
@@ -56,7 +61,7 @@ def decision_latency(router: Router, doc: list[int], hasher: BlockHasher, n: int
                   writer, the mirror's follower), off the request's path
     and hash_uncached: the whole chain by the hasher alone (a document's first request);
     grpc_door: what a gRPC request goes through before its hash: parsing the request message,
-    `router.api.route_request` (the checks, the prompt as a numpy array) and the router's
+    `router.door.api.route_request` (the checks, the prompt as a numpy array) and the router's
     `checked_prompt` of that array (validate's part on this path).
     Requests arrive ARRIVAL_GAP_S apart, so each one's background work is done before the next
     (back to back, it would be timed inside the next request's parts instead)."""
@@ -79,22 +84,31 @@ def decision_latency(router: Router, doc: list[int], hasher: BlockHasher, n: int
             for k, v in zip(timed, (t1 - t0, t2 - t1, t3 - t2, t3 - t1), strict=False):
                 timed[k].append(v)
             time.sleep(ARRIVAL_GAP_S)
-        router.pending.flush()
+        router.ledger.pending.flush()
         background = (_background_cpu_s() - cpu0) / n
         for tokens in prompts[: n // 4]:
             t0 = time.perf_counter()
             hasher.hash_prompt(tokens)
             timed["hash_uncached"].append(time.perf_counter() - t0)
-            wire = pb.GenerateRequest(token_ids=tokens).SerializeToString()
-            t0 = time.perf_counter()
-            route, _ = route_request(pb.GenerateRequest.FromString(wire), router, "bench")
-            router.checked_prompt(route)
-            timed["grpc_door"].append(time.perf_counter() - t0)
+        timed["grpc_door"] = asyncio.run(_door_seconds(router, prompts[: n // 4]))
         k = f"{size // 1024}k"
         for name, xs in timed.items():
             out[f"{name}_ms_p50_{k}"] = round(1e3 * pct(xs, 0.5), 3)
             out[f"{name}_ms_p99_{k}"] = round(1e3 * pct(xs, 0.99), 3)
         out[f"background_ms_{k}"] = round(1e3 * background, 3)
+    return out
+
+
+async def _door_seconds(router: Router, prompts: list[list[int]]) -> list[float]:
+    """Per prompt: parsing its GenerateRequest, the door's checks and the router's check of
+    what the door passes on, on one event loop as the server runs them."""
+    out = []
+    for tokens in prompts:
+        wire = pb.GenerateRequest(token_ids=tokens).SerializeToString()
+        t0 = time.perf_counter()
+        route, _ = await route_request(pb.GenerateRequest.FromString(wire), router, "bench")
+        router.checked_prompt(route)
+        out.append(time.perf_counter() - t0)
     return out
 
 
@@ -110,7 +124,7 @@ def run_latency(
     """Decision latency over Redis with `n_groups` groups: each holds `args.blocks` blocks of
     its own documents; group 0 and one other also hold the document that every timed prompt
     extends (a hit on two groups, a miss on the rest). `index_kind`: "redis" (one round trip
-    per match), "mirror" (the router's local copy, cluster/redis_mirror.py) or "memory" (the
+    per match), "mirror" (the router's local copy, cluster/index/mirror.py) or "memory" (the
     in-process index of `pagefleet serve` without --redis; Redis unused)."""
     hasher = BlockHasher(SECRET, ModelFingerprint("bench", block_size=args.block_size))
     # Nothing beats here: with the default 3 s TTL the first groups died while the last ones
@@ -133,8 +147,7 @@ def run_latency(
         held = own[: args.blocks - len(doc_hashes)] + doc_hashes if i in (0, n_groups // 2) else own
         index.publish(g.group_id, epoch, [BlockStored(tuple(held), None)])
         index.report_load(g.group_id, epoch, g.status().load())
-    policy = PrefixAware(PrefixAwareConfig(cost=cost))
-    policy.block_size = args.block_size
+    policy = PrefixAware(PrefixAwareConfig(cost=cost), args.block_size, args.batch_tokens)
     info = ModelInfo("bench", max_model_len=1 << 20, block_size=args.block_size, kv_cache_dtype="auto", vocab_size=1 << 20)  # fmt: skip
     sys.setswitchinterval(ROUTER_SWITCH_INTERVAL_S)  # as `pagefleet serve` runs the router
     if index_kind == "mirror":  # the router's own client, as `pagefleet serve` builds it
@@ -147,7 +160,7 @@ def run_latency(
     freeze_heap()  # as `pagefleet serve` does once its cluster is up
     out = {"latency_groups": n_groups, "index": index_kind, "blocks_per_group": args.blocks}
     out.update(decision_latency(router, doc, hasher))
-    router.pending.flush()
+    router.ledger.pending.flush()
     routed.close()
     index.close()
     return out

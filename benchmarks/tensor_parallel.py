@@ -38,8 +38,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cluster.ray_group import RayGroup, RayGroupConfig  # noqa: E402
-from cluster.ray_runtime import ensure_ray, shutdown_ray  # noqa: E402
+from cluster.ray.group import RayGroup, RayGroupConfig  # noqa: E402
+from cluster.ray.runtime import ensure_ray, shutdown_ray  # noqa: E402
 from pagefleet.llm import engine_config  # noqa: E402
 from worker.async_engine import GenerationRequest  # noqa: E402
 from worker.block_manager import BlockManager  # noqa: E402

@@ -1,25 +1,22 @@
 """Worker groups as the router sees them: a handle to submit, stream, abort and inspect.
 
-A group is one engine over `tensor_parallel_size` devices. `LocalGroup` runs a TP=1 engine in
-this process (the embedded default and tests); a Ray-placed group (cluster/ray_group.py)
-implements the same interface. Each group publishes its KV events and load to the prefix index
-through an `IndexPublisher`, so the router's index knows which blocks it holds.
+A group is one engine over `tensor_parallel_size` devices. `LocalGroup` (cluster/local_group.py)
+runs a TP=1 engine in this process (the embedded default and tests); a Ray-placed group
+(cluster/ray/group.py) and a simulated one (cluster/sim_group.py) implement the same interface.
+Each group publishes its KV events and load to the prefix index through a `GroupPublisher`, so
+the routers' index knows which blocks it holds. This module loads no engine (no torch): a
+router needs only the handle.
 """
 
 from __future__ import annotations
 
-import itertools
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, dataclass
 
-from cluster.index_publisher import IndexPublisher
-from cluster.prefix_index import GroupLoad, PrefixIndex
-from worker.async_engine import AsyncEngine, GenerationRequest
-from worker.engine import EngineConfig, LLMEngine
+from cluster.index import GroupLoad
+from worker.async_engine import GenerationRequest
 from worker.outputs import RequestOutput
-
-_group_ids = itertools.count()
 
 
 @dataclass(frozen=True)
@@ -106,56 +103,3 @@ class GroupHandle(ABC):
     @abstractmethod
     def shutdown(self) -> None:
         """Stop the group and release its devices."""
-
-
-class LocalGroup(GroupHandle):
-    """A TP=1 group whose engine runs on a thread of this process."""
-
-    def __init__(
-        self,
-        config: EngineConfig,
-        index: PrefixIndex | None = None,
-        group_id: str | None = None,
-    ) -> None:
-        self.group_id = group_id or f"group-{next(_group_ids)}"
-        self.config = config
-        engine = LLMEngine(config)
-        self.publisher = None
-        if index is not None:
-            self.publisher = IndexPublisher(index, self.group_id, engine.scheduler.bm.cached_hashes)
-            engine.on_kv_events = self._publish
-        self.engine = AsyncEngine(engine, on_step=self._tick)
-
-    @property
-    def hasher(self):
-        return self.engine.engine.hasher
-
-    @property
-    def tokenizer(self):
-        return self.engine.engine.tokenizer
-
-    def _publish(self, events) -> None:
-        for e in events:
-            self.publisher.sink(e)
-
-    def _tick(self, engine: LLMEngine) -> None:
-        if self.publisher is not None:
-            self.publisher.tick(self.status().load())
-
-    def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
-        return self.engine.generate(request)
-
-    def abort(self, request_id: str) -> None:
-        self.engine.abort(request_id)
-
-    def status(self) -> GroupStatus:
-        dead = self.engine.dead
-        return status_from_stats(
-            self.group_id, self.engine.stats(), alive=dead is None, tp=1, devices=(self.config.device,),
-            error=None if dead is None else f"{type(dead).__name__}: {dead}",
-        )  # fmt: skip
-
-    def shutdown(self) -> None:
-        self.engine.shutdown()
-        if self.publisher is not None:
-            self.publisher.close()

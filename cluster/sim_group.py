@@ -23,9 +23,9 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
+from cluster.cost_model import CostModel
 from cluster.group import GroupHandle, GroupStatus
-from cluster.index_publisher import IndexPublisher
-from cluster.prefix_index import PrefixIndex
+from cluster.index import IndexPublisher, IndexWriter
 from worker.block_manager import BlockManager
 from worker.config import SchedulerConfig
 from worker.hashing import BlockHasher
@@ -34,34 +34,6 @@ from worker.sampling_params import SamplingParams
 from worker.scheduler import Scheduler, SchedulerOutput
 
 _SAMPLED_TOKEN = 0  # what every simulated decode "samples"; no EOS, so max_tokens ends requests
-
-
-@dataclass(frozen=True)
-class CostModel:
-    """Seconds of one engine step: step_s + prefill_token_s * prefill tokens
-    + decode_seq_s * decoding sequences (a least-squares fit to measured steps)."""
-
-    step_s: float = 2e-3
-    prefill_token_s: float = 5e-5
-    decode_seq_s: float = 2e-4
-
-    def __post_init__(self) -> None:
-        for name in ("step_s", "prefill_token_s", "decode_seq_s"):
-            if not getattr(self, name) >= 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-
-    def step_seconds(self, prefill_tokens: int, decode_seqs: int) -> float:
-        return self.step_s + self.prefill_token_s * prefill_tokens + self.decode_seq_s * decode_seqs
-
-    @classmethod
-    def fit(cls, samples: Sequence[tuple[int, int, float]]) -> CostModel:
-        """Least squares over (prefill tokens, decoding sequences, seconds) step samples."""
-        import numpy as np  # only the calibration needs it
-
-        a = np.array([[1.0, p, d] for p, d, _ in samples])
-        y = np.array([s for _, _, s in samples])
-        coef, *_ = np.linalg.lstsq(a, y, rcond=None)
-        return cls(*(max(0.0, float(c)) for c in coef))
 
 
 class SimClock:
@@ -117,7 +89,7 @@ class SimGroup(GroupHandle):
         group_id: str,
         config: SimGroupConfig,
         hasher: BlockHasher,
-        index: PrefixIndex | None = None,
+        index: IndexWriter | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """`clock` drives the publisher's heartbeats: a `SimClock` for simulated liveness."""

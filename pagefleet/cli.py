@@ -197,11 +197,15 @@ def run_serve(args: argparse.Namespace) -> int:
     import asyncio
     import logging
 
-    from router.serve import serve
+    from router.serve import ServeError, serve
 
     config = serve_config(args)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    return asyncio.run(serve(config, _engine_config))
+    try:
+        return asyncio.run(serve(config, _engine_config))
+    except ServeError as e:
+        print(f"pagefleet serve: error: {e}", file=sys.stderr)
+        return 1
 
 
 def _engine_config(model, **options):
@@ -238,7 +242,7 @@ def run_generate(args: argparse.Namespace) -> int:
     """Stream one generation to stdout; usage to stderr (or all of it as --json)."""
     import grpc
 
-    from router.client import Client, Completion, _add
+    from pagefleet.client import Client, Completion, _add
 
     prompt = {"token_ids": args.tokens} if args.tokens else _prompt(args)
     options = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
@@ -297,7 +301,7 @@ def run_demo(args: argparse.Namespace) -> int:
     computed for the first question and served from the prefix cache for every later one."""
     import grpc
 
-    from router.client import Client
+    from pagefleet.client import Client
 
     with Client(args.server, timeout=args.timeout) as client:
         try:

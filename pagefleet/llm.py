@@ -41,7 +41,7 @@ class LLM:
     >>> llm = LLM()  # the built-in small model
     >>> out = llm.generate(["Hello"], SamplingParams(max_tokens=8, temperature=0))
 
-    `tensor_parallel_size > 1` places a Ray worker group (cluster/ray_group.py) on the Ray
+    `tensor_parallel_size > 1` places a Ray worker group (cluster/ray/group.py) on the Ray
     runtime, starting a local one if none is connected; the output is the same.
     """
 
@@ -52,7 +52,7 @@ class LLM:
         self.engine: LLMEngine | None = None
         self.group = None
         if tensor_parallel_size > 1:
-            from cluster.ray_group import RayGroup, RayGroupConfig
+            from cluster.ray.group import RayGroup, RayGroupConfig
 
             self.group = RayGroup(config, RayGroupConfig(tensor_parallel_size=tensor_parallel_size))
             self._tokenizer = load_tokenizer(config.model)

@@ -26,18 +26,11 @@ not take turns rebuilding it), and is dropped with its first segment.
 No key is ever hashed over a segment's 4 KiB of tokens. Every served hash is the value
 `hash_blocks` would return, so the chain equals `BlockHasher.hash_prompt`. The root covers the
 model, the adapter and the tenant's cache salt, so tenants never share an entry. A prompt's chain
-is returned as a `HashChain`: the served hashes' bytes and the new tail's, joined in one copy (a
-list of 2048 hash objects took ~0.1 ms on a cold cache to build, one reference count each).
+is returned as a `HashChain`: the served hashes' bytes and the new tail's, joined in one copy
+(not a list of 2048 hash objects, one reference count each).
 
-Cost with the default 64-block segments of 16 tokens, p50 on one shared core of the dev machine,
-with 2 ms between prompts (cold caches): a 32k-token prompt made of a cached 32,512-token document
-and a new 256-token question takes ~0.23-0.31 ms, 10-20% less than walking segment by segment in
-the same runs (~0.11 ms back to back, 25% less): the array-to-bytes copy (~0.03 ms), the walk
-(~0.05 ms: the run's 124 KiB memcmp, the document's 48-block last segment and one missed lookup),
-16 keyed BLAKE2b calls for the question (~0.04 ms), storing its segment (~0.02 ms), refreshing 32
-segments in the LRU (~0.01 ms) and the join (~0.01 ms); the first steps after an idle gap run
-several times slower than back to back. At 8k tokens: ~0.17-0.21 ms. A cold prompt costs the
-hasher's ~2.2 ms plus ~0.25 ms for the array copy and for storing (and evicting) its segments.
+What a prompt costs, cold and cached, is measured by `benchmarks/routing.py --latency`
+(`hash`; figures in benchmarks/RESULTS.md).
 
 Memory: `num_bytes` counts every segment at a full one's size plus each run's bytes (its copy, and
 the objects of evicted segments it still lists: their bytes are freed); LRU eviction over segments

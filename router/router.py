@@ -3,9 +3,10 @@
 For each request it tokenizes (applying the chat template for chat messages, exactly as the
 engine would render them), computes the block hashes once with the same keyed function the
 groups use, asks the placement policy for a group, records the choice as pending (in the
-router's own table at once, in the shared prefix index in the background), forwards the
+router's ledger at once, in the shared prefix index in the background), forwards the
 request with its hashes, and streams the results back. A group that fails before the first
-token is retried on another group. The pending table itself is router/pending.py.
+token is retried on another group. The ledger of recent placements is
+router/placement/ledger.py.
 """
 
 from __future__ import annotations
@@ -17,16 +18,14 @@ import time
 from array import array
 from collections import deque
 from collections.abc import AsyncIterator, Collection, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from cluster.group import GroupHandle, GroupStatus
-from cluster.prefix_index import PrefixIndex, PrefixIndexError
+from cluster.index import IndexReader
 from router.hash_cache import PrefixHashCache
-from router.pending import PendingPlacements
-from router.placement import Placement, Policy
-from router.policy import make_policy
+from router.placement import Ledger, Placement, Policy, make_policy
 from worker.async_engine import EngineDeadError, GenerationRequest
 from worker.hashing import BlockHasher
 from worker.outputs import RequestOutput
@@ -40,6 +39,10 @@ STATUS_REFRESH_S = 1.0  # every group's status is read at least this often (see 
 
 class NoGroupAvailableError(RuntimeError):
     """No live group can take the request (the server answers UNAVAILABLE)."""
+
+
+class PromptTooLongError(ValueError):
+    """A prompt that cannot fit the model's context (the server answers OUT_OF_RANGE)."""
 
 
 @dataclass(frozen=True)
@@ -85,7 +88,7 @@ class Router:
     def __init__(
         self,
         groups: Sequence[GroupHandle],
-        index: PrefixIndex,
+        index: IndexReader,
         hasher: BlockHasher,
         model_info: ModelInfo,
         tokenizer=None,
@@ -100,15 +103,23 @@ class Router:
         self.hash_cache = PrefixHashCache(hasher)  # a shared document is hashed once
         self.model_info = model_info
         self.tokenizer = tokenizer
-        self.policy = make_policy(policy) if isinstance(policy, str) else policy
-        self.policy.block_size = model_info.block_size
+        # Text beyond this many characters cannot fit the context, whatever its tokens: it is
+        # refused before the tokenizer spends seconds on it.
+        self.max_prompt_chars = (
+            None if tokenizer is None else max_prompt_chars(tokenizer, model_info.max_model_len)
+        )
+        if isinstance(policy, str):
+            policy = make_policy(policy, model_info.block_size)
+        if policy.block_size != model_info.block_size:
+            raise ValueError(
+                f"the policy counts blocks of {policy.block_size} tokens; the model's are "
+                f"{model_info.block_size}"
+            )
+        self.policy = policy
         self.max_attempts = max_attempts
         self.records: dict[str, RouteRecord] = {}  # recent decisions, for predicted vs actual
         self._ids = itertools.count()
-        # Prompt tokens this router sent to each group that have not produced a first token:
-        # a group's own load report lags by up to a step, and a burst must not all see it idle.
-        self._in_flight: dict[str, int] = {}
-        self.pending = PendingPlacements(index)
+        self.ledger = Ledger(index, model_info.block_size, policy.placed_window())
         # The live groups' latest statuses. Groups that can tell (`GroupHandle.watch`) queue
         # their id on a change and are read again only then; the others are read at every
         # decision, and all of them once a second all the same. Bounded: a full queue means
@@ -137,19 +148,34 @@ class Router:
         if self.tokenizer is None:
             raise ValueError("the model has no tokenizer: send prompt_token_ids")
         if request.messages is not None:
+            check_messages(request.messages)
+        self.check_text_size(request.prompt, request.messages)
+        if request.messages is not None:
             ids = self.render_chat(request.messages)
         else:
             ids = self.tokenizer.encode(request.prompt)
         return check_token_ids(ids, self.model_info.vocab_size)
 
+    def check_text_size(self, prompt: str | None, messages: Sequence[dict] | None) -> None:
+        """PromptTooLongError for text that cannot fit the context (see `max_prompt_chars`)."""
+        limit, context = self.max_prompt_chars, self.model_info.max_model_len
+        if messages is not None:
+            if len(messages) > context:
+                raise PromptTooLongError(
+                    f"messages has {len(messages)} entries; the model's context of {context} "
+                    "tokens cannot hold that many"
+                )
+            chars = sum(len(m["content"]) + len(m["role"]) for m in messages)
+        else:
+            chars = len(prompt or "")
+        if limit is not None and chars > limit:
+            raise PromptTooLongError(
+                f"the prompt's text is {chars} characters, more than the model's context of "
+                f"{context} tokens can hold (at most {limit} characters)"
+            )
+
     def render_chat(self, messages: Sequence[dict]) -> list[int]:
-        for i, m in enumerate(messages):
-            if (
-                not isinstance(m, dict)
-                or not isinstance(m.get("role"), str)
-                or not isinstance(m.get("content"), str)
-            ):
-                raise ValueError(f"messages[{i}] must have string 'role' and 'content'")
+        """The chat template's token ids for `messages` (checked by `check_messages`)."""
         ids = self.tokenizer.apply_chat_template(
             list(messages), add_generation_prompt=True, tokenize=True
         )
@@ -174,11 +200,7 @@ class Router:
         out = self._live.copy()
         for gid in exclude:
             out.pop(gid, None)
-        for gid, tokens in self._in_flight.items():  # only groups with prefill in flight
-            s = out.get(gid)
-            if s is not None and tokens > s.pending_prefill_tokens:
-                out[gid] = replace(s, pending_prefill_tokens=tokens)
-        return out
+        return self.ledger.with_in_flight(out)
 
     def _read(self, g: GroupHandle) -> None:
         s = g.status()
@@ -189,29 +211,22 @@ class Router:
 
     def place(self, block_hashes: Sequence[bytes], exclude: Collection[str] = ()) -> Placement:
         """Choose a group for a prompt's hash chain (one index round trip; the pending record
-        reaches the shared index in the background, see PendingPlacements)."""
+        reaches the shared index in the background, see router/placement/ledger.py)."""
         statuses = self.live_statuses(exclude)
         if not statuses:
             raise NoGroupAvailableError("no live worker group is available")
-        matches, placed = {}, self.pending.unconfirmed()  # before the match is sent
-        try:
-            if block_hashes:
-                matches = self.index.match(block_hashes)
-        except PrefixIndexError as e:  # route on load and this router's placements alone
-            log.warning("prefix index unavailable (%s); placing by load", e)
-            placed = None  # nothing came back: every placement of ours counts
-        matches = self.pending.overlay(block_hashes, matches, placed)
-        placement = self.policy.choose(block_hashes, statuses, matches)
-        self.pending.record(placement.group_id, block_hashes)
+        matches = self.ledger.matches(block_hashes)
+        placement = self.policy.choose(block_hashes, statuses, matches, self.ledger.placed)
+        self.ledger.record(placement, block_hashes, len(statuses))
         return placement
 
     # ---- one request -------------------------------------------------------------------
     async def generate(self, request: RouteRequest) -> AsyncIterator[RequestOutput]:
         """Tokenize, hash once, place, forward, stream. Errors: ValueError (bad input),
         NoGroupAvailableError, and whatever the group raises (e.g. a full queue)."""
-        ids, checked = self.checked_prompt(request)
+        _, ids = self.checked_prompt(request)  # CheckedIds: trusted from here on
         rid = request.request_id or f"rt-{next(self._ids)}"
-        hashes = self.hash_cache.hash_prompt(checked, cache_salt=request.cache_salt)
+        hashes = self.hash_cache.hash_prompt(ids, cache_salt=request.cache_salt)
         tried: set[str] = set()
         while True:
             t0 = time.perf_counter()
@@ -228,13 +243,13 @@ class Router:
                 cache_salt=request.cache_salt, block_hashes=hashes,
             )  # fmt: skip
             sent = len(ids) - record.predicted_cached_tokens
-            self._add_in_flight(placement.group_id, sent)
+            self.ledger.add_in_flight(placement.group_id, sent)
             started = False
             try:
                 async for out in group.generate(forwarded):
                     if not started:
                         started = True
-                        self._add_in_flight(placement.group_id, -sent)
+                        self.ledger.add_in_flight(placement.group_id, -sent)
                         record.actual_cached_tokens = out.num_cached_tokens
                     yield out
                 return
@@ -250,15 +265,8 @@ class Router:
                 )
             finally:
                 if not started:
-                    self._add_in_flight(placement.group_id, -sent)
+                    self.ledger.add_in_flight(placement.group_id, -sent)
                 self._trim_records()
-
-    def _add_in_flight(self, group_id: str, tokens: int) -> None:
-        left = self._in_flight.get(group_id, 0) + tokens
-        if left > 0:
-            self._in_flight[group_id] = left
-        else:
-            self._in_flight.pop(group_id, None)
 
     def abort(self, request_id: str) -> None:
         record = self.records.get(request_id)
@@ -272,3 +280,23 @@ class Router:
         if len(self.records) > keep:
             for rid in list(self.records)[: len(self.records) - keep]:
                 del self.records[rid]
+
+
+def check_messages(messages: Sequence[dict]) -> None:
+    for i, m in enumerate(messages):
+        if (
+            not isinstance(m, dict)
+            or not isinstance(m.get("role"), str)
+            or not isinstance(m.get("content"), str)
+        ):
+            raise ValueError(f"messages[{i}] must have string 'role' and 'content'")
+
+
+def max_prompt_chars(tokenizer, max_model_len: int) -> int:
+    """The most characters of text whose tokens could still fit `max_model_len`: no token
+    decodes to more than `longest` characters (special tokens included; +1 for the space a
+    SentencePiece token drops at the start of a text), so a text of N characters is at least
+    N / longest tokens. Doubled, for a normalizer that folds characters into fewer."""
+    pieces = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
+    longest = max(len(p) for p in pieces) + 1
+    return 2 * longest * max_model_len

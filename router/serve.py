@@ -2,10 +2,10 @@
 
 The embedded default (no flags) is one TP=1 group on this machine's CPU, the in-process prefix
 index, the built-in small model, gRPC on 127.0.0.1:50151 and metrics on 127.0.0.1:9151. That
-group runs in this process: a local Ray runtime and a Ray-placed group would add about 20 s to
-start-up on a small CPU host (`ray` opts in). The same config with `model`, `tp`, `groups`,
+group runs in this process: a local Ray runtime and a Ray-placed group would add tens of
+seconds to start-up on a small CPU host (`ray` opts in). The same config with `model`, `tp`, `groups`,
 `redis` and `address` is the multi-node deployment: with `ray`, `tp > 1`, `groups > 1` or a Ray
-`address`, groups are Ray-placed (`cluster/ray_group.py`), on the cluster at `address` or on a
+`address`, groups are Ray-placed (`cluster/ray/group.py`), on the cluster at `address` or on a
 local runtime, and publish their KV events and load to the index like in-process groups. All
 groups and the router share one cluster secret (PAGEFLEET_CLUSTER_SECRET, or a random one).
 
@@ -30,16 +30,19 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from router.server import DEFAULT_PORT, MAX_MESSAGE_BYTES, FrontDoor
+from router.door.server import DEFAULT_PORT, MAX_MESSAGE_BYTES, FrontDoor
 
 log = logging.getLogger(__name__)
 
 DEFAULT_METRICS_PORT = 9151
 # The router's event loop shares the GIL with its background threads (the pending-placement
 # writer, the index mirror's follower, in-process engines); a decision waiting on one of them
-# gets the GIL back after this, not after the default 5 ms (benchmarks/routing_latency.py:
-# decision p99 at 32k tokens 2.6 ms at 5 ms, 1.1-1.9 ms at 0.5 ms).
+# gets the GIL back after this, not after the default 5 ms (the decision's p99: RESULTS.md).
 ROUTER_SWITCH_INTERVAL_S = 0.0005
+
+
+class ServeError(RuntimeError):
+    """The server cannot start as configured; the message tells the operator what to change."""
 
 
 @dataclass(frozen=True)
@@ -116,13 +119,27 @@ def load_config(path: str | None, overrides: Mapping[str, Any]) -> ServeConfig:
 
 
 @dataclass
+class Indexes:
+    """The prefix index of one serve process: what its groups write to, what its router
+    reads."""
+
+    writers: tuple  # cluster.index.IndexWriter, one publisher each per group
+    reader: Any  # cluster.index.IndexReader
+
+    def close(self) -> None:
+        self.reader.close()
+        for writer in self.writers:
+            writer.close()
+
+
+@dataclass
 class Cluster:
     """What `build_cluster` made: the router, its groups and the index."""
 
     router: Any  # router.router.Router
     groups: list
-    index: Any
-    metrics: Any  # router.metrics.ServerMetrics
+    index: Indexes
+    metrics: Any  # router.door.metrics.ServerMetrics
 
     def shutdown(self) -> None:
         for group in self.groups:
@@ -130,29 +147,35 @@ class Cluster:
         self.index.close()
 
 
-def build_cluster(config: ServeConfig, make_engine_config: Callable[..., Any]) -> Cluster:
+def build_cluster(
+    config: ServeConfig, make_engine_config: Callable[..., Any], secret: str | None = None
+) -> Cluster:
     """Load the groups and build the router (blocking: minutes for a large model).
 
     `make_engine_config(model, **options)` is `pagefleet.llm.engine_config`: the face owns
-    how flat options become an `EngineConfig`."""
-    from router.metrics import ServerMetrics
-    from router.policy import make_policy
+    how flat options become an `EngineConfig`. `secret`: the cluster secret (None: from the
+    environment, see `take_cluster_secret`). With Ray-placed groups, call `start_ray` on the
+    main thread first."""
+    from router.door.metrics import ServerMetrics
+    from router.placement import make_policy
     from router.router import Router
 
-    secret = os.environ.get("PAGEFLEET_CLUSTER_SECRET") or os.urandom(32).hex()
+    secret = secret or take_cluster_secret()
     engine_options = {"cluster_secret": secret, **config.engine}
     probe = make_engine_config(config.model, **engine_options)  # resolves the built-in model
     name = _model_name(probe.model)
-    policy = make_policy(config.policy, options=config.policy_options)  # before groups start
+    policy = make_policy(  # before groups start: bad options fail at once
+        config.policy, probe.cache.block_size, probe.scheduler.max_num_batched_tokens,
+        config.policy_options,
+    )  # fmt: skip
     index = make_index(config, name)
-    groups = _make_groups(config, make_engine_config, engine_options, index)
+    groups = _make_groups(config, make_engine_config, engine_options, index.writers)
     try:
         hasher, tokenizer, info = router_side(probe, name)
         metrics = ServerMetrics(name)
         metrics.watch_groups(lambda: [g.status() for g in groups])
-        router = Router(
-            groups, metrics.timed_index(index), hasher, info, tokenizer=tokenizer, policy=policy
-        )
+        reader = metrics.timed_index(index.reader)
+        router = Router(groups, reader, hasher, info, tokenizer=tokenizer, policy=policy)
     except BaseException:  # the groups started: stop them rather than leave them behind
         for group in groups:
             group.shutdown()
@@ -161,23 +184,50 @@ def build_cluster(config: ServeConfig, make_engine_config: Callable[..., Any]) -
     return Cluster(router, groups, index, metrics)
 
 
-def make_index(config: ServeConfig, model: str):
-    """The prefix index of one serve process: in-process without `redis`; with it, the shared
-    Redis index, which the router matches on a local mirror of (cluster/redis_mirror.py: no
-    round trip per decision), behind a failover to an in-process copy of what this process's
-    groups publish (router/index_fallback.py): serving goes on when Redis is down at start or
-    later, and Redis gets every group's inventory again once it is back."""
-    from cluster.prefix_index import InMemoryPrefixIndex, check_name
-    from cluster.redis_index import RedisPrefixIndex
-    from cluster.redis_mirror import MirroredPrefixIndex
-    from router.index_fallback import FailoverPrefixIndex
+def make_index(config: ServeConfig, model: str) -> Indexes:
+    """The prefix index of one serve process: in-process without `redis`. With it, groups
+    publish to Redis and to an in-process index; the router matches on a local mirror of Redis
+    (cluster/index/mirror.py: no round trip per decision) while Redis answers, and on the
+    in-process index otherwise (cluster/index/failover.py): serving goes on when Redis is down
+    at start or later, and each group republishes its inventory to Redis once it is back."""
+    from cluster.index import (
+        FailoverReader,
+        InMemoryPrefixIndex,
+        MirroredPrefixIndex,
+        RedisPrefixIndex,
+        check_name,
+    )
 
     check_name("cluster", config.cluster)
     check_name("model", model)
+    local = InMemoryPrefixIndex()
     if config.redis is None:
-        return InMemoryPrefixIndex()
+        return Indexes(writers=(local,), reader=local)
     shared = RedisPrefixIndex.from_url(config.redis, config.cluster, model)
-    return FailoverPrefixIndex(MirroredPrefixIndex(shared))
+    mirror = MirroredPrefixIndex(RedisPrefixIndex.from_url(config.redis, config.cluster, model))
+    return Indexes(writers=(local, shared), reader=FailoverReader(mirror, local))
+
+
+def take_cluster_secret() -> str:
+    """PAGEFLEET_CLUSTER_SECRET, removed from this process's environment so that no process
+    started from here (a local Ray runtime and its workers) inherits it; a random one when it
+    is not set. Groups get it in their EngineConfig."""
+    from worker.config import CLUSTER_SECRET_ENV
+
+    return os.environ.pop(CLUSTER_SECRET_ENV, None) or os.urandom(32).hex()
+
+
+def start_ray(config: ServeConfig) -> None:
+    """Join the Ray cluster at `config.address`, or start a local runtime declaring enough CPUs
+    for every rank (a rank's thread is light). Must run on the main thread when it starts a
+    local runtime (cluster/ray/runtime.py says why); a no-op once connected."""
+    from cluster.ray.runtime import RayStartError, ensure_ray
+
+    cpus = None if config.address else max(os.cpu_count() or 1, config.groups * config.tp)
+    try:
+        ensure_ray(config.address, num_cpus=cpus)
+    except RayStartError as e:
+        raise ServeError(str(e)) from None
 
 
 def router_side(engine_config, name: str):
@@ -203,7 +253,7 @@ def _make_groups(config, make_engine_config, options, index) -> list:
     """One TP=1 group in this process, or Ray-placed groups (`ServeConfig.uses_ray`)."""
     if config.uses_ray:
         return _ray_groups(config, make_engine_config, options, index)
-    from cluster.group import LocalGroup
+    from cluster.local_group import LocalGroup
 
     groups = []
     for i in range(config.groups):
@@ -215,23 +265,20 @@ def _make_groups(config, make_engine_config, options, index) -> list:
 
 def check_deployment(config: ServeConfig) -> None:
     """Fail before binding a port when the config asks for what this installation lacks."""
-    if config.uses_ray and importlib.util.find_spec("cluster.ray_group") is None:
+    if config.uses_ray and importlib.util.find_spec("cluster.ray.group") is None:
         raise ValueError(
             "--ray, --tp > 1, --groups > 1 and --address need Ray-placed groups "
-            "(cluster/ray_group.py), which this installation lacks; leave them out for one "
+            "(cluster/ray/group.py), which this installation lacks; leave them out for one "
             "in-process group"
         )
 
 
 def _ray_groups(config, make_engine_config, options, index) -> list:
-    """Ray-placed groups (cluster/ray_group.py) of `config.tp` devices each, publishing to
+    """Ray-placed groups (cluster/ray/group.py) of `config.tp` devices each, publishing to
     `index`. Placed one after the other: a group that cannot start stops the others."""
-    from cluster.ray_group import RayGroup, RayGroupConfig
-    from cluster.ray_runtime import ensure_ray
+    from cluster.ray.group import RayGroup, RayGroupConfig
 
-    # A local runtime declares enough CPUs for every rank (a rank's thread is light).
-    cpus = None if config.address else max(os.cpu_count() or 1, config.groups * config.tp)
-    ensure_ray(config.address, num_cpus=cpus)
+    start_ray(config)  # (connected already when `serve` started it on the main thread)
     engine_config = make_engine_config(config.model, **{"device": config.device, **options})
     group_config = RayGroupConfig(tensor_parallel_size=config.tp)
     groups: list = []
@@ -270,13 +317,19 @@ async def serve(config: ServeConfig, make_engine_config: Callable[..., Any]) -> 
     port = await door.start()
     _say(f"gRPC on {config.host}:{port}: loading {config.groups} group(s)")
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     cluster, metrics_http = None, None
+    secret = take_cluster_secret()  # before Ray starts processes that would inherit it
     try:
+        if config.uses_ray:
+            where = config.address or "a local runtime on 127.0.0.1"
+            _say(f"Ray: {'joining' if config.address else 'starting'} {where}")
+            start_ray(config)  # on the main thread (blocks the loop for a few seconds)
+        # After Ray: on the main thread, Ray installs handlers that end the process at once.
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
         cluster = await _until_stopped(
-            _in_daemon_thread(build_cluster, config, make_engine_config), stop
+            _in_daemon_thread(build_cluster, config, make_engine_config, secret), stop
         )
         if cluster is not None:
             await warm_up(cluster.groups)
@@ -300,12 +353,16 @@ async def serve(config: ServeConfig, make_engine_config: Callable[..., Any]) -> 
             metrics_http.shutdown()
         if cluster is not None:
             cluster.shutdown()
+        if config.uses_ray:  # a local runtime's processes stop with it; a cluster is left
+            from cluster.ray.runtime import shutdown_ray
+
+            shutdown_ray()
 
 
 def freeze_heap() -> None:
     """Hide what is built by now (the model and groups, the tokenizer, the index as loaded) from
     the garbage collector: it lives as long as the server, and a full collection over it would
-    stall the router's event loop (~0.2 s at 64 groups in the routing latency benchmark).
+    stall the router's event loop for a noticeable time at 64 groups.
     Objects made later are collected as usual."""
     gc.collect()
     gc.freeze()
@@ -349,7 +406,7 @@ async def _until_stopped(task: asyncio.Future, stop: asyncio.Event):
 def _serve_metrics(config: ServeConfig, metrics):
     if config.metrics_port is None:
         return None
-    from router.metrics import serve_metrics
+    from router.door.metrics import serve_metrics
 
     return serve_metrics(metrics, config.metrics_host, config.metrics_port)
 

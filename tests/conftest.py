@@ -40,7 +40,7 @@ def redis_server():
 
 @pytest.fixture(scope="session")
 def ray_runtime():
-    from cluster.ray_runtime import (
+    from cluster.ray.runtime import (
         LOOPBACK,
         ensure_ray,
         live_actors,
@@ -56,7 +56,7 @@ def ray_runtime():
             node_ip_address=LOOPBACK,
         )
 
-    # Only after cluster.ray_runtime, which keeps Ray on loopback if it loads Ray first (a test
+    # Only after cluster.ray.runtime, which keeps Ray on loopback if it loads Ray first (a test
     # file run alone may import nothing else that does).
     from ray.cluster_utils import Cluster
 

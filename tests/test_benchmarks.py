@@ -16,6 +16,7 @@ import pytest
 from benchmarks.oracles import BalancedOracle
 from benchmarks.plot import PANEL_H
 from benchmarks.traces import TraceRequest
+from router.placement import PlacedShare
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -109,7 +110,7 @@ def test_the_balanced_oracle_splits_a_hot_document_and_keeps_the_bound():
     placed = []
     for r in trace:
         oracle.expect(r.doc, 3)
-        placed.append((r.doc, oracle.choose([b"x"], statuses, {}).group_id))
+        placed.append((r.doc, oracle.choose([b"x"], statuses, {}, PlacedShare()).group_id))
     assert all(g in oracle.homes[d] for d, g in placed if d is not None)
     per_group = Counter(g for _, g in placed)
     assert max(per_group.values()) <= 1.15 * len(trace) / len(groups)

@@ -23,7 +23,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from router.client import Client
+from pagefleet.client import Client
 from router.serve import ServeConfig, load_config
 
 ROOT = Path(__file__).resolve().parents[1]

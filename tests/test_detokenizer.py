@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
@@ -185,3 +187,22 @@ def test_decode_window_stays_bounded(tokenizer):
     detok = IncrementalDetokenizer(recorder, encode(tokenizer, TRAIN[0]), SamplingParams())
     assert "".join(feed(detok, ids)) == tokenizer.decode(ids)
     assert max(recorder.window_lengths) <= 12  # a few tokens, whatever the output length
+
+
+def _longest_stop_tail(text: str, stops: tuple[str, ...]) -> int:
+    """By definition: the longest tail of `text` shorter than some stop that begins it."""
+    return max(
+        (k for s in stops for k in range(1, min(len(s) - 1, len(text)) + 1) if s.startswith(text[-k:])),
+        default=0,
+    )  # fmt: skip
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    text=st.text(alphabet="abAB", max_size=30),
+    stops=st.lists(st.text(alphabet="abAB", min_size=1, max_size=8), min_size=1, max_size=4),
+)
+def test_held_tail_is_the_longest_tail_that_begins_a_stop(text, stops):
+    detok = IncrementalDetokenizer(None, [], SamplingParams(stop=tuple(stops)))
+    detok._unsent = text
+    assert detok._stop_prefix_len() == _longest_stop_tail(text, tuple(stops))

@@ -281,3 +281,10 @@ def test_pool_sized_from_memory_budget(model_dirs):
     )
     assert llm.stats()["blocks_total"] == budget // engine.layout.block_bytes
     assert engine.executor.pool_bytes == llm.stats()["blocks_total"] * engine.layout.block_bytes
+
+
+def test_the_cluster_secret_stays_out_of_the_configs_repr():
+    from pagefleet.llm import engine_config
+
+    config = engine_config(None, cluster_secret="do-not-print-me")
+    assert "do-not-print-me" not in repr(config) and config.cluster_secret == "do-not-print-me"

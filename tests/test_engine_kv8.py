@@ -28,9 +28,9 @@ from benchmarks.kv_accuracy import (
     static,
 )
 from benchmarks.kv_cache import CAPACITY_MODEL, capacity_case
-from cluster.group import LocalGroup
+from cluster.index import InMemoryPrefixIndex
+from cluster.local_group import LocalGroup
 from cluster.planner import KVShape
-from cluster.prefix_index import InMemoryPrefixIndex
 from kernels.kv_quant import FP8_E4M3, FP8_MAX
 from pagefleet.llm import LLM, engine_config
 from worker.async_engine import GenerationRequest

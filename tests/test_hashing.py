@@ -6,7 +6,7 @@ from array import array
 
 import pytest
 
-from cluster.chain_probes import probe_hashes
+from cluster.index.probes import probe_hashes
 from worker.hashing import BlockHasher, HashChain, ModelFingerprint
 
 SECRET = b"s3cret"

@@ -1,4 +1,4 @@
-"""The router's local copy of the Redis prefix index (cluster/redis_mirror.py) against a real
+"""The router's local copy of the Redis prefix index (cluster/index/mirror.py) against a real
 redis-server: it answers what Redis' own match answers, without a round trip, and heals itself
 after a trimmed log and a Redis restart. (tests/test_prefix_index.py runs its shared tests on the
 mirror too.)"""
@@ -13,12 +13,18 @@ import pytest
 import redis
 from factories import wait_until
 
-from cluster.chain_probes import probe_hashes
-from cluster.index_copy import IndexCopy
-from cluster.index_publisher import IndexPublisher, PublisherConfig
-from cluster.prefix_index import GroupLoad, IndexUnavailableError, PendingWrite, PrefixIndexConfig
-from cluster.redis_index import RedisPrefixIndex
-from cluster.redis_mirror import MirroredPrefixIndex
+from cluster.index import (
+    GroupLoad,
+    IndexPublisher,
+    IndexUnavailableError,
+    MirroredPrefixIndex,
+    PendingWrite,
+    PrefixIndexConfig,
+    PublisherConfig,
+    RedisPrefixIndex,
+)
+from cluster.index.copy import IndexCopy
+from cluster.index.probes import probe_hashes
 from tests.redis_server import RedisServer
 from worker.hashing import BlockHasher, ModelFingerprint
 from worker.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
@@ -214,7 +220,7 @@ def test_serve_keeps_routing_on_prefixes_while_redis_is_down_and_converges_after
         config = ServeConfig(redis=server.url, metrics_port=None, engine={"num_blocks": 64, "max_model_len": 512})  # fmt: skip
         cluster = build_cluster(config, engine_config)
         router, doc = cluster.router, [(3 * i + 1) % 1000 for i in range(96)]
-        mirror = cluster.index.shared
+        mirror = cluster.index.reader.shared
         hashes = router.hasher.hash_prompt(doc)
 
         def ask(question: int):
@@ -233,11 +239,14 @@ def test_serve_keeps_routing_on_prefixes_while_redis_is_down_and_converges_after
             rec = ask(2)
             assert rec.predicted_cached_tokens == rec.actual_cached_tokens == len(doc)
             server.stop()
-            assert wait_until(lambda: not cluster.index.shared_up, 5.0)  # the group's next beat
-            rec = ask(2)  # served; predicted from the in-process copy
+            # served, predicted from the mirror's copy and then from the in-process index
+            assert wait_until(lambda: ask(2) and not cluster.index.reader.shared_up, 5.0)
+            rec = ask(2)
             assert rec.predicted_cached_tokens == rec.actual_cached_tokens == len(doc)
-            server.start()  # empty: the failover registers the group again and republishes
-            assert wait_until(lambda: ask(3) and cluster.index.shared_up and mirror.synced, 10.0)
+            server.start()  # empty: the group's publisher registers again and republishes
+            assert wait_until(
+                lambda: ask(3) and cluster.index.reader.shared_up and mirror.synced, 20.0
+            )
             assert wait_until(lambda: mirror.match(hashes).get("group-0") is not None and mirror.match(hashes)["group-0"].blocks == 6, 5.0)  # fmt: skip
             rec = ask(4)
             assert rec.predicted_cached_tokens == rec.actual_cached_tokens == len(doc)
@@ -273,23 +282,23 @@ def test_serve_starts_without_redis_and_fills_it_once_it_answers(caplog):
         ask(1)
         rec = ask(2)
         assert rec.predicted_cached_tokens == rec.actual_cached_tokens == len(doc)
-        assert not cluster.index.shared_up and "unavailable" in caplog.text
+        assert not cluster.index.reader.shared_up and "unavailable" in caplog.text
         server.start()
-        mirror, hashes = cluster.index.shared, router.hasher.hash_prompt(doc)
+        mirror, hashes = cluster.index.reader.shared, router.hasher.hash_prompt(doc)
 
         def filled() -> bool:
-            ask(3)  # traffic drives the failover's reconnect
+            ask(3)
             m = mirror.match(hashes).get("group-0") if mirror.synced else None
             return m is not None and m.blocks == len(hashes)
 
-        assert wait_until(filled, 15.0)
+        assert wait_until(filled, 30.0)
     finally:
         cluster.shutdown()
         server.close()
 
 
 def test_the_copy_forgets_everything_of_a_registration_that_goes():
-    """Restarts, clears, evictions and deregistrations leave no mask behind (cluster/index_copy.py
+    """Restarts, clears, evictions and deregistrations leave no mask behind (cluster/index/copy.py
     keeps block -> holders and probe -> groups tables besides each registration's own)."""
     rng = random.Random(3)
     copy = IndexCopy(ttl_s=60.0)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from array import array
 
-from cluster.output_delta import OutputAssembler, OutputDelta
+from cluster.ray.output_delta import OutputAssembler, OutputDelta
 from pagefleet.llm import engine_config
 from worker.async_engine import AsyncEngine, GenerationRequest
 from worker.engine import LLMEngine

@@ -10,9 +10,8 @@ import pytest
 import redis
 from factories import wait_until
 
-from cluster.prefix_index import PendingWrite
-from cluster.redis_index import RedisPrefixIndex
-from router.router import PendingPlacements
+from cluster.index import PendingWrite, RedisPrefixIndex
+from router.placement import PendingPlacements
 from worker.hashing import BlockHasher, ModelFingerprint
 
 HASHER = BlockHasher(b"pending-test-secret", ModelFingerprint("tiny-llama", block_size=4))

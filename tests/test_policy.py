@@ -7,15 +7,31 @@ import logging
 import pytest
 
 from cluster.group import GroupStatus
-from cluster.index_types import GroupMatch, Matches
-from cluster.redis_index import RedisPrefixIndex
-from router.policy import make_policy
-from router.prefix_aware import PrefixAware, PrefixAwareConfig
-from router.router import PendingPlacements
+from cluster.index import GroupMatch, InMemoryPrefixIndex, Matches, RedisPrefixIndex
+from router.placement import Ledger, PendingPlacements, PrefixAware, PrefixAwareConfig, make_policy
 from tests.redis_server import RedisServer
 from worker.hashing import BlockHasher, ModelFingerprint
 
 HASHER = BlockHasher(b"policy-secret", ModelFingerprint("m", block_size=16))
+
+
+class Placer:
+    """A policy with the ledger a router keeps for it: each choice is recorded as `Router.place`
+    records it (`formula`: choose by the plain formula, not the fast loop)."""
+
+    def __init__(self, policy, formula: bool = False) -> None:
+        self.policy = policy
+        self.ledger = Ledger(InMemoryPrefixIndex(), policy.block_size, policy.placed_window())
+        self._choose = policy.choose_by_formula if formula else policy.choose
+
+    @property
+    def placed(self):
+        return self.ledger.placed
+
+    def choose(self, block_hashes, statuses, matches):
+        p = self._choose(block_hashes, statuses, matches, self.ledger.placed)
+        self.ledger.record(p, block_hashes, len(statuses))
+        return p
 
 
 def chain(n_blocks: int, first: int = 0) -> list[bytes]:
@@ -34,7 +50,7 @@ def match(gid: str, blocks: int = 0, pending: int = 0) -> GroupMatch:
 
 
 def test_prefers_the_holder_and_counts_pending_blocks():
-    policy = make_policy("prefix_aware")
+    policy = Placer(make_policy("prefix_aware"))
     c = chain(100)
     statuses = {g: status(g) for g in ("a", "b", "c")}
     p = policy.choose(c, statuses, {"a": match("a"), "b": match("b", 80), "c": match("c")})
@@ -44,7 +60,7 @@ def test_prefers_the_holder_and_counts_pending_blocks():
 
 
 def test_spills_when_the_holders_queue_costs_more_than_a_prefill_elsewhere():
-    policy = make_policy("prefix_aware")
+    policy = Placer(make_policy("prefix_aware"))
     c = chain(100)  # 1600 tokens
     matches = {"a": match("a", 100), "b": match("b")}
     light = {"a": status("a", queued=500), "b": status("b")}
@@ -57,7 +73,7 @@ def test_spills_when_the_holders_queue_costs_more_than_a_prefill_elsewhere():
 def test_the_choice_follows_a_groups_new_status():
     # The policy keeps the terms that only a status sets between decisions; a group that
     # reports again (a new status object) must be scored on the new one.
-    policy = make_policy("prefix_aware")
+    policy = Placer(make_policy("prefix_aware"))
     c = chain(50)
     matches = {g: match(g) for g in "ab"}
     statuses = {"a": status("a", queued=20_000, running=50), "b": status("b")}
@@ -69,7 +85,7 @@ def test_the_choice_follows_a_groups_new_status():
 
 
 def test_replication_is_bounded_by_max_replicas():
-    policy = PrefixAware(PrefixAwareConfig(max_replicas=2))
+    policy = Placer(PrefixAware(PrefixAwareConfig(max_replicas=2)))
     c = chain(100)
     statuses = {g: status(g, queued=50_000 if g in "ab" else 0) for g in "abcd"}
     matches = {g: match(g, 100 if g in "ab" else 0) for g in "abcd"}
@@ -79,7 +95,7 @@ def test_replication_is_bounded_by_max_replicas():
 
 
 def test_new_prefixes_spread_and_a_full_cache_is_avoided():
-    policy = make_policy("prefix_aware")
+    policy = Placer(make_policy("prefix_aware"))
     statuses = {g: status(g) for g in "abcd"}
     chosen = {policy.choose(chain(20, first=7 * i), statuses, {}).group_id for i in range(40)}
     assert chosen == set("abcd")
@@ -88,7 +104,7 @@ def test_new_prefixes_spread_and_a_full_cache_is_avoided():
 
 
 def test_prefix_hash_is_consistent_and_follows_the_first_block():
-    policy = make_policy("prefix_hash")
+    policy = Placer(make_policy("prefix_hash"))
     statuses = {g: status(g) for g in "abcdef"}
     c = chain(10)
     first = policy.choose(c, statuses, {}).group_id
@@ -96,7 +112,7 @@ def test_prefix_hash_is_consistent_and_follows_the_first_block():
     # Removing another group never moves the prefix (rendezvous hashing).
     other = next(g for g in statuses if g != first)
     fewer = {g: s for g, s in statuses.items() if g != other}
-    assert make_policy("prefix_hash").choose(c, fewer, {}).group_id == first
+    assert Placer(make_policy("prefix_hash")).choose(c, fewer, {}).group_id == first
     spread = {policy.choose(chain(4, first=i * 64), statuses, {}).group_id for i in range(60)}
     assert len(spread) == 6
 
@@ -110,7 +126,7 @@ def test_unknown_policy_names_the_choices():
 
 def test_a_hot_prefix_spreads_over_its_holders_and_spills_at_the_load_bound():
     one_bound = PrefixAwareConfig(load_slack=0.1, load_burst=2, balance_window=250, hit_slack=None)
-    policy = PrefixAware(one_bound)
+    policy = Placer(PrefixAware(one_bound))
     statuses = {g: status(g) for g in "abcd"}
     hot = chain(100)
     holders = {"a", "b"}
@@ -130,13 +146,13 @@ def test_a_hot_prefix_spreads_over_its_holders_and_spills_at_the_load_bound():
     assert reasons.count("spill") == 2  # one spill per new replica, then hits again
 
 
-def loaded(counts: dict[str, int], **options) -> PrefixAware:
+def loaded(counts: dict[str, int], **options) -> Placer:
     """A policy whose window holds `counts` placements per group (a window long enough that
     their decay is negligible)."""
-    policy = PrefixAware(PrefixAwareConfig(load_slack=0.1, load_burst=2, balance_window=10_000, **options))  # fmt: skip
+    policy = Placer(PrefixAware(PrefixAwareConfig(load_slack=0.1, load_burst=2, balance_window=10_000, **options)))  # fmt: skip
     for g, k in counts.items():
         for _ in range(k):
-            policy.window.add(g, 0, len(counts))
+            policy.placed.add(g, 0, len(counts))
     return policy
 
 
@@ -170,36 +186,38 @@ def test_a_prefix_with_more_holders_than_hit_holders_spills_at_the_bound():
 
 
 def test_new_content_goes_to_the_pool_that_took_in_least_lately():
-    policy = make_policy("prefix_aware")
+    policy = Placer(make_policy("prefix_aware"))
     full = {g: status(g, free=1000, cached=1000) for g in "abcd"}  # every placement evicts
     for g, tokens in (("a", 4000), ("b", 4000), ("c", 100), ("d", 4000)):
-        policy.window.add(g, tokens)
+        policy.placed.add(g, tokens)
     assert policy.choose(chain(50, first=3), full, {}).group_id == "c"  # its LRU tail is oldest
 
 
 def test_a_bound_without_burst_still_places_the_first_requests():
     """With load_burst 0 the bound is 0 while nothing was placed: no group is under it, and
     the request still goes somewhere (the lowest cost), then the bound spreads the rest."""
-    policy = PrefixAware(PrefixAwareConfig(load_slack=0.0, load_burst=0.0))
+    policy = Placer(PrefixAware(PrefixAwareConfig(load_slack=0.0, load_burst=0.0)))
     statuses = {g: status(g) for g in "abc"}
     placed = [policy.choose(chain(4, 16 * i), statuses, {}).group_id for i in range(6)]
     assert sorted(placed) == ["a", "a", "b", "b", "c", "c"]
 
 
-def test_groups_skipped_for_their_floor_never_change_a_choice(monkeypatch):
-    """prefix_aware does not score the groups without a hit when a hit already costs less than
-    their floor. The same random decisions (statuses, holders, pending blocks, group counts and
-    options of every kind) with every group scored give the same choices."""
+def test_the_fast_loop_chooses_as_the_formula_does(monkeypatch):
+    """`PrefixAware.choose` (constant terms hoisted, status terms cached, groups without a hit
+    not scored when a hit already costs less than their floor) answers what the plain formula
+    over every candidate answers (`choose_by_formula`), on the same random decisions
+    (statuses, holders, pending blocks, group counts and options of every kind); and scoring
+    every group as a holder changes nothing either."""
     import random
 
-    from router import prefix_aware as policy_module
+    from router.placement import prefix_aware as policy_module
 
     chains = {n: chain(n) for n in (0, 1, 20, 200, 300)}
 
-    def decisions(seed: int) -> list[tuple]:
+    def decisions(seed: int, formula: bool = False) -> list[tuple]:
         rng = random.Random(seed)
         options = rng.choice([{}, {"load_slack": None}, {"max_replicas": 1}, {"hit_slack": None}, {"eviction_weight": 0.0}, {"request_weight": 0.0, "balance_weight": 0.0}])  # fmt: skip
-        policy, gids = PrefixAware(PrefixAwareConfig(**options)), [f"g{i}" for i in range(rng.choice([1, 3, 16, 64]))]  # fmt: skip
+        policy, gids = Placer(PrefixAware(PrefixAwareConfig(**options)), formula), [f"g{i}" for i in range(rng.choice([1, 3, 16, 64]))]  # fmt: skip
         statuses, out = {}, []
         for step in range(400):
             for g in gids if step == 0 else rng.sample(gids, min(3, len(gids))):
@@ -210,7 +228,8 @@ def test_groups_skipped_for_their_floor_never_change_a_choice(monkeypatch):
             out.append((p.group_id, p.reason, p.cached_blocks))
         return out
 
-    pruned = [decisions(seed) for seed in range(12)]
+    fast = [decisions(seed) for seed in range(12)]
+    assert [decisions(seed, formula=True) for seed in range(12)] == fast
     held = policy_module._held
 
     def every(n, statuses, matches):  # every group a "holder" (most with 0): all are scored
@@ -218,7 +237,7 @@ def test_groups_skipped_for_their_floor_never_change_a_choice(monkeypatch):
         return {g: hits.get(g, 0) for g in statuses}
 
     monkeypatch.setattr(policy_module, "_held", every)
-    assert [decisions(seed) for seed in range(12)] == pruned
+    assert [decisions(seed) for seed in range(12)] == fast
 
 
 def test_load_bound_config_is_validated():
@@ -269,7 +288,7 @@ def test_pending_writes_never_raise_and_log_one_warning(caplog):
         for i in range(3):
             pending.record("g0", chain(4, first=i))
             assert pending.flush(timeout_s=5.0)
-    warnings = [r for r in caplog.records if "pending placements not shared" in r.message]
+    warnings = [r for r in caplog.records if "pending placements not shared" in r.getMessage()]
     assert len(warnings) == 1
     m = pending.overlay(chain(4, first=2), {"g0": GroupMatch("g0", 1, 0, 0, None)})
     assert m["g0"].pending_blocks == 4  # the local table still has it

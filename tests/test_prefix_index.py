@@ -12,15 +12,16 @@ import pytest
 import redis
 from factories import wait_until
 
-from cluster.index_publisher import IndexPublisher, PublisherConfig
-from cluster.prefix_index import (
+from cluster.index import (
     GroupLoad,
+    IndexPublisher,
     InMemoryPrefixIndex,
+    MirroredPrefixIndex,
     PrefixIndexConfig,
+    PublisherConfig,
+    RedisPrefixIndex,
     StaleEpochError,
 )
-from cluster.redis_index import RedisPrefixIndex
-from cluster.redis_mirror import MirroredPrefixIndex
 from tests.redis_server import RedisServer
 from worker.hashing import BlockHasher, ModelFingerprint
 from worker.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
@@ -51,11 +52,15 @@ def blocks(index, hashes) -> dict[str, int]:
 
 class CaughtUpMirror(MirroredPrefixIndex):
     """A mirror whose every match first waits until its copy holds every write made so far:
-    what these tests check is the copy's answer, not how fast the log arrives."""
+    what these tests check is the copy's answer, not how fast the log arrives. The groups'
+    side (register, publish, ...) goes to the Redis index it mirrors."""
 
     def match(self, block_hashes):
         assert self.wait_synced(), "the mirror did not catch up with the log"
         return super().match(block_hashes)
+
+    def __getattr__(self, name: str):
+        return getattr(self.shared, name)
 
 
 @pytest.fixture(params=["memory", "redis", "mirror"])
@@ -63,7 +68,7 @@ def make_index(request):
     """make_index(**config) -> a client of one shared index; each call is another 'router'.
 
     In memory there is one process, so every call returns the same index. "mirror" answers
-    matches from a local copy fed by the Redis index's log (cluster/redis_mirror.py).
+    matches from a local copy fed by the Redis index's log (cluster/index/mirror.py).
     """
     namespace = f"t{uuid.uuid4().hex[:8]}"
     made = []
@@ -326,7 +331,7 @@ def test_publisher_survives_redis_going_down_and_republishes(caplog):
         engine_step(stored(c[:3]))
         assert blocks(router, c) == {"g0": 3}
         server.stop()
-        with caplog.at_level(logging.WARNING, logger="cluster.index_publisher"):
+        with caplog.at_level(logging.WARNING, logger="cluster.index"):
             engine_step(stored(c[3:]))  # must not raise
             engine_step(BlockRemoved((c[5],)))
             for _ in range(5):

@@ -10,12 +10,11 @@ import uuid
 import numpy as np
 import pytest
 
-from cluster.group import LocalGroup
-from cluster.prefix_index import InMemoryPrefixIndex
-from cluster.redis_index import RedisPrefixIndex
+from cluster.index import FailoverReader, InMemoryPrefixIndex, RedisPrefixIndex
+from cluster.local_group import LocalGroup
 from pagefleet.llm import engine_config
-from router.index_fallback import FailoverPrefixIndex
 from router.router import ModelInfo, Router, RouteRequest
+from tests.factories import wait_until
 from tests.redis_server import RedisServer
 from worker.sampling_params import SamplingParams
 
@@ -103,13 +102,17 @@ def test_a_group_failing_before_the_first_token_is_retried_elsewhere(caplog):
 
 
 def test_two_routers_over_one_redis_decide_alike_and_redis_failover_converges(caplog):
+    """Groups publish to Redis and to this process's index; router a reads Redis behind a
+    failover to that index, router b reads Redis alone."""
     with RedisServer() as server:
         ns = f"r{uuid.uuid4().hex[:6]}"
-        shared = FailoverPrefixIndex(RedisPrefixIndex.from_url(server.url, ns, "m"), retry_s=0.2)
+        local = InMemoryPrefixIndex()
         config = engine_config(None, num_blocks=64, max_model_len=512, cluster_secret=SECRET)
-        made = [LocalGroup(config, shared, group_id=f"h{i}") for i in range(2)]
+        writers = (local, RedisPrefixIndex.from_url(server.url, ns, "m"))
+        made = [LocalGroup(config, writers, group_id=f"h{i}") for i in range(2)]
         try:
-            a = Router(made, shared, made[0].hasher, info())
+            reader = FailoverReader(RedisPrefixIndex.from_url(server.url, ns, "m"), local, 0.2)
+            a = Router(made, reader, made[0].hasher, info())
             b_index = RedisPrefixIndex.from_url(server.url, ns, "m")
             b = Router(made, b_index, made[0].hasher, info())
             _, rec = ask(a, 970)
@@ -122,14 +125,12 @@ def test_two_routers_over_one_redis_decide_alike_and_redis_failover_converges(ca
                 out, rec2 = ask(a, 972)
             assert out.finished and rec2.group_id == rec.group_id
             assert out.num_cached_tokens == len(DOC)
-            assert "unavailable" in caplog.text and not shared.shared_up
+            assert "unavailable" in caplog.text and not reader.shared_up
 
-            server.start()  # back, empty: the failover index republishes and converges
-            time.sleep(0.3)
-            ask(a, 973)
-            assert shared.shared_up
-            m = b_index.match(a.hasher.hash_prompt(DOC))
-            assert m[rec.group_id].blocks == len(DOC) // 16
+            server.start()  # back, empty: the groups' publishers register there again
+            doc = a.hasher.hash_prompt(DOC)
+            assert wait_until(lambda: b_index.match(doc).get(rec.group_id) is not None and b_index.match(doc)[rec.group_id].blocks == len(DOC) // 16, 30)  # fmt: skip
+            assert wait_until(lambda: ask(a, 973) and reader.shared_up, 10)
         finally:
             for g in made:
                 g.shutdown()

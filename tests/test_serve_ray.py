@@ -1,8 +1,9 @@
-"""Ray-placed serving: a RayGroup feeds the prefix index, and `ray job submit -- pagefleet serve
---address auto` serves over gRPC from a real `ray start --head` cluster.
+"""Ray-placed serving: a RayGroup feeds the prefix index, and `pagefleet serve` joins a real
+`ray start --head` cluster with token authentication on (Ray's default where a token exists),
+both from `ray job submit -- pagefleet serve --address auto` and run directly with `--address`.
 
-The first tests run on the session's loopback Ray cluster (`ray_runtime`). The job test starts
-its own head node in a subprocess, with its own temp dir and ports, and stops it (and only it)
+The first tests run on the session's loopback Ray cluster (`ray_runtime`). The later tests
+start their own head node in a subprocess, with its own temp dir and ports, and stops it (and only it)
 by ending `ray start --block`, which takes the processes it started down with it: `ray stop`
 would stop every Ray process on the machine, the session cluster included.
 """
@@ -21,16 +22,17 @@ import sys
 import tempfile
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import pytest
 
-from cluster.group import LocalGroup
-from cluster.prefix_index import InMemoryPrefixIndex
-from cluster.ray_group import RayGroup, RayGroupConfig
+from cluster.index import InMemoryPrefixIndex
+from cluster.local_group import LocalGroup
+from cluster.ray.group import RayGroup, RayGroupConfig
+from pagefleet.client import Client
 from pagefleet.llm import engine_config
-from router.client import Client
 from router.router import Router, RouteRequest
 from router.serve import ServeConfig, router_side
 from worker.async_engine import GenerationRequest
@@ -139,14 +141,15 @@ def ray_cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "ray.scripts.scripts", *args]
 
 
-def _env() -> dict:
-    # RAY_AUTH_MODE: Ray turns token auth on by itself where ~/.ray/auth_token exists, but its
-    # job CLI does not send that token unless told; this loopback cluster is the test's own.
+def _env(home: str) -> dict:
+    """The environment of the test's Ray processes and commands: their own HOME, so that the
+    token authentication Ray turns on by default (its token in ~/.ray/auth_token) uses the
+    test's own token and never the user's."""
     env = dict(
-        os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_AUTH_MODE="disabled",
-        PYTHONPATH=str(REPO),
+        os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", PYTHONPATH=str(REPO), HOME=home,
     )  # fmt: skip
-    env.pop("RAY_ADDRESS", None)  # (the session cluster's, if any)
+    for name in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+        env.pop(name, None)  # (the session cluster's, if any)
     return env
 
 
@@ -163,12 +166,26 @@ def _processes_under(temp_dir: str) -> list[int]:
     return pids
 
 
-@pytest.fixture
-def ray_head():
-    """`ray start --head --block` with the dashboard (job submission needs it); yields the
-    dashboard's URL. Ends the head and every process under its temp dir, even on failure."""
+@dataclass(frozen=True)
+class RayHead:
+    dashboard: str  # the jobs API's URL
+    gcs_address: str  # what `pagefleet serve --address` joins
+    home: str  # HOME holding the cluster's token (~/.ray/auth_token)
+
+
+@pytest.fixture(scope="module")
+def ray_head(tmp_path_factory):
+    """`ray start --head --block` with Ray's defaults, token authentication included (a token
+    in its HOME, as on any machine where Ray has run), plus the dashboard (job submission
+    needs it). Ends the head and every process under its temp dir, even on failure."""
     gcs, dash, agent, agent_grpc, client, metrics, env_agent = free_ports(7)
     temp_dir = tempfile.mkdtemp(prefix="pf-ray-")
+    home = str(tmp_path_factory.mktemp("ray-home"))
+    token = subprocess.run(
+        ray_cli("get-auth-token", "--generate"), env=_env(home), capture_output=True, text=True,
+        timeout=60,
+    )  # fmt: skip
+    assert token.returncode == 0 and (Path(home) / ".ray" / "auth_token").exists(), token.stderr
     head = subprocess.Popen(
         ray_cli(
             "start", "--head", "--block", f"--port={gcs}", "--node-ip-address=127.0.0.1",
@@ -180,14 +197,14 @@ def ray_head():
             f"--temp-dir={temp_dir}",
         ),
         # No drain on SIGTERM: nothing here needs it, and it would hold the teardown 30 s.
-        env={**_env(), "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**_env(home), "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True,
     )  # fmt: skip
     url = f"http://127.0.0.1:{dash}"
     try:
         wait_until(lambda: _jobs_api_up(url) or head.poll() is not None, 60, "the dashboard")
         assert head.poll() is None, f"ray start exited:\n{head.stdout.read()}"
-        yield url
+        yield RayHead(url, f"127.0.0.1:{gcs}", home)
     finally:
         head.send_signal(signal.SIGTERM)  # --block: ray start stops what it started
         try:
@@ -214,17 +231,23 @@ def _jobs_api_up(url: str) -> bool:
         return False
 
 
+def _cli_env(head: RayHead) -> dict:
+    """Ray's job CLI sends the token only in token mode (it does not turn it on by itself)."""
+    return {**_env(head.home), "RAY_AUTH_MODE": "token"}
+
+
 def test_ray_job_submit_pagefleet_serve(ray_head):
     port, metrics_port = free_ports(2)
     job_id = f"pagefleet-serve-{uuid.uuid4().hex[:8]}"
     submitted = subprocess.run(
         ray_cli(
-            "job", "submit", f"--address={ray_head}", "--no-wait", f"--submission-id={job_id}",
+            "job", "submit", f"--address={ray_head.dashboard}", "--no-wait",
+            f"--submission-id={job_id}",
             f"--runtime-env-json={json.dumps({'env_vars': {'PYTHONPATH': str(REPO)}})}",
             "--", sys.executable, "-m", "pagefleet", "serve", "--address", "auto",
             "--port", str(port), "--metrics-port", str(metrics_port),
         ),
-        env=_env(), capture_output=True, text=True, timeout=60,
+        env=_cli_env(ray_head), capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert submitted.returncode == 0, submitted.stdout + submitted.stderr
     try:
@@ -238,17 +261,59 @@ def test_ray_job_submit_pagefleet_serve(ray_head):
             assert group.alive and group.tensor_parallel_size == 1 and done.group_id == "group-0"
     except BaseException:
         logs = subprocess.run(
-            ray_cli("job", "logs", f"--address={ray_head}", job_id),
-            env=_env(), capture_output=True, text=True, timeout=30,
+            ray_cli("job", "logs", f"--address={ray_head.dashboard}", job_id),
+            env=_cli_env(ray_head), capture_output=True, text=True, timeout=30,
         )  # fmt: skip
         print(logs.stdout[-4000:], logs.stderr[-2000:])
         raise
     finally:
         subprocess.run(
-            ray_cli("job", "stop", f"--address={ray_head}", job_id),
-            env=_env(), capture_output=True, text=True, timeout=60,
+            ray_cli("job", "stop", f"--address={ray_head.dashboard}", job_id),
+            env=_cli_env(ray_head), capture_output=True, text=True, timeout=60,
         )  # fmt: skip
     wait_until(lambda: not _listening(port), 30, "the stopped job's server to close its port")
+
+
+def serve_joining(head: RayHead, env: dict, port: int) -> subprocess.Popen:
+    """`pagefleet serve --address` of `head`, run as a user runs it, outside any Ray job."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "pagefleet", "serve", "--address", head.gcs_address,
+         "--port", str(port), "--no-metrics", "--grace", "2"],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+
+
+def test_serve_joins_a_token_authenticated_cluster_with_the_token_in_its_home(ray_head):
+    (port,) = free_ports(1)
+    proc = serve_joining(ray_head, _env(ray_head.home), port)
+    try:
+        with Client(f"127.0.0.1:{port}", timeout=10) as client:
+            deadline = time.monotonic() + 150
+            while True:
+                assert proc.poll() is None, proc.stdout.read()
+                with contextlib.suppress(grpc.RpcError):
+                    if client.health(timeout=2) == "SERVING":
+                        break
+                assert time.monotonic() < deadline, "not SERVING after 150 s"
+                time.sleep(0.5)
+            done = client.generate(token_ids=[5, 6, 7], max_tokens=2, temperature=0.0)
+            assert len(done.token_ids) == 2
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
+def test_serve_without_the_clusters_token_says_what_to_provide(ray_head, tmp_path):
+    (port,) = free_ports(1)
+    proc = serve_joining(ray_head, _env(str(tmp_path)), port)  # a HOME with no token
+    try:
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, out
+    assert "RAY_AUTH_TOKEN" in out and "token authentication" in out, out
+    assert "Traceback" not in out, out
 
 
 def _listening(port: int) -> bool:
@@ -256,16 +321,20 @@ def _listening(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
-def wait_serving(client: Client, dashboard: str, job_id: str, timeout_s: float) -> None:
+def wait_serving(client: Client, head: RayHead, job_id: str, timeout_s: float) -> None:
     """Until the job's server reports SERVING; fails at once if the job ends first."""
     import urllib.request
 
+    token = (Path(head.home) / ".ray" / "auth_token").read_text().strip()
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         with contextlib.suppress(grpc.RpcError):
             if client.health(timeout=2) == "SERVING":
                 return
-        with urllib.request.urlopen(f"{dashboard}/api/jobs/{job_id}", timeout=10) as r:
+        request = urllib.request.Request(
+            f"{head.dashboard}/api/jobs/{job_id}", headers={"Authorization": f"Bearer {token}"}
+        )
+        with urllib.request.urlopen(request, timeout=10) as r:
             status = json.load(r)["status"]
         assert status in ("PENDING", "RUNNING"), f"job {job_id} is {status} before serving"
         time.sleep(0.5)

@@ -21,9 +21,9 @@ from pathlib import Path
 import grpc
 import pytest
 
+from pagefleet.client import AsyncClient, Client, build_request
 from protos.pagefleet.v1 import pagefleet_pb2 as pb
 from protos.pagefleet.v1 import pagefleet_pb2_grpc as pb_grpc
-from router.client import AsyncClient, Client, build_request
 
 ROOT = Path(__file__).resolve().parents[1]
 ENGINE = dict(num_blocks=256, max_model_len=512, max_num_seqs=2, max_waiting=2)
@@ -235,12 +235,21 @@ def test_cancelling_a_stream_frees_its_blocks(server):
     assert client.generate("still serving", max_tokens=2).completion_tokens == 2
 
 
-def test_deadline_expires_cleanly(server):
-    client, _, _ = server
+def test_deadline_expires_cleanly_and_is_counted_as_a_deadline(server):
+    client, metrics_port, _ = server
+    prompt = list(range(200, 300))
+    start = time.monotonic()
+    client.generate(token_ids=prompt, max_tokens=40)
+    timeout = 2 * (time.monotonic() - start)  # 400 tokens take ~10x as long: the deadline hits
+    errors = 'pagefleet:request_errors_total{code="%s",model_name="builtin-v1"}'
+    before = scrape(metrics_port)
     with pytest.raises(grpc.RpcError) as err:
-        client.generate(token_ids=list(range(200, 300)), max_tokens=400, timeout=1.0)
+        client.generate(token_ids=prompt, max_tokens=400, timeout=timeout)
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     wait_for(lambda: all_blocks_free(client), what="blocks freed after the deadline")
+    after = scrape(metrics_port)
+    for code, want in (("DEADLINE_EXCEEDED", 1), ("CANCELLED", 0)):
+        assert after.get(errors % code, 0) - before.get(errors % code, 0) == want, code
     assert client.generate("still serving", max_tokens=2).completion_tokens == 2
 
 

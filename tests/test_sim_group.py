@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.prefix_index import InMemoryPrefixIndex
+from cluster.cost_model import CostModel
+from cluster.index import InMemoryPrefixIndex
 from cluster.sim_group import (
     Arrival,
-    CostModel,
     SimClock,
     SimGroup,
     SimGroupConfig,

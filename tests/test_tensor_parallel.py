@@ -23,8 +23,8 @@ from factories import make_requests, make_scheduler
 from transformers import AutoModelForCausalLM
 
 from cluster.planner import KVShape
-from cluster.ray_group import RayGroup, RayGroupConfig, parse_cpu_binding
-from cluster.ray_runtime import ray
+from cluster.ray.group import RayGroup, RayGroupConfig, parse_cpu_binding
+from cluster.ray.runtime import ray
 from pagefleet.llm import LLM, engine_config
 from worker.async_engine import EngineDeadError, GenerationRequest
 from worker.builtin_model import make_model_dir
@@ -387,7 +387,7 @@ def test_status_follows_the_stream_and_never_waits_on_a_stopped_rank(ray_runtime
 
 
 def _bound_cores(cores, q):
-    from cluster.ray_group import bind_process
+    from cluster.ray.group import bind_process
 
     threading.Thread(target=time.sleep, args=(2.0,)).start()  # a thread that exists already
     bind_process(cores)

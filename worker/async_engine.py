@@ -84,6 +84,8 @@ class AsyncEngine:
                 self._send(("abort", rid, None))
 
     def abort(self, request_id: str) -> None:
+        """Stop the request; its stream, if still open, ends with a final output whose
+        finish_reason is "abort"."""
         self._send(("abort", request_id, None))
 
     def stats(self) -> dict:
@@ -130,8 +132,9 @@ class AsyncEngine:
                 kind, rid, request = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if kind == "abort":
-                self.engine.abort(rid)
+            if kind == "abort":  # a stream still open gets its final output ("abort")
+                for out in self.engine.abort(rid):
+                    self._deliver(out.request_id, out)
                 continue
             try:
                 self.engine.add_request(

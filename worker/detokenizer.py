@@ -146,13 +146,20 @@ class IncrementalDetokenizer:
             n -= len(last)
 
     def _stop_prefix_len(self) -> int:
-        """Length of the longest tail of the unsent text that begins some stop string."""
-        longest = 0
+        """Length of the longest tail of the unsent text that begins some stop string.
+
+        A tail that begins a stop starts with the stop's first character, so only those
+        positions are tried, earliest (longest tail) first: a step costs about one `find` per
+        stop string, not one comparison per tail length."""
+        unsent, longest = self._unsent, 0
+        n = len(unsent)
         for stop in self._params.stop:
-            for k in range(min(len(stop) - 1, len(self._unsent)), longest, -1):
-                if self._unsent.endswith(stop[:k]):
-                    longest = k
+            at = unsent.find(stop[0], max(n - len(stop) + 1, 0))
+            while at != -1 and n - at > longest:
+                if stop.startswith(unsent[at:]):
+                    longest = n - at
                     break
+                at = unsent.find(stop[0], at + 1)
         return longest
 
     def _take(self, hold: int) -> str:

@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import os
 import socket
 import struct
 import sys
+import tempfile
+import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from datetime import timedelta
@@ -79,29 +82,34 @@ class SingleRank(Collectives):
 
 @dataclass(frozen=True)
 class Rendezvous:
-    """Where the ranks of one group meet: rank 0's TCP store at host:port (from config or from
-    the placement layer, never a constant), and how long any collective may wait."""
+    """Where the ranks of one group meet. A group's ranks share a node, so they meet through a
+    store file on it (`store_path`, torch's FileStore: no listening socket, where a TCPStore's
+    server listens on every interface whatever host it is given), and their collectives and
+    step streams use the interface that holds `host` (loopback unless the operator names
+    another). Also how long any collective may wait."""
 
-    host: str
-    port: int
+    store_path: str  # a file on the ranks' node that does not exist yet (the last rank to
+    # leave the group removes it)
     world_size: int
+    host: str = "127.0.0.1"
     timeout_s: float = 60.0  # a rank that is silent this long is dead or hung
     startup_timeout_s: float = 600.0  # process start and weight loading may be slow
 
     def __post_init__(self) -> None:
+        if not self.store_path:
+            raise ValueError("store_path must name a file")
         if not self.host:
             raise ValueError("host must be a non-empty address")
-        if not 0 < self.port < 65536:
-            raise ValueError(f"port must be in 1..65535, got {self.port}")
         if self.world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {self.world_size}")
         for name in ("timeout_s", "startup_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 
-    @property
-    def init_method(self) -> str:
-        return f"tcp://{self.host}:{self.port}"
+    @staticmethod
+    def new_store_path() -> str:
+        """A fresh store file name in this node's temporary directory."""
+        return os.path.join(tempfile.gettempdir(), f"pagefleet-rdv-{uuid.uuid4().hex}")
 
 
 class TorchDistributed(Collectives):
@@ -295,14 +303,17 @@ def init_group(
     """Join the group. Three process groups: the default one (gloo) only for meeting and the
     start-up barrier, patient enough for slow process starts and weight loading; the model's
     collectives (NCCL on CUDA, gloo on CPU) and a gloo group for the step messages, both
-    failing after `rendezvous.timeout_s` of silence."""
+    failing after `rendezvous.timeout_s` of silence. Every socket they open is on the
+    interface of `rendezvous.host`."""
     if not 0 <= rank < rendezvous.world_size:
         raise ValueError(f"rank {rank} is out of range for world_size {rendezvous.world_size}")
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    use_interface(rendezvous.host)
+    store = dist.FileStore(rendezvous.store_path, rendezvous.world_size)
     dist.init_process_group(
         "gloo",
-        init_method=rendezvous.init_method,
+        store=store,
         rank=rank,
         world_size=rendezvous.world_size,
         timeout=timedelta(seconds=rendezvous.startup_timeout_s),
@@ -314,6 +325,31 @@ def init_group(
     step_group = dist.new_group(backend="gloo", timeout=timeout)
     streams = _open_streams(rendezvous, rank, step_group)
     return TorchDistributed(model_group), ByteChannel(step_group, streams)
+
+
+def use_interface(host: str) -> None:
+    """Make gloo and NCCL (their listening sockets, their bootstrap) use the network interface
+    that holds `host` in this process; gloo would otherwise take the address the hostname
+    resolves to, which is usually not loopback."""
+    name = interface_of(host)
+    os.environ["GLOO_SOCKET_IFNAME"] = name
+    os.environ["NCCL_SOCKET_IFNAME"] = name
+
+
+def interface_of(host: str) -> str:
+    """The name of this machine's network interface whose IPv4 address is `host`."""
+    address = socket.inet_aton(socket.gethostbyname(host))
+    siocgifaddr = 0x8915  # ioctl: an interface's IPv4 address (Linux)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            request = struct.pack("256s", name.encode()[:15])
+            try:
+                reply = fcntl.ioctl(s.fileno(), siocgifaddr, request)
+            except OSError:  # no IPv4 address on this interface
+                continue
+            if reply[20:24] == address:
+                return name
+    raise ValueError(f"no network interface of this machine has the address {host!r}")
 
 
 def startup_barrier() -> None:

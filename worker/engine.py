@@ -38,7 +38,7 @@ class EngineConfig:
     attention_backend: str | None = None  # None: Triton on CUDA, torch elsewhere
     max_model_len: int | None = None  # None: the model's context length
     seed: int = 0
-    cluster_secret: bytes | str | None = None
+    cluster_secret: bytes | str | None = field(default=None, repr=False)  # keys every hash
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -139,9 +139,26 @@ class LLMEngine:
             return self.tokenizer.encode(prompt)
         return list(prompt)
 
-    def abort(self, request_ids: str | Sequence[str]) -> None:
+    def abort(self, request_ids: str | Sequence[str]) -> list[RequestOutput]:
+        """Stop the requests and free their blocks; returns each one's final output (what it
+        generated, finish_reason "abort"). Unknown or finished ids are ignored."""
+        outputs = []
         for req in self.scheduler.abort(request_ids):
-            self._tracked.pop(req.request_id, None)
+            tracked = self._tracked.pop(req.request_id, None)
+            if tracked is None:
+                continue
+            delta = tracked.detok.flush()
+            tracked.metrics.finished_time = time.monotonic()
+            outputs.append(
+                RequestOutput(
+                    request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
+                    token_ids=req.output_token_ids, text=tracked.detok.text, new_token_ids=[],
+                    new_text=delta, finished=True, finish_reason=req.finish_reason,
+                    stop_reason=None, num_cached_tokens=max(0, req.num_cached_tokens), metrics=tracked.metrics,
+                    logprobs=tracked.logprobs,
+                )
+            )  # fmt: skip
+        return outputs
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

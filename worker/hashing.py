@@ -43,6 +43,20 @@ class ModelFingerprint:
         return _encode_fields("model", *fields)
 
 
+def cache_namespace(cache_salt: str | None = None, tenant: str | None = None) -> str | None:
+    """The salt a request's blocks are keyed by, from a client's raw `cache_salt` or a
+    `tenant` (at most one): each kind in its own namespace ("salt\x00..." and "tenant\x00..."),
+    so that no salt a client writes can name a tenant's blocks, whatever the two values are.
+    None when neither is given (the shared namespace)."""
+    if cache_salt and tenant:
+        raise ValueError("give cache_salt or tenant, not both")
+    if tenant:
+        return f"tenant\x00{tenant}"
+    if cache_salt:
+        return f"salt\x00{cache_salt}"
+    return None
+
+
 class BlockHasher:
     """Computes the hash chains of one model under one cluster secret."""
 

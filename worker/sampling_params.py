@@ -5,6 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
+# Bounds on what a request may ask the stop checks to watch: every step scans its stop strings
+# on the group's engine thread, where any cost delays every other running request. Generous
+# against real use (OpenAI allows 4 stop strings).
+MAX_STOP_STRINGS = 32
+MAX_STOP_CHARS = 256
+MAX_STOP_TOKEN_IDS = 256
+_SHOWN_CHARS = 60  # how much of a bad value an error message repeats
 
 
 @dataclass(frozen=True)
@@ -65,18 +72,15 @@ class SamplingParams:
             "must be >= 1",
             self.max_tokens,
         )
-        _check(
-            all(isinstance(s, str) and s for s in self.stop),
-            "stop",
-            "must be non-empty strings",
-            self.stop,
-        )
-        _check(
-            all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
-            "stop_token_ids",
-            "must be non-negative integers",
-            self.stop_token_ids,
-        )
+        _check_items(
+            "stop", self.stop, MAX_STOP_STRINGS,
+            lambda s: isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS,
+            f"must be a non-empty string of at most {MAX_STOP_CHARS} characters",
+        )  # fmt: skip
+        _check_items(
+            "stop_token_ids", self.stop_token_ids, MAX_STOP_TOKEN_IDS,
+            lambda t: _is_int(t) and t >= 0, "must be a non-negative integer",
+        )  # fmt: skip
         _check(
             self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
             "logprobs",
@@ -125,4 +129,23 @@ def _is_number(x: object) -> bool:
 
 def _check(ok: bool, name: str, rule: str, value: object) -> None:
     if not ok:
-        raise ValueError(f"SamplingParams.{name} {rule}, got {value!r}")
+        raise ValueError(f"SamplingParams.{name} {rule}, got {shown(value)}")
+
+
+def _check_items(name: str, items: tuple, most: int, ok, rule: str) -> None:
+    """A bounded list whose first bad element is named by its index."""
+    if len(items) > most:
+        raise ValueError(f"SamplingParams.{name} has {len(items)} entries; at most {most} allowed")
+    for i, item in enumerate(items):
+        if not ok(item):
+            raise ValueError(f"SamplingParams.{name}[{i}] {rule}, got {shown(item)}")
+
+
+def shown(value: object) -> str:
+    """`repr(value)` for an error message, cut short: a client's 20k-character value must not
+    come back whole (gRPC drops a status message that large)."""
+    text = repr(value)
+    if len(text) <= _SHOWN_CHARS:
+        return text
+    size = f"{len(value)} characters" if isinstance(value, str) else f"{len(text)} characters"
+    return f"{text[:_SHOWN_CHARS]}... ({size})"

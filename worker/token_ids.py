@@ -1,10 +1,10 @@
-"""Prompt token ids checked against a vocabulary, in C where they can be.
+"""Prompt token ids checked against a vocabulary, in C where they can be, once.
 
-The router checks a request's ids at the door and the engine checks every prompt it is given:
-a 32k-token prompt costs ~0.4 ms so (a Python loop over it took ~3 ms, on the engine's loop
-thread). Ids that come as an array (the gRPC door's numpy array) stay one until the engine,
-which alone needs a list of Python ints: making that list costs ~1 ms at 32k tokens, and a
-list pickles to a Ray actor ~6x slower than the array's bytes.
+A prompt's ids are checked where they enter (the gRPC door, `pagefleet.LLM`, the router for a
+text prompt it tokenized) and become `CheckedIds`, a uint32 array that remembers the vocabulary
+it was checked against: everything below (the router, a group, the engine) trusts it instead of
+checking again. The ids stay an array up to the engine, which alone needs a list of Python
+ints; an array also pickles to a Ray actor far faster than a list (benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -15,14 +15,35 @@ from collections.abc import Sequence
 import numpy as np
 
 
-def check_token_ids(ids: Sequence[int] | np.ndarray, vocab: int) -> tuple[list[int] | array, array]:
+class CheckedIds(array):
+    """Token ids known to be in [0, vocab): a uint32 array (what the hashers read) that is
+    trusted wherever it goes, pickled with its `vocab`."""
+
+    vocab: int
+
+    @classmethod
+    def trusted(cls, checked: array | np.ndarray, vocab: int) -> CheckedIds:
+        """`checked` (an array whose ids were checked against `vocab`) as CheckedIds."""
+        out = cls("I")
+        if isinstance(checked, np.ndarray):
+            out.frombytes(checked.astype(np.uint32).tobytes())
+        else:
+            out.frombytes(checked.tobytes())
+        out.vocab = vocab
+        return out
+
+
+def check_token_ids(ids: Sequence[int] | np.ndarray, vocab: int) -> tuple[list[int] | array, CheckedIds]:  # fmt: skip
     """(ids, checked) when every id is an integer in [0, vocab), else a ValueError that names
-    the first that is not: `checked` is the ids as a uint32 array (what the hashers read), and
-    `ids` a list of them, or `checked` itself when they came as an array."""
+    the first that is not: `checked` is the ids as `CheckedIds`, and `ids` a list of them, or
+    `checked` itself when they came as an array. CheckedIds of this vocabulary are not checked
+    again."""
+    if isinstance(ids, CheckedIds) and ids.vocab == vocab:
+        return ids, ids
     if isinstance(ids, array) and ids.typecode == "I":
         ids = np.frombuffer(ids, dtype=np.uint32)  # checked and copied as a numpy array
     if isinstance(ids, np.ndarray):
-        checked = _from_numpy(ids, vocab)
+        checked = CheckedIds.trusted(_from_numpy(ids, vocab), vocab)
         return checked, checked
     ids = list(ids)
     if not ids:
@@ -31,7 +52,7 @@ def check_token_ids(ids: Sequence[int] | np.ndarray, vocab: int) -> tuple[list[i
     if checked is None:  # the fast check failed; the scan names the culprit
         bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab), None)
         raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
-    return ids, checked
+    return ids, CheckedIds.trusted(checked, vocab)
 
 
 def token_list(ids: Sequence[int] | np.ndarray, vocab: int) -> list[int]:
@@ -42,8 +63,8 @@ def token_list(ids: Sequence[int] | np.ndarray, vocab: int) -> list[int]:
 
 def _all_below(ids: list[int], vocab: int) -> array | None:
     """`ids` as a uint32 array if every id is an int in [0, vocab), else None. The conversion
-    refuses negatives, ids >= 2**32 and non-ints in one C loop (0.3 ms at 32k tokens); the max
-    is taken over the array's buffer (10 us; over the list of ints it costs 0.3-0.9 ms)."""
+    refuses negatives, ids >= 2**32 and non-ints in one C loop; the max is taken over the
+    array's buffer (far cheaper than over the list of ints)."""
     try:
         checked = array("I", ids)
     except (OverflowError, TypeError):

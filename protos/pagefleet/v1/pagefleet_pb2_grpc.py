@@ -65,14 +65,18 @@ class PageFleetServicer:
 
     def Generate(self, request, context):
         """Stream one generation. Cancelling the call or letting its deadline pass aborts the
-        request in the engine and frees its KV blocks at once.
+        request in the engine and frees its KV blocks at once. A request whose bytes do not parse
+        is refused with INVALID_ARGUMENT; text that cannot fit the context, with OUT_OF_RANGE
+        before it is tokenized. When the server shuts down, streams still running after its grace
+        period end with their usage and FINISH_REASON_ABORT.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Tokenize(self, request, context):
-        """The prompt's token ids, exactly as Generate would see them (chat template included).
+        """The prompt's token ids, exactly as Generate would see them (chat template included); a
+        prompt beyond the model's context is refused with OUT_OF_RANGE, as Generate refuses it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

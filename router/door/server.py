@@ -2,14 +2,20 @@
 
 The server binds its port before the cluster loads (health answers NOT_SERVING meanwhile and
 the API answers UNAVAILABLE), and reports SERVING only once `set_ready` hands it a router whose
-groups have loaded and warmed up. This module imports neither torch nor the router at import
-time, so `pagefleet serve` answers within a second or two of starting.
+groups have loaded and warmed up, and NOT_SERVING again while no group is alive. This module
+imports neither torch nor the router at import time, so `pagefleet serve` answers within a
+second or two of starting.
+
+The event loop serves every call, health checks included, so nothing slow runs on it: text is
+tokenized on a worker thread, after checks that refuse at once what cannot fit the context.
+A request whose bytes do not parse is answered INVALID_ARGUMENT (see `lenient_parser`).
 
 Cancellation is an abort: when a client cancels a Generate stream or its deadline passes,
 gRPC cancels the handler; the handler stops consuming, closes the router's stream (whose
 `finally` aborts the request in its group) and aborts by id as well, so the request's blocks
 are freed at once. `stop(grace)` reports NOT_SERVING, refuses new calls, lets in-flight calls
-finish for `grace` seconds, then cancels the rest (which aborts them the same way).
+finish for `grace` seconds, then aborts the rest in their groups, so that each stream ends with
+its usage and FINISH_REASON_ABORT.
 """
 
 from __future__ import annotations
@@ -19,16 +25,26 @@ import contextlib
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from protos.pagefleet.v1 import pagefleet_pb2 as pb
 from protos.pagefleet.v1 import pagefleet_pb2_grpc as pb_grpc
-from router.api import Reject, model_info_message, response_message, route_request, status_message
-from router.metrics import ServerMetrics
+from router.door.api import (
+    Reject,
+    check_context,
+    model_info_message,
+    response_message,
+    route_request,
+    status_message,
+    tokenized,
+)
+from router.door.metrics import ServerMetrics
 
 if TYPE_CHECKING:
     from router.router import Router
@@ -38,6 +54,9 @@ log = logging.getLogger(__name__)
 DEFAULT_PORT = 50151  # gRPC; `pagefleet serve --port`
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # per message, both ways: ~500k token ids or 4 MB of text
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["PageFleet"].full_name  # "pagefleet.v1.PageFleet"
+DEADLINE_SLACK_S = 0.1  # see deadline_passed
+HEALTH_INTERVAL_S = 1.0  # how often health looks for a live group
+ABORT_FLUSH_S = 5.0  # after the grace period, how long aborted streams have to send their end
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -48,15 +67,21 @@ class PageFleetServicer(pb_grpc.PageFleetServicer):
     def __init__(self) -> None:
         self.router: Router | None = None
         self.metrics: ServerMetrics | None = None
+        self._active: dict[object, str] = {}  # one entry per Generate call: its request id
+        self._idle = asyncio.Event()  # set while no Generate call is in flight
+        self._idle.set()
 
-    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+    async def Generate(self, request: pb.GenerateRequest | Unparsed, context):
         t0 = time.perf_counter()
-        router = await self._router(context)
+        router = await self._ready(request, context)
+        budget = context.time_remaining()
         try:
-            route, kind = route_request(request, router, f"pf-{uuid.uuid4().hex[:16]}")
+            route, kind = await route_request(request, router, f"pf-{uuid.uuid4().hex[:16]}")
         except Reject as r:
             await self._abort(context, r.code, r.message)
-        rid, first = route.request_id, True
+        rid, first, call = route.request_id, True, object()
+        self._active[call] = rid
+        self._idle.clear()
         try:
             async with contextlib.aclosing(router.generate(route)) as stream:
                 async for out in stream:
@@ -74,34 +99,44 @@ class PageFleetServicer(pb_grpc.PageFleetServicer):
         except asyncio.CancelledError:  # the client cancelled or its deadline passed
             router.abort(rid)  # the stream's `finally` aborted already; this is idempotent
             if self.metrics is not None:
-                left = context.time_remaining()
-                expired = left is not None and left <= 0
+                expired = deadline_passed(context.time_remaining(), budget)
                 self.metrics.observe_error("DEADLINE_EXCEEDED" if expired else "CANCELLED")
             raise
         except Exception as e:
             code, message = _status_for(e, rid)
             await self._abort(context, code, message)
+        finally:
+            del self._active[call]
+            if not self._active:
+                self._idle.set()
 
-    async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
-        router = await self._router(context)
-        from router.router import RouteRequest
-
-        text = request.text if request.HasField("text") else None
-        messages = [{"role": m.role, "content": m.content} for m in request.messages] or None
+    async def Tokenize(self, request: pb.TokenizeRequest | Unparsed, context):
+        router = await self._ready(request, context)
+        if request.HasField("text") == bool(request.messages):
+            await self._abort(
+                context, grpc.StatusCode.INVALID_ARGUMENT, "give exactly one of text or messages"
+            )
         try:
-            ids = router.tokenize(RouteRequest(prompt=text, messages=messages))
-        except ValueError as e:
-            await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, _proto_names(str(e)))
-        return pb.TokenizeResponse(token_ids=ids)
+            ids = await tokenized(request, router)
+            check_context(len(ids), None, router.model_info.max_model_len)
+        except Reject as r:
+            await self._abort(context, r.code, r.message)
+        return pb.TokenizeResponse(token_ids=ids.tolist())
 
     async def GetModelInfo(self, request, context) -> pb.ModelInfo:
-        return model_info_message((await self._router(context)).model_info)
+        return model_info_message((await self._ready(request, context)).model_info)
 
     async def GetClusterStatus(self, request, context) -> pb.ClusterStatus:
-        router = await self._router(context)
+        router = await self._ready(request, context)
         return pb.ClusterStatus(groups=[status_message(s) for s in router.cluster_status()])
 
-    async def _router(self, context) -> Router:
+    async def _ready(self, request, context) -> Router:
+        """The router, once the request has parsed and the server is ready."""
+        if isinstance(request, Unparsed):
+            await self._abort(
+                context, grpc.StatusCode.INVALID_ARGUMENT,
+                f"request does not parse as {request.message_name}",
+            )  # fmt: skip
         if self.router is None:
             await self._abort(
                 context, grpc.StatusCode.UNAVAILABLE, "the server is starting: groups are loading"
@@ -113,10 +148,71 @@ class PageFleetServicer(pb_grpc.PageFleetServicer):
             self.metrics.observe_error(code.name)
         await context.abort(code, message)
 
+    async def finish_or_abort(self, grace: float) -> None:
+        """Let Generate calls in flight finish for up to `grace` seconds, then abort the rest
+        in their groups: each stream then ends with its tokens so far, usage and
+        FINISH_REASON_ABORT, rather than being cut off."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), grace)
+        if self.router is not None:
+            for rid in list(self._active.values()):
+                self.router.abort(rid)
+
+
+class Unparsed:
+    """A request whose bytes do not parse; the handler answers INVALID_ARGUMENT."""
+
+    def __init__(self, message_name: str) -> None:
+        self.message_name = message_name
+
+
+def lenient_parser(message_class) -> Callable[[bytes], object]:
+    """`message_class.FromString`, but an undecodable request becomes `Unparsed` instead of an
+    exception that gRPC would answer as UNKNOWN with the parser's internals."""
+    name = message_class.DESCRIPTOR.full_name
+
+    def parse(data: bytes):
+        try:
+            return message_class.FromString(data)
+        except DecodeError:
+            return Unparsed(name)
+
+    return parse
+
+
+def add_servicer(servicer: PageFleetServicer, server: grpc.aio.Server) -> None:
+    """The PageFleet service's handlers, as the generated `add_PageFleetServicer_to_server`
+    makes them, with lenient request parsers."""
+    handlers = {}
+    for method in pb.DESCRIPTOR.services_by_name["PageFleet"].methods:
+        request_class = getattr(pb, method.input_type.name)
+        response_class = getattr(pb, method.output_type.name)
+        make = (
+            grpc.unary_stream_rpc_method_handler
+            if method.server_streaming
+            else grpc.unary_unary_rpc_method_handler
+        )
+        handlers[method.name] = make(
+            getattr(servicer, method.name),
+            request_deserializer=lenient_parser(request_class),
+            response_serializer=response_class.SerializeToString,
+        )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
+
+
+def deadline_passed(left: float | None, budget: float | None) -> bool:
+    """Whether a call cancelled with `left` seconds of its deadline (`budget` at its start)
+    was cancelled by that deadline: the client's own timer fires first and its reset reaches
+    the server while the server's copy (set on receipt) still has a moment left."""
+    if left is None or budget is None:
+        return False
+    return left <= DEADLINE_SLACK_S + 0.01 * budget
+
 
 def _status_for(e: Exception, request_id: str) -> tuple[grpc.StatusCode, str]:
     """A gRPC status for an error from the router or a group; never a traceback."""
-    from cluster.prefix_index import PrefixIndexError
+    from cluster.index import PrefixIndexError
     from router.router import NoGroupAvailableError
     from worker.async_engine import EngineDeadError
     from worker.scheduler import QueueFullError
@@ -162,6 +258,7 @@ class FrontDoor:
         self.health = health.aio.HealthServicer()
         self.server: grpc.aio.Server | None = None
         self.port: int | None = None
+        self._watcher: asyncio.Future | None = None  # health follows the groups' liveness
 
     async def start(self) -> int:
         """Bind and start answering (health NOT_SERVING); returns the bound port."""
@@ -172,12 +269,11 @@ class FrontDoor:
                 ("grpc.so_reuseport", 0),  # a port in use is an error, not a shared port
             ]
         )
-        pb_grpc.add_PageFleetServicer_to_server(self.servicer, self.server)
+        add_servicer(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         services = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name)
         reflection.enable_server_reflection((*services, reflection.SERVICE_NAME), self.server)
-        for service in ("", SERVICE_NAME):
-            await self.health.set(service, _NOT_SERVING)
+        await self._set_health(_NOT_SERVING)
         self.port = self.server.add_insecure_port(self.address)
         if self.port == 0:
             raise ValueError(f"cannot bind {self.address} (in use?)")
@@ -185,14 +281,34 @@ class FrontDoor:
         return self.port
 
     async def set_ready(self, router: Router, metrics: ServerMetrics | None = None) -> None:
-        """Serve `router` (its groups loaded and warmed up) and report SERVING."""
+        """Serve `router` (its groups loaded and warmed up) and report SERVING, and from then
+        on NOT_SERVING whenever no group is alive."""
         self.servicer.metrics = metrics
         self.servicer.router = router
+        await self._set_health(_SERVING)
+        self._watcher = asyncio.ensure_future(self._follow_groups(router))
+
+    async def _follow_groups(self, router: Router) -> None:
+        serving = True
+        while True:
+            await asyncio.sleep(HEALTH_INTERVAL_S)
+            alive = any(s.alive for s in router.cluster_status())
+            if alive != serving:
+                serving = alive
+                log.warning("health: %s", "SERVING" if alive else "NOT_SERVING: no live group")
+                await self._set_health(_SERVING if alive else _NOT_SERVING)
+
+    async def _set_health(self, status) -> None:
         for service in ("", SERVICE_NAME):
-            await self.health.set(service, _SERVING)
+            await self.health.set(service, status)
 
     async def stop(self, grace: float) -> None:
-        """NOT_SERVING, refuse new calls, drain in-flight ones for `grace` seconds, stop."""
+        """NOT_SERVING, refuse new calls, let in-flight ones finish for `grace` seconds, then
+        end the rest with FINISH_REASON_ABORT (see `finish_or_abort`), and stop."""
         await self.health.enter_graceful_shutdown()
+        if self._watcher is not None:
+            self._watcher.cancel()
         if self.server is not None:
-            await self.server.stop(grace)
+            stopped = asyncio.ensure_future(self.server.stop(grace + ABORT_FLUSH_S))
+            await self.servicer.finish_or_abort(grace)
+            await stopped

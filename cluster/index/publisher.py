@@ -1,9 +1,9 @@
 """The group side of the prefix index: KV events, heartbeats and load, never failing the engine.
 
-The engine wires `publisher.sink` into its block manager as the KV-event sink and calls
-`publisher.tick(load)` once per step (from the engine thread; the publisher is not thread-safe).
-A tick publishes the step's events as one batch, in order, then sends a load report or a
-heartbeat when one is due.
+A group hands each engine step's KV events and load to `publisher.publish_step(events, load)`
+(from the thread that steps the engine, or the one that receives a remote engine's steps; the
+publisher is not thread-safe). A step publishes its events as one batch, in order, then sends a
+load report or a heartbeat when one is due.
 
 When the index is out of reach the publisher logs one warning, marks itself disconnected and
 drops its queue: events are not kept, because on reconnect (tried on later ticks, with
@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from cluster.prefix_index import (
+from cluster.index.base import IndexWriter
+from cluster.index.outage import Outage
+from cluster.index.types import (
     GroupLoad,
     IndexUnavailableError,
-    PrefixIndex,
     PrefixIndexError,
     StaleEpochError,
 )
@@ -55,11 +56,12 @@ class PublisherConfig:
 
 
 class IndexPublisher:
-    """Publishes one group's KV events, load and liveness to a prefix index."""
+    """Publishes one group's KV events, load and liveness to one prefix index (a group that
+    publishes to several, e.g. this process's index and Redis, has one publisher for each)."""
 
     def __init__(
         self,
-        index: PrefixIndex,
+        index: IndexWriter,
         group_id: str,
         inventory: Callable[[], Iterable[bytes]],
         config: PublisherConfig | None = None,
@@ -74,9 +76,10 @@ class IndexPublisher:
         self._queue: list[KVEvent] = []
         self._epoch: int | None = None
         self._connected = False
-        self._warned = False  # one warning per outage
-        self._retry_at = 0.0
-        self._backoff = self.config.retry_initial_s
+        cfg = self.config
+        self._outage = Outage(
+            logger, f"prefix index for {group_id}", cfg.retry_initial_s, cfg.retry_max_s, clock
+        )
         self._last_beat = self._last_load = float("-inf")
         self._resync()
 
@@ -93,6 +96,13 @@ class IndexPublisher:
         """The block manager's KV-event sink; events wait for the next `flush`/`tick`."""
         if self._connected:  # disconnected: the republished inventory will cover it
             self._queue.append(event)
+
+    def publish_step(self, events: Iterable[KVEvent], load: GroupLoad | None) -> None:
+        """One engine step: its KV events in order, then the tick (how every group feeds its
+        publishers, whatever runs its engine)."""
+        for event in events:
+            self.sink(event)
+        self.tick(load)
 
     def flush(self) -> None:
         """Publish the queued events as one batch (reconnecting first when it is time)."""
@@ -144,46 +154,78 @@ class IndexPublisher:
         return False
 
     def _ensure_connected(self) -> bool:
-        if self._connected:
-            return True
-        if self._clock() < self._retry_at:
-            return False
-        return self._resync()
+        return self._connected or (self._outage.may_retry() and self._resync())
 
     def _resync(self) -> bool:
         """Register a new epoch and republish the whole inventory; False if the index is out."""
         self._queue.clear()  # the inventory snapshot below already reflects these events
         try:
             epoch = self.index.register_group(self.group_id)
-            hashes = tuple(self._inventory())
-            chunk = self.config.republish_chunk
-            for i in range(0, len(hashes), chunk):
-                self.index.publish(self.group_id, epoch, [BlockStored(hashes[i : i + chunk], None)])
+            blocks = republish(
+                self.index, self.group_id, epoch, self._inventory(), self.config.republish_chunk
+            )
         except PrefixIndexError as e:  # a stale epoch here means a racing registration: retry
             self._disconnect(e)
             return False
-        if self._warned:
-            logger.warning(
-                "prefix index: %s reconnected as epoch %d, republished %d blocks",
-                self.group_id,
-                epoch,
-                len(hashes),
-            )
-        self._epoch, self._connected, self._warned = epoch, True, False
-        self._backoff = self.config.retry_initial_s
+        self._outage.recovered(f"registered as epoch {epoch}, republished {blocks} blocks")
+        self._epoch, self._connected = epoch, True
         self._last_beat = self._clock()
         return True
 
     def _disconnect(self, error: Exception) -> None:
-        if not self._warned:
-            logger.warning(
-                "prefix index unavailable for %s (%s); serving continues and the inventory "
-                "will be republished on reconnect",
-                self.group_id,
-                error,
-            )
-            self._warned = True
+        self._outage.failed(
+            error, "serving continues and the inventory will be republished on reconnect"
+        )
         self._connected = False
         self._queue.clear()
-        self._retry_at = self._clock() + self._backoff
-        self._backoff = min(2 * self._backoff, self.config.retry_max_s)
+
+
+class GroupPublisher:
+    """A group's publishers, one per index it writes to (e.g. this process's index and Redis),
+    fed each engine step at once: the one way a group, whatever runs its engine, publishes."""
+
+    def __init__(
+        self,
+        indexes: IndexWriter | Sequence[IndexWriter],
+        group_id: str,
+        inventory: Callable[[], Iterable[bytes]],
+        config: PublisherConfig | None = None,
+    ) -> None:
+        if isinstance(indexes, IndexWriter):
+            indexes = (indexes,)
+        self.publishers = [IndexPublisher(ix, group_id, inventory, config) for ix in indexes]
+
+    @property
+    def config(self) -> PublisherConfig:
+        return self.publishers[0].config
+
+    @property
+    def epoch(self) -> int | None:
+        """The first index's registration epoch (None before its first registration)."""
+        return self.publishers[0].epoch
+
+    def publish_step(self, events: Sequence[KVEvent], load: GroupLoad | None) -> None:
+        for p in self.publishers:
+            p.publish_step(events, load)
+
+    def close(self) -> None:
+        for p in self.publishers:
+            p.close()
+
+
+def republish(
+    index: IndexWriter,
+    group_id: str,
+    epoch: int,
+    hashes: Iterable[bytes],
+    chunk: int = 4096,
+    load: GroupLoad | None = None,
+) -> int:
+    """Publish a group's whole inventory under a new registration, `chunk` blocks per call (and
+    its load, when known); returns the number of blocks."""
+    hashes = tuple(hashes)
+    for i in range(0, len(hashes), chunk):
+        index.publish(group_id, epoch, [BlockStored(hashes[i : i + chunk], None)])
+    if load is not None:
+        index.report_load(group_id, epoch, load)
+    return len(hashes)

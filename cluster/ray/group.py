@@ -3,30 +3,33 @@
     RayGroup (driver) --Ray: requests in, outputs streamed out, lifecycle--> RankActor x tp
 
 Here is the driver side (`RayGroup`); its configuration and the checks made before placing
-anything are cluster/ray_group_config.py, the actor that hosts each rank cluster/rank_actor.py.
+anything are cluster/ray/config.py, the actor that hosts each rank cluster/ray/rank_actor.py.
 
 The placement group holds one bundle per device (a GPU bundle when the engine runs on CUDA, a
-CPU bundle otherwise), STRICT_PACK so that all ranks share a node. Rank 0's actor picks a free
-port on its node for the rendezvous; the driver hands it to every rank.
+CPU bundle otherwise), STRICT_PACK so that all ranks share a node. Rank 0's actor names a store
+file on that node for the rendezvous; the driver hands it to every rank, and the ranks talk over
+the node's loopback interface (`RayGroupConfig.rendezvous_host`), so a group listens on no
+network interface.
 
 Requests go in with one actor call each (`submit`); outputs come back on one Ray streaming
 generator per group (`outputs`), a batch of every request's outputs per engine step, which a
 driver thread routes to the callers' asyncio queues. (A streaming generator per request was
-simpler but carried one Ray object per token: 2.3x fewer tokens/s on the benchmark.) Each
-output travels as a delta (cluster/output_delta.py): only the step's new tokens, text and
+simpler but carried one Ray object per token, and far fewer tokens/s.) Each
+output travels as a delta (cluster/ray/output_delta.py): only the step's new tokens, text and
 timings cross Ray, so rank 0's cost per step does not grow with the outputs' length. Leaving
 a stream early aborts the request on the engine.
 
 Prefix index: with an `index`, rank 0's engine puts its KV events into the same output stream,
 ahead of the outputs of the step that made them, and every batch carries the engine's stats;
-the driver thread feeds them to an `IndexPublisher` before routing the outputs. So when a
+the driver thread feeds them to a `GroupPublisher` before routing the outputs. So when a
 caller sees a request finish, the index already holds its blocks, whether it is in-process or
 Redis. While idle, rank 0 sends an empty batch every half heartbeat, which keeps the group live
 in the index.
 
 Status: every batch carries rank 0's engine stats (an idle group sends an empty batch every
 half heartbeat), so `status()` answers from the latest batch and never waits on a rank: the
-router calls it for every group on every decision (a stats call per group took ~2 ms each).
+router calls it for every group on every decision, where a call per group would cost a round
+trip each.
 
 Health: each rank > 0 runs its loop inside a long-lived actor call (`serve`), whose result
 resolves only when the loop ends; rank 0's engine stops when a collective fails or times out.
@@ -45,16 +48,15 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import replace
 
 from cluster.group import GroupHandle, GroupStatus, status_from_stats
-from cluster.index_publisher import IndexPublisher
-from cluster.output_delta import OutputAssembler
-from cluster.prefix_index import PrefixIndex
-from cluster.rank_actor import KVEvents, RankActor, RequestFailed, bind_process, describe_error
-from cluster.ray_group_config import RayGroupConfig, check_tensor_parallel, parse_cpu_binding
-from cluster.ray_runtime import ensure_ray, ray
+from cluster.index import GroupPublisher, IndexWriter
+from cluster.ray.config import RayGroupConfig, check_tensor_parallel, parse_cpu_binding
+from cluster.ray.output_delta import OutputAssembler
+from cluster.ray.rank_actor import KVEvents, RankActor, RequestFailed, bind_process, describe_error
+from cluster.ray.runtime import ensure_ray, ray
 from worker.async_engine import EngineDeadError, GenerationRequest
 from worker.engine import EngineConfig
 from worker.outputs import RequestOutput
@@ -74,9 +76,10 @@ class RayGroup(GroupHandle):
         group_config: RayGroupConfig | None = None,
         group_id: str | None = None,
         wait: bool = True,
-        index: PrefixIndex | None = None,
+        index: IndexWriter | Sequence[IndexWriter] | None = None,
     ) -> None:
-        """`index`: where the group publishes its KV events and load (None: nowhere)."""
+        """`index`: where the group publishes its KV events and load (one index or several;
+        None: nowhere)."""
         self.config = config
         self.group_config = gc = group_config or RayGroupConfig()
         self.group_id = group_id or f"ray-group-{next(_group_ids)}-{uuid.uuid4().hex[:6]}"
@@ -91,7 +94,7 @@ class RayGroup(GroupHandle):
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._assembler = OutputAssembler()  # full outputs rebuilt from rank 0's deltas
         self.index = index
-        self.publisher: IndexPublisher | None = None  # owned by the output thread once started
+        self.publisher: GroupPublisher | None = None  # owned by the output thread once started
         self._pump_thread: threading.Thread | None = None
         self._stats: dict = {}  # rank 0's engine stats, from the latest batch of the stream
         self._status: GroupStatus | None = None  # built from _status_of, until it changes
@@ -130,8 +133,10 @@ class RayGroup(GroupHandle):
         gc = self.group_config
         try:
             ray.get(self._pg.ready(), timeout=gc.start_timeout_s)
-            host, port = ray.get(self._actors[0].free_port.remote(), timeout=gc.start_timeout_s)
-            rdv = Rendezvous(host, port, self.tp, gc.collective_timeout_s, gc.start_timeout_s)
+            path = ray.get(self._actors[0].store_path.remote(), timeout=gc.start_timeout_s)
+            rdv = Rendezvous(
+                path, self.tp, gc.rendezvous_host, gc.collective_timeout_s, gc.start_timeout_s
+            )
             events = self.index is not None
             cores = parse_cpu_binding(gc.cpu_binding, self.tp) if gc.cpu_binding else None
             refs = [
@@ -142,7 +147,7 @@ class RayGroup(GroupHandle):
             self._stats = ray.get(self._actors[0].stats.remote(), timeout=gc.start_timeout_s)
             self._status_changed()
             if events:
-                self.publisher = IndexPublisher(self.index, self.group_id, self._inventory)
+                self.publisher = GroupPublisher(self.index, self.group_id, self._inventory)
         except BaseException:
             self.shutdown()
             raise
@@ -231,12 +236,9 @@ class RayGroup(GroupHandle):
         if self.publisher is None:
             return
         try:
-            for item in batch:
-                if isinstance(item, KVEvents):
-                    for event in item.events:
-                        self.publisher.sink(event)
+            events = [e for item in batch if isinstance(item, KVEvents) for e in item.events]
             load = status_from_stats(self.group_id, stats, True, self.tp, self.devices).load()
-            self.publisher.tick(load)
+            self.publisher.publish_step(events, load)
         except Exception:  # e.g. rank 0 gone while the publisher fetched the inventory
             log.exception("group %s: publishing to the prefix index failed", self.group_id)
 
@@ -373,7 +375,7 @@ def _first_error(refs: list, timeout: float) -> list:
 __all__ = [
     "RayGroup",
     "RayGroupConfig",
-    "bind_process",  # (cluster/rank_actor.py; imported from here by callers)
+    "bind_process",  # (cluster/ray/rank_actor.py; imported from here by callers)
     "check_tensor_parallel",
     "parse_cpu_binding",
 ]

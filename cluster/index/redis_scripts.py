@@ -1,4 +1,4 @@
-"""The Lua scripts of the Redis prefix index (cluster/redis_index.py is the Python side).
+"""The Lua scripts of the Redis prefix index (cluster/index/redis_index.py is the Python side).
 
 Data layout; every key starts with P = `pf:<cluster>:<model>:`; block hashes are stored as their
 raw 16 bytes (set members, hash fields and script arguments are binary-safe):
@@ -25,20 +25,19 @@ has no per-field expiry). Only a chain's probe positions are recorded (see `prob
 
 `match` is one EVALSHA whose argument is the chain's hashes concatenated. The script reads
 `groups` (HKEYS) and every hb row (one MGET), then asks each live group one SISMEMBER of the
-chain's first block: a group that does not hold it holds none of the chain (~1.5 us a group). A
+chain's first block: a group that does not hold it holds none of the chain. A
 group that holds it gets one SMISMEMBER of all the chain's probe positions (every block up to
 32, then every 32nd, then the last) and one of the blocks between the last probe hit and the
 first miss. Pending: one HMGET of the first block for every live group, then a binary search
 for each group's last pending probe, run for all those groups together: one HMGET per step
-(about 7 for 96 probes). Measured at 64 groups and 32k-token prompts with a hot document pending
-on 41 groups: a ZSCORE binary search per group in per-group zsets cost ~0.9 ms of the 1.4 ms
-match (about 290 redis.calls at ~3 us); the shared search costs 7 HMGETs.
+(about 7 for 96 probes), where a binary search per group in per-group zsets would make a
+redis.call per group and step (benchmarks/RESULTS.md).
 
 The log: every script that changes what a match answers also appends one entry per change to
 `log`, a stream with one field `v` = `kind TAB seq TAB group TAB epoch TAB payload`, where seq is
 `INCR logseq`. Kinds: G register, D deregister, B heartbeat (payload: the load JSON, or empty),
 S / R blocks stored / removed (payload: their hashes concatenated), C cleared, Q pending (payload:
-`ttl_ms TAB probe hashes`). A router's mirror (cluster/redis_mirror.py) loads a `snapshot`, then
+`ttl_ms TAB probe hashes`). A router's mirror (cluster/index/mirror.py) loads a `snapshot`, then
 follows the log from the snapshot's seq; a seq that is not the next one (the log was trimmed, or
 Redis restarted and lost it) sends it back to the snapshot. Both log keys expire after an hour
 without writes, so an abandoned cluster leaves nothing behind.
@@ -50,7 +49,7 @@ live on one Redis (a single server or a replicated primary, not Redis Cluster).
 
 from __future__ import annotations
 
-from cluster.chain_probes import PROBE_DENSE, PROBE_STRIDE
+from cluster.index.probes import PROBE_DENSE, PROBE_STRIDE
 from worker.hashing import DIGEST_SIZE
 
 # The log keeps about this many entries: a mirror that falls further behind reloads a snapshot.
@@ -295,7 +294,7 @@ return written
 # or has pending the chain's first block, an empty line, then every live group's hb row (see the
 # module docstring). Rows change only with a group's load report, so the client keeps the parsed
 # rows and parses only the new ones; one bulk string because redis-py parses each element of a
-# multi-bulk reply in Python (~3 us apiece).
+# multi-bulk reply in Python.
 MATCH = """
 local ids = redis.call('HKEYS', P .. 'groups')
 if #ids == 0 then return '' end

@@ -1,6 +1,6 @@
 """Registrations, cached blocks and pending probes, and their match: the in-process index
 (`InMemoryPrefixIndex`) keeps its state in one, and a router's mirror of the Redis index
-(cluster/redis_mirror.py) keeps its copy current from the index's log.
+(cluster/index/mirror.py) keeps its copy current from the index's log.
 
 A match must cost little at any group count, so the copy is also kept inverted: besides each
 registration's own inventory and pending probes (needed to drop them when it goes), every cached
@@ -8,8 +8,7 @@ block maps to a bitmask of the registrations holding it, and every pending probe
 those with an entry for it. A match walks the chain's probes once for all groups (a running AND
 of their masks, one binary search for all the groups that answer alike) and touches a group only
 where the chain is cached or pending on it; every other live group gets its prebuilt empty
-answer. At 64 groups, a 2048-block chain cached on 2 and pending on 27 of them takes ~0.06 ms
-(a loop over the groups took ~0.2 ms).
+answer (benchmarks/RESULTS.md: the match against a loop over the groups).
 
 It answers what `RedisPrefixIndex.match` answers: leading cached blocks counted at the chain's
 probe positions, then between the last probe held and the first missed (exact while holdings are
@@ -29,8 +28,8 @@ import itertools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from cluster.chain_probes import prefix_length, probe_hashes, probe_positions
-from cluster.index_types import GroupLoad, GroupMatch, Matches
+from cluster.index.probes import prefix_length, probe_hashes, probe_positions
+from cluster.index.types import GroupLoad, GroupMatch, Matches
 
 
 @dataclass

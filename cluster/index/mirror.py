@@ -1,13 +1,14 @@
 """A router's local copy of the Redis prefix index, so that a decision makes no round trip.
 
-`MirroredPrefixIndex` wraps a `RedisPrefixIndex`. Writes go to Redis as before; `match` is
-answered from a copy in this process, kept current by a follower thread that loads a snapshot of
-the index and then follows its log (the `log` stream every write script appends to; see
-cluster/redis_scripts.py). Every router over one Redis reads the same log, so their copies hold
-the same state a moment (one log delivery, well under a millisecond on one host) after each
-write, the way every router of one cluster sees the same Redis.
+`MirroredPrefixIndex` is a router's reader (cluster/index/base.py) of the `RedisPrefixIndex`
+that groups write to: `match` is answered from a copy in this process, kept current by a
+follower thread that loads a snapshot of the index and then follows its log (the `log` stream
+every write script appends to; see cluster/index/redis_scripts.py). Every router over one Redis
+reads the same log, so their copies hold the same state a moment (one log delivery, well under
+a millisecond on one host) after each write, the way every router of one cluster sees the same
+Redis.
 
-The copy (cluster/index_copy.py, kept inverted so that a match costs about the same at any
+The copy (cluster/index/copy.py, kept inverted so that a match costs about the same at any
 group count) answers what `RedisPrefixIndex.match` answers: the leading cached blocks of the
 chain on each live group (at the chain's probe positions, then between the last probe held and
 the first missed), the leading pending blocks at probe granularity, and each group's latest
@@ -31,22 +32,18 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from cluster.chain_probes import probe_hashes
-from cluster.index_copy import IndexCopy
-from cluster.prefix_index import (
-    BatchedPendingIndex,
-    GroupLoad,
-    InventoryStats,
-    Matches,
-    PendingWrite,
-)
-from cluster.redis_index import RedisPrefixIndex, to_ms
+from cluster.index.base import IndexReader
+from cluster.index.copy import IndexCopy
+from cluster.index.outage import Outage
+from cluster.index.probes import probe_hashes
+from cluster.index.redis_index import RedisPrefixIndex, to_ms
+from cluster.index.types import GroupLoad, InventoryStats, Matches, PendingWrite
 from worker.hashing import HashChain
 
 log = logging.getLogger(__name__)
 
 
-class MirroredPrefixIndex(BatchedPendingIndex):
+class MirroredPrefixIndex(IndexReader):
     """A `RedisPrefixIndex` whose `match` is answered locally; see the module docstring."""
 
     def __init__(
@@ -73,7 +70,7 @@ class MirroredPrefixIndex(BatchedPendingIndex):
         self._copy = IndexCopy(self._ttl)
         self._seq: int | None = None  # last applied log entry; None: not in sync
         self._read_ok_at = float("-inf")  # when the last log read returned
-        self._warned = False
+        self._outage = Outage(log, "prefix index log (mirror)", retry_s, retry_s, clock)
         self._conn = None  # the follower's own connection (its reads block)
         self.snapshots = 0  # snapshots loaded: one at start, one per gap or outage
         self._stop = threading.Event()
@@ -106,25 +103,7 @@ class MirroredPrefixIndex(BatchedPendingIndex):
         with self._lock:
             return self._copy.match(block_hashes, self._clock())
 
-    # ---- writes: Redis --------------------------------------------------------------------
-    def register_group(self, group_id: str) -> int:
-        return self.shared.register_group(group_id)
-
-    def publish(self, group_id: str, epoch: int, events) -> None:
-        self.shared.publish(group_id, epoch, events)
-
-    def report_load(self, group_id: str, epoch: int, load: GroupLoad) -> None:
-        self.shared.report_load(group_id, epoch, load)
-
-    def heartbeat(self, group_id: str, epoch: int) -> None:
-        self.shared.heartbeat(group_id, epoch)
-
-    def deregister(self, group_id: str, epoch: int) -> None:
-        self.shared.deregister(group_id, epoch)
-
-    def cleanup(self) -> int:
-        return self.shared.cleanup()
-
+    # ---- a router's writes: Redis, then the copy ------------------------------------------
     def inventory_stats(self) -> InventoryStats:
         return self.shared.inventory_stats()
 
@@ -162,12 +141,10 @@ class MirroredPrefixIndex(BatchedPendingIndex):
                     last_id = self._load_snapshot()
                 last_id = self._read_log(last_id)
                 self._read_ok_at = self._clock()
-                self._warned = False
+                self._outage.recovered("the mirror is in sync again")
             except Exception as e:  # noqa: BLE001  (the follower must outlive any fault)
                 self._seq = None
-                if not self._warned:
-                    self._warned = True
-                    log.warning("prefix index mirror out of sync (%s); matching on Redis", e)
+                self._outage.failed(e, "the mirror is out of sync; matching on Redis")
                 self._stop.wait(self.retry_s)
 
     def _load_snapshot(self) -> str:

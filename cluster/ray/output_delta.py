@@ -3,8 +3,8 @@
 An engine's `RequestOutput` carries everything so far (prompt, tokens, timings, logprobs), so
 sending it whole every step costs more each step. Across Ray only what changed travels; the
 receiving side rebuilds the full outputs, one small state per open request. The prompt's ids
-travel only when the receiving side does not have them (a text prompt): a 32k-token list takes
-~1.7 ms to pickle and unpickle, before the first token.
+travel only when the receiving side does not have them (a text prompt): a long list costs
+milliseconds to pickle and unpickle, before the first token (benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations

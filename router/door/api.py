@@ -7,6 +7,7 @@ OUT_OF_RANGE for a prompt (or prompt + max_tokens) beyond the model's context.
 
 from __future__ import annotations
 
+import asyncio
 import re
 from typing import TYPE_CHECKING
 
@@ -14,7 +15,9 @@ import grpc
 import numpy as np
 
 from protos.pagefleet.v1 import pagefleet_pb2 as pb
-from worker.token_ids import first_outside
+from worker.hashing import cache_namespace
+from worker.sampling_params import shown
+from worker.token_ids import CheckedIds, first_outside
 
 if TYPE_CHECKING:
     from cluster.group import GroupStatus
@@ -45,22 +48,25 @@ def _invalid(message: str) -> Reject:
     return Reject(grpc.StatusCode.INVALID_ARGUMENT, message)
 
 
-def route_request(
+async def route_request(
     request: pb.GenerateRequest, router: Router, default_id: str
 ) -> tuple[RouteRequest, int]:
-    """A checked `RouteRequest` (prompt as token ids) and the requested output kind."""
+    """A checked `RouteRequest` (prompt as token ids) and the requested output kind. Text and
+    chat prompts are tokenized on a worker thread: a long one must not stall the event loop,
+    which serves every other call (health checks included)."""
     from router.router import RouteRequest
 
     if request.request_id and not _REQUEST_ID.fullmatch(request.request_id):
-        raise _invalid(f"request_id must match {_REQUEST_ID.pattern}, got {request.request_id!r}")
+        raise _invalid(f"request_id must match {_REQUEST_ID.pattern}, got {shown(request.request_id)}")  # fmt: skip
     if request.output_kind not in pb.OutputKind.values():
         raise _invalid(f"output_kind {request.output_kind} is not a known OutputKind value")
     params = sampling_params(request.sampling)
-    ids = prompt_token_ids(request, router)
+    salt = cache_salt(request)
+    ids = await prompt_token_ids(request, router)
     check_context(len(ids), params.max_tokens, router.model_info.max_model_len)
     route = RouteRequest(
         prompt_token_ids=ids, params=params, request_id=request.request_id or default_id,
-        priority=request.priority, cache_salt=cache_salt(request),
+        priority=request.priority, cache_salt=salt,
     )  # fmt: skip
     return route, request.output_kind
 
@@ -82,10 +88,8 @@ def sampling_params(msg: pb.SamplingParams):
         raise _invalid(str(e).replace("SamplingParams.", "sampling.")) from None
 
 
-def prompt_token_ids(request: pb.GenerateRequest, router: Router) -> np.ndarray | list[int]:
+async def prompt_token_ids(request: pb.GenerateRequest, router: Router) -> CheckedIds:
     """The prompt as token ids: exactly one of text, token_ids or messages."""
-    from router.router import RouteRequest
-
     given = [
         name
         for name, present in (
@@ -101,24 +105,47 @@ def prompt_token_ids(request: pb.GenerateRequest, router: Router) -> np.ndarray 
     if request.HasField("text") and not request.text:
         raise _invalid("text is empty")
     if request.token_ids:
-        # (n,) int64, one C copy of the repeated field (0.02 ms at 32k tokens; list() of the
-        # field takes 2 ms, a Python loop over it ~8 ms).
+        # (n,) int64, one C copy of the repeated field (list() of it, or a Python loop over
+        # it, costs 100x more at 32k tokens).
         ids = np.array(request.token_ids, dtype=np.int64)
         vocab = router.model_info.vocab_size
         if (i := first_outside(ids, vocab)) is not None:
             raise _invalid(f"token_ids[{i}] = {ids[i]} is outside the vocabulary [0, {vocab})")
-        return ids  # checked; the router takes the array as it is (Router.checked_prompt)
-    messages = [chat_message(i, m) for i, m in enumerate(request.messages)] or None
-    text = request.text if request.HasField("text") else None
+        return CheckedIds.trusted(ids, vocab)  # checked here, trusted below
+    return await tokenized(request, router)
+
+
+async def tokenized(request: pb.GenerateRequest | pb.TokenizeRequest, router: Router) -> CheckedIds:
+    """The token ids of the request's text or chat messages, computed on a worker thread after
+    the checks that refuse at once what cannot fit the context."""
+    from router.router import PromptTooLongError
+
+    context = router.model_info.max_model_len
+    if len(request.messages) > context:  # before a dict is built for each
+        raise Reject(
+            grpc.StatusCode.OUT_OF_RANGE,
+            f"messages has {len(request.messages)} entries; the model's context of {context} "
+            "tokens cannot hold that many",
+        )
     try:
-        return router.tokenize(RouteRequest(prompt=text, messages=messages))
+        return await asyncio.to_thread(_tokenize, request, router)
+    except PromptTooLongError as e:
+        raise Reject(grpc.StatusCode.OUT_OF_RANGE, str(e)) from None
     except ValueError as e:
         raise _invalid(str(e)) from None
 
 
+def _tokenize(request: pb.GenerateRequest | pb.TokenizeRequest, router: Router) -> CheckedIds:
+    from router.router import RouteRequest
+
+    messages = [chat_message(i, m) for i, m in enumerate(request.messages)] or None
+    text = request.text if request.HasField("text") else None
+    return router.checked_prompt(RouteRequest(prompt=text, messages=messages))[1]
+
+
 def chat_message(i: int, m: pb.ChatMessage) -> dict:
     if not m.role.strip():
-        raise _invalid(f"messages[{i}].role must not be empty")
+        raise ValueError(f"messages[{i}].role must not be empty")
     return {"role": m.role, "content": m.content}
 
 
@@ -140,20 +167,19 @@ def check_context(num_prompt: int, max_tokens: int | None, max_model_len: int) -
 
 
 def cache_salt(request: pb.GenerateRequest) -> str | None:
-    """The request's cache salt: its cache_salt, or one derived from its tenant."""
+    """The salt the request's blocks are keyed by: its tenant's or its cache_salt's, each in a
+    namespace of its own (worker/hashing.py: cache_namespace)."""
     salt, tenant = request.cache_salt, request.tenant
     if salt and tenant:
         raise _invalid("give cache_salt or tenant, not both")
-    if tenant:
-        if not _TENANT.fullmatch(tenant):
-            raise _invalid(f"tenant must match {_TENANT.pattern}, got {tenant!r}")
-        return f"tenant:{tenant}"
+    if tenant and not _TENANT.fullmatch(tenant):
+        raise _invalid(f"tenant must match {_TENANT.pattern}, got {shown(tenant)}")
     if salt and (len(salt) > MAX_CACHE_SALT_CHARS or not salt.isprintable()):
         raise _invalid(
             f"cache_salt must be 1-{MAX_CACHE_SALT_CHARS} printable characters, "
             f"got {len(salt)} characters"
         )
-    return salt or None
+    return cache_namespace(cache_salt=salt, tenant=tenant)
 
 
 # ---- responses ---------------------------------------------------------------------------

@@ -1,12 +1,12 @@
-"""The Ray actor that hosts one rank of a tensor-parallel group; cluster/ray_group.py places
+"""The Ray actor that hosts one rank of a tensor-parallel group; cluster/ray/group.py places
 the actors and drives them.
 
     RankActor rank 0: LLMEngine(executor=TPExecutor) inside an AsyncEngine
     RankActor rank r: TPWorker loop; steps arrive from rank 0 over torch.distributed (gloo)
 
-Rank 0 picks a free port on its node for the rendezvous (`free_port`); every rank joins the
+Rank 0 names a store file on its node for the rendezvous (`store_path`); every rank joins the
 group in `start`, bound to its cores if the group names them. Rank 0 takes requests one call
-each (`submit`) and puts every request's outputs, as deltas (cluster/output_delta.py), failures
+each (`submit`) and puts every request's outputs, as deltas (cluster/ray/output_delta.py), failures
 (`RequestFailed`) and, with KV events on, the engine's KV-event batches (`KVEvents`, ahead of the
 outputs of the step that made them) into one outbox, which `outputs` streams to the driver a
 batch per wake-up, with the engine's stats. While idle it sends an empty batch every `idle_s`.
@@ -21,12 +21,11 @@ import concurrent.futures
 import contextlib
 import os
 import queue
-import socket
 import sys
 from dataclasses import dataclass, replace
 
-from cluster.output_delta import OutputDelta
-from cluster.ray_runtime import ray
+from cluster.ray.output_delta import OutputDelta
+from cluster.ray.runtime import ray
 from worker.async_engine import GenerationRequest
 from worker.engine import EngineConfig
 
@@ -57,12 +56,12 @@ class RankActor:
         self._closing = False
         self._loop: asyncio.AbstractEventLoop | None = None  # the actor's event loop
 
-    def free_port(self) -> tuple[str, int]:
-        """An address on this node for the group's rendezvous (rank 0's TCP store)."""
-        host = ray.util.get_node_ip_address()
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind((host, 0))
-            return host, s.getsockname()[1]
+    def store_path(self) -> str:
+        """A fresh store file on this node for the group's rendezvous (worker/distributed.py:
+        the ranks share this node)."""
+        from worker.distributed import Rendezvous
+
+        return Rendezvous.new_store_path()
 
     async def start(
         self, config: EngineConfig, rank: int, rendezvous, heartbeat_s: float, kv_events: bool,
@@ -157,9 +156,9 @@ class RankActor:
                 yield batch, self.stats()
 
     async def abort(self, request_id: str) -> None:
-        task = self._streams.get(request_id)
-        if task is not None:
-            task.cancel()  # leaving the engine's stream aborts the request
+        """Stop the request; its final output ("abort") follows in the output stream."""
+        if request_id in self._streams:
+            self.engine.abort(request_id)
 
     def stats(self) -> dict:
         dead = self.engine.dead

@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from cluster.prefix_index import InventoryStats, Matches, PrefixIndex
+from cluster.index import IndexReader, InventoryStats, Matches
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py), so histograms compare bucket for bucket.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
@@ -60,9 +60,9 @@ class ServerMetrics:
         """Export per-group gauges and counters read from `statuses()` (GroupStatus list)."""
         self.registry.register(_GroupCollector(self.model_name, statuses))
 
-    def timed_index(self, index: PrefixIndex) -> PrefixIndex:
+    def timed_index(self, index: IndexReader) -> IndexReader:
         """`index` with the router's round trips (match, record_pending) timed."""
-        return TimedPrefixIndex(index, self.index_rtt.labels(self.model_name, "match"),
+        return TimedReader(index, self.index_rtt.labels(self.model_name, "match"),
                                 self.index_rtt.labels(self.model_name, "record_pending"))  # fmt: skip
 
     # ---- per request -------------------------------------------------------------------
@@ -155,13 +155,13 @@ class _GroupCollector(Collector):
         return list(fams.values())
 
 
-class TimedPrefixIndex(PrefixIndex):
-    """A prefix index whose `match` and `record_pending` calls are timed; the rest delegates."""
+class TimedReader(IndexReader):
+    """A router's index reader whose round trips (`match`, `record_pending_many`) are timed."""
 
-    def __init__(self, inner: PrefixIndex, match_hist, pending_hist) -> None:
+    def __init__(self, inner: IndexReader, match_hist, pending_hist) -> None:
         self.inner = inner
         self.in_process = inner.in_process
-        self.config = getattr(inner, "config", None)
+        self.config = inner.config
         self._match_hist = match_hist
         self._pending_hist = pending_hist
 
@@ -185,24 +185,6 @@ class TimedPrefixIndex(PrefixIndex):
             self.inner.record_pending_many(writes, ttl_s)
         finally:
             self._pending_hist.observe(time.perf_counter() - t0)
-
-    def register_group(self, group_id: str) -> int:
-        return self.inner.register_group(group_id)
-
-    def publish(self, group_id, epoch, events) -> None:
-        self.inner.publish(group_id, epoch, events)
-
-    def report_load(self, group_id, epoch, load) -> None:
-        self.inner.report_load(group_id, epoch, load)
-
-    def heartbeat(self, group_id, epoch) -> None:
-        self.inner.heartbeat(group_id, epoch)
-
-    def deregister(self, group_id, epoch) -> None:
-        self.inner.deregister(group_id, epoch)
-
-    def cleanup(self) -> int:
-        return self.inner.cleanup()
 
     def inventory_stats(self) -> InventoryStats:
         return self.inner.inventory_stats()

@@ -25,6 +25,9 @@ class RayGroupConfig:
     # threads are bound to its cores, so ranks do not steal each other's; like NUMA binding
     # of a GPU rank). None: the OS schedules them anywhere.
     cpu_binding: str | None = None
+    # The address whose interface carries the group's collectives and step streams. The ranks
+    # share a node (STRICT_PACK), so loopback serves; name another only where it must.
+    rendezvous_host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:

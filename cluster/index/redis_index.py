@@ -1,6 +1,6 @@
 """The prefix index in Redis, shared by every router and group of one cluster and model.
 
-The data layout and the Lua scripts are in cluster/redis_scripts.py; this module is the client
+The data layout and the Lua scripts are in cluster/index/redis_scripts.py; this module is the client
 side: every method is one EVALSHA (one round trip), arguments packed so that redis-py does
 little work (a chain is one argument, its 16-byte hashes concatenated), and the match reply
 parsed with the groups' rows kept between calls.
@@ -18,19 +18,20 @@ import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
-from cluster.chain_probes import probe_hashes
-from cluster.index_types import GroupMatch, Matches
-from cluster.prefix_index import (
-    BatchedPendingIndex,
+from cluster.index.base import PrefixIndex
+from cluster.index.probes import probe_hashes
+from cluster.index.redis_scripts import PRELUDE, SCRIPTS
+from cluster.index.types import (
     GroupLoad,
+    GroupMatch,
     IndexUnavailableError,
     InventoryStats,
+    Matches,
     PendingWrite,
     PrefixIndexConfig,
     StaleEpochError,
     check_name,
 )
-from cluster.redis_scripts import PRELUDE, SCRIPTS
 from worker.hashing import DIGEST_SIZE, HashChain
 from worker.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
@@ -56,7 +57,7 @@ def _unavailable_as_index_error() -> Iterator[None]:
         raise IndexUnavailableError(f"{type(e).__name__}: {e}") from e
 
 
-class RedisPrefixIndex(BatchedPendingIndex):
+class RedisPrefixIndex(PrefixIndex):
     """The prefix index over one Redis; every method is one round trip (scripts by EVALSHA).
 
     Thread-safe: each call takes a connection no other call is using.
@@ -77,7 +78,7 @@ class RedisPrefixIndex(BatchedPendingIndex):
         self._bodies = {name: PRELUDE + body for name, body in SCRIPTS.items()}
         self._shas = {name: hashlib.sha1(b.encode()).hexdigest() for name, b in self._bodies.items()}  # fmt: skip
         # Scripts run on connections of our own, straight through their parser: the client's
-        # command path (pool, retries, instrumentation) costs ~90 us of CPU a call on top. A
+        # command path (pool, retries, instrumentation) costs more CPU than the call. A
         # call takes an idle one (or makes one) and gives it back: as many as calls at once.
         self._idle: list[redis.Connection] = []
         self._idle_lock = threading.Lock()
@@ -156,7 +157,7 @@ class RedisPrefixIndex(BatchedPendingIndex):
     def record_pending_many(
         self, writes: Sequence[PendingWrite], ttl_s: float | None = None
     ) -> None:
-        """One script call for every placement; see PENDING in cluster/redis_scripts.py."""
+        """One script call for every placement; see PENDING in cluster/index/redis_scripts.py."""
         ttl = self.config.pending_ttl_s if ttl_s is None else ttl_s
         if not ttl > 0:
             raise ValueError(f"ttl_s must be > 0, got {ttl_s}")

@@ -1,6 +1,13 @@
-"""This router's recent placements (`PendingPlacements`): seen by its own next decisions at once
-and written to the shared prefix index in the background, so that requests sharing a prefix find
-the group that is computing it before that group reports its blocks.
+"""A router's ledger of its recent placements, the one place it remembers them, with the views
+a decision needs:
+
+- the pending overlay (`PendingPlacements`): placements seen by this router's own next decisions
+  at once and written to the shared prefix index in the background, so that requests sharing a
+  prefix find the group that is computing it before that group reports its blocks;
+- the prefill in flight: prompt tokens sent to each group that have not produced a first token
+  (a group's own load report lags by up to a step, and a burst must not all see it idle);
+- the placed share (`PlacedShare`): each group's part of the recent placements, for the
+  policy's load bound.
 """
 
 from __future__ import annotations
@@ -10,19 +17,71 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import repeat
 
-from cluster.chain_probes import prefix_length, probe_hashes, probe_positions
-from cluster.index_types import GroupMatch, Matches, touched_ids
-from cluster.prefix_index import (
+from cluster.group import GroupStatus
+from cluster.index import (
+    GroupMatch,
+    IndexReader,
+    Matches,
     PendingWrite,
-    PrefixIndex,
     PrefixIndexConfig,
     PrefixIndexError,
+    touched_ids,
 )
+from cluster.index.outage import Outage
+from cluster.index.probes import prefix_length, probe_hashes, probe_positions
+from router.placement.policy import PlacedShare, Placement
 
 log = logging.getLogger(__name__)
+
+
+class Ledger:
+    """This router's recent placements; see the module docstring."""
+
+    def __init__(self, index: IndexReader, block_size: int, window: int = 200) -> None:
+        self.index = index
+        self.block_size = block_size
+        self.pending = PendingPlacements(index)
+        self.placed = PlacedShare(window)
+        self.in_flight: dict[str, int] = {}  # group -> prompt tokens sent, no first token yet
+
+    def matches(self, block_hashes: Sequence[bytes]) -> Matches:
+        """The index's answer for the chain, with this router's own placements that the index
+        may not show yet; when the index is out of reach, these alone."""
+        matches, placed = {}, self.pending.unconfirmed()  # before the match is sent
+        try:
+            if block_hashes:
+                matches = self.index.match(block_hashes)
+        except PrefixIndexError as e:  # route on load and this router's placements alone
+            log.warning("prefix index unavailable (%s); placing by load", e)
+            placed = None  # nothing came back: every placement of ours counts
+        return self.pending.overlay(block_hashes, matches, placed)
+
+    def record(self, placement: Placement, block_hashes: Sequence[bytes], live_groups: int) -> None:
+        """Count a decision: pending on its group, and in the group's placed share with the
+        prompt tokens it sends there uncached."""
+        self.pending.record(placement.group_id, block_hashes)
+        new_tokens = (len(block_hashes) - placement.cached_blocks) * self.block_size
+        self.placed.add(placement.group_id, new_tokens, live_groups)
+
+    def add_in_flight(self, group_id: str, tokens: int) -> None:
+        """Prompt tokens sent to the group (negative: they produced their first token)."""
+        left = self.in_flight.get(group_id, 0) + tokens
+        if left > 0:
+            self.in_flight[group_id] = left
+        else:
+            self.in_flight.pop(group_id, None)
+
+    def with_in_flight(self, statuses: dict[str, GroupStatus]) -> dict[str, GroupStatus]:
+        """`statuses` (a copy of this router's to change) with each group's queued prefill at
+        least what this router sent it that is still in flight."""
+        for gid, tokens in self.in_flight.items():  # only groups with prefill in flight
+            s = statuses.get(gid)
+            if s is not None and tokens > s.pending_prefill_tokens:
+                statuses[gid] = replace(s, pending_prefill_tokens=tokens)
+        return statuses
 
 
 class PendingPlacements:
@@ -47,7 +106,7 @@ class PendingPlacements:
 
     def __init__(
         self,
-        index: PrefixIndex,
+        index: IndexReader,
         ttl_s: float | None = None,
         max_queued: int = 1024,
         idle_s: float = 1.0,
@@ -73,7 +132,7 @@ class PendingPlacements:
         self._inbox: list[tuple[str, Sequence[bytes], tuple[bytes, ...], float]] = []
         self._writing = False
         self._writer: threading.Thread | None = None
-        self._failing = False
+        self._outage = Outage(log, "shared index (pending placements)", clock=clock)
 
     def record(self, group_id: str, block_hashes: Sequence[bytes]) -> None:
         """Count the chain as pending on the group here now, and in the shared index soon."""
@@ -119,7 +178,7 @@ class PendingPlacements:
         if key in self._queue or len(self._queue) < self.max_queued:
             self._queue[key] = PendingWrite(group_id, block_hashes, fresh)
         else:
-            self._log_once("pending-placement queue is full; dropping a shared write")
+            self._outage.failed(RuntimeError("the queue is full"), "dropping a shared write")
 
     def unconfirmed(self) -> list[_Placed]:
         """Placements whose shared write has not returned: what a match sent now may miss."""
@@ -201,10 +260,10 @@ class PendingPlacements:
     def _write(self, writes: list[PendingWrite]) -> bool:
         try:
             self.index.record_pending_many(writes, self.ttl_s)
-            self._failing = False
+            self._outage.recovered()
             return True
         except Exception as e:  # noqa: BLE001  (a background write must never kill the writer)
-            self._log_once(f"pending placements not shared ({type(e).__name__}: {e})")
+            self._outage.failed(e, "pending placements not shared until a write succeeds")
             with self._lock:  # the index may lack what we wrote: the next placements write all
                 self._current, self._previous = {}, {}
             return False
@@ -218,11 +277,6 @@ class PendingPlacements:
                 break
             del table[key]
             self._unconfirmed.discard(key)
-
-    def _log_once(self, message: str) -> None:
-        if not self._failing:
-            self._failing = True
-            log.warning("%s; further failures are not logged until a write succeeds", message)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,140 @@
+"""The prefix index's vocabulary: a group's load report, a match's answer, a pending write,
+inventory sizes, the timing configuration, the errors, and the rule for names."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import NamedTuple
+
+
+@dataclass(frozen=True)
+class GroupLoad:
+    """A group's load at one engine step, as the router weighs it."""
+
+    waiting_prefill_tokens: int  # prompt tokens admitted or queued but not yet computed
+    running_seqs: int
+    waiting_seqs: int
+    free_blocks: int
+    total_blocks: int
+    timestamp: float = field(default_factory=time.time)  # wall clock (s) when measured
+
+    def __post_init__(self) -> None:
+        for name in ("waiting_prefill_tokens", "running_seqs", "waiting_seqs", "free_blocks"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not 0 <= self.free_blocks <= self.total_blocks:
+            raise ValueError(f"total_blocks must be >= free_blocks, got {self.total_blocks}")
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> GroupLoad:
+        return cls(**json.loads(text))
+
+
+class GroupMatch(NamedTuple):
+    """What one live group holds of a queried chain. A named tuple: a match builds one per
+    group it touches, at a quarter of a frozen dataclass's cost; `_replace` for a changed copy."""
+
+    group_id: str
+    epoch: int
+    blocks: int  # leading blocks of the chain cached on the group
+    pending_blocks: int  # leading blocks of the chain pending (recently placed) on the group
+    load: GroupLoad | None  # latest load report; None until the group reports one
+
+    @property
+    def expected_blocks(self) -> int:
+        """Leading blocks the group holds or is about to hold."""
+        return max(self.blocks, self.pending_blocks)
+
+
+class Matches(dict[str, GroupMatch]):
+    """A match's answer: every live group's `GroupMatch` by id, and `touched`, the ids of those
+    whose answer may hold or have pending a leading block (every other one answers 0 and 0).
+    A policy reads the touched answers only, not one per live group."""
+
+    __slots__ = ("touched",)
+
+    def __init__(self, answers: Mapping[str, GroupMatch] | None = None, touched: Iterable[str] = ()) -> None:  # fmt: skip
+        super().__init__(answers or ())
+        self.touched: list[str] = list(touched)
+
+
+def touched_ids(matches: Mapping[str, GroupMatch]) -> Sequence[str]:
+    """The ids whose answer may have a hit: `touched` of a `Matches`, else every id."""
+    return matches.touched if isinstance(matches, Matches) else list(matches)
+
+
+# Names become parts of Redis keys: no separators, spaces or hash-tag braces.
+_NAME = re.compile(r"[A-Za-z0-9_.\-/@+=]{1,128}")
+
+
+def check_name(field_name: str, value: str) -> str:
+    """`value` if it is a usable cluster, model or group name, else ValueError naming the field."""
+    if not isinstance(value, str) or not _NAME.fullmatch(value):
+        raise ValueError(f"{field_name} must match {_NAME.pattern}, got {value!r}")
+    return value
+
+
+class PrefixIndexError(Exception):
+    """Base of the errors a prefix index raises for reasons outside the caller's arguments."""
+
+
+class StaleEpochError(PrefixIndexError):
+    """The (group, epoch) is not the group's live registration: superseded, expired or gone."""
+
+
+class IndexUnavailableError(PrefixIndexError):
+    """The shared index cannot be reached (Redis down, timed out, refusing writes)."""
+
+
+@dataclass(frozen=True)
+class PrefixIndexConfig:
+    """Liveness and pending-placement timing shared by both backends."""
+
+    # A group is dead once this long passes without a heartbeat, publish or load report;
+    # three heartbeat intervals tolerate two lost beats.
+    heartbeat_ttl_s: float = 3.0
+    # A placement shows as pending this long unless record_pending is given its own TTL; long
+    # enough for the group to prefill and publish the blocks, short enough to forget failures.
+    pending_ttl_s: float = 2.0
+    # Keys sampled with MEMORY USAGE by inventory_stats (Redis backend).
+    stats_sample_keys: int = 64
+
+    def __post_init__(self) -> None:
+        if not self.heartbeat_ttl_s > 0:
+            raise ValueError(f"heartbeat_ttl_s must be > 0, got {self.heartbeat_ttl_s}")
+        if not self.pending_ttl_s > 0:
+            raise ValueError(f"pending_ttl_s must be > 0, got {self.pending_ttl_s}")
+        if self.stats_sample_keys < 1:
+            raise ValueError(f"stats_sample_keys must be >= 1, got {self.stats_sample_keys}")
+
+
+@dataclass(frozen=True)
+class PendingWrite:
+    """One placement for `PrefixIndex.record_pending_many`."""
+
+    group_id: str
+    block_hashes: Sequence[bytes]  # the placed chain
+    # Leading probes (`probe_positions`) the writer recorded on this group less than half a
+    # pending TTL ago: a backend may keep their deadline and write only the rest.
+    fresh_probes: int = 0
+
+
+@dataclass(frozen=True)
+class InventoryStats:
+    """Size of the index over its live groups."""
+
+    entries: int  # (group, block) pairs
+    blocks: int  # distinct block hashes held by at least one group
+    groups: int  # live groups
+    bytes_per_block: float | None = None  # Redis memory per entry; None in memory
+    bytes_total: int | None = None  # Redis memory of all entries (MEMORY USAGE estimate)
+    # Redis memory of the change log that routers' mirrors follow (cluster/index/mirror.py):
+    # recent writes, about LOG_MAX_ENTRIES of them, not part of bytes_total.
+    log_bytes: int | None = None

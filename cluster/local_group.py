@@ -1,0 +1,68 @@
+"""A worker group whose TP=1 engine runs on a thread of this process: the embedded default of
+`pagefleet serve`, and the tests' group."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import AsyncIterator, Sequence
+
+from cluster.group import GroupHandle, GroupStatus, status_from_stats
+from cluster.index import GroupPublisher, IndexWriter
+from worker.async_engine import AsyncEngine, GenerationRequest
+from worker.engine import EngineConfig, LLMEngine
+from worker.outputs import RequestOutput
+
+_group_ids = itertools.count()
+
+
+class LocalGroup(GroupHandle):
+    """A TP=1 group whose engine runs on a thread of this process."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        index: IndexWriter | Sequence[IndexWriter] | None = None,
+        group_id: str | None = None,
+    ) -> None:
+        """`index`: where the group publishes its KV events and load (one index or several;
+        None: nowhere)."""
+        self.group_id = group_id or f"group-{next(_group_ids)}"
+        self.config = config
+        engine = LLMEngine(config)
+        self.publisher = None
+        self._events: list = []  # this step's KV events, published after the step
+        if index is not None:
+            self.publisher = GroupPublisher(index, self.group_id, engine.scheduler.bm.cached_hashes)
+            engine.on_kv_events = self._events.extend
+        self.engine = AsyncEngine(engine, on_step=self._tick)
+
+    @property
+    def hasher(self):
+        return self.engine.engine.hasher
+
+    @property
+    def tokenizer(self):
+        return self.engine.engine.tokenizer
+
+    def _tick(self, engine: LLMEngine) -> None:
+        if self.publisher is not None:
+            events, self._events[:] = list(self._events), []
+            self.publisher.publish_step(events, self.status().load())
+
+    def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
+        return self.engine.generate(request)
+
+    def abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+
+    def status(self) -> GroupStatus:
+        dead = self.engine.dead
+        return status_from_stats(
+            self.group_id, self.engine.stats(), alive=dead is None, tp=1, devices=(self.config.device,),
+            error=None if dead is None else f"{type(dead).__name__}: {dead}",
+        )  # fmt: skip
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+        if self.publisher is not None:
+            self.publisher.close()

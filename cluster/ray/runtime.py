@@ -1,0 +1,163 @@
+"""Starting or joining the Ray runtime, and asking it what is still alive.
+
+Import Ray through this module: it sets RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER before Ray loads,
+so that a local runtime stays on loopback. `ensure_ray()` with no address always starts a new
+local runtime (127.0.0.1, no dashboard, a small object store on CPU); it never joins some
+other runtime that happens to run on the machine. With an address it joins that cluster.
+
+A local runtime must be started on the main thread. Ray starts its head processes (gcs_server,
+raylet, monitors) with PR_SET_PDEATHSIG=SIGKILL, and Linux sends that signal when the *thread*
+that forked them exits, not the process: a runtime started on a short-lived thread dies a few
+seconds after that thread ends, while the driver goes on as if nothing happened until it next
+needs the object store or the GCS. `ensure_ray` refuses to start one anywhere else.
+
+Joining a cluster that uses token authentication (what `ray start --head` does wherever a token
+exists): when the cluster refuses this process for want of a token, token mode is turned on and
+the join tried again, with the token read as Ray documents it, from RAY_AUTH_TOKEN,
+RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token; without one, the error says what to provide.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
+import ray  # noqa: E402  (after the environment above)
+
+LOCAL_OBJECT_STORE_BYTES = 200 << 20  # outputs are small; a CPU host needs its memory
+LOOPBACK = "127.0.0.1"
+AUTH_MODE_ENV = "RAY_AUTH_MODE"
+
+
+class RayStartError(RuntimeError):
+    """The Ray runtime could not be started or joined; the message says what to change."""
+
+
+def ensure_ray(
+    address: str | None = None,
+    num_cpus: int | None = None,
+    resources: dict[str, float] | None = None,
+) -> str:
+    """Join the Ray cluster at `address`, or (None) start a local runtime on loopback with
+    `num_cpus` CPUs declared. Returns the cluster's GCS address. A no-op when connected."""
+    if not ray.is_initialized():
+        if address is not None:
+            _join(address)
+        else:
+            _start_local(num_cpus, resources)
+    return ray.get_runtime_context().gcs_address
+
+
+def _start_local(num_cpus: int | None, resources: dict[str, float] | None) -> None:
+    if threading.current_thread() is not threading.main_thread():
+        raise RayStartError(
+            "a local Ray runtime must be started on the main thread (Ray's head processes are "
+            "killed when the thread that started them exits); call ensure_ray() from the main "
+            "thread before starting work on other threads"
+        )
+    ray.init(
+        address="local",
+        num_cpus=num_cpus,
+        resources=resources,
+        include_dashboard=False,
+        object_store_memory=LOCAL_OBJECT_STORE_BYTES,
+        _node_ip_address=LOOPBACK,
+        log_to_driver=False,
+    )
+
+
+def _join(address: str) -> None:
+    """Join as Ray would by default, but in token mode when the cluster's GCS asks for a token
+    (Ray turns token mode on by itself only for a local cluster found automatically, never for
+    an explicit address, and a cluster without tokens must not be joined in token mode)."""
+    token = os.environ.get(AUTH_MODE_ENV, "").lower() == "token"
+    if AUTH_MODE_ENV not in os.environ and _gcs_wants_token(address):
+        token = _enable_token_if_available()
+        if not token:
+            raise RayStartError(
+                f"the Ray cluster at {address} uses token authentication and this process "
+                "has no token: set RAY_AUTH_TOKEN to the cluster's token, RAY_AUTH_TOKEN_PATH "
+                "to a file holding it, or copy it to ~/.ray/auth_token (`ray get-auth-token` "
+                "on the head prints it)"
+            )
+    try:
+        ray.init(address=address, log_to_driver=False)
+    except Exception as e:
+        if not _caused_by_authentication(e):
+            raise
+        ray.shutdown()
+        mode = "its token was refused" if token else f"{AUTH_MODE_ENV} is not 'token'"
+        raise RayStartError(
+            f"the Ray cluster at {address} refused this process ({mode}); give the cluster's "
+            "own token (`ray get-auth-token` on its head prints it) in RAY_AUTH_TOKEN or "
+            f"RAY_AUTH_TOKEN_PATH and leave {AUTH_MODE_ENV} unset or 'token'"
+        ) from None
+
+
+def _gcs_wants_token(address: str) -> bool:
+    """Whether the GCS at host:port refuses a client without a token (one quick connection;
+    other addresses, such as "auto" or ray://, are left to Ray)."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or "://" in address:
+        return False
+    try:
+        from ray._raylet import GcsClient
+
+        GcsClient(address=address)
+    except Exception as e:
+        return _caused_by_authentication(e)
+    return False
+
+
+def _caused_by_authentication(e: BaseException | None) -> bool:
+    """Whether `e`, or an error it was raised from, is Ray's AuthenticationError (ray.init
+    wraps it in a ConnectionError)."""
+    while e is not None:
+        if isinstance(e, ray.exceptions.AuthenticationError) or "InvalidAuthToken" in str(e):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def _enable_token_if_available() -> bool:
+    """Turn on Ray's token mode for this process (and the processes it starts) when a token
+    can be found (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH, ~/.ray/auth_token); returns whether it
+    did."""
+    try:
+        from ray._private.authentication.authentication_token_setup import (
+            maybe_enable_token_auth_if_token_available,
+        )
+    except ImportError:  # a Ray without token authentication
+        return False
+    return maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+
+
+def shutdown_ray() -> None:
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+def live_actors() -> list[dict]:
+    """Actors of this cluster that are not dead, from the GCS (works without the dashboard,
+    which the state API needs)."""
+    from ray._private import state  # the GCS tables behind ray.util.state
+
+    return [a for a in state.actors().values() if a.get("State") != "DEAD"]
+
+
+def live_placement_groups() -> list[dict]:
+    """Placement groups that were not removed."""
+    table = ray.util.placement_group_table()
+    return [pg for pg in table.values() if pg.get("state") != "REMOVED"]
+
+
+__all__ = [
+    "RayStartError",
+    "ensure_ray",
+    "live_actors",
+    "live_placement_groups",
+    "ray",
+    "shutdown_ray",
+]

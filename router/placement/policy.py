@@ -1,0 +1,90 @@
+"""Where a request goes: a `Placement`, and the `Policy` interface that chooses it from the live
+groups' statuses, the prefix index's matches and this router's recent placements
+(`PlacedShare`, kept by the router's ledger, router/placement/ledger.py)."""
+
+from __future__ import annotations
+
+import hashlib
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from cluster.group import GroupStatus
+from cluster.index import GroupMatch
+
+
+@dataclass(frozen=True)
+class Placement:
+    group_id: str
+    reason: str  # why: "prefix_hit", "spill", "new_prefix", "least_loaded", "round_robin", ...
+    cached_blocks: int = 0  # leading blocks the index says the group holds (or has pending)
+
+
+class PlacedShare:
+    """Each group's part of a router's last ~`window` x (live groups) placements, exponentially
+    decayed: the requests placed there and the prompt tokens they sent there uncached.
+
+    Stored values are the decayed ones divided by the product of the decays so far, so a
+    placement updates one entry instead of decaying every group's."""
+
+    def __init__(self, window: int = 200) -> None:
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+        self.window = window  # placements per live group
+        self._scale = 1.0  # the product of the decays since the last renormalization
+        self._requests: dict[str, float] = {}
+        self._tokens: dict[str, float] = {}
+
+    def add(self, group_id: str, new_tokens: int, live_groups: int = 1) -> None:
+        """Count one placement on `group_id` that sends it `new_tokens` uncached tokens."""
+        self._scale *= 1.0 - 1.0 / (self.window * max(1, live_groups))
+        if self._scale < 1e-100:  # renormalize before the stored values overflow
+            for counts in (self._requests, self._tokens):
+                for g in counts:
+                    counts[g] *= self._scale
+            self._scale = 1.0
+        self._requests[group_id] = self._requests.get(group_id, 0.0) + 1.0 / self._scale
+        self._tokens[group_id] = self._tokens.get(group_id, 0.0) + new_tokens / self._scale
+
+    def raw(self) -> tuple[dict[str, float], dict[str, float], float]:
+        """(requests, tokens, scale): each group's stored placements and uncached tokens; a
+        decayed count is the stored value times `scale`. Read-only views for one decision."""
+        return self._requests, self._tokens, self._scale
+
+
+class Policy(ABC):
+    """Chooses a group among the live ones."""
+
+    name: str
+
+    def __init__(self, block_size: int = 16) -> None:
+        self.block_size = block_size  # tokens per KV block: the model's
+
+    @abstractmethod
+    def choose(
+        self,
+        block_hashes: Sequence[bytes],
+        statuses: Mapping[str, GroupStatus],
+        matches: Mapping[str, GroupMatch],
+        placed: PlacedShare,
+    ) -> Placement:
+        """`statuses`: live groups (non-empty); `matches`: the index's answer per group;
+        `placed`: this router's recent placements (the ledger counts this one after)."""
+
+    def placed_window(self) -> int:
+        """How many recent placements per live group the ledger's share should remember."""
+        return 200
+
+
+def rendezvous(key: bytes, group_id: str) -> bytes:
+    """Highest-random-weight score of `group_id` for `key` (larger wins); the same everywhere."""
+    return hashlib.blake2b(key + group_id.encode(), digest_size=8).digest()
+
+
+def first_block(block_hashes: Sequence[bytes]) -> bytes:
+    return block_hashes[0] if block_hashes else b""
+
+
+def cached_blocks(matches: Mapping[str, GroupMatch], gid: str) -> int:
+    m = matches.get(gid)
+    return 0 if m is None else m.expected_blocks
