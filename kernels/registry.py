@@ -11,13 +11,17 @@ from kernels.torch_sdpa import paged_attention_sdpa
 
 
 class AttentionBackend(ABC):
-    """Paged attention and KV writes for one device. Shapes: see kernels/torch_ref.py."""
+    """Paged attention and KV writes for one device. Shapes: see kernels/torch_ref.py;
+    k_scale / v_scale go with 8-bit caches only (kernels/kv_quant.py)."""
 
     name: str
 
     @abstractmethod
-    def write_kv(self, key, value, key_cache, value_cache, slot_mapping) -> None:
-        """Write this step's K/V into the pool at `slot_mapping`."""
+    def write_kv(
+        self, key, value, key_cache, value_cache, slot_mapping, k_scale=None, v_scale=None
+    ) -> None:
+        """Write this step's K/V into the pool at `slot_mapping` (quantized into an 8-bit
+        cache, whose per-token scales it writes beside the codes)."""
 
     @abstractmethod
     def attention(
@@ -30,8 +34,11 @@ class AttentionBackend(ABC):
         seq_lens,
         scale,
         out=None,
+        k_scale=None,
+        v_scale=None,
     ) -> torch.Tensor:
-        """Causal paged attention over a flat variable-length batch."""
+        """Causal paged attention over a flat variable-length batch (an 8-bit cache is
+        read as code x scale)."""
 
 
 class TorchBackend(AttentionBackend):
@@ -39,8 +46,10 @@ class TorchBackend(AttentionBackend):
 
     name = "torch"
 
-    def write_kv(self, key, value, key_cache, value_cache, slot_mapping) -> None:
-        write_kv_torch(key, value, key_cache, value_cache, slot_mapping)
+    def write_kv(
+        self, key, value, key_cache, value_cache, slot_mapping, k_scale=None, v_scale=None
+    ) -> None:
+        write_kv_torch(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
 
     def attention(
         self,
@@ -52,10 +61,13 @@ class TorchBackend(AttentionBackend):
         seq_lens,
         scale,
         out=None,
+        k_scale=None,
+        v_scale=None,
     ) -> torch.Tensor:
         return paged_attention_sdpa(
-            query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale, out
-        )
+            query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale, out,
+            k_scale, v_scale,
+        )  # fmt: skip
 
 
 _BACKENDS: dict[str, type[AttentionBackend]] = {"torch": TorchBackend}

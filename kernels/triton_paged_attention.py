@@ -25,6 +25,9 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from kernels.kv_quant import check_scales, is_quantized
+from kernels.triton_write_kv import scale_strides, scales_mode
+
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _INT_DTYPES = (torch.int32, torch.int64)
 _MAX_SPLITS = 32
@@ -47,9 +50,16 @@ def _find_seq(query_start_loc, tile, num_seqs, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
+def _token_scales(scale, block, pos, pos_ok, kv_head, stride_b, stride_s, PAGE: tl.constexpr):
+    """(BLOCK_N,) float32 per-token scales of this KV head at positions `pos`."""
+    ptrs = scale + block * stride_b + (pos % PAGE) * stride_s + kv_head
+    return tl.load(ptrs, mask=pos_ok, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _paged_attention_kernel(
     query, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
-    out, partial_out, partial_lse,
+    out, partial_out, partial_lse, k_scale, v_scale,
     scale_log2, num_seqs, num_splits,
     stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
@@ -58,10 +68,11 @@ def _paged_attention_kernel(
     stride_ot, stride_oh,
     stride_ps, stride_pt, stride_ph,
     stride_ls, stride_lt,
+    stride_ksb, stride_kss, stride_vsb, stride_vss,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, PAGE: tl.constexpr,
-    SPLIT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, SCALES: tl.constexpr,
 ):  # fmt: skip
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -99,6 +110,12 @@ def _paged_attention_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
     if UPCAST:
         q = q.to(tl.float32)
+    # 8-bit caches: codes become the query's dtype exactly (int8 and e4m3 fit in 16-bit
+    # floats); their scales multiply the scores (K) and the probabilities (V) in float32.
+    # A per-tensor scale is folded into the score scale and, for V, into the output.
+    qk_scale = scale_log2
+    if SCALES == 2:
+        qk_scale = scale_log2 * tl.load(k_scale).to(tl.float32)
     for start in range(lo, hi, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
         pos_ok = pos < hi
@@ -107,9 +124,14 @@ def _paged_attention_kernel(
         k_off = block * stride_kb + (pos % PAGE) * stride_ks + kv_head * stride_kh
         kv_mask = pos_ok[None, :] & dim_ok[:, None]
         k = tl.load(key_cache + k_off[None, :] + dims[:, None], mask=kv_mask, other=0.0)
+        if SCALES != 0:
+            k = k.to(q.dtype)
         if UPCAST:
             k = k.to(tl.float32)
-        s = tl.dot(q, k, input_precision=PRECISION) * scale_log2  # (BLOCK_M, BLOCK_N)
+        s = tl.dot(q, k, input_precision=PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N)
+        if SCALES == 1:
+            ks = _token_scales(k_scale, block, pos, pos_ok, kv_head, stride_ksb, stride_kss, PAGE)
+            s = s * ks[None, :]
         visible = (pos[None, :] <= q_pos[:, None]) & pos_ok[None, :]
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -119,6 +141,11 @@ def _paged_attention_kernel(
         v_off = block * stride_vb + (pos % PAGE) * stride_vs + kv_head * stride_vh
         v_mask = pos_ok[:, None] & dim_ok[None, :]
         v = tl.load(value_cache + v_off[:, None] + dims[None, :], mask=v_mask, other=0.0)
+        if SCALES != 0:
+            v = v.to(q.dtype)
+        if SCALES == 1:
+            vs = _token_scales(v_scale, block, pos, pos_ok, kv_head, stride_vsb, stride_vss, PAGE)
+            p = p * vs[None, :]
         p = p.to(v.dtype)
         if UPCAST:
             p = p.to(tl.float32)
@@ -128,6 +155,8 @@ def _paged_attention_kernel(
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     o = acc / l_safe[:, None]
+    if SCALES == 2:
+        o = o * tl.load(v_scale).to(tl.float32)
     store_mask = row_ok[:, None] & dim_ok[None, :]
     tok = q_start + q_tok
     if SPLIT:
@@ -192,10 +221,12 @@ def choose_num_splits(
 
 
 def _check_float(name: str, t: torch.Tensor, like: torch.Tensor) -> None:
-    if t.dtype not in _DTYPES:
-        raise ValueError(f"{name} dtype {t.dtype} is not one of {_DTYPES}")
-    if t.dtype != like.dtype:
-        raise ValueError(f"{name} dtype {t.dtype} != query dtype {like.dtype}")
+    """A float tensor in `like`'s dtype, or (caches) an 8-bit one."""
+    if not (name.endswith("_cache") and is_quantized(t.dtype)):
+        if t.dtype not in _DTYPES:
+            raise ValueError(f"{name} dtype {t.dtype} is not one of {_DTYPES} (or int8/float8)")
+        if t.dtype != like.dtype:
+            raise ValueError(f"{name} dtype {t.dtype} != query dtype {like.dtype}")
     if t.stride(-1) != 1:
         raise ValueError(f"{name} must be contiguous in head_dim (stride {t.stride(-1)})")
     if t.device != like.device:
@@ -217,7 +248,9 @@ def _check_index(name: str, t: torch.Tensor, shape: tuple, like: torch.Tensor) -
         raise ValueError(f"{name} is on {t.device} but query is on {like.device}")
 
 
-def _check_inputs(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, out):
+def _check_inputs(
+    query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, out, k_scale, v_scale
+):
     """Raise ValueError naming the first argument that breaks the contract."""
     if query.dim() != 3:
         raise ValueError(f"query must be (num_tokens, num_heads, head_dim), got {query.shape}")
@@ -236,6 +269,9 @@ def _check_inputs(query, key_cache, value_cache, block_tables, query_start_loc, 
         raise ValueError(f"query head_dim {query.shape[2]} > 256 is not supported")
     for name, t in (("query", query), ("key_cache", key_cache), ("value_cache", value_cache)):
         _check_float(name, t, query)
+    if value_cache.dtype != key_cache.dtype:
+        raise ValueError(f"value_cache dtype {value_cache.dtype} != key_cache {key_cache.dtype}")
+    check_scales(key_cache, k_scale, v_scale)
     if out is not None:
         if out.shape != query.shape:
             raise ValueError(f"out shape {tuple(out.shape)} != query shape {tuple(query.shape)}")
@@ -271,23 +307,31 @@ def paged_attention_triton(
     seq_lens: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
     num_splits: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of a flat batch of query tokens over their sequences' paged K/V.
 
     Same contract as `kernels.torch_ref.paged_attention_torch`:
         query:           (num_tokens, num_heads, head_dim) float16/bfloat16/float32
-        key_cache:       (num_blocks, block_size, num_kv_heads, head_dim), query's dtype
-        value_cache:     (num_blocks, block_size, num_kv_heads, head_dim)
+        key_cache:       (num_blocks, block_size, num_kv_heads, head_dim), query's dtype,
+                         or int8 / float8_e4m3fn codes (kernels/kv_quant.py)
+        value_cache:     (num_blocks, block_size, num_kv_heads, head_dim), key_cache's dtype
         block_tables:    (num_seqs, max_blocks_per_seq) int32
         query_start_loc: (num_seqs + 1,) int32, cumulative query lengths
         seq_lens:        (num_seqs,) int32, context length including this step's tokens
         out:             (num_tokens, num_heads, head_dim) or None
+        k_scale/v_scale: 8-bit caches only: (num_blocks, block_size, num_kv_heads) per
+                         token and head, or (1,) per tensor; dequantized in the inner loop
         num_splits:      context ranges per (sequence, KV head); None lets
                          `choose_num_splits` decide, 1 forces the direct path.
     Returns out. Head dims that are not a power of two are padded and masked.
     """
-    _check_inputs(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, out)
+    _check_inputs(
+        query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, out,
+        k_scale, v_scale,
+    )  # fmt: skip
     num_tokens, num_heads, head_dim = query.shape
     _, page, num_kv_heads, _ = key_cache.shape
     num_seqs = seq_lens.shape[0]
@@ -312,6 +356,7 @@ def paged_attention_triton(
     _paged_attention_kernel[grid](
         query, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
         out, partial, lse,
+        key_cache if k_scale is None else k_scale, value_cache if v_scale is None else v_scale,
         scale * _LOG2E, num_seqs, num_splits,
         query.stride(0), query.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
@@ -319,13 +364,14 @@ def paged_attention_triton(
         block_tables.stride(0),
         out.stride(0), out.stride(1),
         partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
+        *scale_strides(k_scale), *scale_strides(v_scale),
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_M=block_m,
         BLOCK_N=_block_n(head_pad, query.dtype), HEAD_DIM=head_dim, HEAD_PAD=head_pad, PAGE=page,
         SPLIT=split,
         # The interpreter multiplies bfloat16 bit patterns as integers in tl.dot; exact
         # float32 operands there. Compiled kernels use the bf16 tensor cores.
         UPCAST=query.dtype == torch.bfloat16 and query.device.type != "cuda",
-        PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        PRECISION="ieee" if query.dtype == torch.float32 else "tf32", SCALES=scales_mode(k_scale),
         num_warps=4, num_stages=2,
     )  # fmt: skip
     if split:

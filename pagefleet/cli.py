@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 
 from cluster.planner import KVShape, Plan, format_bytes, parse_size, plan
+from worker.config import KV_CACHE_DTYPES
 
 
 @dataclass(frozen=True)
@@ -38,9 +39,11 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     shape.add_argument("--kv-heads", type=_positive_int, help="KV heads (GQA groups)")
     shape.add_argument("--head-dim", type=_positive_int, help="dimension of one head")
     shape.add_argument(
+        "--kv-cache-dtype",
         "--dtype",
-        help="KV cache element type: float32, bfloat16, float16, fp8, int8 "
-        "(default: the model's dtype with --model, else bfloat16)",
+        dest="dtype",
+        help="KV cache element type: float32, bfloat16, float16, fp8 (fp8_e4m3), int8, or auto "
+        "(the default: the model's dtype with --model, else bfloat16)",
     )
     shape.add_argument("--block-size", type=_positive_int, default=16, help="tokens per block")
     load = parser.add_argument_group("workload and device")
@@ -78,17 +81,16 @@ def run_plan(args: argparse.Namespace) -> int:
 
 def _plan_shape(args: argparse.Namespace) -> KVShape:
     flags = {"--layers": args.layers, "--kv-heads": args.kv_heads, "--head-dim": args.head_dim}
+    dtype = None if args.dtype == "auto" else args.dtype
     if args.model is not None:
         given = [name for name, value in flags.items() if value is not None]
         if given:
             raise ValueError(f"give either --model or {', '.join(given)}, not both")
-        return KVShape.from_hf_config(args.model, args.dtype, args.block_size)
+        return KVShape.from_hf_config(args.model, dtype, args.block_size)
     missing = [name for name, value in flags.items() if value is None]
     if missing:
         raise ValueError(f"missing {', '.join(missing)} (or give --model DIR)")
-    return KVShape(
-        args.layers, args.kv_heads, args.head_dim, args.dtype or "bfloat16", args.block_size
-    )
+    return KVShape(args.layers, args.kv_heads, args.head_dim, dtype or "bfloat16", args.block_size)
 
 
 def render_plan(p: Plan) -> str:
@@ -167,6 +169,27 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     engine = parser.add_argument_group("engine of each group")
     for name in _ENGINE_FLAGS:
         engine.add_argument(f"--{name.replace('_', '-')}", type=_positive_int)
+    engine.add_argument(
+        "--kv-cache-dtype", choices=KV_CACHE_DTYPES,
+        help="KV cache: auto (the model's dtype), a float type, or 8 bits with scales: int8, "
+        "fp8 (fp8_e4m3); about twice the sequences per device",
+    )  # fmt: skip
+
+
+def serve_config(args: argparse.Namespace):
+    """The `ServeConfig` of `pagefleet serve`'s flags over its --config file."""
+    from router.serve import load_config
+
+    keys = ("model", "tp", "groups", "redis", "address", "ray", "host", "port", "metrics_host",
+            "metrics_port", "device", "policy", "grace_s")  # fmt: skip
+    overrides = {k: getattr(args, k) for k in keys}
+    config = load_config(args.config, overrides)
+    engine_keys = (*_ENGINE_FLAGS, "kv_cache_dtype")
+    engine = {k: getattr(args, k) for k in engine_keys if getattr(args, k) is not None}
+    config = replace(config, engine={**config.engine, **engine})
+    if args.no_metrics:
+        config = replace(config, metrics_port=None)
+    return config
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -174,16 +197,9 @@ def run_serve(args: argparse.Namespace) -> int:
     import asyncio
     import logging
 
-    from router.serve import ServeError, load_config, serve
+    from router.serve import ServeError, serve
 
-    keys = ("model", "tp", "groups", "redis", "address", "ray", "host", "port", "metrics_host",
-            "metrics_port", "device", "policy", "grace_s")  # fmt: skip
-    overrides = {k: getattr(args, k) for k in keys}
-    config = load_config(args.config, overrides)
-    engine = {k: getattr(args, k) for k in _ENGINE_FLAGS if getattr(args, k) is not None}
-    config = replace(config, engine={**config.engine, **engine})
-    if args.no_metrics:
-        config = replace(config, metrics_port=None)
+    config = serve_config(args)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         return asyncio.run(serve(config, _engine_config))

@@ -40,8 +40,6 @@ def redis_server():
 
 @pytest.fixture(scope="session")
 def ray_runtime():
-    from ray.cluster_utils import Cluster
-
     from cluster.ray.runtime import (
         LOOPBACK,
         ensure_ray,
@@ -57,6 +55,10 @@ def ray_runtime():
             object_store_memory=OBJECT_STORE_BYTES,
             node_ip_address=LOOPBACK,
         )
+
+    # Only after cluster.ray.runtime, which keeps Ray on loopback if it loads Ray first (a test
+    # file run alone may import nothing else that does).
+    from ray.cluster_utils import Cluster
 
     cluster = Cluster(
         initialize_head=True, head_node_args={**node_args(*HEAD_NODE), "include_dashboard": False}

@@ -51,8 +51,15 @@ def test_engine_benchmark_quick_agrees_with_transformers():
 
 
 def test_kernels_benchmark_smoke():
-    lines = run("benchmarks/kernels.py", "--smoke")
+    lines = run("benchmarks/kernels.py", "--smoke", "--kv-cache-dtype", "auto,int8,fp8_e4m3")
     assert lines and all(line["max_abs_err_vs_sdpa"] < 1e-3 for line in lines)
+    decode = {c["kv_cache_dtype"]: c for c in lines if c["case"] == "decode"}
+    assert set(decode) == {"float32", "int8", "fp8_e4m3"}  # without CUDA: float32 queries
+    assert decode["fp8_e4m3"]["kv_bytes"] * 4 == decode["float32"]["kv_bytes"]
+    assert (
+        decode["int8"]["kv_bytes"] * 4 > decode["float32"]["kv_bytes"]
+        and "speedup_vs_16bit" in decode["int8"]
+    )
 
 
 def test_routing_benchmark_smoke(tmp_path):
@@ -109,3 +116,31 @@ def test_the_balanced_oracle_splits_a_hot_document_and_keeps_the_bound():
     assert max(per_group.values()) <= 1.15 * len(trace) / len(groups)
     with pytest.raises(ValueError, match="cap"):
         BalancedOracle.plan(trace, groups, cap=0.9)
+
+
+def test_engine_benchmark_kv_cache_dtypes_quick():
+    """8-bit caches beside the 16-bit one at the same bytes: about twice the sequences."""
+    lines = run("benchmarks/engine.py", "--quick", "--kv-cache-dtype", "int8,fp8_e4m3")
+    by = {(c["case"], c["kv_cache_dtype"]): c for c in lines}
+    assert set(by) == {(case, d) for case in ("throughput", "capacity") for d in ("bfloat16", "int8", "fp8_e4m3")}  # fmt: skip
+    for d in ("int8", "fp8_e4m3"):
+        run_, cap = by[("throughput", d)], by[("capacity", d)]
+        assert run_["budget_bytes"] == by[("throughput", "bfloat16")]["budget_bytes"]
+        assert (
+            by[("throughput", "bfloat16")]["kv_bytes_per_token"] >= 1.9 * run_["kv_bytes_per_token"]
+        )
+        assert run_["gen_tok_s"] > 0 and run_["accuracy"]["greedy_prompts"] == 12
+        assert cap["admitted_at_once"] == cap["planned_sequences"] >= 1.9 * by[("capacity", "bfloat16")]["admitted_at_once"]  # fmt: skip
+
+
+def test_kv_accuracy_benchmark_smoke():
+    from worker.builtin_model import builtin_model_path
+
+    model = str(builtin_model_path())
+    lines = run("benchmarks/kv_accuracy.py", "--model", model, "--tokens", "64", "--kv-cache-dtype", "int8")  # fmt: skip
+    engine = {c["kv_cache_dtype"]: c for c in lines if c["case"] == "engine"}
+    study = {c["granularity"]: c for c in lines if c["case"] == "granularity"}
+    assert set(engine) == {"int8"} and len(study) == 6  # no fp8 engine: none of its scales
+    # the engine's int8 cache is transformers' with per-token-and-head scales, to rounding
+    assert engine["int8"]["ppl"] == pytest.approx(study["int8_per_token_head"]["ppl"], rel=1e-3)
+    assert all(c["positions"] == 63 and c["kl_mean"] >= 0 for c in lines)

@@ -141,3 +141,18 @@ def test_main_returns_exit_codes(capsys):
     assert json.loads(capsys.readouterr().out)["requests"][0]["blocks"] == 3
     assert main(["plan", *SEED_SHAPE, "--lengths", "37", "--tp", "3"]) == 2
     assert main(["no-such-command"]) == 2
+
+
+def test_plan_8bit_caches_fit_twice_the_8k_sequences():
+    """SmolLM2-135M's KV shape on a 24 GiB device: int8 (its per-token scales included) and
+    fp8 fit at least 1.9 times the bfloat16 cache's 8k-token sequences."""
+    shape = ["--layers", "30", "--kv-heads", "3", "--head-dim", "64", "--max-len", "8192"]
+    device = ["--device-memory", "24GiB", "--reserved", "1GiB"]
+    fits = {
+        d: plan_json(*shape, *device, "--kv-cache-dtype", d)["max_sequences"]
+        for d in ("bfloat16", "int8", "fp8_e4m3")
+    }
+    assert fits["bfloat16"] == 130
+    assert fits["int8"] == 253 and fits["fp8_e4m3"] == 261
+    assert min(fits["int8"], fits["fp8_e4m3"]) >= 1.9 * fits["bfloat16"]
+    assert plan_json(*shape, "--kv-cache-dtype", "int8")["bytes_per_token"] == 2 * 30 * 3 * 66

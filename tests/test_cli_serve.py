@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -205,3 +206,29 @@ def test_policy_options_reach_the_policy_and_bad_ones_stop_before_groups_start()
         assert policy_config.load_slack is None and policy_config.cost.prefill_token_s == 1e-4
     finally:
         cluster.shutdown()
+
+
+def test_kv_cache_dtype_flag_and_yaml_reach_every_group(tmp_path):
+    """`--kv-cache-dtype` over the YAML's `engine:` key; the router names the groups' cache
+    (its hashes, and so its predictions, are theirs); a dtype the engine lacks exits 2."""
+    from pagefleet.cli import build_parser, serve_config
+    from pagefleet.llm import engine_config
+    from router.serve import build_cluster
+
+    path = tmp_path / "serve.yaml"
+    path.write_text("engine:\n  kv_cache_dtype: fp8\n  num_blocks: 64\n  max_model_len: 512\n")
+    args = build_parser().parse_args(["serve", "--config", str(path), "--no-metrics"])
+    assert serve_config(args).engine["kv_cache_dtype"] == "fp8"
+    args = build_parser().parse_args(["serve", "--config", str(path), "--kv-cache-dtype", "int8"])
+    config = serve_config(args)
+    assert config.engine == {"kv_cache_dtype": "int8", "num_blocks": 64, "max_model_len": 512}
+    cluster = build_cluster(replace(config, metrics_port=None), engine_config)
+    try:
+        assert cluster.router.model_info.kv_cache_dtype == "int8"
+        (group,) = cluster.groups
+        assert str(group.engine.engine.layout.dtype) == "torch.int8"
+        assert cluster.router.hasher.root() == group.hasher.root()
+    finally:
+        cluster.shutdown()
+    done = pagefleet("serve", "--kv-cache-dtype", "fp8_e5m2", timeout=60)
+    assert done.returncode == 2 and "--kv-cache-dtype" in done.stderr

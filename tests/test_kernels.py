@@ -241,12 +241,25 @@ AOT_CASES = {
     "attention_bf16_decode_split": (
         "triton_paged_attention", "_paged_attention_kernel", "*bf16",
         dict(GROUP=4, GROUP_PAD=4, BLOCK_Q=4, BLOCK_M=16, BLOCK_N=64, HEAD_DIM=128,
-             HEAD_PAD=128, PAGE=16, SPLIT=True, UPCAST=False, PRECISION="tf32"),
+             HEAD_PAD=128, PAGE=16, SPLIT=True, UPCAST=False, PRECISION="tf32", SCALES=0),
     ),
     "attention_fp32_prefill_hd80_page1": (
         "triton_paged_attention", "_paged_attention_kernel", "*fp32",
         dict(GROUP=1, GROUP_PAD=1, BLOCK_Q=64, BLOCK_M=64, BLOCK_N=32, HEAD_DIM=80,
-             HEAD_PAD=128, PAGE=1, SPLIT=False, UPCAST=False, PRECISION="ieee"),
+             HEAD_PAD=128, PAGE=1, SPLIT=False, UPCAST=False, PRECISION="ieee", SCALES=0),
+    ),
+    "attention_bf16_int8_cache_decode_split": (
+        "triton_paged_attention", "_paged_attention_kernel", "*bf16",
+        dict(GROUP=4, GROUP_PAD=4, BLOCK_Q=4, BLOCK_M=16, BLOCK_N=64, HEAD_DIM=128,
+             HEAD_PAD=128, PAGE=16, SPLIT=True, UPCAST=False, PRECISION="tf32", SCALES=1),
+        {"key_cache": "*i8", "value_cache": "*i8", "k_scale": "*fp16", "v_scale": "*fp16"},
+    ),
+    "attention_fp16_fp8_cache_prefill": (
+        "triton_paged_attention", "_paged_attention_kernel", "*fp16",
+        dict(GROUP=3, GROUP_PAD=4, BLOCK_Q=16, BLOCK_M=64, BLOCK_N=64, HEAD_DIM=64,
+             HEAD_PAD=64, PAGE=32, SPLIT=False, UPCAST=False, PRECISION="tf32", SCALES=2),
+        {"key_cache": "*fp8e4nv", "value_cache": "*fp8e4nv", "k_scale": "*fp32",
+         "v_scale": "*fp32"},
     ),
     "merge_splits": (
         "triton_paged_attention", "_merge_splits_kernel", "*bf16",
@@ -254,7 +267,21 @@ AOT_CASES = {
     ),
     "write_kv": (
         "triton_write_kv", "_write_kv_kernel", "*fp16",
-        dict(NUM_KV_HEADS=3, HEADS_PAD=4, HEAD_DIM=80, HEAD_PAD=128, PAGE=16),
+        dict(NUM_KV_HEADS=3, HEADS_PAD=4, HEAD_DIM=80, HEAD_PAD=128, PAGE=16, SCALES=0,
+             QMAX=0.0, IS_INT=False, MIN_SCALE=6.1e-5),
+    ),
+    "write_kv_int8_token_scales": (
+        "triton_write_kv", "_write_kv_kernel", "*bf16",
+        dict(NUM_KV_HEADS=3, HEADS_PAD=4, HEAD_DIM=64, HEAD_PAD=64, PAGE=16, SCALES=1,
+             QMAX=127.0, IS_INT=True, MIN_SCALE=6.1e-5),
+        {"key_cache": "*i8", "value_cache": "*i8", "k_scale": "*fp16", "v_scale": "*fp16"},
+    ),
+    "write_kv_fp8_tensor_scale": (
+        "triton_write_kv", "_write_kv_kernel", "*bf16",
+        dict(NUM_KV_HEADS=8, HEADS_PAD=8, HEAD_DIM=128, HEAD_PAD=128, PAGE=16, SCALES=2,
+             QMAX=448.0, IS_INT=False, MIN_SCALE=6.1e-5),
+        {"key_cache": "*fp8e4nv", "value_cache": "*fp8e4nv", "k_scale": "*fp32",
+         "v_scale": "*fp32"},
     ),
 }  # fmt: skip
 
@@ -267,11 +294,13 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 results = {}
-for case, (module, name, data, constexprs) in json.loads(sys.argv[1]).items():
+for case, (module, name, data, constexprs, *cache) in json.loads(sys.argv[1]).items():
     kernel = getattr(importlib.import_module("kernels." + module), name)
-    pointers = {n: data for n in ("query", "key_cache", "value_cache", "out", "key", "value")}
+    pointers = {n: data for n in ("query", "key_cache", "value_cache", "out", "key", "value",
+                                  "k_scale", "v_scale")}
     pointers |= {n: "*i32" for n in ("block_tables", "query_start_loc", "seq_lens", "slot_mapping")}
     pointers |= {n: "*fp32" for n in ("partial_out", "partial_lse")}
+    pointers |= cache[0] if cache else {}  # an 8-bit cache and its scales
     sig = {n: "constexpr" if n in constexprs else pointers.get(n, "i32") for n in kernel.arg_names}
     if "scale_log2" in sig:
         sig["scale_log2"] = "fp32"

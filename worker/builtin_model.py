@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -109,20 +110,28 @@ def _perturb_norms_and_biases(model: torch.nn.Module) -> None:
 
 
 def builtin_model_path(cache_dir: str | Path | None = None) -> Path:
-    """The built-in small model's directory, created once under the cache root.
+    """The built-in small model's directory, created once under the cache root
+    (`cached_model_dir`), in `<root>/builtin-<version>`."""
+    return cached_model_dir(f"builtin-{BUILTIN_VERSION}", _build_builtin, cache_dir)
 
-    The cache root is `cache_dir`, else $PAGEFLEET_CACHE_DIR, else ~/.cache/pagefleet; the
-    model lives in `<root>/builtin-<version>`. It is built in a temporary sibling directory
-    and renamed into place, so concurrent callers never see half a model.
+
+def cached_model_dir(
+    name: str, build: Callable[[Path], None], cache_dir: str | Path | None = None
+) -> Path:
+    """`<root>/<name>`, written by `build(directory)` the first time it is asked for.
+
+    The cache root is `cache_dir`, else $PAGEFLEET_CACHE_DIR, else ~/.cache/pagefleet. The
+    model is built in a temporary sibling directory and renamed into place, so concurrent
+    callers never see half a model.
     """
     root = Path(cache_dir or os.environ.get("PAGEFLEET_CACHE_DIR") or "~/.cache/pagefleet")
-    target = root.expanduser() / f"builtin-{BUILTIN_VERSION}"
+    target = root.expanduser() / name
     if (target / "config.json").exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
-        _build_builtin(tmp)
+        build(tmp)
         os.rename(tmp, target)
     except OSError:
         if not (target / "config.json").exists():  # not a lost race: a real failure

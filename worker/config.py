@@ -6,6 +6,9 @@ import os
 from dataclasses import dataclass
 
 POLICIES = ("fcfs", "priority")
+# "auto": the model's dtype; int8 and fp8 (float8 e4m3, "fp8_e4m3") are 8-bit caches with
+# scales (worker/kv_pool.py says which granularity each has, and why).
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8", "fp8", "fp8_e4m3")
 CLUSTER_SECRET_ENV = "PAGEFLEET_CLUSTER_SECRET"
 
 
@@ -32,7 +35,7 @@ class CacheConfig:
     num_blocks: int | None = None  # None: sized from the memory budget
     kv_cache_memory: int | None = None  # bytes for the pool per device; None: profile
     memory_utilization: float = 0.9  # like vLLM's gpu_memory_utilization
-    kv_cache_dtype: str = "auto"  # "auto": the model's dtype
+    kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
@@ -43,6 +46,10 @@ class CacheConfig:
             raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
         if not 0 < self.memory_utilization <= 1:
             raise ValueError(f"memory_utilization must be in (0, 1], got {self.memory_utilization}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
+            )
 
 
 def cluster_secret(value: str | bytes | None = None) -> bytes:

@@ -11,7 +11,8 @@ from abc import ABC, abstractmethod
 import torch
 
 from kernels.registry import get_backend
-from worker.distributed import Collectives
+from worker.distributed import Collectives, SingleRank
+from worker.kv_calibration import calibrate_tensor_scales
 from worker.kv_pool import KVLayout, KVPool, layout_for, num_blocks_from_memory
 from worker.model_config import ModelConfig
 from worker.model_loader import load_model
@@ -25,14 +26,15 @@ class DeviceWorker:
     def __init__(self, config, collectives: Collectives | None = None) -> None:
         self.config = config  # an EngineConfig
         self.device = torch.device(config.device)
+        self.collectives = collectives or SingleRank()
         backend = get_backend(config.attention_backend, self.device)
         self.model, self.model_config = load_model(
             config.model, config.dtype, self.device, collectives, backend
         )
         local_kv_heads = self.model.attention_layers()[0].num_kv_heads
-        model_dtype = next(self.model.parameters()).dtype
+        self.model_dtype = next(self.model.parameters()).dtype
         self.layout: KVLayout = layout_for(
-            self.model_config, config.cache, local_kv_heads, model_dtype
+            self.model_config, config.cache, local_kv_heads, self.model_dtype
         )
         self.runner = ModelRunner(self.model, config.cache.block_size, self.device)
         self.pool: KVPool | None = None
@@ -51,7 +53,16 @@ class DeviceWorker:
         )
 
     def init_pool(self, num_blocks: int) -> None:
+        """Allocate the pool; a float8 one gets its per-tensor scales first (every rank of a
+        group calls this at the same point, so the calibration's collectives meet)."""
         self.pool = KVPool(self.layout, num_blocks, self.device)
+        if self.layout.tensor_scales:
+            mc = self.model_config
+            scales = calibrate_tensor_scales(
+                self.model, self.layout, self.model_dtype, mc.vocab_size,
+                mc.max_position_embeddings, self.device, self.collectives,
+            )  # fmt: skip
+            self.pool.set_tensor_scales(*scales)
         self.pool.bind(self.model.attention_layers())
 
     def execute(self, out: SchedulerOutput, sample: bool = True) -> Sampled:

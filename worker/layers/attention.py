@@ -13,8 +13,9 @@ class PagedAttention(nn.Module):
     """Causal attention of a flat batch over its sequences' paged K/V (this rank's heads).
 
     The KV pool binds this layer's caches with `bind_kv_cache`, each of shape
-    (num_blocks, block_size, num_kv_heads, head_dim) for this rank's KV heads. The caches are
-    plain attributes, not buffers: they belong to the pool, not to the model's state dict.
+    (num_blocks, block_size, num_kv_heads, head_dim) for this rank's KV heads, and an 8-bit
+    cache's scales (kernels/kv_quant.py). They are plain attributes, not buffers: they belong
+    to the pool, not to the model's state dict.
     """
 
     def __init__(
@@ -35,12 +36,21 @@ class PagedAttention(nn.Module):
         self.backend = backend or get_backend("torch")
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+        self.k_scale: torch.Tensor | None = None
+        self.v_scale: torch.Tensor | None = None
 
     def set_backend(self, backend: AttentionBackend) -> None:
         self.backend = backend
 
-    def bind_kv_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-        """Use these pool tensors, (num_blocks, block_size, num_kv_heads, head_dim), as K/V."""
+    def bind_kv_cache(
+        self,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
+    ) -> None:
+        """Use these pool tensors, (num_blocks, block_size, num_kv_heads, head_dim), as K/V;
+        an 8-bit cache comes with its scales."""
         expected = (self.num_kv_heads, self.head_dim)
         for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
             if cache.dim() != 4 or tuple(cache.shape[2:]) != expected:
@@ -51,6 +61,7 @@ class PagedAttention(nn.Module):
         if k_cache.shape != v_cache.shape:
             raise ValueError(f"k_cache {tuple(k_cache.shape)} != v_cache {tuple(v_cache.shape)}")
         self.k_cache, self.v_cache = k_cache, v_cache
+        self.k_scale, self.v_scale = k_scale, v_scale
 
     def forward(
         self,
@@ -64,13 +75,9 @@ class PagedAttention(nn.Module):
                 "PagedAttention has no KV cache: the KV pool must call bind_kv_cache() on every "
                 "layer (model.attention_layers()) before the first forward"
             )
-        self.backend.write_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        ks, vs = self.k_scale, self.v_scale
+        self.backend.write_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping, ks, vs)
         return self.backend.attention(
-            q,
-            self.k_cache,
-            self.v_cache,
-            meta.block_tables,
-            meta.query_start_loc,
-            meta.seq_lens,
-            self.scale,
-        )
+            q, self.k_cache, self.v_cache, meta.block_tables, meta.query_start_loc,
+            meta.seq_lens, self.scale, k_scale=ks, v_scale=vs,
+        )  # fmt: skip
