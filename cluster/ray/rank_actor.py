@@ -54,6 +54,7 @@ class IndexTarget:
     model: str = "model"
     subscriber: str | None = None
 
+
 ENGINE_SWITCH_INTERVAL_S = 0.0002
 
 
@@ -266,7 +267,6 @@ class RankActor:
             except BaseException as e:  # (the caller gets it)
                 done.set_exception(e)
         self.executor.keepalive()
-
 
     def _load(self):
         from cluster.group import status_from_stats
