@@ -38,6 +38,9 @@ class GroupStatus:
     preemptions: int = 0
     error: str | None = None
     draining: bool = False  # alive, but taking no new request (its in-flight ones finish)
+    state: str = ""  # the supervisor's view (cluster/ray/supervisor.py); "" for a local group
+    generation: int = 0
+    restarts: int = 0
 
     def load(self) -> GroupLoad:
         return GroupLoad(

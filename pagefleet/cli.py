@@ -166,6 +166,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", help="cpu (default) or cuda")
     parser.add_argument("--policy", help="placement: prefix_aware (default), least_loaded, round_robin, prefix_hash")  # fmt: skip
     parser.add_argument("--grace", type=float, dest="grace_s", help="SIGTERM drain seconds (default 30)")  # fmt: skip
+    parser.add_argument("--role", choices=("all", "router"), help="all (default): the router and its groups; router: a router over the groups that `pagefleet groups start` placed in --cluster (needs --address and --redis)")  # fmt: skip
+    parser.add_argument("--cluster", help="the cluster's name: its index namespace and Ray namespace (default pagefleet)")  # fmt: skip
     engine = parser.add_argument_group("engine of each group")
     for name in _ENGINE_FLAGS:
         engine.add_argument(f"--{name.replace('_', '-')}", type=_positive_int)
@@ -181,7 +183,7 @@ def serve_config(args: argparse.Namespace):
     from router.serve import load_config
 
     keys = ("model", "tp", "groups", "redis", "address", "ray", "host", "port", "metrics_host",
-            "metrics_port", "device", "policy", "grace_s")  # fmt: skip
+            "metrics_port", "device", "policy", "grace_s", "role", "cluster")  # fmt: skip
     overrides = {k: getattr(args, k) for k in keys}
     config = load_config(args.config, overrides)
     engine_keys = (*_ENGINE_FLAGS, "kv_cache_dtype")
@@ -374,6 +376,12 @@ COMMANDS: list[Command] = [
         run_serve,
     ),
     Command(
+        "groups",
+        "start, show, drain or stop a cluster's worker groups (services on Ray)",
+        lambda parser: _groups().add_groups_arguments(parser),
+        lambda args: _groups().run_groups(args),
+    ),
+    Command(
         "generate",
         "stream one generation from a running server",
         add_generate_arguments,
@@ -386,6 +394,12 @@ COMMANDS: list[Command] = [
         run_demo,
     ),
 ]
+
+
+def _groups():
+    from pagefleet import groups_cli
+
+    return groups_cli
 
 
 def build_parser() -> argparse.ArgumentParser:

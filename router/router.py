@@ -17,7 +17,7 @@ import math
 import time
 from array import array
 from collections import deque
-from collections.abc import AsyncIterator, Collection, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -95,9 +95,6 @@ class Router:
         policy: Policy | str = "prefix_aware",
         max_attempts: int = 2,
     ) -> None:
-        if not groups:
-            raise ValueError("a router needs at least one group")
-        self.groups = {g.group_id: g for g in groups}
         self.index = index
         self.hasher = hasher
         self.hash_cache = PrefixHashCache(hasher)  # a shared document is hashed once
@@ -120,13 +117,22 @@ class Router:
         self.records: dict[str, RouteRecord] = {}  # recent decisions, for predicted vs actual
         self._ids = itertools.count()
         self.ledger = Ledger(index, model_info.block_size, policy.placed_window())
+        self._live: dict[str, GroupStatus] = {}
+        self.absent_statuses: Callable[[], list[GroupStatus]] | None = None
+        self.set_groups(groups)
+
+    def set_groups(self, groups: Sequence[GroupHandle]) -> None:
+        """Route over these groups from now on (a router follows groups coming and going; call
+        it on the router's event loop). Requests already on a group that left keep their
+        streams: the group's handle ends them."""
+        self.groups = {g.group_id: g for g in groups}
         # The live groups' latest statuses. Groups that can tell (`GroupHandle.watch`) queue
         # their id on a change and are read again only then; the others are read at every
         # decision, and all of them once a second all the same. Bounded: a full queue means
         # read them all.
-        self._changed: deque[str] = deque(maxlen=64 * len(groups))
+        self._changed: deque[str] = deque(maxlen=64 * max(1, len(groups)))
         self._polled = [g for g in groups if not g.watch(self._changed.append)]
-        self._live: dict[str, GroupStatus] = {}
+        self._live = {gid: s for gid, s in self._live.items() if gid in self.groups}
         self._read_all_at = -math.inf
 
     # ---- input -------------------------------------------------------------------------
@@ -194,7 +200,9 @@ class Router:
         else:
             stale = self._polled
             while changed:
-                self._read(self.groups[changed.popleft()])
+                g = self.groups.get(changed.popleft())
+                if g is not None:  # (not a group that left)
+                    self._read(g)
         for g in stale:
             self._read(g)
         out = self._live.copy()
@@ -204,7 +212,7 @@ class Router:
 
     def _read(self, g: GroupHandle) -> None:
         s = g.status()
-        if s.alive:
+        if s.alive and not s.draining:
             self._live[g.group_id] = s
         else:
             self._live.pop(g.group_id, None)
@@ -274,7 +282,10 @@ class Router:
             self.groups[record.group_id].abort(request_id)
 
     def cluster_status(self) -> list[GroupStatus]:
-        return [g.status() for g in self.groups.values()]
+        """Every group's status, with the declared groups that have no running generation
+        (restarting, failed, retired) when something tells of them (`absent_statuses`)."""
+        absent = self.absent_statuses() if self.absent_statuses is not None else []
+        return [g.status() for g in self.groups.values()] + absent
 
     def _trim_records(self, keep: int = 10_000) -> None:
         if len(self.records) > keep:

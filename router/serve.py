@@ -63,7 +63,11 @@ class ServeConfig:
     policy: str = "prefix_aware"
     # prefix_aware's PrefixAwareConfig fields, e.g. {"load_slack": 0.2}; YAML only
     policy_options: Mapping[str, Any] = field(default_factory=dict, hash=False)
-    cluster: str = "pagefleet"  # the prefix index's namespace
+    cluster: str = "pagefleet"  # the prefix index's namespace, and the Ray namespace's name
+    # "all": this process runs the router and its groups (in-process, or on Ray with a
+    # supervisor of its own); "router": a router over the groups of `cluster`, which
+    # `pagefleet groups start` placed (needs `address` and `redis`)
+    role: str = "all"
     grace_s: float = 30.0  # SIGTERM: how long in-flight calls may finish
     max_message_bytes: int = MAX_MESSAGE_BYTES
     engine: Mapping[str, Any] = field(default_factory=dict, hash=False)  # num_blocks, ...
@@ -85,6 +89,10 @@ class ServeConfig:
             raise ValueError(f"engine must be a mapping of engine options, got {self.engine!r}")
         if not isinstance(self.policy_options, Mapping):
             raise ValueError(f"policy_options must be a mapping, got {self.policy_options!r}")
+        if self.role not in ("all", "router"):
+            raise ValueError(f"role must be 'all' or 'router', got {self.role!r}")
+        if self.role == "router" and (self.address is None or self.redis is None):
+            raise ValueError("role 'router' needs address (the Ray cluster) and redis (its index)")
 
     @property
     def uses_ray(self) -> bool:
@@ -123,8 +131,14 @@ class Indexes:
     """The prefix index of one serve process: what its groups write to, what its router
     reads."""
 
-    writers: tuple  # cluster.index.IndexWriter, one publisher each per group
+    local: Any  # cluster.index.InMemoryPrefixIndex: this process's own
+    shared: Any  # cluster.index.RedisPrefixIndex, the groups' side of Redis; None without it
     reader: Any  # cluster.index.IndexReader
+
+    @property
+    def writers(self) -> tuple:
+        """What a group of this process publishes to: one publisher each."""
+        return (self.local,) if self.shared is None else (self.local, self.shared)
 
     def close(self) -> None:
         self.reader.close()
@@ -140,10 +154,19 @@ class Cluster:
     groups: list
     index: Indexes
     metrics: Any  # router.door.metrics.ServerMetrics
+    ray_groups: Any = None  # router.ray_groups.RayGroups, when the groups live on Ray
+
+    def follow(self, loop) -> None:
+        """Follow groups coming and going (on Ray) from now on, on the router's loop."""
+        if self.ray_groups is not None:
+            self.ray_groups.follow(self.router, loop)
 
     def shutdown(self) -> None:
-        for group in self.groups:
-            group.shutdown()
+        if self.ray_groups is not None:
+            self.ray_groups.shutdown()  # (its own groups, when this process placed them)
+        else:
+            for group in self.groups:
+                group.shutdown()
         self.index.close()
 
 
@@ -155,33 +178,43 @@ def build_cluster(
     `make_engine_config(model, **options)` is `pagefleet.llm.engine_config`: the face owns
     how flat options become an `EngineConfig`. `secret`: the cluster secret (None: from the
     environment, see `take_cluster_secret`). With Ray-placed groups, call `start_ray` on the
-    main thread first."""
+    main thread first. A router of a cluster (`role` "router") takes the model, the engine's
+    options and the secret from the cluster's supervisor."""
     from router.door.metrics import ServerMetrics
     from router.placement import make_policy
     from router.router import Router
 
-    secret = secret or take_cluster_secret()
-    engine_options = {"cluster_secret": secret, **config.engine}
-    probe = make_engine_config(config.model, **engine_options)  # resolves the built-in model
-    name = _model_name(probe.model)
+    ray_groups = None
+    if config.role == "router":
+        ray_groups = _joined_groups()
+        probe = ray_groups.spec.engine
+    else:
+        secret = secret or take_cluster_secret()
+        engine_options = {"cluster_secret": secret, **config.engine}
+        probe = make_engine_config(config.model, **engine_options)  # resolves the default
+    name = model_name(probe.model)
     policy = make_policy(  # before groups start: bad options fail at once
         config.policy, probe.cache.block_size, probe.scheduler.max_num_batched_tokens,
         config.policy_options,
     )  # fmt: skip
     index = make_index(config, name)
-    groups = _make_groups(config, make_engine_config, engine_options, index.writers)
+    try:
+        if ray_groups is None and config.uses_ray:
+            ray_groups = _embedded_groups(config, make_engine_config, engine_options, name, index)
+        groups = ray_groups.handles if ray_groups is not None else _local_groups(config, make_engine_config, engine_options, index.writers)  # fmt: skip
+    except BaseException:
+        index.close()
+        raise
     try:
         hasher, tokenizer, info = router_side(probe, name)
         metrics = ServerMetrics(name)
-        metrics.watch_groups(lambda: [g.status() for g in groups])
         reader = metrics.timed_index(index.reader)
         router = Router(groups, reader, hasher, info, tokenizer=tokenizer, policy=policy)
+        metrics.watch_groups(router.cluster_status)
     except BaseException:  # the groups started: stop them rather than leave them behind
-        for group in groups:
-            group.shutdown()
-        index.close()
+        Cluster(None, groups, index, None, ray_groups).shutdown()
         raise
-    return Cluster(router, groups, index, metrics)
+    return Cluster(router, groups, index, metrics, ray_groups)
 
 
 def make_index(config: ServeConfig, model: str) -> Indexes:
@@ -202,10 +235,10 @@ def make_index(config: ServeConfig, model: str) -> Indexes:
     check_name("model", model)
     local = InMemoryPrefixIndex()
     if config.redis is None:
-        return Indexes(writers=(local,), reader=local)
+        return Indexes(local=local, shared=None, reader=local)
     shared = RedisPrefixIndex.from_url(config.redis, config.cluster, model)
     mirror = MirroredPrefixIndex(RedisPrefixIndex.from_url(config.redis, config.cluster, model))
-    return Indexes(writers=(local, shared), reader=FailoverReader(mirror, local))
+    return Indexes(local=local, shared=shared, reader=FailoverReader(mirror, local))
 
 
 def take_cluster_secret() -> str:
@@ -221,11 +254,11 @@ def start_ray(config: ServeConfig) -> None:
     """Join the Ray cluster at `config.address`, or start a local runtime declaring enough CPUs
     for every rank (a rank's thread is light). Must run on the main thread when it starts a
     local runtime (cluster/ray/runtime.py says why); a no-op once connected."""
-    from cluster.ray.runtime import RayStartError, ensure_ray
+    from cluster.ray.runtime import RayStartError, cluster_namespace, ensure_ray
 
     cpus = None if config.address else max(os.cpu_count() or 1, config.groups * config.tp)
     try:
-        ensure_ray(config.address, num_cpus=cpus)
+        ensure_ray(config.address, num_cpus=cpus, namespace=cluster_namespace(config.cluster))
     except RayStartError as e:
         raise ServeError(str(e)) from None
 
@@ -249,10 +282,8 @@ def router_side(engine_config, name: str):
     return hasher, load_tokenizer(engine_config.model), info
 
 
-def _make_groups(config, make_engine_config, options, index) -> list:
-    """One TP=1 group in this process, or Ray-placed groups (`ServeConfig.uses_ray`)."""
-    if config.uses_ray:
-        return _ray_groups(config, make_engine_config, options, index)
+def _local_groups(config, make_engine_config, options, index) -> list:
+    """The in-process groups (TP=1), publishing to `index`."""
     from cluster.local_group import LocalGroup
 
     groups = []
@@ -273,26 +304,37 @@ def check_deployment(config: ServeConfig) -> None:
         )
 
 
-def _ray_groups(config, make_engine_config, options, index) -> list:
-    """Ray-placed groups (cluster/ray/group.py) of `config.tp` devices each, publishing to
-    `index`. Placed one after the other: a group that cannot start stops the others."""
-    from cluster.ray.group import RayGroup, RayGroupConfig
+def _embedded_groups(config, make_engine_config, options, name: str, index: Indexes):
+    """This server's own groups on Ray, kept by a supervisor of its own: `config.groups` groups
+    of `config.tp` devices. With Redis, each group's rank 0 publishes to it; every group also
+    streams its KV events to this router for the in-process index."""
+    from cluster.ray.group import RayGroupConfig
+    from cluster.ray.supervisor import GroupsSpec
+    from router.ray_groups import GroupsFailedError, RayGroups
 
     start_ray(config)  # (connected already when `serve` started it on the main thread)
     engine_config = make_engine_config(config.model, **{"device": config.device, **options})
     group_config = RayGroupConfig(tensor_parallel_size=config.tp)
-    groups: list = []
+    spec = GroupsSpec(
+        engine_config, group_config, config.groups, config.cluster, name, config.redis
+    )  # fmt: skip
     try:
-        for i in range(config.groups):
-            groups.append(RayGroup(engine_config, group_config, f"group-{i}", index=index))
-    except BaseException:
-        for group in groups:
-            group.shutdown()
-        raise
-    return groups
+        return RayGroups.embedded(spec, (index.local,), group_config.start_timeout_s)
+    except GroupsFailedError as e:
+        raise ServeError(str(e)) from None
 
 
-def _model_name(model_dir: str) -> str:
+def _joined_groups():
+    """The groups of the cluster this process joined (`start_ray` on the main thread first)."""
+    from router.ray_groups import GroupsFailedError, RayGroups
+
+    try:
+        return RayGroups.join()
+    except GroupsFailedError as e:
+        raise ServeError(str(e)) from None
+
+
+def model_name(model_dir: str) -> str:
     """A label-safe model name: the model directory's name."""
     return re.sub(r"[^A-Za-z0-9_.\-]", "_", Path(model_dir).name)[:128] or "model"
 
@@ -304,7 +346,8 @@ async def warm_up(groups) -> None:
 
     params = SamplingParams(max_tokens=1, temperature=0.0)
     for group in groups:
-        request = GenerationRequest([0], params, request_id=f"warmup-{group.group_id}")
+        rid = f"warmup-{group.group_id}-{os.urandom(4).hex()}"  # (other routers warm it too)
+        request = GenerationRequest([0], params, request_id=rid)
         async for _ in group.generate(request):
             pass
 
@@ -333,6 +376,7 @@ async def serve(config: ServeConfig, make_engine_config: Callable[..., Any]) -> 
         )
         if cluster is not None:
             await warm_up(cluster.groups)
+            cluster.follow(asyncio.get_running_loop())
             freeze_heap()
             metrics_http = _serve_metrics(config, cluster.metrics)
             await door.set_ready(cluster.router, cluster.metrics)

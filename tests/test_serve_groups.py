@@ -109,8 +109,9 @@ def test_the_server_outlives_the_drivers_gcs_timeout(groups_server):
     assert [g.alive for g in client.cluster_status()] == [True, True]
 
 
-def test_health_is_not_serving_once_every_group_is_dead(groups_server):
-    """Last: it kills the server's groups."""
+def test_killed_groups_are_replaced_and_health_follows(groups_server):
+    """Last: it kills the server's groups. Health is NOT_SERVING while none lives; the
+    supervisor replaces both (a new generation each) and the server serves again."""
     proc, client, log, _ = groups_server
     ranks = [p for p, name in descendants(proc.pid).items() if name.startswith("ray::RankActor")]
     assert len(ranks) == 2, descendants(proc.pid)
@@ -119,10 +120,17 @@ def test_health_is_not_serving_once_every_group_is_dead(groups_server):
     deadline = time.monotonic() + 60
     while client.health(timeout=5) != "NOT_SERVING":
         assert time.monotonic() < deadline, "still SERVING with every group dead"
-        time.sleep(0.2)
-    groups = client.cluster_status()
-    assert [g.alive for g in groups] == [False, False] and all(g.error for g in groups)
+        time.sleep(0.1)
     with pytest.raises(grpc.RpcError) as err:
-        client.generate(token_ids=[5, 6], max_tokens=1)
+        client.generate(token_ids=[5, 6], max_tokens=1, timeout=5)
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    deadline = time.monotonic() + 180
+    while not all(g.alive for g in client.cluster_status()):
+        assert time.monotonic() < deadline, f"not replaced: {client.cluster_status()}"
+        time.sleep(0.5)
+    assert client.health(timeout=5) == "SERVING"
+    groups = client.cluster_status()
+    assert [(g.alive, g.generation, g.restarts) for g in groups] == [(True, 2, 1)] * 2, groups
+    done = client.generate(token_ids=[5, 6, 7], max_tokens=2, temperature=0.0, ignore_eos=True)
+    assert done.completion_tokens == 2
     assert proc.poll() is None, log.read_text()

@@ -114,6 +114,8 @@ class RayGroup(GroupHandle):
         self._status: GroupStatus | None = None  # built from _status_of, until it changes
         self._status_of: dict | None = None
         self._stopped = threading.Event()  # set by shutdown: the watcher leaves
+        self.generation = 0  # the supervisor's generation of the group (0: not supervised)
+        self.restarts = 0
 
     def wait_ready(self) -> None:
         """Block until every rank of an owned group has its shard and pool and the engine runs;
@@ -252,6 +254,9 @@ class RayGroup(GroupHandle):
                 self.group_id, stats if alive else {}, alive=alive, tp=self.tp,
                 devices=self.devices, error=error,
             )  # fmt: skip
+            if self.generation:
+                state = ("draining" if s.draining else "serving") if alive else "dead"
+                s = replace(s, state=state, generation=self.generation, restarts=self.restarts)
             self._status, self._status_of = s, stats
         return s
 

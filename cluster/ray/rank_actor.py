@@ -15,11 +15,11 @@ into its subscriber's outbox, streamed a batch per wake-up with the engine's sta
 an empty batch every `idle_s`. A subscriber whose stream ends (its router left or died) has its
 requests aborted.
 
-The group's KV events reach the prefix index one of two ways (`start(..., index=)`): an
-`IndexTarget` with a Redis URL makes rank 0 publish them itself, from its engine thread, as an
-in-process group does; one naming a subscriber puts them into that subscriber's stream
-(`KVEvents`, ahead of the outputs of the step that made them), for a router that keeps the
-index in its own process. Calls that read engine state (`cached_hashes`, `probe_broadcast`) run
+The group's KV events reach the prefix index by the ways its `IndexTarget` names (`start(...,
+index=)`): with a Redis URL rank 0 publishes them itself, from its engine thread, as an
+in-process group does; with a subscriber they also go into that subscriber's stream (`KVEvents`,
+ahead of the outputs of the step that made them), for a router that keeps an index in its own
+process. Calls that read engine state (`cached_hashes`, `probe_broadcast`) run
 on the engine thread between steps. `set_draining` marks the group as draining in its stats:
 routers place nothing new there.
 """
@@ -80,8 +80,10 @@ class RankActor:
         self._subscribers: dict[str, _Outbox] = {}  # rank 0: outputs not yet streamed
         self._events_to: str | None = None  # the subscriber whose stream carries KV events
         self._publisher = None  # rank 0 publishing to Redis itself: a GroupPublisher
+        self._events: list = []  # this step's KV events, for the publisher
         self._draining = False
         self._closing = False
+        self._description: dict = {}
         self._loop: asyncio.AbstractEventLoop | None = None  # the actor's event loop
 
     def store_path(self) -> str:
@@ -123,8 +125,9 @@ class RankActor:
             engine = LLMEngine(config, executor=self.executor)
             if index is not None and index.redis_url is not None:
                 self._publish_to_redis(engine, index)
-            elif index is not None:
+            if index is not None and index.subscriber is not None:
                 self._events_to = index.subscriber
+            if self._publisher is not None or self._events_to is not None:
                 engine.on_kv_events = self._kv_events
             self.engine = AsyncEngine(engine, self._tick)
             layout = self.executor.layout
@@ -133,7 +136,7 @@ class RankActor:
             self.worker.init_pool()
             layout = self.worker.layout
         ctx = ray.get_runtime_context()
-        return {
+        self._description = {
             "rank": rank,
             "node_id": ctx.get_node_id(),
             "device": config.device,
@@ -141,6 +144,12 @@ class RankActor:
             "pid": os.getpid(),
             "kv_bytes_per_token": layout.bytes_per_token,
         }
+        return self._description
+
+    async def describe(self) -> dict:
+        """This rank's description, as `start` returned it (also a liveness check: it answers
+        from the actor's event loop whatever its engine or step loop is doing)."""
+        return self._description
 
     # ---- rank > 0 ----------------------------------------------------------------------
     async def serve(self) -> int:
@@ -154,8 +163,6 @@ class RankActor:
 
         redis = RedisPrefixIndex.from_url(index.redis_url, index.cluster, index.model)
         self._publisher = GroupPublisher(redis, index.group_id, engine.scheduler.bm.cached_hashes)
-        self._events: list = []  # this step's KV events, published after the step
-        engine.on_kv_events = self._events.extend
 
     async def submit(self, request: GenerationRequest, subscriber: str = OWNER) -> None:
         """Start a request; its outputs join `subscriber`'s output stream."""
@@ -182,9 +189,13 @@ class RankActor:
         box.ready.set()
 
     def _kv_events(self, events: list) -> None:
-        # Engine thread, during a step: queued on the event loop ahead of the step's outputs
-        # (they reach the outbox one hop later, through the requests' followers).
-        self._loop.call_soon_threadsafe(self._emit, self._events_to, KVEvents(events))
+        # Engine thread, during a step. Redis: published after the step (`_tick`). A router's
+        # index: queued on the event loop ahead of the step's outputs (they reach the outbox one
+        # hop later, through the requests' followers).
+        if self._publisher is not None:
+            self._events.extend(events)
+        if self._events_to is not None:
+            self._loop.call_soon_threadsafe(self._emit, self._events_to, KVEvents(events))
 
     async def outputs(self, subscriber: str = OWNER, idle_s: float | None = None):
         """`subscriber`'s output stream: (batch, engine stats) with every output (or failure)

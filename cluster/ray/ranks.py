@@ -12,6 +12,7 @@ talks to rank 0 through a `RayGroup` (cluster/ray/group.py).
 
 from __future__ import annotations
 
+import re
 import time
 
 from cluster.ray.config import RayGroupConfig, check_tensor_parallel, parse_cpu_binding
@@ -48,6 +49,27 @@ class RankSet:
             name=f"{name}.pg" if name else "",
         )  # fmt: skip
         self.actors = [self._actor(i, lifetime) for i in range(self.tp)]
+
+    @classmethod
+    def find(cls, group_id: str, config: EngineConfig, group_config: RayGroupConfig) -> tuple[int, RankSet] | None:  # fmt: skip
+        """(generation, ranks) of the latest generation of `group_id` running under its names
+        in this namespace (what a restarted supervisor adopts), or None."""
+        names = [a["name"] if isinstance(a, dict) else a for a in ray.util.list_named_actors()]
+        gens = [int(m.group(1)) for n in names if (m := re.fullmatch(rf"{re.escape(group_id)}\.g(\d+)\.rank0", n))]  # fmt: skip
+        if not gens:
+            return None
+        name = f"{group_id}.g{max(gens)}"
+        self = cls.__new__(cls)
+        self.config, self.group_config, self.index = config, group_config, None
+        self.name, self.tp = name, group_config.tensor_parallel_size
+        self._use_gpu, self._serve_refs, self._closed = config.device.startswith("cuda"), [], False
+        try:
+            self.actors = [ray.get_actor(f"{name}.rank{r}") for r in range(self.tp)]
+            self.pg = ray.util.get_placement_group(f"{name}.pg")
+            self.ranks = ray.get([a.describe.remote() for a in self.actors], timeout=10)
+        except Exception:  # noqa: BLE001  (half gone: not adoptable; the supervisor replaces it)
+            return None
+        return max(gens), self
 
     @property
     def rank0(self):
@@ -111,6 +133,11 @@ class RankSet:
         within `status_timeout_s` or its engine failed), or None while it lives."""
         if self._closed:
             return "shut down"
+        if not self._serve_refs and self.tp > 1:  # adopted: ask every rank instead
+            try:
+                ray.get([a.describe.remote() for a in self.actors[1:]], timeout=self.group_config.status_timeout_s)  # fmt: skip
+            except Exception as e:
+                return f"a rank does not answer: {describe_error(e)}"
         done, _ = ray.wait(self._serve_refs, num_returns=len(self._serve_refs), timeout=0)
         for ref in done:  # a loop ended without shutdown: its rank died or lost the group
             try:

@@ -39,18 +39,26 @@ def ensure_ray(
     address: str | None = None,
     num_cpus: int | None = None,
     resources: dict[str, float] | None = None,
+    namespace: str | None = None,
 ) -> str:
     """Join the Ray cluster at `address`, or (None) start a local runtime on loopback with
-    `num_cpus` CPUs declared. Returns the cluster's GCS address. A no-op when connected."""
+    `num_cpus` CPUs declared, in `namespace` (where named actors are found: a pagefleet
+    cluster's supervisor and groups). Returns the cluster's GCS address. A no-op when
+    connected."""
     if not ray.is_initialized():
         if address is not None:
-            _join(address)
+            _join(address, namespace)
         else:
-            _start_local(num_cpus, resources)
+            _start_local(num_cpus, resources, namespace)
     return ray.get_runtime_context().gcs_address
 
 
-def _start_local(num_cpus: int | None, resources: dict[str, float] | None) -> None:
+def cluster_namespace(cluster: str) -> str:
+    """The Ray namespace of a pagefleet cluster's supervisor, groups and routers."""
+    return f"pagefleet-{cluster}"
+
+
+def _start_local(num_cpus: int | None, resources: dict[str, float] | None, namespace: str | None) -> None:  # fmt: skip
     if threading.current_thread() is not threading.main_thread():
         raise RayStartError(
             "a local Ray runtime must be started on the main thread (Ray's head processes are "
@@ -65,10 +73,11 @@ def _start_local(num_cpus: int | None, resources: dict[str, float] | None) -> No
         object_store_memory=LOCAL_OBJECT_STORE_BYTES,
         _node_ip_address=LOOPBACK,
         log_to_driver=False,
+        namespace=namespace,
     )
 
 
-def _join(address: str) -> None:
+def _join(address: str, namespace: str | None) -> None:
     """Join as Ray would by default, but in token mode when the cluster's GCS asks for a token
     (Ray turns token mode on by itself only for a local cluster found automatically, never for
     an explicit address, and a cluster without tokens must not be joined in token mode)."""
@@ -83,7 +92,7 @@ def _join(address: str) -> None:
                 "on the head prints it)"
             )
     try:
-        ray.init(address=address, log_to_driver=False)
+        ray.init(address=address, log_to_driver=False, namespace=namespace)
     except Exception as e:
         if not _caused_by_authentication(e):
             raise
@@ -155,6 +164,7 @@ def live_placement_groups() -> list[dict]:
 
 __all__ = [
     "RayStartError",
+    "cluster_namespace",
     "ensure_ray",
     "live_actors",
     "live_placement_groups",

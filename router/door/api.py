@@ -241,5 +241,6 @@ def status_message(s: GroupStatus) -> pb.GroupStatus:
         blocks_cached=s.blocks_cached, running=s.running, waiting=s.waiting,
         pending_prefill_tokens=s.pending_prefill_tokens,
         prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
-        preemptions=s.preemptions, error=s.error or "",
+        preemptions=s.preemptions, error=s.error or "", draining=s.draining, state=s.state,
+        generation=s.generation, restarts=s.restarts,
     )  # fmt: skip

@@ -198,7 +198,7 @@ class GetClusterStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GroupStatus(_message.Message):
-    __slots__ = ("group_id", "alive", "tensor_parallel_size", "devices", "blocks_total", "blocks_free", "blocks_cached", "running", "waiting", "pending_prefill_tokens", "prefix_cache_queries", "prefix_cache_hits", "preemptions", "error")
+    __slots__ = ("group_id", "alive", "tensor_parallel_size", "devices", "blocks_total", "blocks_free", "blocks_cached", "running", "waiting", "pending_prefill_tokens", "prefix_cache_queries", "prefix_cache_hits", "preemptions", "error", "draining", "state", "generation", "restarts")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     ALIVE_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -213,6 +213,10 @@ class GroupStatus(_message.Message):
     PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
     PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    RESTARTS_FIELD_NUMBER: _ClassVar[int]
     group_id: str
     alive: bool
     tensor_parallel_size: int
@@ -227,7 +231,11 @@ class GroupStatus(_message.Message):
     prefix_cache_hits: int
     preemptions: int
     error: str
-    def __init__(self, group_id: _Optional[str] = ..., alive: _Optional[bool] = ..., tensor_parallel_size: _Optional[int] = ..., devices: _Optional[_Iterable[str]] = ..., blocks_total: _Optional[int] = ..., blocks_free: _Optional[int] = ..., blocks_cached: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., pending_prefill_tokens: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., preemptions: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
+    draining: bool
+    state: str
+    generation: int
+    restarts: int
+    def __init__(self, group_id: _Optional[str] = ..., alive: _Optional[bool] = ..., tensor_parallel_size: _Optional[int] = ..., devices: _Optional[_Iterable[str]] = ..., blocks_total: _Optional[int] = ..., blocks_free: _Optional[int] = ..., blocks_cached: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., pending_prefill_tokens: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., preemptions: _Optional[int] = ..., error: _Optional[str] = ..., draining: _Optional[bool] = ..., state: _Optional[str] = ..., generation: _Optional[int] = ..., restarts: _Optional[int] = ...) -> None: ...
 
 class ClusterStatus(_message.Message):
     __slots__ = ("groups",)

@@ -1,0 +1,100 @@
+"""`pagefleet groups`: the worker groups of a cluster as services on Ray, kept alive by a
+detached supervisor that outlives this command (cluster/ray/supervisor.py). Routers join them
+with `pagefleet serve --role router --cluster NAME`.
+
+    pagefleet groups start  --cluster NAME --address HOST:PORT --redis URL [--groups N --tp T ...]
+    pagefleet groups status --cluster NAME --address HOST:PORT [--json]
+    pagefleet groups drain GROUP --cluster NAME --address HOST:PORT
+    pagefleet groups stop   --cluster NAME --address HOST:PORT
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def add_groups_arguments(parser: argparse.ArgumentParser) -> None:
+    from pagefleet.cli import _ENGINE_FLAGS, _positive_int
+
+    parser.add_argument("action", choices=("start", "status", "drain", "stop"))
+    parser.add_argument("group", nargs="?", help="the group to drain (e.g. group-0)")
+    parser.add_argument("--cluster", default="pagefleet", help="the cluster's name (default pagefleet)")  # fmt: skip
+    parser.add_argument("--address", required=True, help="the Ray cluster's address (HOST:PORT or auto)")  # fmt: skip
+    parser.add_argument("--redis", metavar="URL", help="the shared prefix index (start: required)")
+    parser.add_argument("--model", help="start: a model directory, a .gguf file, 'builtin' or 'default'")  # fmt: skip
+    parser.add_argument("--groups", type=_positive_int, default=1, help="start: how many groups")
+    parser.add_argument("--tp", type=_positive_int, default=1, help="start: devices per group")
+    parser.add_argument("--device", default="cpu", help="start: cpu (default) or cuda")
+    parser.add_argument("--timeout", type=float, default=600.0, help="start/drain: seconds to wait")  # fmt: skip
+    parser.add_argument("--json", action="store_true", help="print the groups as JSON")
+    engine = parser.add_argument_group("engine of each group (start)")
+    for name in _ENGINE_FLAGS:
+        engine.add_argument(f"--{name.replace('_', '-')}", type=_positive_int)
+
+
+def run_groups(args: argparse.Namespace) -> int:
+    """Start, show, drain or stop the cluster's groups."""
+    from cluster.ray.runtime import RayStartError, cluster_namespace, ensure_ray
+    from cluster.ray.supervisor import start_groups, stop_groups, the_supervisor
+
+    if args.action == "start" and not args.redis:
+        raise ValueError("groups start needs --redis: routers of other processes find the blocks there")  # fmt: skip
+    if args.action == "drain" and not args.group:
+        raise ValueError("groups drain needs the group to drain, e.g. group-0")
+    try:
+        ensure_ray(args.address, namespace=cluster_namespace(args.cluster))
+    except RayStartError as e:
+        print(f"pagefleet groups: error: {e}", file=sys.stderr)
+        return 1
+    import ray
+
+    try:
+        if args.action == "start":
+            infos = start_groups(_spec(args), args.timeout)
+        elif args.action == "stop":
+            stop_groups()
+            print(f"pagefleet groups: stopped the groups of {args.cluster}")
+            return 0
+        elif args.action == "drain":
+            info = ray.get(the_supervisor().drain.remote(args.group, args.timeout))
+            infos = [info]
+        else:
+            infos = ray.get(the_supervisor().groups.remote(), timeout=30)
+    except (RuntimeError, ray.exceptions.RayTaskError) as e:
+        cause = getattr(e, "cause", None) or e
+        print(f"pagefleet groups: error: {cause}", file=sys.stderr)
+        return 1
+    _print(infos, args.json)
+    return 0
+
+
+def _spec(args: argparse.Namespace):
+    from cluster.ray.config import RayGroupConfig
+    from cluster.ray.supervisor import GroupsSpec
+    from pagefleet.cli import _ENGINE_FLAGS
+    from pagefleet.llm import engine_config
+    from router.serve import model_name, take_cluster_secret
+
+    options = {k: getattr(args, k) for k in _ENGINE_FLAGS if getattr(args, k) is not None}
+    config = engine_config(args.model, device=args.device, cluster_secret=take_cluster_secret(), **options)  # fmt: skip
+    return GroupsSpec(
+        config, RayGroupConfig(tensor_parallel_size=args.tp), args.groups, args.cluster,
+        model_name(config.model), args.redis,
+    )  # fmt: skip
+
+
+def _print(infos, as_json: bool) -> None:
+    rows = [
+        {"group": i.group_id, "state": i.state, "generation": i.generation,
+         "restarts": i.restarts, "nodes": sorted({r.get("node_id", "")[:8] for r in i.ranks}),
+         "error": i.error}
+        for i in infos
+    ]  # fmt: skip
+    if as_json:
+        print(json.dumps(rows))
+        return
+    for r in rows:
+        error = f"  ({r['error']})" if r["error"] else ""
+        print(f"{r['group']}: {r['state']}, generation {r['generation']}, {r['restarts']} restart(s), nodes {','.join(r['nodes'])}{error}")  # fmt: skip
