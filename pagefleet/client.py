@@ -15,6 +15,7 @@ cancels the call, which aborts the request in the server and frees its blocks.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -114,31 +115,103 @@ def _health_name(status: int) -> str:
     return health_pb2.HealthCheckResponse.ServingStatus.Name(status)
 
 
+def targets_of(target: str | Sequence[str]) -> list[str]:
+    """Router addresses from "host:port", "a:1,b:2" or a list of them."""
+    parts = [target] if isinstance(target, str) else list(target)
+    out = [t.strip() for part in parts for t in part.split(",") if t.strip()]
+    if not out:
+        raise ValueError("give at least one server address (host:port)")
+    return out
+
+
+class _Routers:
+    """A client's router addresses, one channel each (made on first use), and the one in use:
+    a call that finds it UNAVAILABLE before any answer moves on to the next."""
+
+    def __init__(self, target: str | Sequence[str], make_channel) -> None:
+        self.targets = targets_of(target)
+        self._make_channel = make_channel
+        self._channels: dict[str, object] = {}
+        self.current = 0
+
+    @property
+    def target(self) -> str:
+        return self.targets[self.current]
+
+    def channel(self):
+        target = self.target
+        if target not in self._channels:
+            self._channels[target] = self._make_channel(target)
+        return self._channels[target]
+
+    def move_on(self, error: grpc.RpcError, attempt: int) -> bool:
+        """Whether to try the next router after `error` on attempt `attempt` (0-based)."""
+        if error.code() != grpc.StatusCode.UNAVAILABLE or attempt + 1 >= len(self.targets):
+            return False
+        self.current = (self.current + 1) % len(self.targets)
+        return True
+
+    def channels(self) -> list:
+        return list(self._channels.values())
+
+
 class Client:
-    """A blocking client over one channel; thread-safe like gRPC channels are."""
+    """A blocking client of one or several routers (`target`: "host:port", "a:1,b:2" or a
+    list): a call that finds its router UNAVAILABLE before any answer moves on to the next
+    (a stream that already has tokens is resumed by the router itself when a group dies; a
+    router that dies mid-stream ends it). Thread-safe like gRPC channels are."""
 
     def __init__(
         self,
-        target: str = DEFAULT_TARGET,
+        target: str | Sequence[str] = DEFAULT_TARGET,
         *,
         timeout: float | None = None,
         max_message_bytes: int = MAX_MESSAGE_BYTES,
     ) -> None:
-        self.target = target
         self.timeout = timeout  # default deadline of each call, seconds
-        self.channel = grpc.insecure_channel(target, options=_options(max_message_bytes))
-        self.stub = pb_grpc.PageFleetStub(self.channel)
-        self._health = health_pb2_grpc.HealthStub(self.channel)
+        options = _options(max_message_bytes)
+        self.routers = _Routers(target, lambda t: grpc.insecure_channel(t, options=options))
+
+    @property
+    def target(self) -> str:
+        """The router in use."""
+        return self.routers.target
+
+    @property
+    def channel(self) -> grpc.Channel:
+        return self.routers.channel()
+
+    @property
+    def stub(self) -> pb_grpc.PageFleetStub:
+        return pb_grpc.PageFleetStub(self.channel)
+
+    def _unary(self, call):
+        """`call(stub)` on the router in use, moving on while routers are UNAVAILABLE."""
+        for attempt in itertools.count():
+            try:
+                return call(self.stub)
+            except grpc.RpcError as e:
+                if not self.routers.move_on(e, attempt):
+                    raise
 
     def generate_stream(
         self, prompt: str | None = None, *, timeout: float | None = None, **options
     ) -> Iterator[pb.GenerateResponse]:
         """Stream GenerateResponses; closing the iterator early cancels the request."""
-        call = self.stub.Generate(build_request(prompt, **options), timeout=timeout or self.timeout)
-        try:
-            yield from call
-        finally:
-            call.cancel()  # a no-op once the stream has ended
+        request = build_request(prompt, **options)
+        for attempt in itertools.count():
+            call = self.stub.Generate(request, timeout=timeout or self.timeout)
+            answered = False
+            try:
+                for response in call:
+                    answered = True
+                    yield response
+                return
+            except grpc.RpcError as e:
+                if answered or not self.routers.move_on(e, attempt):
+                    raise
+            finally:
+                call.cancel()  # a no-op once the stream has ended
 
     def generate(self, prompt: str | None = None, **options) -> Completion:
         return collect(self.generate_stream(prompt, **options))
@@ -148,17 +221,19 @@ class Client:
         tok = pb.TokenizeRequest(messages=request.messages)
         if text is not None:
             tok.text = text
-        return list(self.stub.Tokenize(tok, timeout=self.timeout).token_ids)
+        return list(self._unary(lambda stub: stub.Tokenize(tok, timeout=self.timeout)).token_ids)
 
     def model_info(self) -> pb.ModelInfo:
-        return self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=self.timeout)
+        return self._unary(lambda stub: stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=self.timeout))  # fmt: skip
 
     def cluster_status(self) -> list[pb.GroupStatus]:
-        return list(self.stub.GetClusterStatus(pb.GetClusterStatusRequest(), timeout=self.timeout).groups)  # fmt: skip
+        reply = self._unary(lambda stub: stub.GetClusterStatus(pb.GetClusterStatusRequest(), timeout=self.timeout))  # fmt: skip
+        return list(reply.groups)
 
     def health(self, service: str = "", timeout: float = 5.0) -> str:
-        """ "SERVING", "NOT_SERVING", ... of the server (or one service)."""
-        reply = self._health.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+        """ "SERVING", "NOT_SERVING", ... of the router in use (or one of its services)."""
+        stub = health_pb2_grpc.HealthStub(self.channel)
+        reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
         return _health_name(reply.status)
 
     def wait_ready(self, timeout: float = 120.0, poll_s: float = 0.2) -> None:
@@ -176,7 +251,8 @@ class Client:
         raise TimeoutError(f"{self.target} not SERVING after {timeout:g} s (last: {last})")
 
     def close(self) -> None:
-        self.channel.close()
+        for channel in self.routers.channels():
+            channel.close()
 
     def __enter__(self) -> Client:
         return self
@@ -186,31 +262,54 @@ class Client:
 
 
 class AsyncClient:
-    """The asyncio client: the same calls, awaited. Create it inside a running loop."""
+    """The asyncio client: the same calls, awaited, over one or several routers (see
+    `Client`). Create it inside a running loop."""
 
     def __init__(
         self,
-        target: str = DEFAULT_TARGET,
+        target: str | Sequence[str] = DEFAULT_TARGET,
         *,
         timeout: float | None = None,
         max_message_bytes: int = MAX_MESSAGE_BYTES,
     ) -> None:
-        self.target = target
         self.timeout = timeout
-        self.channel = grpc.aio.insecure_channel(target, options=_options(max_message_bytes))
-        self.stub = pb_grpc.PageFleetStub(self.channel)
-        self._health = health_pb2_grpc.HealthStub(self.channel)
+        options = _options(max_message_bytes)
+        self.routers = _Routers(target, lambda t: grpc.aio.insecure_channel(t, options=options))
+
+    @property
+    def target(self) -> str:
+        return self.routers.target
+
+    @property
+    def channel(self) -> grpc.aio.Channel:
+        return self.routers.channel()
+
+    @property
+    def stub(self) -> pb_grpc.PageFleetStub:
+        return pb_grpc.PageFleetStub(self.channel)
+
+    @property
+    def _health(self) -> health_pb2_grpc.HealthStub:
+        return health_pb2_grpc.HealthStub(self.channel)
 
     async def generate_stream(
         self, prompt: str | None = None, *, timeout: float | None = None, **options
     ) -> AsyncIterator[pb.GenerateResponse]:
         """Stream GenerateResponses; leaving the loop early cancels the request."""
-        call = self.stub.Generate(build_request(prompt, **options), timeout=timeout or self.timeout)
-        try:
-            async for response in call:
-                yield response
-        finally:
-            call.cancel()
+        request = build_request(prompt, **options)
+        for attempt in itertools.count():
+            call = self.stub.Generate(request, timeout=timeout or self.timeout)
+            answered = False
+            try:
+                async for response in call:
+                    answered = True
+                    yield response
+                return
+            except grpc.RpcError as e:
+                if answered or not self.routers.move_on(e, attempt):
+                    raise
+            finally:
+                call.cancel()
 
     async def generate(self, prompt: str | None = None, **options) -> Completion:
         done = Completion(request_id="", text="", token_ids=[], finish_reason=None)
@@ -250,7 +349,8 @@ class AsyncClient:
         raise TimeoutError(f"{self.target} not SERVING after {timeout:g} s (last: {last})")
 
     async def close(self) -> None:
-        await self.channel.close()
+        for channel in self.routers.channels():
+            await channel.close()
 
     async def __aenter__(self) -> AsyncClient:
         return self

@@ -441,3 +441,16 @@ def test_router_side_hashes_like_the_engine(llm):
     assert info.max_model_len == llm.engine.max_model_len
     assert info.kv_cache_dtype == str(llm.engine.layout.dtype).removeprefix("torch.")
     assert tokenizer.encode("The river runs") == llm.tokenizer.encode("The river runs")
+
+
+def test_a_client_with_several_routers_moves_past_one_that_is_down(server):
+    client, _, _ = server
+    down = f"127.0.0.1:{free_port()}"  # nothing listens there
+    with Client([down, client.target], timeout=30) as both:
+        assert both.target == down
+        done = both.generate(token_ids=[5, 6, 7], max_tokens=2, temperature=0.0)
+        assert done.completion_tokens == 2 and both.target == client.target
+        assert both.model_info().vocab_size == client.model_info().vocab_size
+    with Client(down, timeout=5) as alone, pytest.raises(grpc.RpcError) as err:
+        alone.generate("x", max_tokens=1)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
