@@ -30,6 +30,7 @@ from worker.async_engine import EngineDeadError, GenerationRequest
 from worker.hashing import BlockHasher
 from worker.outputs import RequestOutput
 from worker.sampling_params import SamplingParams
+from worker.scheduler import QueueFullError
 from worker.token_ids import check_token_ids
 
 log = logging.getLogger(__name__)
@@ -236,9 +237,17 @@ class Router:
         rid = request.request_id or f"rt-{next(self._ids)}"
         hashes = self.hash_cache.hash_prompt(ids, cache_salt=request.cache_salt)
         tried: set[str] = set()
+        full: set[str] = set()  # tried groups that refused it for a full queue
         while True:
             t0 = time.perf_counter()
-            placement = self.place(hashes, exclude=tried)
+            try:
+                placement = self.place(hashes, exclude=tried)
+            except NoGroupAvailableError:
+                if tried and tried <= full:
+                    raise QueueFullError(
+                        f"every live group's queue is full ({len(tried)} tried)"
+                    ) from None
+                raise
             record = RouteRecord(
                 rid, placement.group_id, placement.reason,
                 predicted_cached_tokens=min(placement.cached_blocks * self.model_info.block_size, len(ids) - 1),
@@ -261,6 +270,10 @@ class Router:
                         record.actual_cached_tokens = out.num_cached_tokens
                     yield out
                 return
+            except QueueFullError:  # try the next-best group before refusing
+                tried.add(placement.group_id)
+                full.add(placement.group_id)
+                log.info("group %s refused %s: its queue is full", placement.group_id, rid)
             except EngineDeadError as e:
                 tried.add(placement.group_id)
                 if started or len(tried) >= self.max_attempts:
@@ -278,8 +291,9 @@ class Router:
 
     def abort(self, request_id: str) -> None:
         record = self.records.get(request_id)
-        if record is not None:
-            self.groups[record.group_id].abort(request_id)
+        group = None if record is None else self.groups.get(record.group_id)
+        if group is not None:
+            group.abort(request_id)
 
     def cluster_status(self) -> list[GroupStatus]:
         """Every group's status, with the declared groups that have no running generation

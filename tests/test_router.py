@@ -223,3 +223,50 @@ def test_statuses_follow_what_groups_report_and_every_group_is_read_each_second(
     assert router.live_statuses()["g0"].waiting == 0
     monkeypatch.setattr(router_module, "STATUS_REFRESH_S", 0.0)
     assert router.live_statuses()["g0"].waiting == 1
+
+
+def test_a_full_queue_sends_the_request_to_the_next_group_before_refusing_it():
+    """Each group runs one request and queues one. With q0's queue full, the router's first
+    choice (round robin: q0) refuses the request and q1 takes it; with both full, it is
+    refused."""
+    from worker.async_engine import GenerationRequest
+    from worker.scheduler import QueueFullError
+
+    index = InMemoryPrefixIndex()
+    config = engine_config(None, num_blocks=64, max_model_len=512, cluster_secret=SECRET, max_num_seqs=1, max_waiting=1)  # fmt: skip
+    made = [LocalGroup(config, index, group_id=f"q{i}") for i in range(2)]
+    router = Router(made, index, made[0].hasher, info(), policy="round_robin")
+    long = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
+    short = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+
+    async def consume(stream) -> None:
+        async for _ in stream:
+            pass
+
+    async def fill(group) -> list:
+        tasks = []
+        for q, want in ((40, (1, 0)), (41, (1, 1))):  # one running, then one waiting
+            request = GenerationRequest(DOC + [q] * 5, long, request_id=f"{group.group_id}-{q}")
+            tasks.append(asyncio.ensure_future(consume(group.generate(request))))
+            while (group.status().running, group.status().waiting) != want:
+                assert not any(t.done() for t in tasks), [t.exception() for t in tasks if t.done()]
+                await asyncio.sleep(0.01)
+        return tasks
+
+    async def run():
+        fillers = await fill(made[0])
+        out = [o async for o in router.generate(RouteRequest(prompt_token_ids=DOC + [44] * 5, params=short))][-1]  # fmt: skip
+        spilled = router.records[out.request_id].group_id
+        fillers += await fill(made[1])
+        with pytest.raises(QueueFullError, match="every live group's queue is full"):
+            await router.generate(RouteRequest(prompt_token_ids=DOC + [45] * 5, params=short)).__anext__()  # fmt: skip
+        for t in fillers:
+            t.cancel()
+        await asyncio.gather(*fillers, return_exceptions=True)
+        return spilled
+
+    try:
+        assert asyncio.run(run()) == "q1"
+    finally:
+        for g in made:
+            g.shutdown()

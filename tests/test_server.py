@@ -277,7 +277,8 @@ def test_full_queue_is_resource_exhausted(server):
 
     err = asyncio.run(run())
     assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert "queue is full" in err.details()
+    assert "queue is full" in err.details() and "retry after 1 s" in err.details()
+    assert ("grpc-retry-pushback-ms", "1000") in tuple(err.trailing_metadata())
     wait_for(lambda: all_blocks_free(client), what="blocks freed after the full queue")
 
 

@@ -55,6 +55,7 @@ DEFAULT_PORT = 50151  # gRPC; `pagefleet serve --port`
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # per message, both ways: ~500k token ids or 4 MB of text
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["PageFleet"].full_name  # "pagefleet.v1.PageFleet"
 DEADLINE_SLACK_S = 0.1  # see deadline_passed
+RETRY_AFTER_S = 1.0  # a client refused for full queues is told to wait this long
 HEALTH_INTERVAL_S = 1.0  # how often health looks for a live group
 ABORT_FLUSH_S = 5.0  # after the grace period, how long aborted streams have to send their end
 _SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -104,6 +105,8 @@ class PageFleetServicer(pb_grpc.PageFleetServicer):
             raise
         except Exception as e:
             code, message = _status_for(e, rid)
+            if code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # when to try again
+                context.set_trailing_metadata(retry_after(RETRY_AFTER_S))
             await self._abort(context, code, message)
         finally:
             del self._active[call]
@@ -201,6 +204,12 @@ def add_servicer(servicer: PageFleetServicer, server: grpc.aio.Server) -> None:
     server.add_registered_method_handlers(SERVICE_NAME, handlers)
 
 
+def retry_after(seconds: float) -> tuple[tuple[str, str], ...]:
+    """Trailing metadata that tells a refused client when to try again: gRPC's retry pushback
+    (what a retry policy honours) and the HTTP-style header."""
+    return (("grpc-retry-pushback-ms", str(int(seconds * 1000))), ("retry-after", f"{seconds:g}"))
+
+
 def deadline_passed(left: float | None, budget: float | None) -> bool:
     """Whether a call cancelled with `left` seconds of its deadline (`budget` at its start)
     was cancelled by that deadline: the client's own timer fires first and its reset reaches
@@ -220,7 +229,10 @@ def _status_for(e: Exception, request_id: str) -> tuple[grpc.StatusCode, str]:
     if isinstance(e, ValueError):
         return grpc.StatusCode.INVALID_ARGUMENT, _proto_names(str(e))
     if isinstance(e, QueueFullError):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED, f"{e} (request {request_id})"
+        return (
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"{e}; retry after {RETRY_AFTER_S:g} s (request {request_id})",
+        )
     if isinstance(e, NoGroupAvailableError):
         return grpc.StatusCode.UNAVAILABLE, f"{e}; retry later (request {request_id})"
     if isinstance(e, EngineDeadError | PrefixIndexError):
