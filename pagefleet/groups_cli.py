@@ -27,6 +27,11 @@ def add_groups_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--groups", type=_positive_int, default=1, help="start: how many groups")
     parser.add_argument("--tp", type=_positive_int, default=1, help="start: devices per group")
     parser.add_argument("--device", default="cpu", help="start: cpu (default) or cuda")
+    parser.add_argument(
+        "--group-resource", action="append", default=[], metavar="NAME=AMOUNT",
+        help="start: a custom Ray resource every rank's bundle takes (repeatable), e.g. "
+        "pf_group=1 on nodes that declare one each to place one group per node",
+    )  # fmt: skip
     parser.add_argument("--timeout", type=float, default=600.0, help="start/drain: seconds to wait")  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print the groups as JSON")
     engine = parser.add_argument_group("engine of each group (start)")
@@ -79,17 +84,24 @@ def _spec(args: argparse.Namespace):
 
     options = {k: getattr(args, k) for k in _ENGINE_FLAGS if getattr(args, k) is not None}
     config = engine_config(args.model, device=args.device, cluster_secret=take_cluster_secret(), **options)  # fmt: skip
+    resources = {}
+    for item in args.group_resource:
+        name, _, amount = item.partition("=")
+        try:
+            resources[name] = float(amount)
+        except ValueError:
+            raise ValueError(f"--group-resource {item!r}: give NAME=AMOUNT, e.g. pf_group=1") from None  # fmt: skip
+    group_config = RayGroupConfig(tensor_parallel_size=args.tp, bundle_resources=resources)
     return GroupsSpec(
-        config, RayGroupConfig(tensor_parallel_size=args.tp), args.groups, args.cluster,
-        model_name(config.model), args.redis,
+        config, group_config, args.groups, args.cluster, model_name(config.model), args.redis
     )  # fmt: skip
 
 
 def _print(infos, as_json: bool) -> None:
     rows = [
         {"group": i.group_id, "state": i.state, "generation": i.generation,
-         "restarts": i.restarts, "nodes": sorted({r.get("node_id", "")[:8] for r in i.ranks}),
-         "error": i.error}
+         "restarts": i.restarts, "nodes": [r.get("node_id", "") for r in i.ranks],
+         "pids": [r.get("pid") for r in i.ranks], "error": i.error}
         for i in infos
     ]  # fmt: skip
     if as_json:
@@ -97,4 +109,5 @@ def _print(infos, as_json: bool) -> None:
         return
     for r in rows:
         error = f"  ({r['error']})" if r["error"] else ""
-        print(f"{r['group']}: {r['state']}, generation {r['generation']}, {r['restarts']} restart(s), nodes {','.join(r['nodes'])}{error}")  # fmt: skip
+        nodes = ",".join(sorted({n[:8] for n in r["nodes"]}))
+        print(f"{r['group']}: {r['state']}, generation {r['generation']}, {r['restarts']} restart(s), nodes {nodes}{error}")  # fmt: skip

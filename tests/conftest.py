@@ -28,6 +28,7 @@ OBJECT_STORE_BYTES = 100 << 20
 class RayRuntime:
     address: str
     node_labels: tuple[str, ...]  # custom resources naming the nodes, e.g. {"node_a": 1}
+    cluster: object  # the ray.cluster_utils.Cluster, for tests that add (and kill) nodes
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +68,7 @@ def ray_runtime():
     address = ensure_ray(cluster.address)
     cluster.wait_for_nodes()
     try:
-        yield RayRuntime(address, (HEAD_NODE[0], OTHER_NODE[0]))
+        yield RayRuntime(address, (HEAD_NODE[0], OTHER_NODE[0]), cluster)
         deadline = time.monotonic() + 30
         while (live_actors() or live_placement_groups()) and time.monotonic() < deadline:
             time.sleep(0.2)  # ray.kill and removal are asynchronous
