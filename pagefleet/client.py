@@ -10,6 +10,10 @@ Keyword arguments of `generate*` are the fields of `pagefleet.v1.SamplingParams`
 top_p, max_tokens, stop, logprobs, ...) plus request fields (request_id, cache_salt, tenant,
 priority). Server errors raise `grpc.RpcError` (`.code()`, `.details()`). Leaving a stream early
 cancels the call, which aborts the request in the server and frees its blocks.
+
+A server with API keys needs `api_key` (sent as `authorization: Bearer KEY` metadata); one with
+TLS needs `tls=True` (the system's roots) or `root_certificates`, and with mutual TLS
+`certificate_chain` and `private_key` (PEM bytes) as well.
 """
 
 from __future__ import annotations
@@ -110,6 +114,30 @@ def _options(max_message_bytes: int) -> list[tuple[str, int]]:
     ]
 
 
+@dataclass(frozen=True)
+class Security:
+    """How a client reaches a server with keys or TLS (see the module docstring)."""
+
+    api_key: str | None = None
+    tls: bool = False
+    root_certificates: bytes | None = None
+    certificate_chain: bytes | None = None
+    private_key: bytes | None = None
+
+    @property
+    def metadata(self) -> tuple[tuple[str, str], ...] | None:
+        return None if self.api_key is None else (("authorization", f"Bearer {self.api_key}"),)
+
+    def channel(self, grpc_module, target: str, options):
+        """A channel from `grpc` or `grpc.aio`: secure with TLS, else insecure."""
+        if not (self.tls or self.root_certificates or self.certificate_chain):
+            return grpc_module.insecure_channel(target, options=options)
+        credentials = grpc.ssl_channel_credentials(
+            self.root_certificates, self.private_key, self.certificate_chain
+        )
+        return grpc_module.secure_channel(target, credentials, options=options)
+
+
 def _health_name(status: int) -> str:
     return health_pb2.HealthCheckResponse.ServingStatus.Name(status)
 
@@ -123,10 +151,14 @@ class Client:
         *,
         timeout: float | None = None,
         max_message_bytes: int = MAX_MESSAGE_BYTES,
+        **security,
     ) -> None:
+        """`security`: the fields of `Security` (api_key, tls, root_certificates, ...)."""
         self.target = target
         self.timeout = timeout  # default deadline of each call, seconds
-        self.channel = grpc.insecure_channel(target, options=_options(max_message_bytes))
+        self.security = Security(**security)
+        self._md = self.security.metadata
+        self.channel = self.security.channel(grpc, target, _options(max_message_bytes))
         self.stub = pb_grpc.PageFleetStub(self.channel)
         self._health = health_pb2_grpc.HealthStub(self.channel)
 
@@ -134,7 +166,9 @@ class Client:
         self, prompt: str | None = None, *, timeout: float | None = None, **options
     ) -> Iterator[pb.GenerateResponse]:
         """Stream GenerateResponses; closing the iterator early cancels the request."""
-        call = self.stub.Generate(build_request(prompt, **options), timeout=timeout or self.timeout)
+        call = self.stub.Generate(
+            build_request(prompt, **options), timeout=timeout or self.timeout, metadata=self._md
+        )
         try:
             yield from call
         finally:
@@ -148,13 +182,15 @@ class Client:
         tok = pb.TokenizeRequest(messages=request.messages)
         if text is not None:
             tok.text = text
-        return list(self.stub.Tokenize(tok, timeout=self.timeout).token_ids)
+        return list(self.stub.Tokenize(tok, timeout=self.timeout, metadata=self._md).token_ids)
 
     def model_info(self) -> pb.ModelInfo:
-        return self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=self.timeout)
+        return self.stub.GetModelInfo(
+            pb.GetModelInfoRequest(), timeout=self.timeout, metadata=self._md
+        )
 
     def cluster_status(self) -> list[pb.GroupStatus]:
-        return list(self.stub.GetClusterStatus(pb.GetClusterStatusRequest(), timeout=self.timeout).groups)  # fmt: skip
+        return list(self.stub.GetClusterStatus(pb.GetClusterStatusRequest(), timeout=self.timeout, metadata=self._md).groups)  # fmt: skip
 
     def health(self, service: str = "", timeout: float = 5.0) -> str:
         """ "SERVING", "NOT_SERVING", ... of the server (or one service)."""
@@ -194,10 +230,13 @@ class AsyncClient:
         *,
         timeout: float | None = None,
         max_message_bytes: int = MAX_MESSAGE_BYTES,
+        **security,
     ) -> None:
         self.target = target
         self.timeout = timeout
-        self.channel = grpc.aio.insecure_channel(target, options=_options(max_message_bytes))
+        self.security = Security(**security)
+        self._md = self.security.metadata
+        self.channel = self.security.channel(grpc.aio, target, _options(max_message_bytes))
         self.stub = pb_grpc.PageFleetStub(self.channel)
         self._health = health_pb2_grpc.HealthStub(self.channel)
 
@@ -205,7 +244,9 @@ class AsyncClient:
         self, prompt: str | None = None, *, timeout: float | None = None, **options
     ) -> AsyncIterator[pb.GenerateResponse]:
         """Stream GenerateResponses; leaving the loop early cancels the request."""
-        call = self.stub.Generate(build_request(prompt, **options), timeout=timeout or self.timeout)
+        call = self.stub.Generate(
+            build_request(prompt, **options), timeout=timeout or self.timeout, metadata=self._md
+        )
         try:
             async for response in call:
                 yield response
@@ -223,13 +264,19 @@ class AsyncClient:
         tok = pb.TokenizeRequest(messages=request.messages)
         if text is not None:
             tok.text = text
-        return list((await self.stub.Tokenize(tok, timeout=self.timeout)).token_ids)
+        return list(
+            (await self.stub.Tokenize(tok, timeout=self.timeout, metadata=self._md)).token_ids
+        )
 
     async def model_info(self) -> pb.ModelInfo:
-        return await self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=self.timeout)
+        return await self.stub.GetModelInfo(
+            pb.GetModelInfoRequest(), timeout=self.timeout, metadata=self._md
+        )
 
     async def cluster_status(self) -> list[pb.GroupStatus]:
-        reply = await self.stub.GetClusterStatus(pb.GetClusterStatusRequest(), timeout=self.timeout)
+        reply = await self.stub.GetClusterStatus(
+            pb.GetClusterStatusRequest(), timeout=self.timeout, metadata=self._md
+        )
         return list(reply.groups)
 
     async def health(self, service: str = "", timeout: float = 5.0) -> str:
