@@ -109,3 +109,12 @@ def test_the_balanced_oracle_splits_a_hot_document_and_keeps_the_bound():
     assert max(per_group.values()) <= 1.15 * len(trace) / len(groups)
     with pytest.raises(ValueError, match="cap"):
         BalancedOracle.plan(trace, groups, cap=0.9)
+
+
+def test_serving_benchmark_smoke():
+    lines = run("-m", "benchmarks.serving", "--quick", timeout=400)
+    assert [(line["door"], line["rate"]) for line in lines] == [("grpc", 1.0), ("http", 1.0)]
+    for line in lines:
+        assert line["errors"] == 0 and line["requests"] == 6, line
+        assert line["ttft_ms_p50"] > 0 and line["output_tok_s"] > 0 and line["door_ms_p50"] > 0
+    assert set(lines[1]["vs_grpc"]) >= {"ttft_ms_p50", "door_ms_p50", "output_tok_s"}

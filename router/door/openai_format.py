@@ -4,8 +4,8 @@ stream chunks, with logprobs and usage where OpenAI puts them.
 Prompt tokens served from the prefix cache are `usage.prompt_tokens_details.cached_tokens`, as
 OpenAI reports them. pagefleet's own facts go in the extension field `pagefleet`: per choice,
 the group that served it, why it was placed there, the cached tokens the router predicted and
-those the group reported (`choices`), and the placement on the first chunk of each choice when
-streaming.
+those the group reported, the group's time to first token (`choices`), and the placement on the
+first chunk of each choice when streaming.
 """
 
 from __future__ import annotations
@@ -154,6 +154,7 @@ def extension(choices: Sequence[Choice]) -> dict:
         if c.record is not None:
             row |= placement(c.record)
         if c.last is not None:
-            row["cached_tokens"] = c.last.num_cached_tokens
+            ttft = c.last.metrics.ttft  # the group's: its receipt of the request to 1st token
+            row |= {"cached_tokens": c.last.num_cached_tokens, "ttft_seconds": ttft}
         rows.append(row)
     return {"choices": rows}
