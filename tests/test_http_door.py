@@ -9,7 +9,9 @@ waiting requests per group (so that a full queue is cheap to reach).
 from __future__ import annotations
 
 import asyncio
+import re
 import time
+import urllib.request
 
 import grpc
 import openai
@@ -19,6 +21,7 @@ from tests.redis_server import free_port
 from tests.serve_process import builtin_model_flags, start_serve
 
 START_TIMEOUT_S = 240
+METRICS: dict[str, str] = {}  # the module server's /metrics URL
 KEYS = {"acme": "acme-key-0123456789", "globex": "globex-key-9876543210"}
 DOCUMENT = (
     "The old mill stood by the river for two hundred years. It ground wheat for the town "
@@ -33,13 +36,14 @@ def served(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("http-door")
     key_file = tmp / "keys"
     key_file.write_text("".join(f"{t} {k}\n" for t, k in KEYS.items()))
-    http_port = free_port()
+    http_port, metrics_port = free_port(), free_port()
     flags = [*builtin_model_flags(), f"--http-port={http_port}", f"--api-key-file={key_file}",
-             "--no-metrics", "--grace=1", "--max-model-len=512", "--num-blocks=256",
+             f"--metrics-port={metrics_port}", "--grace=1", "--max-model-len=512", "--num-blocks=256",
              "--max-num-seqs=2", "--max-waiting=2"]  # fmt: skip
     proc, client = start_serve(
         flags, free_port(), tmp / "serve.log", START_TIMEOUT_S, api_key=KEYS["acme"]
     )
+    METRICS["url"] = f"http://127.0.0.1:{metrics_port}/metrics"
     try:
         yield proc, client, f"http://127.0.0.1:{http_port}/v1", client.model_info().model
     finally:
@@ -299,3 +303,43 @@ def test_a_key_cannot_name_another_tenant(served):
         sdk(served).completions.create(model=model, prompt="x", max_tokens=1,
                                        extra_body={"cache_salt": "globex"})  # fmt: skip
     assert http.value.param == "cache_salt"
+
+
+# ---- one set of metrics; a door not ready ------------------------------------------------------
+
+
+def counter(text: str, name: str, **labels) -> float:
+    want = [f'{k}="{v}"' for k, v in labels.items()]
+    total = 0.0
+    for line in text.splitlines():
+        m = re.match(rf"pagefleet:{name}\{{(.*)\}} (\S+)$", line)
+        if m and all(w in m.group(1) for w in want):
+            total += float(m.group(2))
+    return total
+
+
+def test_both_doors_count_in_the_same_metrics(served):
+    _, client, _, model = served
+    scrape = lambda: urllib.request.urlopen(METRICS["url"], timeout=10).read().decode()  # noqa: E731
+    before = scrape()
+    sdk(served).completions.create(model=model, prompt=[1, 2], max_tokens=3)
+    client.generate(token_ids=[1, 2], max_tokens=3)
+    with pytest.raises(openai.AuthenticationError):
+        sdk(served, key="wrong").models.list()
+    after = scrape()
+    for name, labels, grew in (("request_success_total", {"finished_reason": "length"}, 2),
+                               ("generation_tokens_total", {}, 6),
+                               ("request_errors_total", {"code": "UNAUTHENTICATED"}, 1)):  # fmt: skip
+        assert counter(after, name, **labels) - counter(before, name, **labels) == grew, name
+
+
+def test_a_door_before_its_router_answers_503_with_retry_after():
+    from fastapi.testclient import TestClient
+
+    from router.door.http import HttpDoor
+
+    with TestClient(HttpDoor(port=0).app) as http:
+        assert http.get("/health").status_code == 503
+        response = http.post("/v1/completions", json={"model": "m", "prompt": "x"})
+        assert response.status_code == 503 and response.headers["retry-after"] == "1"
+        assert "starting" in response.json()["error"]["message"]
