@@ -1,8 +1,9 @@
 """`pagefleet serve` as a subprocess, started the way a user starts it, for tests that probe a
-running server from outside."""
+running server from outside, and what those tests share (waiting, the blocks' state, fuzzing)."""
 
 from __future__ import annotations
 
+import random
 import subprocess
 import sys
 import time
@@ -58,3 +59,39 @@ def builtin_model_flags() -> list[str]:
     from worker.builtin_model import builtin_model_path
 
     return ["--model", str(builtin_model_path())]
+
+
+def all_blocks_free(client: Client) -> bool:
+    """Whether every group of the server has all its blocks free and nothing running or
+    waiting."""
+    return all(
+        g.blocks_free == g.blocks_total and g.running == 0 and g.waiting == 0
+        for g in client.cluster_status()
+    )
+
+
+def wait_for(predicate, timeout: float = 15.0) -> bool:
+    """Whether `predicate()` becomes true within `timeout` seconds (polled every 50 ms)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def mutated(rng: random.Random, data: bytes) -> bytes:
+    """`data` after one to three byte-level mutations (a bit flipped, the tail cut, random
+    bytes inserted, its head repeated inside), as a fuzzing client sends."""
+    out = bytearray(data)
+    for _ in range(rng.randrange(1, 4)):
+        op, at = rng.randrange(4), rng.randrange(len(out) + 1)
+        if op == 0 and out:
+            out[min(at, len(out) - 1)] ^= 1 << rng.randrange(8)
+        elif op == 1:
+            del out[at:]
+        elif op == 2:
+            out[at:at] = rng.randbytes(rng.randrange(1, 6))
+        else:
+            out[at:at] = out[: rng.randrange(1, 12)]
+    return bytes(out)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import time
 import urllib.request
 
 import grpc
@@ -18,7 +17,7 @@ import openai
 import pytest
 
 from tests.redis_server import free_port
-from tests.serve_process import builtin_model_flags, start_serve
+from tests.serve_process import all_blocks_free, builtin_model_flags, start_serve, wait_for
 
 START_TIMEOUT_S = 240
 METRICS: dict[str, str] = {}  # the module server's /metrics URL
@@ -55,22 +54,6 @@ def served(tmp_path_factory):
 def sdk(served, tenant: str = "acme", key: str | None = None) -> openai.OpenAI:
     _, _, url, _ = served
     return openai.OpenAI(base_url=url, api_key=key or KEYS[tenant], max_retries=0, timeout=60)
-
-
-def all_blocks_free(client) -> bool:
-    return all(
-        g.blocks_free == g.blocks_total and g.running == 0 and g.waiting == 0
-        for g in client.cluster_status()
-    )
-
-
-def wait_for(predicate, timeout: float = 15.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
 
 
 # ---- completions and chat, whole and streamed ---------------------------------------------

@@ -23,7 +23,13 @@ import httpx
 import pytest
 
 from tests.redis_server import free_port
-from tests.serve_process import builtin_model_flags, start_serve
+from tests.serve_process import (
+    all_blocks_free,
+    builtin_model_flags,
+    mutated,
+    start_serve,
+    wait_for,
+)
 
 CONTEXT = 512
 START_TIMEOUT_S = 240
@@ -57,22 +63,6 @@ def error_of(response: httpx.Response, status: int) -> dict:
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and len(error["message"]) < 300
     return error
-
-
-def all_blocks_free(client) -> bool:
-    return all(
-        g.blocks_free == g.blocks_total and g.running == 0 and g.waiting == 0
-        for g in client.cluster_status()
-    )
-
-
-def wait_for(predicate, timeout: float = 15.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
 
 
 # ---- bodies -------------------------------------------------------------------------------
@@ -228,18 +218,7 @@ def mutations(rng: random.Random, model: str, n: int) -> list[tuple[str, bytes]]
             body = {**body, rng.choice([*body, "top_k", "n", "stop", "cache_salt"]): rng.choice(values)}  # fmt: skip
             out.append((path, json.dumps(body).encode()))
             continue
-        data = bytearray(json.dumps(body).encode())
-        for _ in range(rng.randrange(1, 4)):
-            op, at = rng.randrange(4), rng.randrange(len(data) + 1)
-            if op == 0 and data:
-                data[min(at, len(data) - 1)] ^= 1 << rng.randrange(8)
-            elif op == 1:
-                del data[at:]
-            elif op == 2:
-                data[at:at] = rng.randbytes(rng.randrange(1, 6))
-            else:
-                data[at:at] = data[: rng.randrange(1, 12)]
-        out.append((path, bytes(data)))
+        out.append((path, mutated(rng, json.dumps(body).encode())))
     return out
 
 
