@@ -1,6 +1,6 @@
 """Serving benchmark: open-loop load through either door of a running `pagefleet serve`.
 
-    python -m benchmarks.serving --rates 2,4,8
+    python -m benchmarks.serving --rates 0.5,1,2
     python -m benchmarks.serving --quick          # the smoke size
 
 Starts `pagefleet serve` (the built-in model unless --model) with both doors, then replays the
@@ -148,7 +148,7 @@ def compare(http: dict, grpc: dict) -> dict:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--rates", default="2,4,8", help="requests per second, comma-separated")
+    p.add_argument("--rates", default="0.5,1,2", help="requests per second, comma-separated")
     p.add_argument("--model", help="model for the server (default: the built-in model)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="a small trace at one rate (smoke)")
@@ -160,8 +160,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rates = [1.0] if args.quick else [float(r) for r in args.rates.split(",")]
     workload = ResearchWorkload(num_docs=2, doc_len=(200, 300), questions_per_doc=2, num_chats=2,
                                 output_len=(4, 8), vocab_size=1000, seed=args.seed) if args.quick \
-        else ResearchWorkload(num_docs=4, doc_len=(600, 900), questions_per_doc=6, num_chats=8,
-                              output_len=(16, 64), vocab_size=1000, seed=args.seed)  # fmt: skip
+        else ResearchWorkload(num_docs=3, doc_len=(300, 500), questions_per_doc=4, num_chats=6,
+                              output_len=(16, 48), vocab_size=1000, seed=args.seed)  # fmt: skip
     trace = research_requests(workload)
     http_port = free_port()
     model = ["--model", args.model] if args.model else builtin_model_flags()
