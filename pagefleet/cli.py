@@ -158,8 +158,17 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--redis", metavar="URL", help="shared prefix index (default: in-process)")
     parser.add_argument("--address", help="Ray cluster address, e.g. auto (default: no Ray)")
     parser.add_argument("--ray", action="store_true", default=None, help="Ray-placed groups on a local Ray runtime (implied by --tp/--groups > 1)")  # fmt: skip
-    parser.add_argument("--host", help="gRPC bind address (default 127.0.0.1)")
+    parser.add_argument("--host", help="bind address of both doors (default 127.0.0.1; another needs an API key or --allow-unauthenticated)")  # fmt: skip
     parser.add_argument("--port", type=_non_negative_int, help="gRPC port (default 50151)")
+    parser.add_argument("--http-port", type=_non_negative_int, help="OpenAI-compatible HTTP port (default 8000)")  # fmt: skip
+    parser.add_argument("--no-http", action="store_true", help="serve no HTTP door")
+    auth = parser.add_argument_group("API keys and TLS (both doors)")
+    auth.add_argument("--api-key", help="one key, of the tenant 'default' (visible to other local users in the process list: prefer --api-key-file)")  # fmt: skip
+    auth.add_argument("--api-key-file", metavar="FILE", help="one 'TENANT KEY' per line; a request's tenant (its prefix-cache namespace) is its key's")  # fmt: skip
+    auth.add_argument("--allow-unauthenticated", action="store_true", default=None, help="serve without a key on a non-loopback --host")  # fmt: skip
+    auth.add_argument("--tls-cert", metavar="PEM", help="certificate chain of both doors (with --tls-key)")  # fmt: skip
+    auth.add_argument("--tls-key", metavar="PEM", help="private key of --tls-cert")
+    auth.add_argument("--tls-client-ca", metavar="PEM", help="mutual TLS: clients need a certificate signed by this CA")  # fmt: skip
     parser.add_argument("--metrics-host", help="metrics bind address (default 127.0.0.1)")
     parser.add_argument("--metrics-port", type=_non_negative_int, help="Prometheus /metrics port (default 9151)")  # fmt: skip
     parser.add_argument("--no-metrics", action="store_true", help="serve no metrics endpoint")
@@ -182,8 +191,10 @@ def serve_config(args: argparse.Namespace):
     """The `ServeConfig` of `pagefleet serve`'s flags over its --config file."""
     from router.serve import load_config
 
-    keys = ("model", "tp", "groups", "redis", "address", "ray", "host", "port", "metrics_host",
-            "metrics_port", "device", "policy", "grace_s", "role", "cluster")  # fmt: skip
+    keys = ("model", "tp", "groups", "redis", "address", "ray", "host", "port", "http_port",
+            "api_key", "api_key_file", "allow_unauthenticated", "tls_cert", "tls_key",
+            "tls_client_ca", "metrics_host", "metrics_port", "device", "policy", "grace_s",
+            "role", "cluster")  # fmt: skip
     overrides = {k: getattr(args, k) for k in keys}
     config = load_config(args.config, overrides)
     engine_keys = (*_ENGINE_FLAGS, "kv_cache_dtype")
@@ -191,6 +202,8 @@ def serve_config(args: argparse.Namespace):
     config = replace(config, engine={**config.engine, **engine})
     if args.no_metrics:
         config = replace(config, metrics_port=None)
+    if args.no_http:
+        config = replace(config, http_port=None)
     return config
 
 
@@ -371,7 +384,7 @@ COMMANDS: list[Command] = [
     Command("plan", "KV-cache capacity plan (seed 000)", add_plan_arguments, run_plan),
     Command(
         "serve",
-        "serve the gRPC API (default: built-in model, one CPU group, port 50151)",
+        "serve the gRPC and OpenAI-compatible HTTP APIs (default: built-in model, one CPU group, ports 50151 and 8000)",
         add_serve_arguments,
         run_serve,
     ),

@@ -10,6 +10,10 @@ Keyword arguments of `generate*` are the fields of `pagefleet.v1.SamplingParams`
 top_p, max_tokens, stop, logprobs, ...) plus request fields (request_id, cache_salt, tenant,
 priority). Server errors raise `grpc.RpcError` (`.code()`, `.details()`). Leaving a stream early
 cancels the call, which aborts the request in the server and frees its blocks.
+
+A server with API keys needs `api_key` (sent as `authorization: Bearer KEY` metadata); one with
+TLS needs `tls=True` (the system's roots) or `root_certificates`, and with mutual TLS
+`certificate_chain` and `private_key` (PEM bytes) as well.
 """
 
 from __future__ import annotations
@@ -111,6 +115,30 @@ def _options(max_message_bytes: int) -> list[tuple[str, int]]:
     ]
 
 
+@dataclass(frozen=True)
+class Security:
+    """How a client reaches a server with keys or TLS (see the module docstring)."""
+
+    api_key: str | None = None
+    tls: bool = False
+    root_certificates: bytes | None = None
+    certificate_chain: bytes | None = None
+    private_key: bytes | None = None
+
+    @property
+    def metadata(self) -> tuple[tuple[str, str], ...] | None:
+        return None if self.api_key is None else (("authorization", f"Bearer {self.api_key}"),)
+
+    def channel(self, grpc_module, target: str, options):
+        """A channel from `grpc` or `grpc.aio`: secure with TLS, else insecure."""
+        if not (self.tls or self.root_certificates or self.certificate_chain):
+            return grpc_module.insecure_channel(target, options=options)
+        credentials = grpc.ssl_channel_credentials(
+            self.root_certificates, self.private_key, self.certificate_chain
+        )
+        return grpc_module.secure_channel(target, credentials, options=options)
+
+
 def _health_name(status: int) -> str:
     return health_pb2.HealthCheckResponse.ServingStatus.Name(status)
 
@@ -167,10 +195,14 @@ class Client:
         *,
         timeout: float | None = None,
         max_message_bytes: int = MAX_MESSAGE_BYTES,
+        **security,
     ) -> None:
+        """`security`: the fields of `Security` (api_key, tls, root_certificates, ...)."""
         self.timeout = timeout  # default deadline of each call, seconds
+        self.security = Security(**security)
+        self._md = self.security.metadata
         options = _options(max_message_bytes)
-        self.routers = _Routers(target, lambda t: grpc.insecure_channel(t, options=options))
+        self.routers = _Routers(target, lambda t: self.security.channel(grpc, t, options))
 
     @property
     def target(self) -> str:
@@ -185,11 +217,11 @@ class Client:
     def stub(self) -> pb_grpc.PageFleetStub:
         return pb_grpc.PageFleetStub(self.channel)
 
-    def _unary(self, call):
-        """`call(stub)` on the router in use, moving on while routers are UNAVAILABLE."""
+    def _unary(self, method: str, request):
+        """One call on the router in use, moving on while routers are UNAVAILABLE."""
         for attempt in itertools.count():
             try:
-                return call(self.stub)
+                return getattr(self.stub, method)(request, timeout=self.timeout, metadata=self._md)
             except grpc.RpcError as e:
                 if not self.routers.move_on(e, attempt):
                     raise
@@ -200,7 +232,7 @@ class Client:
         """Stream GenerateResponses; closing the iterator early cancels the request."""
         request = build_request(prompt, **options)
         for attempt in itertools.count():
-            call = self.stub.Generate(request, timeout=timeout or self.timeout)
+            call = self.stub.Generate(request, timeout=timeout or self.timeout, metadata=self._md)
             answered = False
             try:
                 for response in call:
@@ -221,14 +253,13 @@ class Client:
         tok = pb.TokenizeRequest(messages=request.messages)
         if text is not None:
             tok.text = text
-        return list(self._unary(lambda stub: stub.Tokenize(tok, timeout=self.timeout)).token_ids)
+        return list(self._unary("Tokenize", tok).token_ids)
 
     def model_info(self) -> pb.ModelInfo:
-        return self._unary(lambda stub: stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=self.timeout))  # fmt: skip
+        return self._unary("GetModelInfo", pb.GetModelInfoRequest())
 
     def cluster_status(self) -> list[pb.GroupStatus]:
-        reply = self._unary(lambda stub: stub.GetClusterStatus(pb.GetClusterStatusRequest(), timeout=self.timeout))  # fmt: skip
-        return list(reply.groups)
+        return list(self._unary("GetClusterStatus", pb.GetClusterStatusRequest()).groups)
 
     def health(self, service: str = "", timeout: float = 5.0) -> str:
         """ "SERVING", "NOT_SERVING", ... of the router in use (or one of its services)."""
@@ -271,10 +302,13 @@ class AsyncClient:
         *,
         timeout: float | None = None,
         max_message_bytes: int = MAX_MESSAGE_BYTES,
+        **security,
     ) -> None:
         self.timeout = timeout
+        self.security = Security(**security)
+        self._md = self.security.metadata
         options = _options(max_message_bytes)
-        self.routers = _Routers(target, lambda t: grpc.aio.insecure_channel(t, options=options))
+        self.routers = _Routers(target, lambda t: self.security.channel(grpc.aio, t, options))
 
     @property
     def target(self) -> str:
@@ -288,9 +322,13 @@ class AsyncClient:
     def stub(self) -> pb_grpc.PageFleetStub:
         return pb_grpc.PageFleetStub(self.channel)
 
-    @property
-    def _health(self) -> health_pb2_grpc.HealthStub:
-        return health_pb2_grpc.HealthStub(self.channel)
+    async def _unary(self, method: str, request):
+        for attempt in itertools.count():
+            try:
+                return await getattr(self.stub, method)(request, timeout=self.timeout, metadata=self._md)  # fmt: skip
+            except grpc.RpcError as e:
+                if not self.routers.move_on(e, attempt):
+                    raise
 
     async def generate_stream(
         self, prompt: str | None = None, *, timeout: float | None = None, **options
@@ -298,7 +336,7 @@ class AsyncClient:
         """Stream GenerateResponses; leaving the loop early cancels the request."""
         request = build_request(prompt, **options)
         for attempt in itertools.count():
-            call = self.stub.Generate(request, timeout=timeout or self.timeout)
+            call = self.stub.Generate(request, timeout=timeout or self.timeout, metadata=self._md)
             answered = False
             try:
                 async for response in call:
@@ -322,18 +360,18 @@ class AsyncClient:
         tok = pb.TokenizeRequest(messages=request.messages)
         if text is not None:
             tok.text = text
-        return list((await self.stub.Tokenize(tok, timeout=self.timeout)).token_ids)
+        return list((await self._unary("Tokenize", tok)).token_ids)
 
     async def model_info(self) -> pb.ModelInfo:
-        return await self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=self.timeout)
+        return await self._unary("GetModelInfo", pb.GetModelInfoRequest())
 
     async def cluster_status(self) -> list[pb.GroupStatus]:
-        reply = await self.stub.GetClusterStatus(pb.GetClusterStatusRequest(), timeout=self.timeout)
-        return list(reply.groups)
+        return list((await self._unary("GetClusterStatus", pb.GetClusterStatusRequest())).groups)
 
     async def health(self, service: str = "", timeout: float = 5.0) -> str:
+        stub = health_pb2_grpc.HealthStub(self.channel)
         request = health_pb2.HealthCheckRequest(service=service)
-        return _health_name((await self._health.Check(request, timeout=timeout)).status)
+        return _health_name((await stub.Check(request, timeout=timeout)).status)
 
     async def wait_ready(self, timeout: float = 120.0, poll_s: float = 0.2) -> None:
         deadline = time.monotonic() + timeout

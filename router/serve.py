@@ -1,7 +1,10 @@
-"""`pagefleet serve`: build the cluster from a `ServeConfig` and serve it over gRPC.
+"""`pagefleet serve`: build the cluster from a `ServeConfig` and serve it over gRPC and the
+OpenAI-compatible HTTP API.
 
 The embedded default (no flags) is one TP=1 group on this machine's CPU, the in-process prefix
-index, the built-in small model, gRPC on 127.0.0.1:50151 and metrics on 127.0.0.1:9151. That
+index, the built-in small model, gRPC on 127.0.0.1:50151, HTTP on 127.0.0.1:8000 and metrics on
+127.0.0.1:9151. Both doors take the same API keys (one tenant per key) and TLS files; without
+a key they bind loopback only unless told otherwise (`door_security`). That
 group runs in this process: a local Ray runtime and a Ray-placed group would add tens of
 seconds to start-up on a small CPU host (`ray` opts in). The same config with `model`, `tp`, `groups`,
 `redis` and `address` is the multi-node deployment: with `ray`, `tp > 1`, `groups > 1` or a Ray
@@ -9,7 +12,7 @@ seconds to start-up on a small CPU host (`ray` opts in). The same config with `m
 local runtime, and publish their KV events and load to the index like in-process groups. All
 groups and the router share one cluster secret (PAGEFLEET_CLUSTER_SECRET, or a random one).
 
-Start-up order, so that "ready" means ready: bind the gRPC port (health NOT_SERVING), load the
+Start-up order, so that "ready" means ready: bind both doors (health NOT_SERVING), load the
 groups on a thread, run one tiny generation through every group, start the metrics endpoint,
 then report SERVING. SIGTERM or SIGINT: NOT_SERVING, drain in-flight calls for `grace_s`, stop.
 """
@@ -30,7 +33,9 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from router.door.server import DEFAULT_PORT, MAX_MESSAGE_BYTES, FrontDoor
+from router.door.doors import Doors, door_security
+from router.door.http import DEFAULT_HTTP_PORT
+from router.door.server import DEFAULT_PORT, MAX_MESSAGE_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +60,15 @@ class ServeConfig:
     redis: str | None = None  # redis://host:port for the shared prefix index
     address: str | None = None  # Ray address ("auto", "ray://head:10001"); None: see `ray`
     ray: bool = False  # Ray-placed groups on a local runtime even for one TP=1 group
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # both doors; not loopback needs a key or allow_unauthenticated
     port: int = DEFAULT_PORT
+    http_port: int | None = DEFAULT_HTTP_PORT  # the OpenAI-compatible door; None: none
+    api_key: str | None = None  # one key, of the tenant "default"
+    api_key_file: str | None = None  # one `TENANT KEY` per line (router/door/auth.py)
+    allow_unauthenticated: bool = False  # serve without keys on a non-loopback host
+    tls_cert: str | None = None  # PEM certificate chain of both doors
+    tls_key: str | None = None
+    tls_client_ca: str | None = None  # mutual TLS: clients need a certificate from this CA
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = DEFAULT_METRICS_PORT  # None: no metrics endpoint
     device: str = "cpu"  # "cuda" gives group i device cuda:i (in-process groups)
@@ -77,7 +89,7 @@ class ServeConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        for name in ("port", "metrics_port"):
+        for name in ("port", "metrics_port", "http_port"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, int) and 0 <= value < 65536):
                 raise ValueError(f"{name} must be a port number in [0, 65535], got {value!r}")
@@ -93,6 +105,10 @@ class ServeConfig:
             raise ValueError(f"role must be 'all' or 'router', got {self.role!r}")
         if self.role == "router" and (self.address is None or self.redis is None):
             raise ValueError("role 'router' needs address (the Ray cluster) and redis (its index)")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key go together: give both or neither")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ValueError("tls_client_ca (mutual TLS) needs tls_cert and tls_key")
 
     @property
     def uses_ray(self) -> bool:
@@ -355,10 +371,11 @@ async def warm_up(groups) -> None:
 async def serve(config: ServeConfig, make_engine_config: Callable[..., Any]) -> int:
     """Run the server until SIGTERM/SIGINT; returns the exit code."""
     check_deployment(config)
+    keys, tls = door_security(config)
     sys.setswitchinterval(ROUTER_SWITCH_INTERVAL_S)
-    door = FrontDoor(config.host, config.port, config.max_message_bytes)
-    port = await door.start()
-    _say(f"gRPC on {config.host}:{port}: loading {config.groups} group(s)")
+    doors = Doors(config.host, config.port, config.http_port, config.max_message_bytes, keys, tls)
+    doors_at = await doors.start()
+    _say(f"{doors_at}: loading {config.groups} group(s)")
     stop = asyncio.Event()
     cluster, metrics_http = None, None
     secret = take_cluster_secret()  # before Ray starts processes that would inherit it
@@ -379,18 +396,18 @@ async def serve(config: ServeConfig, make_engine_config: Callable[..., Any]) -> 
             cluster.follow(asyncio.get_running_loop())
             freeze_heap()
             metrics_http = _serve_metrics(config, cluster.metrics)
-            await door.set_ready(cluster.router, cluster.metrics)
-            where = "" if metrics_http is None else (
+            await doors.set_ready(cluster.router, cluster.metrics)
+            metrics_where = "" if metrics_http is None else (
                 f", metrics on http://{config.metrics_host}:{metrics_http.server_port}/metrics"
             )  # fmt: skip
-            _say(f"ready: gRPC on {config.host}:{port}{where}")
+            _say(f"ready: {doors_at}{metrics_where}")
             await stop.wait()
         _say(f"stopping: draining in-flight requests for up to {config.grace_s:g} s")
-        await door.stop(config.grace_s)
+        await doors.stop(config.grace_s)
         _say("stopped")
         return 0
     except BaseException:
-        await door.stop(0)
+        await doors.stop(0)
         raise
     finally:
         if metrics_http is not None:

@@ -144,3 +144,12 @@ def test_kv_accuracy_benchmark_smoke():
     # the engine's int8 cache is transformers' with per-token-and-head scales, to rounding
     assert engine["int8"]["ppl"] == pytest.approx(study["int8_per_token_head"]["ppl"], rel=1e-3)
     assert all(c["positions"] == 63 and c["kl_mean"] >= 0 for c in lines)
+
+
+def test_serving_benchmark_smoke():
+    lines = run("-m", "benchmarks.serving", "--quick", timeout=400)
+    assert [(line["door"], line["rate"]) for line in lines] == [("grpc", 1.0), ("http", 1.0)]
+    for line in lines:
+        assert line["errors"] == 0 and line["requests"] == 6, line
+        assert line["ttft_ms_p50"] > 0 and line["output_tok_s"] > 0 and line["door_ms_p50"] > 0
+    assert set(lines[1]["vs_grpc"]) >= {"ttft_ms_p50", "door_ms_p50", "output_tok_s"}

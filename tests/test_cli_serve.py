@@ -46,13 +46,13 @@ def pagefleet(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    port, metrics_port = free_port(), free_port()
+    port, metrics_port, http_port = free_port(), free_port(), free_port()
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     started = time.monotonic()
     with open(log, "w") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "pagefleet", "serve", "--port", str(port),
-             "--metrics-port", str(metrics_port)],
+             "--metrics-port", str(metrics_port), "--http-port", str(http_port)],
             cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
         )  # fmt: skip
     client = Client(f"127.0.0.1:{port}", timeout=60)
@@ -67,6 +67,7 @@ def served(tmp_path_factory):
                 time.sleep(0.05)
         client.wait_ready(timeout=READY_WITHIN_S)
         timings["ready"] = time.monotonic() - started
+        timings["http_port"] = http_port
         yield proc, client, metrics_port, timings, log
     finally:
         client.close()
@@ -86,6 +87,9 @@ def test_serve_answers_within_a_bounded_time(served):
     text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10)
     assert "pagefleet:num_requests_running{" in text.read().decode()
     assert "ready: gRPC on 127.0.0.1:" in log.read_text()
+    # the HTTP door of the embedded default answers on its port, over the same cluster
+    health = urllib.request.urlopen(f"http://127.0.0.1:{timings['http_port']}/health", timeout=10)
+    assert health.status == 200
 
 
 def test_generate_command_streams_what_the_client_gets(served):

@@ -21,7 +21,7 @@ import pytest
 from pagefleet.client import AsyncClient, Client, build_request
 from protos.pagefleet.v1 import pagefleet_pb2 as pb
 from tests.redis_server import free_port
-from tests.serve_process import start_serve
+from tests.serve_process import all_blocks_free, mutated, start_serve, wait_for
 
 CONTEXT = 512
 START_TIMEOUT_S = 240
@@ -49,22 +49,6 @@ def refused(client: Client, request: pb.GenerateRequest) -> grpc.RpcError:
     with pytest.raises(grpc.RpcError) as err:
         list(client.stub.Generate(request, timeout=60))
     return err.value
-
-
-def all_blocks_free(client: Client) -> bool:
-    return all(
-        g.blocks_free == g.blocks_total and g.running == 0 and g.waiting == 0
-        for g in client.cluster_status()
-    )
-
-
-def wait_for(predicate, timeout: float = 15.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
 
 
 def health_latencies_while(client: Client, work) -> tuple[object, list[float]]:
@@ -222,18 +206,7 @@ def fuzz_inputs(rng: random.Random, n: int) -> list[bytes]:
         if i % 5 == 4:
             out.append(rng.randbytes(rng.randrange(1, 64)))
             continue
-        data = bytearray(rng.choice(seeds))
-        for _ in range(rng.randrange(1, 4)):
-            op, at = rng.randrange(4), rng.randrange(len(data) + 1)
-            if op == 0 and data:
-                data[min(at, len(data) - 1)] ^= 1 << rng.randrange(8)
-            elif op == 1:
-                del data[at:]
-            elif op == 2:
-                data[at:at] = rng.randbytes(rng.randrange(1, 6))
-            else:
-                data[at:at] = data[: rng.randrange(1, 12)]
-        out.append(bytes(data))
+        out.append(mutated(rng, rng.choice(seeds)))
     return out
 
 

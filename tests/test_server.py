@@ -58,7 +58,7 @@ def server(tmp_path_factory, llm_loading):
     with open(log, "w") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "pagefleet", "serve", f"--port={port}",
-             f"--metrics-port={metrics_port}", "--grace=5", *flags],
+             f"--metrics-port={metrics_port}", "--grace=5", "--no-http", *flags],
             cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
         )  # fmt: skip
     client = Client(f"127.0.0.1:{port}", timeout=60)

@@ -7,15 +7,19 @@ OUT_OF_RANGE for a prompt (or prompt + max_tokens) beyond the model's context.
 
 from __future__ import annotations
 
-import asyncio
 import re
 from typing import TYPE_CHECKING
 
-import grpc
 import numpy as np
 
 from protos.pagefleet.v1 import pagefleet_pb2 as pb
-from worker.hashing import cache_namespace
+from router.door.serving import (
+    check_context,
+    check_message_count,
+    invalid,
+    request_salt,
+    tokenize,
+)
 from worker.sampling_params import shown
 from worker.token_ids import CheckedIds, first_outside
 
@@ -26,7 +30,6 @@ if TYPE_CHECKING:
 
 _REQUEST_ID = re.compile(r"[A-Za-z0-9_.:\-]{1,128}")
 _TENANT = re.compile(r"[A-Za-z0-9_.\-]{1,128}")
-MAX_CACHE_SALT_CHARS = 256
 _SAMPLING_FIELDS = tuple(pb.SamplingParams.DESCRIPTOR.fields_by_name)
 _FINISH = {
     "stop": pb.FINISH_REASON_STOP,
@@ -35,33 +38,21 @@ _FINISH = {
 }
 
 
-class Reject(Exception):
-    """A request refused at the door: a status code and a message naming the field."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-
-def _invalid(message: str) -> Reject:
-    return Reject(grpc.StatusCode.INVALID_ARGUMENT, message)
-
-
 async def route_request(
-    request: pb.GenerateRequest, router: Router, default_id: str
+    request: pb.GenerateRequest, router: Router, default_id: str, key_tenant: str | None = None
 ) -> tuple[RouteRequest, int]:
     """A checked `RouteRequest` (prompt as token ids) and the requested output kind. Text and
     chat prompts are tokenized on a worker thread: a long one must not stall the event loop,
-    which serves every other call (health checks included)."""
+    which serves every other call (health checks included). `key_tenant`: the tenant of the
+    call's API key, when keys are configured (see `cache_salt`)."""
     from router.router import RouteRequest
 
     if request.request_id and not _REQUEST_ID.fullmatch(request.request_id):
-        raise _invalid(f"request_id must match {_REQUEST_ID.pattern}, got {shown(request.request_id)}")  # fmt: skip
+        raise invalid(f"request_id must match {_REQUEST_ID.pattern}, got {shown(request.request_id)}")  # fmt: skip
     if request.output_kind not in pb.OutputKind.values():
-        raise _invalid(f"output_kind {request.output_kind} is not a known OutputKind value")
+        raise invalid(f"output_kind {request.output_kind} is not a known OutputKind value")
     params = sampling_params(request.sampling)
-    salt = cache_salt(request)
+    salt = cache_salt(request, key_tenant)
     ids = await prompt_token_ids(request, router)
     check_context(len(ids), params.max_tokens, router.model_info.max_model_len)
     route = RouteRequest(
@@ -85,7 +76,7 @@ def sampling_params(msg: pb.SamplingParams):
     try:
         return SamplingParams(**values)
     except ValueError as e:
-        raise _invalid(str(e).replace("SamplingParams.", "sampling.")) from None
+        raise invalid(str(e).replace("SamplingParams.", "sampling.")) from None
 
 
 async def prompt_token_ids(request: pb.GenerateRequest, router: Router) -> CheckedIds:
@@ -101,85 +92,41 @@ async def prompt_token_ids(request: pb.GenerateRequest, router: Router) -> Check
     ]
     if len(given) != 1:
         got = " and ".join(given) or "none"
-        raise _invalid(f"give exactly one of text, token_ids or messages (got {got})")
+        raise invalid(f"give exactly one of text, token_ids or messages (got {got})")
     if request.HasField("text") and not request.text:
-        raise _invalid("text is empty")
+        raise invalid("text is empty")
     if request.token_ids:
         # (n,) int64, one C copy of the repeated field (list() of it, or a Python loop over
         # it, costs 100x more at 32k tokens).
         ids = np.array(request.token_ids, dtype=np.int64)
         vocab = router.model_info.vocab_size
         if (i := first_outside(ids, vocab)) is not None:
-            raise _invalid(f"token_ids[{i}] = {ids[i]} is outside the vocabulary [0, {vocab})")
+            raise invalid(f"token_ids[{i}] = {ids[i]} is outside the vocabulary [0, {vocab})")
         return CheckedIds.trusted(ids, vocab)  # checked here, trusted below
     return await tokenized(request, router)
 
 
 async def tokenized(request: pb.GenerateRequest | pb.TokenizeRequest, router: Router) -> CheckedIds:
-    """The token ids of the request's text or chat messages, computed on a worker thread after
-    the checks that refuse at once what cannot fit the context."""
-    from router.router import PromptTooLongError
-
-    context = router.model_info.max_model_len
-    if len(request.messages) > context:  # before a dict is built for each
-        raise Reject(
-            grpc.StatusCode.OUT_OF_RANGE,
-            f"messages has {len(request.messages)} entries; the model's context of {context} "
-            "tokens cannot hold that many",
-        )
-    try:
-        return await asyncio.to_thread(_tokenize, request, router)
-    except PromptTooLongError as e:
-        raise Reject(grpc.StatusCode.OUT_OF_RANGE, str(e)) from None
-    except ValueError as e:
-        raise _invalid(str(e)) from None
-
-
-def _tokenize(request: pb.GenerateRequest | pb.TokenizeRequest, router: Router) -> CheckedIds:
-    from router.router import RouteRequest
-
+    """The token ids of the request's text or chat messages (router/door/serving.py: tokenize)."""
+    check_message_count(len(request.messages), router.model_info.max_model_len)  # before dicts
     messages = [chat_message(i, m) for i, m in enumerate(request.messages)] or None
     text = request.text if request.HasField("text") else None
-    return router.checked_prompt(RouteRequest(prompt=text, messages=messages))[1]
+    return await tokenize(router, text=text, messages=messages)
 
 
 def chat_message(i: int, m: pb.ChatMessage) -> dict:
     if not m.role.strip():
-        raise ValueError(f"messages[{i}].role must not be empty")
+        raise invalid(f"messages[{i}].role must not be empty")
     return {"role": m.role, "content": m.content}
 
 
-def check_context(num_prompt: int, max_tokens: int | None, max_model_len: int) -> None:
-    """OUT_OF_RANGE unless the prompt, plus max_tokens when given, fits the context."""
-    if num_prompt >= max_model_len:
-        raise Reject(
-            grpc.StatusCode.OUT_OF_RANGE,
-            f"prompt is {num_prompt} tokens; the model's context is {max_model_len} tokens "
-            "(prompt + sampling.max_tokens must fit)",
-        )
-    if max_tokens is not None and num_prompt + max_tokens > max_model_len:
-        raise Reject(
-            grpc.StatusCode.OUT_OF_RANGE,
-            f"sampling.max_tokens ({max_tokens}) plus the prompt ({num_prompt} tokens) is "
-            f"over the model's context of {max_model_len} tokens; lower sampling.max_tokens "
-            f"to at most {max_model_len - num_prompt}",
-        )
-
-
-def cache_salt(request: pb.GenerateRequest) -> str | None:
-    """The salt the request's blocks are keyed by: its tenant's or its cache_salt's, each in a
-    namespace of its own (worker/hashing.py: cache_namespace)."""
-    salt, tenant = request.cache_salt, request.tenant
-    if salt and tenant:
-        raise _invalid("give cache_salt or tenant, not both")
+def cache_salt(request: pb.GenerateRequest, key_tenant: str | None = None) -> str | None:
+    """The salt the request's blocks are keyed by: its API key's tenant when keys are
+    configured, else its tenant's or its cache_salt's (router/door/serving.py: request_salt)."""
+    tenant = request.tenant
     if tenant and not _TENANT.fullmatch(tenant):
-        raise _invalid(f"tenant must match {_TENANT.pattern}, got {shown(tenant)}")
-    if salt and (len(salt) > MAX_CACHE_SALT_CHARS or not salt.isprintable()):
-        raise _invalid(
-            f"cache_salt must be 1-{MAX_CACHE_SALT_CHARS} printable characters, "
-            f"got {len(salt)} characters"
-        )
-    return cache_namespace(cache_salt=salt, tenant=tenant)
+        raise invalid(f"tenant must match {_TENANT.pattern}, got {shown(tenant)}")
+    return request_salt(key_tenant, cache_salt=request.cache_salt, tenant=tenant)
 
 
 # ---- responses ---------------------------------------------------------------------------

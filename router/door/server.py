@@ -9,6 +9,9 @@ second or two of starting.
 The event loop serves every call, health checks included, so nothing slow runs on it: text is
 tokenized on a worker thread, after checks that refuse at once what cannot fit the context.
 A request whose bytes do not parse is answered INVALID_ARGUMENT (see `lenient_parser`).
+The checks, the router's stream, aborts and metrics are router/door/serving.py's, shared with
+the HTTP door. With API keys, a call without a valid `authorization: Bearer KEY` is refused
+UNAUTHENTICATED (health and reflection stay open, for load balancers' probes).
 
 Cancellation is an abort: when a client cancels a Generate stream or its deadline passes,
 gRPC cancels the handler; the handler stops consuming, closes the router's stream (whose
@@ -36,15 +39,22 @@ from grpc_reflection.v1alpha import reflection
 from protos.pagefleet.v1 import pagefleet_pb2 as pb
 from protos.pagefleet.v1 import pagefleet_pb2_grpc as pb_grpc
 from router.door.api import (
-    Reject,
-    check_context,
     model_info_message,
     response_message,
     route_request,
     status_message,
     tokenized,
 )
+from router.door.auth import ApiKeys, TlsFiles
 from router.door.metrics import ServerMetrics
+from router.door.serving import (
+    RETRY_AFTER_S,
+    InFlight,
+    Reject,
+    check_context,
+    outputs,
+    status_for,
+)
 
 if TYPE_CHECKING:
     from router.router import Router
@@ -55,7 +65,6 @@ DEFAULT_PORT = 50151  # gRPC; `pagefleet serve --port`
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # per message, both ways: ~500k token ids or 4 MB of text
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["PageFleet"].full_name  # "pagefleet.v1.PageFleet"
 DEADLINE_SLACK_S = 0.1  # see deadline_passed
-RETRY_AFTER_S = 1.0  # a client refused for full queues is told to wait this long
 HEALTH_INTERVAL_S = 1.0  # how often health looks for a live group
 ABORT_FLUSH_S = 5.0  # after the grace period, how long aborted streams have to send their end
 _SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -63,58 +72,46 @@ _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 class PageFleetServicer(pb_grpc.PageFleetServicer):
-    """The API over a router; UNAVAILABLE until `router` is set."""
+    """The API over a router; UNAVAILABLE until `router` is set. With `keys`, every call needs
+    `authorization: Bearer KEY` metadata, and the key's tenant keys the request's cache."""
 
-    def __init__(self) -> None:
+    def __init__(self, keys: ApiKeys | None = None) -> None:
         self.router: Router | None = None
         self.metrics: ServerMetrics | None = None
-        self._active: dict[object, str] = {}  # one entry per Generate call: its request id
-        self._idle = asyncio.Event()  # set while no Generate call is in flight
-        self._idle.set()
+        self.keys = keys
+        self.in_flight = InFlight()
 
     async def Generate(self, request: pb.GenerateRequest | Unparsed, context):
         t0 = time.perf_counter()
-        router = await self._ready(request, context)
+        router, tenant = await self._ready(request, context)
         budget = context.time_remaining()
+        rid = f"pf-{uuid.uuid4().hex[:16]}"
         try:
-            route, kind = await route_request(request, router, f"pf-{uuid.uuid4().hex[:16]}")
+            route, kind = await route_request(request, router, rid, tenant)
         except Reject as r:
             await self._abort(context, r.code, r.message)
-        rid, first, call = route.request_id, True, object()
-        self._active[call] = rid
-        self._idle.clear()
+        rid = route.request_id
         try:
-            async with contextlib.aclosing(router.generate(route)) as stream:
-                async for out in stream:
-                    record = router.records.get(rid) if first else None
-                    if record is not None and self.metrics is not None:
-                        self.metrics.observe_placement(
-                            record.group_id, record.reason, record.decision_seconds
-                        )
-                    if out.finished and self.metrics is not None:
-                        self.metrics.observe_finished(out, time.perf_counter() - t0)
+            async with contextlib.aclosing(
+                outputs(router, route, self.metrics, self.in_flight, t0)
+            ) as stream:
+                async for out, record in stream:
                     if kind == pb.OUTPUT_KIND_FINAL_ONLY and not out.finished:
                         continue
                     yield response_message(out, kind, record, time.perf_counter() - t0)
-                    first = False
         except asyncio.CancelledError:  # the client cancelled or its deadline passed
-            router.abort(rid)  # the stream's `finally` aborted already; this is idempotent
             if self.metrics is not None:
                 expired = deadline_passed(context.time_remaining(), budget)
                 self.metrics.observe_error("DEADLINE_EXCEEDED" if expired else "CANCELLED")
             raise
         except Exception as e:
-            code, message = _status_for(e, rid)
+            code, message = status_for(e, rid)
             if code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # when to try again
                 context.set_trailing_metadata(retry_after(RETRY_AFTER_S))
-            await self._abort(context, code, message)
-        finally:
-            del self._active[call]
-            if not self._active:
-                self._idle.set()
+            await self._abort(context, code, _proto_names(message))
 
     async def Tokenize(self, request: pb.TokenizeRequest | Unparsed, context):
-        router = await self._ready(request, context)
+        router, _ = await self._ready(request, context)
         if request.HasField("text") == bool(request.messages):
             await self._abort(
                 context, grpc.StatusCode.INVALID_ARGUMENT, "give exactly one of text or messages"
@@ -127,14 +124,26 @@ class PageFleetServicer(pb_grpc.PageFleetServicer):
         return pb.TokenizeResponse(token_ids=ids.tolist())
 
     async def GetModelInfo(self, request, context) -> pb.ModelInfo:
-        return model_info_message((await self._ready(request, context)).model_info)
+        router, _ = await self._ready(request, context)
+        return model_info_message(router.model_info)
 
     async def GetClusterStatus(self, request, context) -> pb.ClusterStatus:
-        router = await self._ready(request, context)
+        router, _ = await self._ready(request, context)
         return pb.ClusterStatus(groups=[status_message(s) for s in router.cluster_status()])
 
-    async def _ready(self, request, context) -> Router:
-        """The router, once the request has parsed and the server is ready."""
+    async def _ready(self, request, context) -> tuple[Router, str | None]:
+        """The router and the caller's tenant (None without keys), once the caller has shown a
+        key (when keys are configured), the request has parsed and the server is ready."""
+        tenant = None
+        if self.keys is not None:
+            given = dict(context.invocation_metadata()).get("authorization")
+            tenant = self.keys.tenant(given)
+            if tenant is None:
+                what = "no API key" if given is None else "an API key that is not valid"
+                await self._abort(
+                    context, grpc.StatusCode.UNAUTHENTICATED,
+                    f"the call has {what}; send 'authorization: Bearer KEY' metadata",
+                )  # fmt: skip
         if isinstance(request, Unparsed):
             await self._abort(
                 context, grpc.StatusCode.INVALID_ARGUMENT,
@@ -144,7 +153,7 @@ class PageFleetServicer(pb_grpc.PageFleetServicer):
             await self._abort(
                 context, grpc.StatusCode.UNAVAILABLE, "the server is starting: groups are loading"
             )
-        return self.router
+        return self.router, tenant
 
     async def _abort(self, context, code: grpc.StatusCode, message: str):
         if self.metrics is not None:
@@ -155,11 +164,7 @@ class PageFleetServicer(pb_grpc.PageFleetServicer):
         """Let Generate calls in flight finish for up to `grace` seconds, then abort the rest
         in their groups: each stream then ends with its tokens so far, usage and
         FINISH_REASON_ABORT, rather than being cut off."""
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._idle.wait(), grace)
-        if self.router is not None:
-            for rid in list(self._active.values()):
-                self.router.abort(rid)
+        await self.in_flight.finish_or_abort(self.router, grace)
 
 
 class Unparsed:
@@ -219,31 +224,6 @@ def deadline_passed(left: float | None, budget: float | None) -> bool:
     return left <= DEADLINE_SLACK_S + 0.01 * budget
 
 
-def _status_for(e: Exception, request_id: str) -> tuple[grpc.StatusCode, str]:
-    """A gRPC status for an error from the router or a group; never a traceback."""
-    from cluster.index import PrefixIndexError
-    from router.router import NoGroupAvailableError
-    from worker.async_engine import EngineDeadError
-    from worker.scheduler import QueueFullError
-
-    if isinstance(e, ValueError):
-        return grpc.StatusCode.INVALID_ARGUMENT, _proto_names(str(e))
-    if isinstance(e, QueueFullError):
-        return (
-            grpc.StatusCode.RESOURCE_EXHAUSTED,
-            f"{e}; retry after {RETRY_AFTER_S:g} s (request {request_id})",
-        )
-    if isinstance(e, NoGroupAvailableError):
-        return grpc.StatusCode.UNAVAILABLE, f"{e}; retry later (request {request_id})"
-    if isinstance(e, EngineDeadError | PrefixIndexError):
-        return grpc.StatusCode.UNAVAILABLE, f"request {request_id} failed: {e}; retry"
-    log.exception("internal error serving request %s", request_id)
-    return (
-        grpc.StatusCode.INTERNAL,
-        f"internal error while serving request {request_id}; the server log has the details",
-    )
-
-
 def _proto_names(message: str) -> str:
     """Engine messages name SamplingParams fields; callers know them as `sampling.*`."""
     return message.replace("SamplingParams.", "sampling.").replace(
@@ -252,13 +232,16 @@ def _proto_names(message: str) -> str:
 
 
 class FrontDoor:
-    """A grpc.aio server with the PageFleet API, health and reflection."""
+    """A grpc.aio server with the PageFleet API, health and reflection; over TLS with `tls`
+    (mutual with its `client_ca`), and with `keys`, the API (not health) needs a key."""
 
     def __init__(
         self,
         host: str = "127.0.0.1",
         port: int = DEFAULT_PORT,
         max_message_bytes: int = MAX_MESSAGE_BYTES,
+        keys: ApiKeys | None = None,
+        tls: TlsFiles | None = None,
     ) -> None:
         if not 0 <= port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {port}")
@@ -266,7 +249,8 @@ class FrontDoor:
             raise ValueError(f"max_message_bytes must be >= 1024, got {max_message_bytes}")
         self.address = f"{host}:{port}"
         self.max_message_bytes = max_message_bytes
-        self.servicer = PageFleetServicer()
+        self.tls = tls
+        self.servicer = PageFleetServicer(keys)
         self.health = health.aio.HealthServicer()
         self.server: grpc.aio.Server | None = None
         self.port: int | None = None
@@ -286,7 +270,10 @@ class FrontDoor:
         services = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name)
         reflection.enable_server_reflection((*services, reflection.SERVICE_NAME), self.server)
         await self._set_health(_NOT_SERVING)
-        self.port = self.server.add_insecure_port(self.address)
+        if self.tls is None:
+            self.port = self.server.add_insecure_port(self.address)
+        else:
+            self.port = self.server.add_secure_port(self.address, self.tls.grpc_credentials())
         if self.port == 0:
             raise ValueError(f"cannot bind {self.address} (in use?)")
         await self.server.start()

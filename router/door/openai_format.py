@@ -1,0 +1,160 @@
+"""The router's outputs as OpenAI's responses: completions and chat completions, whole or as
+stream chunks, with logprobs and usage where OpenAI puts them.
+
+Prompt tokens served from the prefix cache are `usage.prompt_tokens_details.cached_tokens`, as
+OpenAI reports them. pagefleet's own facts go in the extension field `pagefleet`: per choice,
+the group that served it, why it was placed there, the cached tokens the router predicted and
+those the group reported, the group's time to first token (`choices`), and the placement on the
+first chunk of each choice when streaming.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from router.router import RouteRecord
+    from worker.outputs import RequestOutput
+
+
+@dataclass
+class Choice:
+    """One choice's state while its stream runs."""
+
+    index: int
+    prompt_index: int
+    record: RouteRecord | None = None
+    last: RequestOutput | None = None
+    text_length: int = 0  # characters sent so far (completions' logprobs.text_offset)
+    sent_role: bool = False  # chat: the first delta carries the role
+
+
+@dataclass
+class Formatter:
+    """Builds one request's responses; `chat` picks the chat completion shapes."""
+
+    chat: bool
+    request_id: str
+    model: str
+    token_text: Callable[[int], str]  # one token's text, for logprobs
+    return_token_ids: bool = False
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    # ---- whole responses ------------------------------------------------------------------
+    def response(self, choices: Sequence[Choice], num_prompts: Sequence[int]) -> dict:
+        """The non-streamed response, once every choice has finished."""
+        body = self._envelope("chat.completion" if self.chat else "text_completion")
+        body["choices"] = [self._whole_choice(c) for c in choices]
+        body["usage"] = self.usage(choices, num_prompts)
+        body["pagefleet"] = extension(choices)
+        return body
+
+    def _whole_choice(self, c: Choice) -> dict:
+        out = c.last
+        lps = self._logprobs(out.logprobs, out.token_ids, 0) if out.logprobs is not None else None
+        choice = {"index": c.index}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": out.text}
+        else:
+            choice["text"] = out.text
+        choice |= {"logprobs": lps, "finish_reason": out.finish_reason,
+                   "stop_reason": out.stop_reason}  # fmt: skip
+        if self.return_token_ids:
+            choice["token_ids"] = list(out.token_ids)
+        return choice
+
+    # ---- stream chunks --------------------------------------------------------------------
+    def chunk(self, c: Choice, out: RequestOutput, record: RouteRecord | None) -> dict:
+        """One stream chunk: this step's delta of choice `c`."""
+        body = self._envelope("chat.completion.chunk" if self.chat else "text_completion")
+        new_ids = out.new_token_ids
+        lps = None
+        if out.logprobs is not None:
+            lps = self._logprobs(out.logprobs[len(out.logprobs) - len(new_ids) :], new_ids, c.text_length)  # fmt: skip
+        choice = {"index": c.index}
+        if self.chat:
+            delta = {"content": out.new_text}
+            if not c.sent_role:
+                delta = {"role": "assistant", **delta}
+                c.sent_role = True
+            choice["delta"] = delta
+        else:
+            choice["text"] = out.new_text
+        choice |= {"logprobs": lps, "finish_reason": out.finish_reason if out.finished else None}
+        if out.finished:
+            choice["stop_reason"] = out.stop_reason
+        if self.return_token_ids:
+            choice["token_ids"] = list(new_ids)
+        c.text_length += len(out.new_text)
+        body["choices"] = [choice]
+        if record is not None:
+            body["pagefleet"] = {"choices": [{"index": c.index, **placement(record)}]}
+        return body
+
+    def usage_chunk(self, choices: Sequence[Choice], num_prompts: Sequence[int]) -> dict:
+        """The last chunk with `stream_options.include_usage`: no choices, the usage."""
+        body = self._envelope("chat.completion.chunk" if self.chat else "text_completion")
+        body |= {"choices": [], "usage": self.usage(choices, num_prompts),
+                 "pagefleet": extension(choices)}  # fmt: skip
+        return body
+
+    # ---- parts ----------------------------------------------------------------------------
+    def usage(self, choices: Sequence[Choice], num_prompts: Sequence[int]) -> dict:
+        """Each prompt counted once; its cached tokens are its first choice's."""
+        prompt = sum(num_prompts)
+        completion = sum(len(c.last.token_ids) for c in choices if c.last is not None)
+        firsts = {}
+        for c in choices:
+            firsts.setdefault(c.prompt_index, c)
+        cached = sum(c.last.num_cached_tokens for c in firsts.values() if c.last is not None)
+        return {"prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}  # fmt: skip
+
+    def _envelope(self, kind: str) -> dict:
+        return {"id": self.request_id, "object": kind, "created": self.created,
+                "model": self.model}  # fmt: skip
+
+    def _logprobs(self, entries, token_ids: Sequence[int], offset: int) -> dict:
+        """OpenAI's logprobs of `token_ids` (`entries`: worker.sampler.TokenLogprobs each)."""
+        text = self.token_text
+        if self.chat:
+            return {"content": [_chat_logprob(text, lp) for lp in entries]}
+        tokens = [text(t) for t in token_ids]
+        offsets = []
+        for t in tokens:
+            offsets.append(offset)
+            offset += len(t)
+        tops = [{text(t): v for t, v in [(lp.token_id, lp.logprob), *lp.top]} for lp in entries]
+        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in entries],
+                "top_logprobs": tops, "text_offset": offsets}  # fmt: skip
+
+
+def _chat_logprob(text: Callable[[int], str], lp) -> dict:
+    def entry(token_id: int, logprob: float) -> dict:
+        s = text(token_id)
+        return {"token": s, "logprob": logprob, "bytes": list(s.encode())}
+
+    return {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
+
+
+def placement(record: RouteRecord) -> dict:
+    return {"group_id": record.group_id, "reason": record.reason,
+            "predicted_cached_tokens": record.predicted_cached_tokens}  # fmt: skip
+
+
+def extension(choices: Sequence[Choice]) -> dict:
+    """The `pagefleet` field of a whole response or a usage chunk."""
+    rows = []
+    for c in choices:
+        row = {"index": c.index}
+        if c.record is not None:
+            row |= placement(c.record)
+        if c.last is not None:
+            ttft = c.last.metrics.ttft  # the group's: its receipt of the request to 1st token
+            row |= {"cached_tokens": c.last.num_cached_tokens, "ttft_seconds": ttft}
+        rows.append(row)
+    return {"choices": rows}

@@ -1,0 +1,215 @@
+"""The request path both doors share: the same checks, tokenization, router stream, metrics,
+aborts and error statuses, whether a request came over gRPC or HTTP.
+
+Errors are spoken in gRPC status codes (`Reject.code`, `status_for`): the gRPC door sends them
+as they are, the HTTP door maps each to its HTTP status (router/door/openai_protocol.py), and
+the metrics count them under one name whichever door refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import TYPE_CHECKING
+
+import grpc
+
+from worker.hashing import cache_namespace
+from worker.token_ids import CheckedIds
+
+if TYPE_CHECKING:
+    from router.door.metrics import ServerMetrics
+    from router.router import Router, RouteRecord, RouteRequest
+    from worker.outputs import RequestOutput
+
+log = logging.getLogger(__name__)
+
+# What a client refused for full queues is told to wait (gRPC's retry pushback, HTTP's
+# Retry-After): a group's queue drains in about that.
+RETRY_AFTER_S = 1
+
+MAX_CACHE_SALT_CHARS = 256
+
+
+class Reject(Exception):
+    """A request refused at the door: a status code and a message naming the field (`param`:
+    the field, for the HTTP door's error body)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.param = param
+
+
+def invalid(message: str, param: str | None = None) -> Reject:
+    return Reject(grpc.StatusCode.INVALID_ARGUMENT, message, param)
+
+
+def check_context(
+    num_prompt: int, max_tokens: int | None, max_model_len: int, field: str = "sampling.max_tokens"
+) -> None:
+    """OUT_OF_RANGE unless the prompt, plus max_tokens when given, fits the context; `field`
+    is how the caller's API names max_tokens."""
+    if num_prompt >= max_model_len:
+        raise Reject(
+            grpc.StatusCode.OUT_OF_RANGE,
+            f"prompt is {num_prompt} tokens; the model's context is {max_model_len} tokens "
+            f"(prompt + {field} must fit)",
+        )
+    if max_tokens is not None and num_prompt + max_tokens > max_model_len:
+        raise Reject(
+            grpc.StatusCode.OUT_OF_RANGE,
+            f"{field} ({max_tokens}) plus the prompt ({num_prompt} tokens) is over the model's "
+            f"context of {max_model_len} tokens; lower {field} to at most "
+            f"{max_model_len - num_prompt}",
+        )
+
+
+def request_salt(
+    key_tenant: str | None, cache_salt: str | None = None, tenant: str | None = None
+) -> str | None:
+    """The salt a request's blocks are keyed by. With API keys, the key's tenant: a request may
+    repeat it but not name another, nor set a raw salt. Without keys, the client's `tenant` or
+    `cache_salt` (at most one), each in its own namespace (worker/hashing.py)."""
+    if key_tenant is not None:
+        if tenant and tenant != key_tenant:
+            raise Reject(
+                grpc.StatusCode.PERMISSION_DENIED,
+                "tenant is not the tenant of the API key",
+                "tenant",
+            )
+        if cache_salt:
+            raise invalid(
+                "cache_salt cannot be set with an API key: the key's tenant keys the cache",
+                "cache_salt",
+            )
+        return cache_namespace(tenant=key_tenant)
+    if cache_salt and tenant:
+        raise invalid("give cache_salt or tenant, not both", "cache_salt")
+    if cache_salt and (len(cache_salt) > MAX_CACHE_SALT_CHARS or not cache_salt.isprintable()):
+        raise invalid(
+            f"cache_salt must be 1-{MAX_CACHE_SALT_CHARS} printable characters, "
+            f"got {len(cache_salt)} characters",
+            "cache_salt",
+        )
+    return cache_namespace(cache_salt=cache_salt, tenant=tenant)
+
+
+async def tokenize(
+    router: Router, text: str | None = None, messages: Sequence[dict] | None = None
+) -> CheckedIds:
+    """The token ids of `text` or chat `messages` (rendered with the model's chat template),
+    computed on a worker thread after the checks that refuse at once what cannot fit the
+    context: a long prompt must not stall the event loop, which serves every other call."""
+    from router.router import PromptTooLongError, RouteRequest
+
+    if messages is not None:
+        check_message_count(len(messages), router.model_info.max_model_len)
+    request = RouteRequest(prompt=text, messages=messages)
+    try:
+        return (await asyncio.to_thread(router.checked_prompt, request))[1]
+    except PromptTooLongError as e:
+        raise Reject(grpc.StatusCode.OUT_OF_RANGE, str(e)) from None
+    except ValueError as e:
+        raise invalid(str(e)) from None
+
+
+def check_message_count(count: int, context: int) -> None:
+    """OUT_OF_RANGE for more chat messages than the context has tokens, before anything is
+    built for each."""
+    if count > context:
+        raise Reject(
+            grpc.StatusCode.OUT_OF_RANGE,
+            f"messages has {count} entries; the model's context of {context} tokens cannot "
+            "hold that many",
+        )
+
+
+class InFlight:
+    """The requests in flight at one door, so that a stop can let them finish for a grace
+    period and then abort the rest in their groups (each stream then ends with its tokens so
+    far and finish reason "abort", rather than being cut off)."""
+
+    def __init__(self) -> None:
+        self.ids: dict[object, str] = {}  # one entry per stream: its request id
+        self._idle = asyncio.Event()  # set while nothing is in flight
+        self._idle.set()
+
+    @contextlib.contextmanager
+    def track(self, request_id: str):
+        token = object()
+        self.ids[token] = request_id
+        self._idle.clear()
+        try:
+            yield
+        finally:
+            del self.ids[token]
+            if not self.ids:
+                self._idle.set()
+
+    async def finish_or_abort(self, router: Router | None, grace: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), grace)
+        if router is not None:
+            for rid in list(self.ids.values()):
+                router.abort(rid)
+
+
+async def outputs(
+    router: Router,
+    route: RouteRequest,
+    metrics: ServerMetrics | None,
+    in_flight: InFlight,
+    t0: float,
+) -> AsyncIterator[tuple[RequestOutput, RouteRecord | None]]:
+    """The router's stream for `route`, each output with the route's record on the first one
+    (None after), with the placement and finished metrics observed. Closing or cancelling the
+    stream aborts the request in its group (its blocks are freed at once)."""
+    rid, first = route.request_id, True
+    with in_flight.track(rid):
+        try:
+            async with contextlib.aclosing(router.generate(route)) as stream:
+                async for out in stream:
+                    record = router.records.get(rid) if first else None
+                    if record is not None and metrics is not None:
+                        metrics.observe_placement(
+                            record.group_id, record.reason, record.decision_seconds
+                        )
+                    if out.finished and metrics is not None:
+                        metrics.observe_finished(out, time.perf_counter() - t0)
+                    first = False
+                    yield out, record
+        except (asyncio.CancelledError, GeneratorExit):
+            router.abort(rid)  # the stream's `finally` aborted already; this is idempotent
+            raise
+
+
+def status_for(e: Exception, request_id: str) -> tuple[grpc.StatusCode, str]:
+    """A status for an error from the router or a group; never a traceback."""
+    from cluster.index import PrefixIndexError
+    from router.router import NoGroupAvailableError
+    from worker.async_engine import EngineDeadError
+    from worker.scheduler import QueueFullError
+
+    if isinstance(e, Reject):
+        return e.code, e.message
+    if isinstance(e, ValueError):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(e)
+    if isinstance(e, QueueFullError):
+        return (
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"{e}; retry after {RETRY_AFTER_S:g} s (request {request_id})",
+        )
+    if isinstance(e, NoGroupAvailableError):
+        return grpc.StatusCode.UNAVAILABLE, f"{e}; retry later (request {request_id})"
+    if isinstance(e, EngineDeadError | PrefixIndexError):
+        return grpc.StatusCode.UNAVAILABLE, f"request {request_id} failed: {e}; retry"
+    log.exception("internal error serving request %s", request_id)
+    return (
+        grpc.StatusCode.INTERNAL,
+        f"internal error while serving request {request_id}; the server log has the details",
+    )
