@@ -1,0 +1,155 @@
+"""A pagefleet cluster as services on a real multi-node Ray cluster on loopback: two worker
+groups placed by `pagefleet groups start` (one per node: each node declares one `pf_group`),
+a real `redis-server`, and two router processes (`pagefleet serve --role router`) that real gRPC
+clients talk to. Each test leaves the cluster as it found it, or says what it changed.
+
+The groups outlive the routers: killing a router, or one rank of a group, or a whole node's
+raylet, must not fail a request; a killed group is replaced by the supervisor; a drained group
+finishes its streams and leaves.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from pagefleet.client import Client
+from tests.redis_server import free_port
+from tests.serve_process import start_serve
+from worker.builtin_model import builtin_model_path
+
+ROOT = Path(__file__).resolve().parents[1]
+CLUSTER = "svc"
+GROUP_SLOT = "pf_group"  # a node with one of these takes one group
+DOC = [(13 * i + 7) % 1000 for i in range(160)]  # 10 blocks of 16
+READY_S = 300
+
+
+def pagefleet(*args: str, env: dict, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "pagefleet", *args], cwd=ROOT, env=env, capture_output=True,
+        text=True, timeout=timeout,
+    )  # fmt: skip
+
+
+def groups_status(address: str, env: dict) -> list[dict]:
+    done = pagefleet("groups", "status", "--cluster", CLUSTER, "--address", address, "--json", env=env)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def services(ray_runtime, redis_server, tmp_path_factory):
+    """Two more nodes with a group slot each, the groups on them, and two routers."""
+    cluster = ray_runtime.cluster
+    nodes = [
+        cluster.add_node(num_cpus=2, resources={GROUP_SLOT: 1}, object_store_memory=80 << 20, node_ip_address="127.0.0.1")  # fmt: skip
+        for _ in range(2)
+    ]
+    cluster.wait_for_nodes()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
+    env.update(PYTHONPATH=str(ROOT), PAGEFLEET_CLUSTER_SECRET="services-test-secret")
+    address = ray_runtime.address
+    model = str(builtin_model_path())
+    started = pagefleet(
+        "groups", "start", "--cluster", CLUSTER, "--address", address, "--redis", redis_server.url,
+        "--model", model, "--groups", "2", "--group-resource", f"{GROUP_SLOT}=1",
+        "--num-blocks", "256", "--max-model-len", "1024", "--timeout", str(READY_S), env=env,
+    )  # fmt: skip
+    assert started.returncode == 0, started.stdout + started.stderr
+    tmp = tmp_path_factory.mktemp("routers")
+    routers = []
+    try:
+        for i in range(2):
+            flags = ["--role", "router", "--cluster", CLUSTER, "--address", address, "--redis",
+                     redis_server.url, "--no-metrics", "--no-http", "--grace", "2"]  # fmt: skip
+            routers.append(start_serve(flags, free_port(), tmp / f"router{i}.log", READY_S, env))
+        yield {"address": address, "env": env, "routers": routers, "nodes": nodes, "redis": redis_server}
+    finally:
+        for proc, client in routers:
+            client.close()
+            if proc.poll() is None:
+                proc.terminate()
+                proc.wait(60)
+        stopped = pagefleet("groups", "stop", "--cluster", CLUSTER, "--address", address, env=env)
+        assert stopped.returncode == 0, stopped.stderr
+        for node in nodes:
+            if node in cluster.worker_nodes:
+                cluster.remove_node(node)
+
+
+def ask(client: Client, question: int, **options):
+    return client.generate(
+        token_ids=DOC + [question] * 5, max_tokens=4, temperature=0.0, ignore_eos=True, **options
+    )
+
+
+def test_groups_run_one_per_node_and_both_routers_place_a_document_alike(services):
+    status = groups_status(services["address"], services["env"])
+    assert [g["state"] for g in status] == ["serving", "serving"]
+    assert len({g["nodes"][0] for g in status}) == 2  # one group per node
+    (_, a), (_, b) = services["routers"]
+    first = ask(a, 901)
+    for router, q in ((a, 902), (b, 903), (b, 904), (a, 905)):
+        deadline = time.monotonic() + 10
+        while (done := ask(router, q)).cached_tokens < len(DOC):  # until the index has it
+            assert time.monotonic() < deadline, "the document never came from the cache"
+        assert done.group_id == first.group_id
+    assert [g.alive for g in a.cluster_status()] == [True, True]
+
+
+def test_a_drained_group_finishes_its_streams_and_leaves(services):
+    """Runs before the kills: it retires one group (group-1), which is not replaced."""
+    (_, a), _ = services["routers"]
+    status = {g.group_id: g for g in a.cluster_status()}
+    streams = [a.generate_stream(token_ids=[300 + q] * 40, max_tokens=120, temperature=0.0, ignore_eos=True) for q in range(6)]  # fmt: skip
+    firsts = [next(s) for s in streams]
+    on_1 = [s for s, f in zip(streams, firsts, strict=True) if f.placement.group_id == "group-1"]
+    assert on_1 and status["group-1"].alive, [f.placement.group_id for f in firsts]
+    drain = subprocess.Popen(
+        [sys.executable, "-m", "pagefleet", "groups", "drain", "group-1", "--cluster", CLUSTER,
+         "--address", services["address"]],
+        cwd=ROOT, env=services["env"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 60
+    while not {g.group_id: g for g in a.cluster_status()}["group-1"].draining:
+        if drain.poll() is not None or time.monotonic() > deadline:
+            pytest.fail(f"group-1 never drained: {drain.poll()} {drain.communicate(timeout=60)[0]}")
+        time.sleep(0.05)
+    for q in range(20):  # nothing new goes to the draining group
+        assert ask(a, 920 + q).group_id == "group-0"
+    for s, first in zip(streams, firsts, strict=True):
+        rest = list(s)
+        assert rest[-1].finished and rest[-1].finish_reason == 2  # LENGTH: none failed
+        assert len(first.token_ids) + sum(len(r.token_ids) for r in rest) == 120
+    out, _ = drain.communicate(timeout=120)
+    assert drain.returncode == 0 and "group-1: retired" in out, out
+    deadline = time.monotonic() + 10
+    while "group-1" in {g.group_id for g in a.cluster_status() if g.alive}:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    states = {g["group"]: g["state"] for g in groups_status(services["address"], services["env"])}
+    assert states == {"group-0": "serving", "group-1": "retired"}
+
+
+def test_a_killed_router_leaves_the_other_serving_and_clients_move_on(services):
+    """Last but one: it kills the second router."""
+    (_, a), (proc, b) = services["routers"]
+    both = Client([b.target, a.target], timeout=60)
+    assert ask(both, 910).completion_tokens == 4
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(30)
+    with pytest.raises(grpc.RpcError):
+        ask(b, 911)
+    for q in range(912, 916):
+        assert ask(both, q).completion_tokens == 4
+    assert both.target == a.target
+    both.close()
