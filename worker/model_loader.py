@@ -1,4 +1,5 @@
-"""Load a Llama-family model from a Hugging Face model directory (config.json + safetensors).
+"""Load a Llama-family model from a Hugging Face model directory (config.json + safetensors)
+or from a GGUF file (worker/gguf_loader.py).
 
 Each rank opens the safetensors files lazily and reads only its slices of each tensor
 (`safe_open(...).get_slice`), so a tensor-parallel rank never materialises other ranks'
@@ -24,6 +25,7 @@ from kernels.registry import AttentionBackend, get_backend
 from worker.distributed import Collectives
 from worker.layers.linear import default_weight_loader
 from worker.model_config import SUPPORTED_ARCHITECTURES, ModelConfig
+from worker.model_source import is_gguf
 from worker.models import MODEL_REGISTRY
 
 # HF suffix -> (our suffix, shard id)
@@ -47,7 +49,8 @@ def load_model(
 ) -> tuple[nn.Module, ModelConfig]:
     """Build the model for `model_dir`'s config and load this rank's share of its weights.
 
-    dtype "auto" keeps the checkpoint's dtype (float32 when it names none). Without an
+    `model_dir` is a model directory or a .gguf file. dtype "auto" keeps the checkpoint's dtype
+    (float32 when it names none, and for GGUF files, which are dequantized). Without an
     attention backend, the registry picks one for `device` (Triton on CUDA, torch elsewhere).
     """
     model_dir = Path(model_dir)
@@ -57,12 +60,22 @@ def load_model(
     # Parameters start as torch.empty on CPU (untouched pages cost nothing), then move once.
     model = MODEL_REGISTRY[config.architecture](config, collectives, attention_backend)
     model = model.to(device=device, dtype=torch_dtype).eval()
-    load_weights(model, model_dir, config.tie_word_embeddings)
+    if is_gguf(model_dir):
+        from worker.gguf_loader import load_gguf_weights
+
+        load_gguf_weights(model, model_dir, config)
+    else:
+        load_weights(model, model_dir, config.tie_word_embeddings)
     return model, config
 
 
 def read_model_config(model_dir: str | Path) -> ModelConfig:
-    """config.json (and generation_config.json's eos ids) -> ModelConfig with id and revision."""
+    """config.json (and generation_config.json's eos ids), or a GGUF file's metadata ->
+    ModelConfig with id and revision."""
+    if is_gguf(model_dir):
+        from worker.gguf_loader import read_gguf_config
+
+        return read_gguf_config(model_dir)
     model_dir = Path(model_dir)
     raw = json.loads((model_dir / "config.json").read_text())
     archs = raw.get("architectures") or []
@@ -117,12 +130,19 @@ def load_weights(model: nn.Module, model_dir: Path, tied: bool) -> None:
                 if name not in params:
                     unexpected.append(hf_name)
                     continue
-                _load_one(model, name, params[name], f.get_slice(hf_name), shard_id)
+                load_one(model, name, params[name], f.get_slice(hf_name), shard_id)
                 loaded.add((name, shard_id))
+    check_coverage(model_dir, expected, loaded, unexpected)
+
+
+def check_coverage(
+    checkpoint: Path, expected: set[tuple[str, Any]], loaded: set[tuple[str, Any]], unexpected
+) -> None:
+    """Fail naming the weights the checkpoint lacks and those the model has no place for."""
     missing = sorted(f"{n}[{s}]" if s is not None else n for n, s in expected - loaded)
     if unexpected or missing:
         raise ValueError(
-            f"checkpoint {model_dir} does not match the model: "
+            f"checkpoint {checkpoint} does not match the model: "
             f"missing weights {missing[:10]}{' ...' if len(missing) > 10 else ''}, "
             f"unexpected weights {sorted(unexpected)[:10]}"
         )
@@ -142,7 +162,17 @@ def _expected_keys(name: str) -> list[tuple[str, Any]]:
     return [(name, sid) for sid in shard_ids] or [(name, None)]
 
 
-def _load_one(model: nn.Module, name: str, param: nn.Parameter, loaded: Any, shard_id) -> None:
+def checkpoint_names(name: str, tied: bool) -> list[tuple[str, Any]]:
+    """(HF checkpoint name, shard id) of each checkpoint tensor our parameter `name` loads
+    (none for a tied lm_head): the inverse of `map_hf_name`."""
+    if tied and name == "lm_head.weight":
+        return []
+    merged = [(name.replace(ours, hf), sid) for hf, (ours, sid) in _MERGED.items() if ours in name]
+    return merged or [(name, None)]
+
+
+def load_one(model: nn.Module, name: str, param: nn.Parameter, loaded: Any, shard_id) -> None:
+    """Hand one checkpoint tensor (or lazy slice) to the loader of the module owning `name`."""
     module = model.get_submodule(name.rpartition(".")[0])
     loader = getattr(module, "weight_loader", default_weight_loader)
     loader(param, loaded, shard_id)
