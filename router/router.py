@@ -17,7 +17,7 @@ import math
 import time
 from array import array
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -27,6 +27,7 @@ from cluster.index import IndexReader
 from router.hash_cache import PrefixHashCache
 from router.placement import Ledger, Placement, Policy, make_policy
 from worker.async_engine import EngineDeadError, GenerationRequest
+from worker.chat import check_messages, render_chat
 from worker.hashing import BlockHasher
 from worker.outputs import RequestOutput
 from worker.sampling_params import SamplingParams
@@ -182,13 +183,8 @@ class Router:
             )
 
     def render_chat(self, messages: Sequence[dict]) -> list[int]:
-        """The chat template's token ids for `messages` (checked by `check_messages`)."""
-        ids = self.tokenizer.apply_chat_template(
-            list(messages), add_generation_prompt=True, tokenize=True
-        )
-        if isinstance(ids, Mapping):  # a BatchEncoding in newer transformers
-            ids = ids["input_ids"]
-        return list(ids)
+        """The chat template's prompt ids, as `pagefleet.LLM.chat` renders them."""
+        return render_chat(self.tokenizer, messages)
 
     # ---- placement ---------------------------------------------------------------------
     def live_statuses(self, exclude: Collection[str] = ()) -> dict[str, GroupStatus]:
@@ -305,16 +301,6 @@ class Router:
         if len(self.records) > keep:
             for rid in list(self.records)[: len(self.records) - keep]:
                 del self.records[rid]
-
-
-def check_messages(messages: Sequence[dict]) -> None:
-    for i, m in enumerate(messages):
-        if (
-            not isinstance(m, dict)
-            or not isinstance(m.get("role"), str)
-            or not isinstance(m.get("content"), str)
-        ):
-            raise ValueError(f"messages[{i}] must have string 'role' and 'content'")
 
 
 def max_prompt_chars(tokenizer, max_model_len: int) -> int:

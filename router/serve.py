@@ -2,7 +2,7 @@
 OpenAI-compatible HTTP API.
 
 The embedded default (no flags) is one TP=1 group on this machine's CPU, the in-process prefix
-index, the built-in small model, gRPC on 127.0.0.1:50151, HTTP on 127.0.0.1:8000 and metrics on
+index, SmolLM2-135M-Instruct, gRPC on 127.0.0.1:50151, HTTP on 127.0.0.1:8000 and metrics on
 127.0.0.1:9151. Both doors take the same API keys (one tenant per key) and TLS files; without
 a key they bind loopback only unless told otherwise (`door_security`). That
 group runs in this process: a local Ray runtime and a Ray-placed group would add tens of
@@ -36,6 +36,7 @@ from typing import Any
 from router.door.doors import Doors, door_security
 from router.door.http import DEFAULT_HTTP_PORT
 from router.door.server import DEFAULT_PORT, MAX_MESSAGE_BYTES
+from worker.model_source import BUILTIN, check_model
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +55,7 @@ class ServeError(RuntimeError):
 class ServeConfig:
     """What `pagefleet serve` builds; flags and the YAML `--config` use these names."""
 
-    model: str | None = None  # Hugging Face model dir; None: the built-in small model
+    model: str | None = None  # model dir or .gguf; None: the default model; "builtin": random
     tp: int = 1  # devices per group (tensor parallel)
     groups: int = 1
     redis: str | None = None  # redis://host:port for the shared prefix index
@@ -95,8 +96,8 @@ class ServeConfig:
                 raise ValueError(f"{name} must be a port number in [0, 65535], got {value!r}")
         if not self.grace_s >= 0:
             raise ValueError(f"grace_s must be >= 0, got {self.grace_s!r}")
-        if self.model is not None and not Path(self.model).is_dir():
-            raise ValueError(f"model {self.model!r} is not a directory")
+        if self.model is not None and self.model != BUILTIN:
+            check_model(self.model)
         if not isinstance(self.engine, Mapping):
             raise ValueError(f"engine must be a mapping of engine options, got {self.engine!r}")
         if not isinstance(self.policy_options, Mapping):

@@ -16,7 +16,7 @@ DOC = "The lighthouse keeper wrote down every ship that passed the rocks at nigh
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(None, num_blocks=128, max_model_len=512)
+    return LLM("builtin", num_blocks=128, max_model_len=512)
 
 
 def test_text_prompts_and_stop_strings(llm):
@@ -47,7 +47,7 @@ def test_text_prompts_and_stop_strings(llm):
 def test_streaming_equals_generate_and_cancel_frees_blocks(llm):
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     want = llm.generate(DOC + "Who kept the light?", params)[0]
-    engine = AsyncEngine(LLMEngine(engine_config(None, num_blocks=128, max_model_len=512)))
+    engine = AsyncEngine(LLMEngine(engine_config("builtin", num_blocks=128, max_model_len=512)))
 
     async def stream(prompt, p, rid):
         tokens, text, last = [], "", None

@@ -51,7 +51,7 @@ def served(tmp_path_factory):
     started = time.monotonic()
     with open(log, "w") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "pagefleet", "serve", "--port", str(port),
+            [sys.executable, "-m", "pagefleet", "serve", "--model", "builtin", "--port", str(port),
              "--metrics-port", str(metrics_port), "--http-port", str(http_port)],
             cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
         )  # fmt: skip
@@ -197,12 +197,20 @@ def test_policy_options_reach_the_policy_and_bad_ones_stop_before_groups_start()
     from router.serve import build_cluster
 
     with pytest.raises(ValueError, match="load_slak"):
-        build_cluster(ServeConfig(policy_options={"load_slak": 0.2}), engine_config)
+        build_cluster(
+            ServeConfig(model="builtin", policy_options={"load_slak": 0.2}), engine_config
+        )
     with pytest.raises(ValueError, match="takes no options"):
-        build_cluster(ServeConfig(policy="round_robin", policy_options={"x": 1}), engine_config)
+        build_cluster(
+            ServeConfig(model="builtin", policy="round_robin", policy_options={"x": 1}),
+            engine_config,
+        )
     options = {"load_slack": None, "cost": {"prefill_token_s": 1e-4}}
     config = ServeConfig(
-        policy_options=options, metrics_port=None, engine={"num_blocks": 64, "max_model_len": 512}
+        model="builtin",
+        policy_options=options,
+        metrics_port=None,
+        engine={"num_blocks": 64, "max_model_len": 512},
     )
     cluster = build_cluster(config, engine_config)
     try:

@@ -217,7 +217,7 @@ def test_serve_keeps_routing_on_prefixes_while_redis_is_down_and_converges_after
     from worker.sampling_params import SamplingParams
 
     with RedisServer() as server:
-        config = ServeConfig(redis=server.url, metrics_port=None, engine={"num_blocks": 64, "max_model_len": 512})  # fmt: skip
+        config = ServeConfig(model="builtin", redis=server.url, metrics_port=None, engine={"num_blocks": 64, "max_model_len": 512})  # fmt: skip
         cluster = build_cluster(config, engine_config)
         router, doc = cluster.router, [(3 * i + 1) % 1000 for i in range(96)]
         mirror = cluster.index.reader.shared
@@ -266,7 +266,7 @@ def test_serve_starts_without_redis_and_fills_it_once_it_answers(caplog):
     from worker.sampling_params import SamplingParams
 
     server = RedisServer(port=free_port())  # not started yet
-    config = ServeConfig(redis=server.url, metrics_port=None, engine={"num_blocks": 64, "max_model_len": 512})  # fmt: skip
+    config = ServeConfig(model="builtin", redis=server.url, metrics_port=None, engine={"num_blocks": 64, "max_model_len": 512})  # fmt: skip
     cluster = build_cluster(config, engine_config)
     router, doc = cluster.router, [(7 * i + 2) % 1000 for i in range(64)]
 

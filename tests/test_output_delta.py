@@ -13,7 +13,7 @@ from worker.sampling_params import SamplingParams
 
 
 def test_deltas_rebuild_every_output():
-    engine = AsyncEngine(LLMEngine(engine_config(None, num_blocks=64, max_model_len=256)))
+    engine = AsyncEngine(LLMEngine(engine_config("builtin", num_blocks=64, max_model_len=256)))
     params = SamplingParams(temperature=0, max_tokens=12, logprobs=2, stop=["zz"])
     assembler = OutputAssembler()
     request = GenerationRequest("A lighthouse on the rocks", params, request_id="r")
@@ -45,7 +45,7 @@ def test_deltas_rebuild_every_output():
 def test_a_prompt_given_as_ids_is_not_sent_back():
     """When the receiving side gave the ids (`expect`), no delta carries them, and the outputs
     rebuilt are the engine's all the same."""
-    engine = AsyncEngine(LLMEngine(engine_config(None, num_blocks=64, max_model_len=256)))
+    engine = AsyncEngine(LLMEngine(engine_config("builtin", num_blocks=64, max_model_len=256)))
     params = SamplingParams(temperature=0, max_tokens=5)
     prompt = array("I", range(40, 80))
     assembler = OutputAssembler()

@@ -42,7 +42,7 @@ def ask(router: Router, question: int, salt: str | None = None, rid: str | None 
 @pytest.fixture(scope="module")
 def groups():
     index = InMemoryPrefixIndex()
-    config = engine_config(None, num_blocks=64, max_model_len=512, cluster_secret=SECRET)
+    config = engine_config("builtin", num_blocks=64, max_model_len=512, cluster_secret=SECRET)
     made = [LocalGroup(config, index, group_id=f"g{i}") for i in range(2)]
     yield index, made
     for g in made:
@@ -83,7 +83,7 @@ def test_tenants_never_see_each_others_blocks(groups):
 
 def test_a_group_failing_before_the_first_token_is_retried_elsewhere(caplog):
     index = InMemoryPrefixIndex()
-    config = engine_config(None, num_blocks=64, max_model_len=512, cluster_secret=SECRET)
+    config = engine_config("builtin", num_blocks=64, max_model_len=512, cluster_secret=SECRET)
     made = [LocalGroup(config, index, group_id=f"f{i}") for i in range(2)]
     try:
         router = Router(made, index, made[0].hasher, info(), policy="round_robin")
@@ -107,7 +107,7 @@ def test_two_routers_over_one_redis_decide_alike_and_redis_failover_converges(ca
     with RedisServer() as server:
         ns = f"r{uuid.uuid4().hex[:6]}"
         local = InMemoryPrefixIndex()
-        config = engine_config(None, num_blocks=64, max_model_len=512, cluster_secret=SECRET)
+        config = engine_config("builtin", num_blocks=64, max_model_len=512, cluster_secret=SECRET)
         writers = (local, RedisPrefixIndex.from_url(server.url, ns, "m"))
         made = [LocalGroup(config, writers, group_id=f"h{i}") for i in range(2)]
         try:

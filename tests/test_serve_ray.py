@@ -56,7 +56,7 @@ def wait_until(predicate, timeout_s: float, what: str) -> None:
 def ray_and_local(ray_runtime):
     """A RayGroup and an in-process group publishing to one in-memory index."""
     index = InMemoryPrefixIndex()
-    config = engine_config(None, num_blocks=64, max_model_len=512, cluster_secret=SECRET)
+    config = engine_config("builtin", num_blocks=64, max_model_len=512, cluster_secret=SECRET)
     ray_group = RayGroup(config, RayGroupConfig(), group_id="ray-0", index=index)
     local = LocalGroup(config, index, group_id="local-0")
     hasher, tokenizer, info = router_side(config, "builtin")
@@ -244,7 +244,7 @@ def test_ray_job_submit_pagefleet_serve(ray_head):
             "job", "submit", f"--address={ray_head.dashboard}", "--no-wait",
             f"--submission-id={job_id}",
             f"--runtime-env-json={json.dumps({'env_vars': {'PYTHONPATH': str(REPO)}})}",
-            "--", sys.executable, "-m", "pagefleet", "serve", "--address", "auto",
+            "--", sys.executable, "-m", "pagefleet", "serve", "--model", "builtin", "--address", "auto",
             "--port", str(port), "--metrics-port", str(metrics_port),
         ),
         env=_cli_env(ray_head), capture_output=True, text=True, timeout=60,

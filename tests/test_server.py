@@ -43,7 +43,7 @@ def llm_loading():
     def load():
         from pagefleet import LLM
 
-        return LLM(**ENGINE)
+        return LLM("builtin", **ENGINE)
 
     with ThreadPoolExecutor(1) as pool:
         yield pool.submit(load)
@@ -57,7 +57,7 @@ def server(tmp_path_factory, llm_loading):
     log = tmp_path_factory.mktemp("server") / "serve.log"
     with open(log, "w") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "pagefleet", "serve", f"--port={port}",
+            [sys.executable, "-m", "pagefleet", "serve", "--model=builtin", f"--port={port}",
              f"--metrics-port={metrics_port}", "--grace=5", "--no-http", *flags],
             cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
         )  # fmt: skip
@@ -172,6 +172,28 @@ def test_chat_stream_equals_llm(server, llm):
     ids = chat_token_ids(llm, chat)
     assert client.tokenize(messages=chat) == ids
     assert_stream_equals_llm(client, llm, {"messages": chat}, ids)
+
+
+def test_llm_chat_equals_generate_with_the_same_messages(server, llm):
+    from pagefleet import SamplingParams
+
+    client, _, _ = server
+    chats = [
+        [{"role": "user", "content": "Where does the river run?"}],
+        [{"role": "system", "content": "You are a librarian."},
+         {"role": "user", "content": "When does the library open?"},
+         {"role": "assistant", "content": "At nine."},
+         {"role": "user", "content": "And when does it close?"}],
+    ]  # fmt: skip
+    outs = llm.chat(chats, SamplingParams(temperature=0.0, max_tokens=16))
+    for chat, out in zip(chats, outs, strict=True):
+        done = client.generate(messages=chat, max_tokens=16, temperature=0.0)
+        assert out.prompt_token_ids == client.tokenize(messages=chat)
+        assert out.outputs[0].token_ids == done.token_ids and len(done.token_ids) > 1
+        assert out.outputs[0].text == done.text
+        assert out.prompt == llm.tokenizer.apply_chat_template(
+            chat, add_generation_prompt=True, tokenize=False
+        )
 
 
 def assert_stream_equals_llm(client: Client, llm, kwargs: dict, ref_prompt) -> None:

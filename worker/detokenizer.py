@@ -48,6 +48,7 @@ class IncrementalDetokenizer:
         self._unsent = ""  # tail of the text not yet returned by step(); bounded
         self._stop_matched: str | None = None
         self._finished = False
+        self._num_output = 0  # output tokens seen: stop strings count after params.min_tokens
 
     @property
     def text(self) -> str:
@@ -66,6 +67,7 @@ class IncrementalDetokenizer:
         if self._finished or self._tokenizer is None:
             return ""
         self._ids.extend(new_token_ids)
+        self._num_output += len(new_token_ids)
         self._append(self._decode_new())
         if self._stop_matched is not None:
             return self._take(hold=0)
@@ -111,6 +113,8 @@ class IncrementalDetokenizer:
             return
         self._unsent += new_text
         self._pieces.append(new_text)
+        if self._num_output <= self._params.min_tokens:
+            return  # as vLLM: stop strings are looked for only after min_tokens tokens
         cut = self._find_stop()
         if cut is None:
             return

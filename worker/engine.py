@@ -18,7 +18,8 @@ from worker.hashing import BlockHasher, ModelFingerprint
 from worker.kv_events import KVEvent
 from worker.kv_pool import check_pool_fits, kv_torch_dtype
 from worker.model_config import ModelConfig
-from worker.outputs import RequestMetrics, RequestOutput
+from worker.model_source import check_model, is_gguf
+from worker.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from worker.request import Request, RequestStatus
 from worker.sampler import TokenLogprobs
 from worker.sampling_params import SamplingParams
@@ -43,21 +44,20 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
-        if not Path(self.model).is_dir():
-            raise ValueError(
-                f"model {self.model!r} is not a directory with config.json and safetensors"
-            )
+        check_model(self.model)
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
 
 
 @dataclass
 class _Tracked:
-    """Engine-side companions of a request: detokenizer, timings, logprobs."""
+    """Engine-side companions of a request: detokenizer, timings, logprobs, prompt text."""
 
     detok: IncrementalDetokenizer
     metrics: RequestMetrics
     logprobs: list[TokenLogprobs] | None
+    prompt: str | None
+    cumulative_logprob: float = 0.0
 
 
 class LLMEngine:
@@ -108,8 +108,14 @@ class LLMEngine:
     ) -> str:
         """Queue a prompt (text, when the model has a tokenizer, or token ids)."""
         params = params or SamplingParams()
-        if isinstance(prompt, str):
-            prompt = self.tokenize(prompt)
+        if params.n != 1:
+            raise ValueError(
+                f"SamplingParams.n={params.n}: the engine runs one completion per request "
+                f"(pagefleet.LLM adds one request per completion)"
+            )
+        text = prompt if isinstance(prompt, str) else None
+        if text is not None:
+            prompt = self.tokenize(text)
         token_ids = token_list(prompt, self.model_config.vocab_size)
         if len(token_ids) >= self.max_model_len:
             raise ValueError(
@@ -124,9 +130,10 @@ class LLMEngine:
         )  # fmt: skip
         self.scheduler.add_request(req)
         self._tracked[rid] = _Tracked(
-            IncrementalDetokenizer(self.tokenizer, token_ids, params),
+            IncrementalDetokenizer(self.tokenizer, token_ids, params, params.skip_special_tokens),
             RequestMetrics(arrival_time=req.arrival_time),
             [] if params.logprobs is not None else None,
+            text,
         )
         return rid
 
@@ -195,6 +202,7 @@ class LLMEngine:
         m.token_times.append(now)
         if tracked.logprobs is not None:
             tracked.logprobs.append(lp)
+            tracked.cumulative_logprob += lp.logprob
         delta = tracked.detok.step([token])
         if tracked.detok.stop_matched is not None and not finished:
             self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
@@ -205,19 +213,25 @@ class LLMEngine:
             m.finished_time = now
             del self._tracked[rid]
             self._flush_events()
+        completion = CompletionOutput(
+            index=0,
+            text=tracked.detok.text,
+            token_ids=req.output_token_ids,
+            cumulative_logprob=tracked.cumulative_logprob if tracked.logprobs is not None else None,
+            logprobs=tracked.logprobs,
+            finish_reason=req.finish_reason if finished else None,
+            stop_reason=req.stop_reason,
+        )
         return RequestOutput(
             request_id=rid,
             prompt_token_ids=req.prompt_token_ids,
-            token_ids=req.output_token_ids,
-            text=tracked.detok.text,
-            new_token_ids=[token],
-            new_text=delta,
+            outputs=[completion],
             finished=finished,
-            finish_reason=req.finish_reason if finished else None,
-            stop_reason=req.stop_reason,
             num_cached_tokens=max(0, req.num_cached_tokens),
             metrics=m,
-            logprobs=tracked.logprobs,
+            new_token_ids=[token],
+            new_text=delta,
+            prompt=tracked.prompt,
         )
 
     def _flush_events(self) -> None:
@@ -262,7 +276,12 @@ def block_hasher(config: EngineConfig, mc: ModelConfig) -> BlockHasher:
 
 
 def load_tokenizer(model_dir: str):
-    """The model directory's tokenizer, or None when it has none (token-id prompts only)."""
+    """The model's tokenizer (a directory's files or a GGUF file's metadata), or None when it
+    has none (token-id prompts only)."""
+    if is_gguf(model_dir):
+        from worker.gguf_loader import gguf_tokenizer
+
+        return gguf_tokenizer(model_dir)
     path = Path(model_dir)
     if not any(
         (path / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")

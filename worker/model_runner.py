@@ -272,7 +272,13 @@ class ModelRunner:
         gen = self._generators.get(request.request_id)
         if gen is None and params.seed is not None:
             gen = self._generators[request.request_id] = Sampler.make_generator(params, self.device)
-        return SamplingRow(params, request.prompt_token_ids, request.output_token_ids, gen)
+        suppressed = ()
+        if request.num_output_tokens < params.min_tokens:  # no stop before min_tokens
+            eos = () if params.ignore_eos else request.eos_token_ids
+            suppressed = (*eos, *params.stop_token_ids)
+        return SamplingRow(
+            params, request.prompt_token_ids, request.output_token_ids, gen, suppressed
+        )
 
     @torch.inference_mode()
     def profile_step(self, num_tokens: int, vocab_size: int) -> None:

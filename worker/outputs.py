@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from worker.sampler import TokenLogprobs
 
@@ -45,22 +45,66 @@ class RequestMetrics:
 
 
 @dataclass
+class CompletionOutput:
+    """One completion of a request, in vLLM's shape."""
+
+    index: int  # which of the request's n completions
+    text: str  # detokenized output so far (empty without a tokenizer)
+    token_ids: list[int]  # every generated token so far
+    cumulative_logprob: float | None  # sum of the chosen tokens' logprobs, when logprobs are asked
+    logprobs: list[TokenLogprobs] | None  # per token: {token id: Logprob}, chosen and top-n
+    finish_reason: str | None = None  # "stop", "length" or "abort" once finished
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
 class RequestOutput:
-    """A request's state after a step: the whole output so far plus this step's delta."""
+    """A request's state after a step, in vLLM's shape (`outputs`: its completions so far), plus
+    what vLLM lacks: this step's delta and single-completion shortcuts (`text`, `token_ids`,
+    `finish_reason`, `stop_reason`, `logprobs`, `ttft`)."""
 
     request_id: str
     prompt_token_ids: Sequence[int]  # a list (a Ray group hands back the ids it was given)
-    token_ids: list[int]  # every generated token so far
-    text: str  # detokenized output so far (empty without a tokenizer)
-    new_token_ids: list[int]  # generated in this step
-    new_text: str  # text safe to show that appeared in this step
+    outputs: list[CompletionOutput]
     finished: bool
-    finish_reason: str | None  # "stop", "length" or "abort" once finished
-    stop_reason: int | str | None  # the stop token id or stop string that ended it
     num_cached_tokens: int  # prompt tokens served from the prefix cache
     metrics: RequestMetrics
-    logprobs: list[TokenLogprobs] | None = None  # per generated token, when asked
+    new_token_ids: list[int] = field(default_factory=list)  # generated in this step
+    new_text: str = ""  # text safe to show that appeared in this step
+    prompt: str | None = None  # the prompt's text, when it was given as text
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+    @property
+    def stop_reason(self) -> int | str | None:
+        return self.outputs[0].stop_reason
+
+    @property
+    def logprobs(self) -> list[TokenLogprobs] | None:
+        return self.outputs[0].logprobs
 
     @property
     def ttft(self) -> float | None:
         return self.metrics.ttft
+
+
+def merge_completions(completions: Sequence[RequestOutput]) -> RequestOutput:
+    """One request's output from its n completions, each run as a request of its own (the
+    first completion's prompt, cache use and timings; every completion, in order)."""
+    first = completions[0]
+    outputs = [replace(c.outputs[0], index=i) for i, c in enumerate(completions)]
+    finished = all(c.finished for c in completions)
+    return replace(first, outputs=outputs, finished=finished)

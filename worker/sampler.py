@@ -14,9 +14,9 @@ per row, not one per vocabulary entry as in the exponential race, keeps the CPU 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 
@@ -35,16 +35,44 @@ class SamplingRow:
     # Per-request RNG from `Sampler.make_generator(params)` when params.seed is set; the runner
     # keeps it with the request so that the stream continues across steps.
     generator: torch.Generator | None = None
+    # Ids that must not be sampled this step: EOS and stop tokens before params.min_tokens.
+    suppressed: tuple[int, ...] = ()
+
+
+class Logprob(NamedTuple):
+    """One token's logprob and rank, as vLLM reports it (`decoded_token` is left unset)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
 
 
 @dataclass(frozen=True)
-class TokenLogprobs:
-    """The chosen token's logprob, its rank, and the top-n alternatives (highest first)."""
+class TokenLogprobs(Mapping[int, Logprob]):
+    """The chosen token's logprob, its rank, and the top-n alternatives (highest first).
+
+    Also a read-only mapping {token id: Logprob} over the chosen token and the top-n, the
+    shape of one entry of vLLM's `CompletionOutput.logprobs`."""
 
     token_id: int
     logprob: float
     rank: int  # 1 + the number of tokens with a strictly higher logprob
     top: list[tuple[int, float]]  # (token id, logprob), len == params.logprobs
+
+    def __getitem__(self, token_id: int) -> Logprob:
+        if token_id == self.token_id:
+            return Logprob(self.logprob, self.rank)
+        for i, (tid, lp) in enumerate(self.top):
+            if tid == token_id:
+                return Logprob(lp, i + 1)
+        raise KeyError(token_id)
+
+    def __iter__(self) -> Iterator[int]:
+        yield self.token_id
+        yield from (tid for tid, _ in self.top if tid != self.token_id)
+
+    def __len__(self) -> int:
+        return 1 + sum(1 for tid, _ in self.top if tid != self.token_id)
 
 
 @dataclass
@@ -88,7 +116,7 @@ class Sampler:
         if not rows:
             return SampleResult(token_ids=[], logprobs=[])
         logits = logits.float()
-        penalized = apply_penalties(logits, rows)
+        penalized = suppress(apply_penalties(logits, rows), rows)
         # The common all-greedy batch is this one argmax.
         token_ids = penalized.argmax(dim=-1)  # (n,)
         random_idx = [i for i, r in enumerate(rows) if not r.params.greedy]
@@ -104,7 +132,7 @@ class Sampler:
         penalties, temperature, top-k, top-p and min-p, with removed tokens at -inf.
         """
         _check_inputs(logits, rows)
-        out = apply_penalties(logits.float(), rows)
+        out = suppress(apply_penalties(logits.float(), rows), rows)
         random_idx = [i for i, r in enumerate(rows) if not r.params.greedy]
         if random_idx:
             out = out.clone()
@@ -196,6 +224,18 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
         # Every occurrence pays the frequency penalty; the first also pays the presence one.
         penalty = freq + pres * first.to(out.dtype)
         out.index_put_((row_of[owner], tokens), -penalty, accumulate=True)
+    return out
+
+
+def suppress(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Each row's `suppressed` ids at -inf (min_tokens: no EOS or stop token before then);
+    returns new logits (n, vocab), or the same tensor when no row suppresses anything."""
+    idx = [(i, t) for i, r in enumerate(rows) for t in r.suppressed if t < logits.shape[1]]
+    if not idx:
+        return logits
+    out = logits.clone()
+    rows_idx, ids = zip(*idx, strict=True)
+    out[list(rows_idx), list(ids)] = -float("inf")
     return out
 
 

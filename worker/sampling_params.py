@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 _GREEDY_EPS = 1e-5
 # Bounds on what a request may ask the stop checks to watch: every step scans its stop strings
@@ -36,6 +36,9 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     include_stop_str_in_output: bool = False
+    n: int = 1  # completions of the prompt (pagefleet.LLM runs one request each)
+    min_tokens: int = 0  # no EOS, stop token or stop string before this many tokens
+    skip_special_tokens: bool = True  # in the output text
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -105,6 +108,27 @@ class SamplingParams:
             "must be in [-2, 2]",
             self.frequency_penalty,
         )
+        _check(_is_int(self.n) and self.n >= 1, "n", "must be an integer >= 1", self.n)
+        _check(
+            _is_int(self.min_tokens)
+            and 0 <= self.min_tokens <= (self.max_tokens or self.min_tokens),
+            "min_tokens",
+            "must be an integer in [0, max_tokens]",
+            self.min_tokens,
+        )
+        _check(
+            isinstance(self.skip_special_tokens, bool),
+            "skip_special_tokens",
+            "must be a boolean",
+            self.skip_special_tokens,
+        )
+
+    def for_completion(self, index: int) -> SamplingParams:
+        """The parameters of the `index`-th of `n` completions: one request each, n=1; a seeded
+        request's completions draw from seeds seed, seed + 1, ... (as vLLM's do), so that they
+        differ and each is reproducible."""
+        seed = None if self.seed is None else self.seed + index
+        return replace(self, n=1, seed=seed)
 
     @property
     def greedy(self) -> bool:

@@ -13,7 +13,7 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from worker.outputs import RequestMetrics, RequestOutput
+from worker.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from worker.sampler import TokenLogprobs
 
 
@@ -66,6 +66,7 @@ class _Open:
     text: str
     metrics: RequestMetrics
     logprobs: list[TokenLogprobs] | None
+    cumulative_logprob: float = 0.0
 
 
 class OutputAssembler:
@@ -103,19 +104,25 @@ class OutputAssembler:
             if state.logprobs is None:
                 state.logprobs = []
             state.logprobs += d.new_logprobs
+            state.cumulative_logprob += sum(lp.logprob for lp in d.new_logprobs)
+        completion = CompletionOutput(
+            index=0,
+            text=state.text,
+            token_ids=state.tokens,
+            cumulative_logprob=state.cumulative_logprob if state.logprobs is not None else None,
+            logprobs=state.logprobs,
+            finish_reason=d.finish_reason,
+            stop_reason=d.stop_reason,
+        )
         return RequestOutput(
             request_id=d.request_id,
             prompt_token_ids=state.prompt,
-            token_ids=state.tokens,
-            text=state.text,
-            new_token_ids=d.new_token_ids,
-            new_text=d.new_text,
+            outputs=[completion],
             finished=d.finished,
-            finish_reason=d.finish_reason,
-            stop_reason=d.stop_reason,
             num_cached_tokens=d.num_cached_tokens,
             metrics=m,
-            logprobs=state.logprobs,
+            new_token_ids=d.new_token_ids,
+            new_text=d.new_text,
         )
 
     def drop(self, request_id: str) -> None:
