@@ -135,7 +135,11 @@ def _round(x: float | None, digits: int = 4) -> float | None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", help="HF model directory (default: a random-weight Llama)")
+    p.add_argument(
+        "--model",
+        help="model directory, .gguf file, 'default' (SmolLM2-135M-Instruct) or 'builtin' "
+        "(default: a random-weight Llama of the shape below)",
+    )
     p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--docs", type=int, default=4)
@@ -196,10 +200,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
         torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(prefix="pagefleet-bench-") as tmp:
         if args.model:
-            model_dir = args.model
-            from transformers import AutoConfig
+            from worker.model_loader import read_model_config
+            from worker.model_source import resolve_model
 
-            vocab = AutoConfig.from_pretrained(model_dir).vocab_size
+            model_dir = resolve_model(None if args.model == "default" else args.model)
+            vocab = read_model_config(model_dir).vocab_size
         else:
             vocab = args.vocab
             model_dir = str(make_bench_model(Path(tmp) / "model", vocab, args.seed))
@@ -226,8 +231,9 @@ def _meta(args, reqs: list[BenchRequest], vocab: int) -> dict:
     return {
         "bench": "engine",
         "workload": {**describe(reqs), "seed": args.seed, "quick": args.quick},
-        "model": args.model
-        or f"random llama {MODEL_SHAPE['hidden_size']}h "
+        "model": Path(model_dir).name
+        if args.model
+        else f"random llama {MODEL_SHAPE['hidden_size']}h "
         f"{MODEL_SHAPE['num_hidden_layers']}L vocab {vocab}",
         "device": "cpu",
         "torch_threads": torch.get_num_threads(),

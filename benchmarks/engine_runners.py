@@ -62,10 +62,18 @@ class PeakRss:
 
 # ---- shared by the runners ----------------------------------------------------------------
 def load_hf(model_dir: str):
+    """transformers' model from a model directory or a GGUF file (dequantized), float32."""
     from transformers import AutoModelForCausalLM
 
+    from worker.model_source import is_gguf
+
+    path = Path(model_dir)
+    where = dict(gguf_file=path.name) if is_gguf(path) else {}
     model = AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=torch.float32, attn_implementation="sdpa"
+        path.parent if is_gguf(path) else path,
+        dtype=torch.float32,
+        attn_implementation="sdpa",
+        **where,
     )
     return model.eval()
 
@@ -85,6 +93,7 @@ def run_pagefleet(model_dir: str, reqs: list[BenchRequest], args, vocab: int) ->
         num_blocks=args.kv_tokens // args.block_size,
         max_num_batched_tokens=args.max_batch_tokens,
         max_num_seqs=args.max_num_seqs,
+        max_model_len=args.kv_tokens,  # at most the pool (the engine caps it at the model's)
     )
     with PeakRss() as mem:
         llm = LLM(model_dir, **options)
@@ -114,7 +123,8 @@ def run_pagefleet(model_dir: str, reqs: list[BenchRequest], args, vocab: int) ->
         wall,
         mem.bytes,
         hits / queries if queries else None,
-        {**options, "attention_backend": "torch", "preemptions": after["preemptions"],
+        {**options, "max_model_len": llm.engine.max_model_len, "attention_backend": "torch",
+         "preemptions": after["preemptions"],
          "kv_pool_mb": round(after["kv_pool_bytes"] / 2**20, 1), "profiled": bool(profiler)},
     )  # fmt: skip
 

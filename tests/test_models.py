@@ -290,6 +290,28 @@ class ThreadRank(Collectives):
         return self._exchange(t)[src]
 
 
+def run_ranks(tp: int, rank_main) -> list:
+    """`rank_main(collectives)` on `tp` threads, one per rank of a ThreadRank group; their
+    results in rank order. A rank that fails aborts the others' collectives and fails the test."""
+    shared = {"slots": [None] * tp, "barrier": threading.Barrier(tp, timeout=60)}
+    results, errors = [None] * tp, []
+
+    def run(r: int) -> None:
+        try:
+            results[r] = rank_main(ThreadRank(r, shared))
+        except BaseException as e:  # surfaced below
+            errors.append(e)
+            shared["barrier"].abort()
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(tp)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    return results
+
+
 @pytest.mark.parametrize("tp,kv_heads", [(2, 2), (4, 2)])  # split KV heads; replicated KV heads
 def test_tensor_parallel_model_matches_transformers(tmp_path, tp, kv_heads):
     # vocab 250 does not divide by tp: the vocab layers pad
@@ -298,25 +320,13 @@ def test_tensor_parallel_model_matches_transformers(tmp_path, tp, kv_heads):
     )
     prompts = make_prompts(250, lens=(7, 12))
     ref = reference_logits(model_dir, prompts)
-    shared = {"slots": [None] * tp, "barrier": threading.Barrier(tp, timeout=60)}
-    results, errors = [None] * tp, []
 
-    def rank_main(r: int) -> None:
-        try:
-            model, _ = load_model(model_dir, dtype=torch.float32, collectives=ThreadRank(r, shared))
-            pool = Pool(model, block_size=4, num_blocks=16, seed=1)  # same tables on every rank
-            results[r] = run_step(model, pool, [(s, p, 0) for s, p in enumerate(prompts)])
-        except BaseException as e:  # surfaced below
-            errors.append(e)
-            shared["barrier"].abort()
+    def rank_main(comm: ThreadRank) -> torch.Tensor:
+        model, _ = load_model(model_dir, dtype=torch.float32, collectives=comm)
+        pool = Pool(model, block_size=4, num_blocks=16, seed=1)  # same tables on every rank
+        return run_step(model, pool, [(s, p, 0) for s, p in enumerate(prompts)])
 
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(tp)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
-    for logits in results:
+    for logits in run_ranks(tp, rank_main):
         for s, rows in enumerate(logits.split((7, 12))):
             assert_close(rows, ref[s])
 

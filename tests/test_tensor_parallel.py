@@ -19,7 +19,7 @@ import time
 
 import pytest
 import torch
-from factories import make_requests, make_scheduler
+from factories import make_requests, make_scheduler, transformers_greedy
 from transformers import AutoModelForCausalLM
 
 from cluster.planner import KVShape
@@ -56,16 +56,7 @@ def workload(seed):
 
 def hf_greedy(model_dir, prompts, n):
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    outs = []
-    for p in prompts:
-        ids = torch.tensor([p])
-        with torch.no_grad():
-            gen = hf.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
-                pad_token_id=0,
-            )  # fmt: skip
-        outs.append(gen[0, len(p) :].tolist())
-    return outs
+    return transformers_greedy(hf, prompts, n)
 
 
 def settled_stats(group, timeout_s=15.0):
