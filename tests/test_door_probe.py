@@ -33,8 +33,8 @@ GENERATE = "/pagefleet.v1.PageFleet/Generate"
 def probed(tmp_path_factory):
     """(process, client, log path) of a server on the built-in model."""
     log = tmp_path_factory.mktemp("probe") / "serve.log"
-    flags = ["--no-metrics", "--grace=1", f"--max-model-len={CONTEXT}", "--num-blocks=256",
-             "--max-num-seqs=4", "--max-waiting=64"]  # fmt: skip
+    flags = ["--model=builtin", "--no-metrics", "--grace=1", f"--max-model-len={CONTEXT}",
+             "--num-blocks=256", "--max-num-seqs=4", "--max-waiting=64"]  # fmt: skip
     proc, client = start_serve(flags, free_port(), log, START_TIMEOUT_S)
     try:
         yield proc, client, log

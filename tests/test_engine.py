@@ -271,5 +271,5 @@ def test_pool_sized_from_memory_budget(model_dirs):
 def test_the_cluster_secret_stays_out_of_the_configs_repr():
     from pagefleet.llm import engine_config
 
-    config = engine_config(None, cluster_secret="do-not-print-me")
+    config = engine_config("builtin", cluster_secret="do-not-print-me")
     assert "do-not-print-me" not in repr(config) and config.cluster_secret == "do-not-print-me"

@@ -277,7 +277,7 @@ def test_ray_job_submit_pagefleet_serve(ray_head):
 def serve_joining(head: RayHead, env: dict, port: int) -> subprocess.Popen:
     """`pagefleet serve --address` of `head`, run as a user runs it, outside any Ray job."""
     return subprocess.Popen(
-        [sys.executable, "-m", "pagefleet", "serve", "--address", head.gcs_address,
+        [sys.executable, "-m", "pagefleet", "serve", "--model", "builtin", "--address", head.gcs_address,
          "--port", str(port), "--no-metrics", "--grace", "2"],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip

@@ -156,15 +156,7 @@ class LLMEngine:
                 continue
             delta = tracked.detok.flush()
             tracked.metrics.finished_time = time.monotonic()
-            outputs.append(
-                RequestOutput(
-                    request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
-                    token_ids=req.output_token_ids, text=tracked.detok.text, new_token_ids=[],
-                    new_text=delta, finished=True, finish_reason=req.finish_reason,
-                    stop_reason=None, num_cached_tokens=max(0, req.num_cached_tokens), metrics=tracked.metrics,
-                    logprobs=tracked.logprobs,
-                )
-            )  # fmt: skip
+            outputs.append(_output(req, tracked, [], delta, finished=True))
         return outputs
 
     def has_unfinished(self) -> bool:
@@ -213,26 +205,7 @@ class LLMEngine:
             m.finished_time = now
             del self._tracked[rid]
             self._flush_events()
-        completion = CompletionOutput(
-            index=0,
-            text=tracked.detok.text,
-            token_ids=req.output_token_ids,
-            cumulative_logprob=tracked.cumulative_logprob if tracked.logprobs is not None else None,
-            logprobs=tracked.logprobs,
-            finish_reason=req.finish_reason if finished else None,
-            stop_reason=req.stop_reason,
-        )
-        return RequestOutput(
-            request_id=rid,
-            prompt_token_ids=req.prompt_token_ids,
-            outputs=[completion],
-            finished=finished,
-            num_cached_tokens=max(0, req.num_cached_tokens),
-            metrics=m,
-            new_token_ids=[token],
-            new_text=delta,
-            prompt=tracked.prompt,
-        )
+        return _output(req, tracked, [token], delta, finished)
 
     def _flush_events(self) -> None:
         if self._events:
@@ -258,6 +231,32 @@ class LLMEngine:
             "kv_bytes_per_token": self.layout.bytes_per_token,
             "kv_pool_bytes": self.executor.pool_bytes,
         }
+
+
+def _output(
+    req: Request, tracked: _Tracked, new_token_ids: list[int], delta: str, finished: bool
+) -> RequestOutput:
+    """The request's output after a step (or an abort): everything so far and this delta."""
+    completion = CompletionOutput(
+        index=0,
+        text=tracked.detok.text,
+        token_ids=req.output_token_ids,
+        cumulative_logprob=tracked.cumulative_logprob if tracked.logprobs is not None else None,
+        logprobs=tracked.logprobs,
+        finish_reason=req.finish_reason if finished else None,
+        stop_reason=req.stop_reason,
+    )
+    return RequestOutput(
+        request_id=req.request_id,
+        prompt_token_ids=req.prompt_token_ids,
+        outputs=[completion],
+        finished=finished,
+        num_cached_tokens=max(0, req.num_cached_tokens),
+        metrics=tracked.metrics,
+        new_token_ids=new_token_ids,
+        new_text=delta,
+        prompt=tracked.prompt,
+    )
 
 
 def block_hasher(config: EngineConfig, mc: ModelConfig) -> BlockHasher:

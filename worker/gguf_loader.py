@@ -72,15 +72,16 @@ def load_gguf_weights(model: nn.Module, path: str | Path, config: ModelConfig) -
         for hf_name, shard_id in checkpoint_names(name, config.tie_word_embeddings):
             base, _, suffix = hf_name.rpartition(".")
             wanted[f"{names.get_name(base)}.{suffix}"] = (name, shard_id)
-    heads = {".attn_q.": config.num_heads, ".attn_k.": config.num_kv_heads}
+    permuted = {".attn_q.": config.num_heads, ".attn_k.": config.num_kv_heads}
+    if arch not in _PERMUTED_ARCHITECTURES:
+        permuted = {}
     loaded, unexpected, bytes_read = set(), [], 0
     for tensor in reader.tensors:
         if tensor.name not in wanted:
             unexpected.append(tensor.name)
             continue
         name, shard_id = wanted[tensor.name]
-        permuted = arch in _PERMUTED_ARCHITECTURES
-        n_heads = next((n for k, n in heads.items() if permuted and k in tensor.name), None)
+        n_heads = next((n for part, n in permuted.items() if part in tensor.name), None)
         view = GGUFTensorSlice(tensor, n_heads)
         load_one(model, name, params[name], view, shard_id)
         loaded.add((name, shard_id))
