@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             from worker.model_loader import read_model_config
             from worker.model_source import resolve_model
 
-            model_dir = resolve_model(None if args.model == "default" else args.model)
+            model_dir = resolve_model(args.model)
             vocab = read_model_config(model_dir).vocab_size
         else:
             vocab = args.vocab

@@ -215,10 +215,10 @@ def run_serve(args: argparse.Namespace) -> int:
     import logging
 
     from router.serve import ServeError, serve
-    from worker.model_source import default_model_path
+    from worker.model_source import DEFAULT, default_model_path
 
     config = serve_config(args)
-    if config.model is None:
+    if config.model in (None, DEFAULT):
         default_model_path()  # a missing default model is refused before binding a port
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:

@@ -36,7 +36,7 @@ from typing import Any
 from router.door.doors import Doors, door_security
 from router.door.http import DEFAULT_HTTP_PORT
 from router.door.server import DEFAULT_PORT, MAX_MESSAGE_BYTES
-from worker.model_source import BUILTIN, check_model
+from worker.model_source import check_model_name
 
 log = logging.getLogger(__name__)
 
@@ -96,8 +96,7 @@ class ServeConfig:
                 raise ValueError(f"{name} must be a port number in [0, 65535], got {value!r}")
         if not self.grace_s >= 0:
             raise ValueError(f"grace_s must be >= 0, got {self.grace_s!r}")
-        if self.model is not None and self.model != BUILTIN:
-            check_model(self.model)
+        check_model_name(self.model)
         if not isinstance(self.engine, Mapping):
             raise ValueError(f"engine must be a mapping of engine options, got {self.engine!r}")
         if not isinstance(self.policy_options, Mapping):

@@ -231,7 +231,9 @@ def test_kv_cache_dtype_flag_and_yaml_reach_every_group(tmp_path):
     path.write_text("engine:\n  kv_cache_dtype: fp8\n  num_blocks: 64\n  max_model_len: 512\n")
     args = build_parser().parse_args(["serve", "--config", str(path), "--no-metrics"])
     assert serve_config(args).engine["kv_cache_dtype"] == "fp8"
-    args = build_parser().parse_args(["serve", "--config", str(path), "--kv-cache-dtype", "int8"])
+    args = build_parser().parse_args(
+        ["serve", "--model", "builtin", "--config", str(path), "--kv-cache-dtype", "int8"]
+    )
     config = serve_config(args)
     assert config.engine == {"kv_cache_dtype": "int8", "num_blocks": 64, "max_model_len": 512}
     cluster = build_cluster(replace(config, metrics_port=None), engine_config)

@@ -70,6 +70,7 @@ def test_the_default_is_the_packaged_gguf_file():
     config = engine_config()
     assert config.model == str(default_model_path())
     assert Path(config.model).name == DEFAULT_MODEL_FILE and Path(config.model).is_file()
+    assert engine_config("default").model == config.model  # the name `groups start` takes
     assert engine_config("builtin").model.endswith("builtin-v1")
 
 

@@ -233,7 +233,7 @@ def test_a_full_queue_sends_the_request_to_the_next_group_before_refusing_it():
     from worker.scheduler import QueueFullError
 
     index = InMemoryPrefixIndex()
-    config = engine_config(None, num_blocks=64, max_model_len=512, cluster_secret=SECRET, max_num_seqs=1, max_waiting=1)  # fmt: skip
+    config = engine_config("builtin", num_blocks=64, max_model_len=512, cluster_secret=SECRET, max_num_seqs=1, max_waiting=1)  # fmt: skip
     made = [LocalGroup(config, index, group_id=f"q{i}") for i in range(2)]
     router = Router(made, index, made[0].hasher, info(), policy="round_robin")
     long = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)

