@@ -218,8 +218,10 @@ def run_serve(args: argparse.Namespace) -> int:
     from worker.model_source import DEFAULT, default_model_path
 
     config = serve_config(args)
-    if config.model in (None, DEFAULT):
-        default_model_path()  # a missing default model is refused before binding a port
+    # A missing default model is refused before a port is bound (a router of a cluster runs the
+    # model of the cluster's groups, whatever this machine has installed).
+    if config.role == "all" and config.model in (None, DEFAULT):
+        default_model_path()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         return asyncio.run(serve(config, _engine_config))
