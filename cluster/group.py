@@ -15,8 +15,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, dataclass
 
 from cluster.index import GroupLoad
-from worker.async_engine import GenerationRequest
 from worker.outputs import RequestOutput
+from worker.protocol import GenerationRequest
 
 
 @dataclass(frozen=True)

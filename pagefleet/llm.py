@@ -6,12 +6,12 @@ import asyncio
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from worker.async_engine import GenerationRequest
 from worker.chat import render_chat, render_chat_text
 from worker.config import CacheConfig, SchedulerConfig
 from worker.engine import EngineConfig, LLMEngine, load_tokenizer
 from worker.model_source import resolve_model
 from worker.outputs import RequestOutput, merge_completions
+from worker.protocol import GenerationRequest
 from worker.sampling_params import SamplingParams
 
 _CACHE_KEYS = {f for f in CacheConfig.__dataclass_fields__}

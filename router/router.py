@@ -26,12 +26,11 @@ from cluster.group import GroupHandle, GroupStatus
 from cluster.index import IndexReader
 from router.hash_cache import PrefixHashCache
 from router.placement import Ledger, Placement, Policy, make_policy
-from worker.async_engine import EngineDeadError, GenerationRequest
 from worker.chat import check_messages, render_chat
 from worker.hashing import BlockHasher
 from worker.outputs import RequestOutput
+from worker.protocol import EngineDeadError, GenerationRequest, QueueFullError
 from worker.sampling_params import SamplingParams
-from worker.scheduler import QueueFullError
 from worker.token_ids import check_token_ids
 
 log = logging.getLogger(__name__)

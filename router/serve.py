@@ -357,7 +357,7 @@ def model_name(model_dir: str) -> str:
 
 async def warm_up(groups) -> None:
     """One tiny greedy generation through every group: weights touched, kernels compiled."""
-    from worker.async_engine import GenerationRequest
+    from worker.protocol import GenerationRequest
     from worker.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=1, temperature=0.0)

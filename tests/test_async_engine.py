@@ -7,8 +7,9 @@ import asyncio
 import pytest
 
 from pagefleet.llm import LLM, engine_config
-from worker.async_engine import AsyncEngine, GenerationRequest
+from worker.async_engine import AsyncEngine
 from worker.engine import LLMEngine
+from worker.protocol import GenerationRequest
 from worker.sampling_params import SamplingParams
 
 DOC = "The lighthouse keeper wrote down every ship that passed the rocks at night. " * 3

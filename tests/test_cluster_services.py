@@ -51,7 +51,12 @@ def services(ray_runtime, redis_server, tmp_path_factory):
     """Two more nodes with a group slot each, the groups on them, and two routers."""
     cluster = ray_runtime.cluster
     nodes = [
-        cluster.add_node(num_cpus=2, resources={GROUP_SLOT: 1}, object_store_memory=80 << 20, node_ip_address="127.0.0.1")  # fmt: skip
+        cluster.add_node(
+            num_cpus=2,
+            resources={GROUP_SLOT: 1},
+            object_store_memory=80 << 20,
+            node_ip_address="127.0.0.1",
+        )  # fmt: skip
         for _ in range(2)
     ]
     cluster.wait_for_nodes()
@@ -72,7 +77,13 @@ def services(ray_runtime, redis_server, tmp_path_factory):
             flags = ["--role", "router", "--cluster", CLUSTER, "--address", address, "--redis",
                      redis_server.url, "--no-metrics", "--no-http", "--grace", "2"]  # fmt: skip
             routers.append(start_serve(flags, free_port(), tmp / f"router{i}.log", READY_S, env))
-        yield {"address": address, "env": env, "routers": routers, "nodes": nodes, "redis": redis_server}
+        yield {
+            "address": address,
+            "env": env,
+            "routers": routers,
+            "nodes": nodes,
+            "redis": redis_server,
+        }
     finally:
         for proc, client in routers:
             client.close()

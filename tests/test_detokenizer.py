@@ -206,3 +206,21 @@ def test_held_tail_is_the_longest_tail_that_begins_a_stop(text, stops):
     detok = IncrementalDetokenizer(None, [], SamplingParams(stop=tuple(stops)))
     detok._unsent = text
     assert detok._stop_prefix_len() == _longest_stop_tail(text, tuple(stops))
+
+
+@pytest.mark.parametrize("cut", [1, 3, 6, 9])
+def test_a_resumed_output_streams_exactly_what_was_not_sent(tokenizer, cut):
+    """A detokenizer that resumes another's output after `cut` tokens, of which the first
+    streamed the text it returned, sends the rest: nothing missing, nothing twice, stop
+    strings found across the cut."""
+    text = "Stop here. END of text. 東京 🙂"
+    ids = encode(tokenizer, text)
+    params = SamplingParams(stop="END of")
+    first = IncrementalDetokenizer(tokenizer, [], params)
+    sent = "".join(first.step([i]) for i in ids[:cut])
+    second = IncrementalDetokenizer(tokenizer, [], params)
+    second.resume(ids[:cut], len(sent))
+    rest = [second.step([i]) for i in ids[cut:] if second.stop_matched is None]
+    rest.append(second.flush())
+    assert sent + "".join(rest) == "Stop here. "
+    assert second.stop_matched == "END of"

@@ -9,8 +9,7 @@ import math
 import pytest
 
 from pagefleet import LLM, SamplingParams
-from worker.outputs import CompletionOutput, RequestOutput
-from worker.sampler import Logprob
+from worker.outputs import CompletionOutput, Logprob, RequestOutput
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
 TEXT = "The library opens at nine in the morning and closes at six in the evening."

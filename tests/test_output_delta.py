@@ -7,8 +7,9 @@ from array import array
 
 from cluster.ray.output_delta import OutputAssembler, OutputDelta
 from pagefleet.llm import engine_config
-from worker.async_engine import AsyncEngine, GenerationRequest
+from worker.async_engine import AsyncEngine
 from worker.engine import LLMEngine
+from worker.protocol import GenerationRequest
 from worker.sampling_params import SamplingParams
 
 

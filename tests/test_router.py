@@ -229,8 +229,7 @@ def test_a_full_queue_sends_the_request_to_the_next_group_before_refusing_it():
     """Each group runs one request and queues one. With q0's queue full, the router's first
     choice (round robin: q0) refuses the request and q1 takes it; with both full, it is
     refused."""
-    from worker.async_engine import GenerationRequest
-    from worker.scheduler import QueueFullError
+    from worker.protocol import GenerationRequest, QueueFullError
 
     index = InMemoryPrefixIndex()
     config = engine_config("builtin", num_blocks=64, max_model_len=512, cluster_secret=SECRET, max_num_seqs=1, max_waiting=1)  # fmt: skip

@@ -14,7 +14,7 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from worker.sampler import Sampler, SamplingRow, draw
+from worker.sampler import Sampler, SamplingRow, draw, seeded_uniform
 from worker.sampling_params import SamplingParams
 
 VOCAB = 64
@@ -29,7 +29,7 @@ def make_rows(params_list, prompt_len=6, output_len=5, seed=0, vocab=VOCAB):
     for params in params_list:
         prompt = torch.randint(0, vocab, (prompt_len,), generator=g).tolist()
         output = torch.randint(0, vocab, (output_len,), generator=g).tolist()
-        rows.append(SamplingRow(params, prompt, output, Sampler.make_generator(params)))
+        rows.append(SamplingRow(params, prompt, output))
     return rows
 
 
@@ -141,7 +141,10 @@ def _run_steps(sampler, rows, steps, which):
     out = []
     for step in range(steps):
         logits = random_logits(1, seed=100 + step).expand(len(rows), VOCAB).clone()
-        out.append(sampler(logits, rows).token_ids[which])
+        sampled = sampler(logits, rows).token_ids
+        for row, token in zip(rows, sampled, strict=True):
+            row.output_token_ids.append(token)  # as the engine does between steps
+        out.append(sampled[which])
     return out
 
 
@@ -151,7 +154,7 @@ def test_same_seed_same_tokens_whatever_the_batch():
     sampler = Sampler()
 
     def fresh(p):
-        return SamplingRow(p, [1, 2], [], Sampler.make_generator(p))
+        return SamplingRow(p, [1, 2], [])
 
     alone = _run_steps(sampler, [fresh(seeded)], 20, 0)
     again = _run_steps(sampler, [fresh(seeded)], 20, 0)
@@ -192,10 +195,15 @@ def test_frequencies_follow_the_filtered_distribution_seeded():
     # The seeded path, through temperature and top-p: 400 requests with their own seeds,
     # 5 decoding steps each, 2000 draws in all.
     params = [SamplingParams(temperature=0.8, top_p=0.8, seed=s) for s in range(400)]
-    rows = [SamplingRow(p, [], [], Sampler.make_generator(p)) for p in params]
+    rows = [SamplingRow(p, [], []) for p in params]
     logits = PROBS.log().expand(len(rows), 5).clone()
     sampler = Sampler()
-    tokens = [t for _ in range(5) for t in sampler(logits, rows).token_ids]
+    tokens = []
+    for _ in range(5):
+        step = sampler(logits, rows).token_ids
+        for row, token in zip(rows, step, strict=True):
+            row.output_token_ids.append(token)
+        tokens += step
     target = hf_warp(logits[0], params[0]).softmax(-1)
     kept = target > 0
     assert 1 < int(kept.sum()) < 5  # top-p removed something, and sampling is not trivial
@@ -274,3 +282,23 @@ def test_draw_never_picks_a_token_without_mass():
         uniforms = torch.full((2,), u, dtype=torch.float64)
         ids = draw(probs, uniforms).tolist()
         assert probs[0, ids[0]] > 0 and ids[1] == 3
+
+
+def test_a_seeded_draw_depends_on_the_seed_and_the_position_alone():
+    """A request resumed elsewhere with its first k tokens already generated draws, at
+    position k, what the undisturbed request drew there."""
+    params = SamplingParams(temperature=1.0, seed=99)
+    sampler = Sampler()
+    whole = SamplingRow(params, [1, 2], [])
+    tokens = []
+    for step in range(12):
+        logits = random_logits(1, seed=300 + step)
+        tokens.append(sampler(logits, [whole]).token_ids[0])
+        whole.output_token_ids.append(tokens[-1])
+    resumed = SamplingRow(params, [1, 2], tokens[:7])  # a fresh row, seven tokens in
+    for step in range(7, 12):
+        token = sampler(random_logits(1, seed=300 + step), [resumed]).token_ids[0]
+        assert token == tokens[step]
+        resumed.output_token_ids.append(token)
+    assert seeded_uniform(99, 3) == seeded_uniform(99, 3) != seeded_uniform(99, 4)
+    assert 0.0 <= seeded_uniform(-5, 0) < 1.0

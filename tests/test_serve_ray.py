@@ -35,7 +35,7 @@ from pagefleet.client import Client
 from pagefleet.llm import engine_config
 from router.router import Router, RouteRequest
 from router.serve import ServeConfig, router_side
-from worker.async_engine import GenerationRequest
+from worker.protocol import GenerationRequest
 from worker.sampling_params import SamplingParams
 
 REPO = Path(__file__).resolve().parents[1]

@@ -27,9 +27,9 @@ from cluster.ray.config import parse_cpu_binding
 from cluster.ray.group import RayGroup, RayGroupConfig
 from cluster.ray.runtime import ray
 from pagefleet.llm import LLM, engine_config
-from worker.async_engine import EngineDeadError, GenerationRequest
 from worker.builtin_model import make_model_dir
 from worker.model_runner import ModelRunner
+from worker.protocol import EngineDeadError, GenerationRequest
 from worker.sampling_params import SamplingParams
 from worker.scheduler import SchedulerOutput
 from worker.step_codec import decode_step, encode_step

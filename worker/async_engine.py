@@ -13,30 +13,13 @@ import logging
 import queue
 import threading
 import traceback
-from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Callable
 
 from worker.engine import LLMEngine
 from worker.outputs import RequestOutput
-from worker.sampling_params import SamplingParams
+from worker.protocol import EngineDeadError, GenerationRequest
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class GenerationRequest:
-    """A request as a group receives it (from the router or a local caller)."""
-
-    prompt: str | Sequence[int]
-    params: SamplingParams = field(default_factory=SamplingParams)
-    request_id: str | None = None
-    priority: int = 0
-    cache_salt: str | None = None
-    block_hashes: Sequence[bytes] | None = None  # the router's hashes of the prompt, if any
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop stopped; in-flight requests fail with this."""
 
 
 class AsyncEngine:
@@ -140,6 +123,7 @@ class AsyncEngine:
                 self.engine.add_request(
                     request.prompt, request.params, request_id=rid, priority=request.priority,
                     cache_salt=request.cache_salt, block_hashes=request.block_hashes,
+                    resume=request.resume,
                 )  # fmt: skip
             except Exception as e:  # bad input or a full queue: that caller's error only
                 self._deliver(rid, e)

@@ -73,6 +73,18 @@ class IncrementalDetokenizer:
             return self._take(hold=0)
         return self._take(hold=self._stop_prefix_len())
 
+    def resume(self, token_ids: Sequence[int], text_sent: int) -> None:
+        """Continue an output that another detokenizer started: `token_ids` were generated and
+        the first `text_sent` characters of their text shown. What was held back (an incomplete
+        character, the start of a possible stop string) is unsent again, and stop strings are
+        matched over the whole output from here on. Fed one token at a time, as the first one
+        was, so that its decode window (which waits out a character split across tokens) ends
+        where the first one's did."""
+        for token_id in token_ids:
+            self.step([token_id])
+        if self._tokenizer is not None and self._stop_matched is None:
+            self._unsent = self.text[text_sent:]
+
     def flush(self) -> str:
         """End the request: return everything held back, including an incomplete character."""
         if self._finished or self._tokenizer is None:

@@ -19,9 +19,9 @@ from worker.kv_events import KVEvent
 from worker.kv_pool import check_pool_fits, kv_torch_dtype
 from worker.model_config import ModelConfig
 from worker.model_source import check_model, is_gguf
-from worker.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from worker.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprobs
+from worker.protocol import Resume
 from worker.request import Request, RequestStatus
-from worker.sampler import TokenLogprobs
 from worker.sampling_params import SamplingParams
 from worker.scheduler import Scheduler, SchedulerOutput
 from worker.token_ids import token_list
@@ -105,8 +105,10 @@ class LLMEngine:
         cache_salt: str | None = None,
         block_hashes: Sequence[bytes] | None = None,
         arrival_time: float | None = None,
+        resume: Resume | None = None,
     ) -> str:
-        """Queue a prompt (text, when the model has a tokenizer, or token ids)."""
+        """Queue a prompt (text, when the model has a tokenizer, or token ids); `resume`: the
+        output it already had on a group that died (worker/async_engine.py: Resume)."""
         params = params or SamplingParams()
         if params.n != 1:
             raise ValueError(
@@ -117,9 +119,11 @@ class LLMEngine:
         if text is not None:
             prompt = self.tokenize(text)
         token_ids = token_list(prompt, self.model_config.vocab_size)
-        if len(token_ids) >= self.max_model_len:
+        resumed = () if resume is None else tuple(token_list(resume.token_ids, self.model_config.vocab_size)) if resume.token_ids else ()  # fmt: skip
+        if len(token_ids) + len(resumed) >= self.max_model_len:
             raise ValueError(
-                f"prompt is {len(token_ids)} tokens; the model's context is {self.max_model_len}"
+                f"prompt is {len(token_ids) + len(resumed)} tokens; the model's context is "
+                f"{self.max_model_len}"
             )
         max_tokens = params.max_tokens or self.max_model_len - len(token_ids)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
@@ -128,13 +132,20 @@ class LLMEngine:
             priority=priority, arrival_time=arrival_time, hash_root=self.hasher.root(None, cache_salt),
             block_hashes=block_hashes or (),
         )  # fmt: skip
-        self.scheduler.add_request(req)
-        self._tracked[rid] = _Tracked(
+        tracked = _Tracked(
             IncrementalDetokenizer(self.tokenizer, token_ids, params, params.skip_special_tokens),
             RequestMetrics(arrival_time=req.arrival_time),
             [] if params.logprobs is not None else None,
             text,
         )
+        if resumed:  # as after a preemption: the output so far is recomputed with the prompt
+            req.all_token_ids.extend(resumed)
+            tracked.detok.resume(resumed, resume.text_sent)
+            if tracked.logprobs is not None:
+                tracked.logprobs.extend(resume.logprobs)
+                tracked.cumulative_logprob = sum(lp.logprob for lp in resume.logprobs)
+        self.scheduler.add_request(req)
+        self._tracked[rid] = tracked
         return rid
 
     def tokenize(self, prompt: str | Sequence[int]) -> list[int]:

@@ -22,7 +22,8 @@ import numpy as np
 import torch
 
 from worker.attention_metadata import AttentionMetadata
-from worker.sampler import Sampler, SamplingRow, TokenLogprobs
+from worker.outputs import TokenLogprobs
+from worker.sampler import Sampler, SamplingRow
 from worker.scheduler import SchedulerOutput
 from worker.step_codec import BlockTable, FlatStep, RowPlanner
 
@@ -73,7 +74,6 @@ class ModelRunner:
         self.device = device
         self._on_cpu = device.type == "cpu"  # tensors share the numpy arrays' memory
         self.sampler = Sampler()
-        self._generators: dict[str, torch.Generator] = {}  # seeded requests' RNG streams
         self.tables = BlockTable()
         # used on rank 0 (or a single device) only
         self.planner = RowPlanner(self.tables, block_size)
@@ -234,9 +234,6 @@ class ModelRunner:
             return self._run(step, out)
 
     def _run(self, step: FlatStep, out: SchedulerOutput | None) -> Sampled:
-        if out is not None:
-            for rid in out.finished_ids:
-                self._generators.pop(rid, None)
         if not step.num_seqs:
             return {}
         inputs = self.prepare(step)
@@ -269,16 +266,11 @@ class ModelRunner:
 
     def _row(self, request) -> SamplingRow:
         params = request.sampling_params
-        gen = self._generators.get(request.request_id)
-        if gen is None and params.seed is not None:
-            gen = self._generators[request.request_id] = Sampler.make_generator(params, self.device)
         suppressed = ()
         if request.num_output_tokens < params.min_tokens:  # no stop before min_tokens
             eos = () if params.ignore_eos else request.eos_token_ids
             suppressed = (*eos, *params.stop_token_ids)
-        return SamplingRow(
-            params, request.prompt_token_ids, request.output_token_ids, gen, suppressed
-        )
+        return SamplingRow(params, request.prompt_token_ids, request.output_token_ids, suppressed)
 
     @torch.inference_mode()
     def profile_step(self, num_tokens: int, vocab_size: int) -> None:

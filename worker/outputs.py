@@ -2,10 +2,45 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
-from worker.sampler import TokenLogprobs
+
+class Logprob(NamedTuple):
+    """One token's logprob and rank, as vLLM reports it (`decoded_token` is left unset)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass(frozen=True)
+class TokenLogprobs(Mapping[int, Logprob]):
+    """The chosen token's logprob, its rank, and the top-n alternatives (highest first).
+
+    Also a read-only mapping {token id: Logprob} over the chosen token and the top-n, the
+    shape of one entry of vLLM's `CompletionOutput.logprobs`."""
+
+    token_id: int
+    logprob: float
+    rank: int  # 1 + the number of tokens with a strictly higher logprob
+    top: list[tuple[int, float]]  # (token id, logprob), len == params.logprobs
+
+    def __getitem__(self, token_id: int) -> Logprob:
+        if token_id == self.token_id:
+            return Logprob(self.logprob, self.rank)
+        for i, (tid, lp) in enumerate(self.top):
+            if tid == token_id:
+                return Logprob(lp, i + 1)
+        raise KeyError(token_id)
+
+    def __iter__(self) -> Iterator[int]:
+        yield self.token_id
+        yield from (tid for tid, _ in self.top if tid != self.token_id)
+
+    def __len__(self) -> int:
+        return 1 + sum(1 for tid, _ in self.top if tid != self.token_id)
 
 
 @dataclass

@@ -6,20 +6,25 @@ Pipeline per step, in the order Hugging Face `generate` applies the same process
     -> greedy rows: argmax
     -> random rows: temperature -> top-k -> top-p -> min-p -> sample
 
-Sampling inverts each row's cumulative distribution at one uniform draw. A seeded request
-draws that number from its own generator (one float64 per step), so its tokens do not depend on
-which requests share its batch; unseeded rows draw theirs from the global torch RNG. One number
-per row, not one per vocabulary entry as in the exponential race, keeps the CPU path cheap.
+Sampling inverts each row's cumulative distribution at one uniform draw. A seeded request's
+draw is a function of its seed and the token's position alone (`seeded_uniform`), so its tokens
+do not depend on which requests share its batch, nor on where it runs: a request resumed on
+another group after its first one died draws what it would have drawn. Unseeded rows draw from
+the global torch RNG. One number per row, not one per vocabulary entry as in the exponential
+race, keeps the CPU path cheap.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+import hashlib
+import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, NamedTuple
+from typing import Literal
 
 import torch
 
+from worker.outputs import TokenLogprobs
 from worker.sampling_params import SamplingParams
 
 LogprobsMode = Literal["raw", "processed"]
@@ -32,47 +37,8 @@ class SamplingRow:
     params: SamplingParams
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]  # generated so far, before this step
-    # Per-request RNG from `Sampler.make_generator(params)` when params.seed is set; the runner
-    # keeps it with the request so that the stream continues across steps.
-    generator: torch.Generator | None = None
     # Ids that must not be sampled this step: EOS and stop tokens before params.min_tokens.
     suppressed: tuple[int, ...] = ()
-
-
-class Logprob(NamedTuple):
-    """One token's logprob and rank, as vLLM reports it (`decoded_token` is left unset)."""
-
-    logprob: float
-    rank: int | None = None
-    decoded_token: str | None = None
-
-
-@dataclass(frozen=True)
-class TokenLogprobs(Mapping[int, Logprob]):
-    """The chosen token's logprob, its rank, and the top-n alternatives (highest first).
-
-    Also a read-only mapping {token id: Logprob} over the chosen token and the top-n, the
-    shape of one entry of vLLM's `CompletionOutput.logprobs`."""
-
-    token_id: int
-    logprob: float
-    rank: int  # 1 + the number of tokens with a strictly higher logprob
-    top: list[tuple[int, float]]  # (token id, logprob), len == params.logprobs
-
-    def __getitem__(self, token_id: int) -> Logprob:
-        if token_id == self.token_id:
-            return Logprob(self.logprob, self.rank)
-        for i, (tid, lp) in enumerate(self.top):
-            if tid == token_id:
-                return Logprob(lp, i + 1)
-        raise KeyError(token_id)
-
-    def __iter__(self) -> Iterator[int]:
-        yield self.token_id
-        yield from (tid for tid, _ in self.top if tid != self.token_id)
-
-    def __len__(self) -> int:
-        return 1 + sum(1 for tid, _ in self.top if tid != self.token_id)
 
 
 @dataclass
@@ -97,18 +63,6 @@ class Sampler:
         if logprobs_mode not in ("raw", "processed"):
             raise ValueError(f"logprobs_mode must be 'raw' or 'processed', got {logprobs_mode!r}")
         self.logprobs_mode = logprobs_mode
-
-    @staticmethod
-    def make_generator(
-        params: SamplingParams, device: str | torch.device = "cpu"
-    ) -> torch.Generator | None:
-        """A generator seeded with `params.seed`, or None for unseeded requests.
-
-        `device` must be the device of the logits the sampler will see.
-        """
-        if params.seed is None:
-            return None
-        return torch.Generator(device=device).manual_seed(params.seed)
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SampleResult:
         """Sample one token per row. logits: (n, vocab) float, row i belongs to rows[i]."""
@@ -143,21 +97,12 @@ class Sampler:
         self, penalized: torch.Tensor, rows: Sequence[SamplingRow], idx: list[int]
     ) -> torch.Tensor:
         warped = _warp(penalized[idx], [rows[i].params for i in idx])  # (r, vocab)
-        uniforms = torch.empty(len(idx), dtype=torch.float64, device=warped.device)  # (r,)
-        unseeded = [j for j, i in enumerate(idx) if rows[i].generator is None]
-        if unseeded:
-            uniforms[unseeded] = torch.rand(
-                len(unseeded), dtype=torch.float64, device=warped.device
-            )
-        seeded = [
-            (j, rows[i].generator) for j, i in enumerate(idx) if rows[i].generator is not None
-        ]
-        if seeded:  # each seeded request advances only its own stream, by one number
-            draws = [
-                torch.rand(1, dtype=torch.float64, generator=g, device=g.device) for _, g in seeded
-            ]
-            uniforms[[j for j, _ in seeded]] = torch.cat(draws).to(uniforms.device)
-        return draw(warped.softmax(dim=-1), uniforms)
+        uniforms = torch.rand(len(idx), dtype=torch.float64)  # (r,): the unseeded rows'
+        for j, i in enumerate(idx):
+            seed = rows[i].params.seed
+            if seed is not None:  # the draw of this request at this position, wherever it runs
+                uniforms[j] = seeded_uniform(seed, len(rows[i].output_token_ids))
+        return draw(warped.softmax(dim=-1), uniforms.to(warped.device))
 
     def _logprobs(
         self,
@@ -190,6 +135,18 @@ class Sampler:
                 top=list(zip(top_ids[j, :n].tolist(), top_lp[j, :n].tolist(), strict=True)),
             )
         return out
+
+
+def seeded_uniform(seed: int, position: int) -> float:
+    """The uniform draw in [0, 1) of a seeded request's output token at `position` (0: its
+    first): BLAKE2b of the two, as 53 bits. A counter-based stream, not a stateful generator, so
+    that a continuation (a request resumed elsewhere, or recomputed after preemption) draws
+    what the original would have."""
+    digest = hashlib.blake2b(_SEED_AT.pack(seed % 2**64, position), digest_size=8).digest()
+    return (int.from_bytes(digest, "little") >> 11) * 2.0**-53
+
+
+_SEED_AT = struct.Struct("<QQ")
 
 
 def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:

@@ -10,11 +10,8 @@ from dataclasses import dataclass, field
 
 from worker.block_manager import BlockManager, cdiv
 from worker.config import SchedulerConfig
+from worker.protocol import QueueFullError
 from worker.request import Request, RequestStatus
-
-
-class QueueFullError(RuntimeError):
-    """The waiting queue is at its bound; the caller should retry later."""
 
 
 @dataclass

@@ -50,9 +50,9 @@ from cluster.ray.output_delta import OutputAssembler
 from cluster.ray.rank_actor import OWNER, IndexTarget, KVEvents, RequestFailed, describe_error
 from cluster.ray.ranks import RankSet
 from cluster.ray.runtime import ray
-from worker.async_engine import EngineDeadError, GenerationRequest
 from worker.engine import EngineConfig
 from worker.outputs import RequestOutput
+from worker.protocol import EngineDeadError, GenerationRequest
 
 log = logging.getLogger(__name__)
 _group_ids = itertools.count()

@@ -13,8 +13,7 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from worker.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from worker.sampler import TokenLogprobs
+from worker.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprobs
 
 
 @dataclass

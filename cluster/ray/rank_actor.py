@@ -36,8 +36,8 @@ from dataclasses import dataclass, replace
 
 from cluster.ray.output_delta import OutputDelta
 from cluster.ray.runtime import ray
-from worker.async_engine import GenerationRequest
 from worker.engine import EngineConfig
+from worker.protocol import GenerationRequest
 
 OWNER = ""  # the subscriber of the process that placed the group (and of `submit` by default)
 

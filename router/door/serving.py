@@ -192,8 +192,7 @@ def status_for(e: Exception, request_id: str) -> tuple[grpc.StatusCode, str]:
     """A status for an error from the router or a group; never a traceback."""
     from cluster.index import PrefixIndexError
     from router.router import NoGroupAvailableError
-    from worker.async_engine import EngineDeadError
-    from worker.scheduler import QueueFullError
+    from worker.protocol import EngineDeadError, QueueFullError
 
     if isinstance(e, Reject):
         return e.code, e.message
