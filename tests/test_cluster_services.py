@@ -119,30 +119,26 @@ def test_groups_run_one_per_node_and_both_routers_place_a_document_alike(service
 
 def test_a_drained_group_finishes_its_streams_and_leaves(services):
     """Runs before the kills: it retires one group (group-1), which is not replaced."""
+    from cluster.ray.runtime import ray
+    from cluster.ray.supervisor import SUPERVISOR_NAME
+
     (_, a), _ = services["routers"]
-    status = {g.group_id: g for g in a.cluster_status()}
-    streams = [a.generate_stream(token_ids=[300 + q] * 40, max_tokens=120, temperature=0.0, ignore_eos=True) for q in range(6)]  # fmt: skip
+    supervisor = ray.get_actor(SUPERVISOR_NAME, namespace=f"pagefleet-{CLUSTER}")
+    streams = [a.generate_stream(token_ids=[300 + q] * 40, max_tokens=600, temperature=0.0, ignore_eos=True) for q in range(6)]  # fmt: skip
     firsts = [next(s) for s in streams]
-    on_1 = [s for s, f in zip(streams, firsts, strict=True) if f.placement.group_id == "group-1"]
-    assert on_1 and status["group-1"].alive, [f.placement.group_id for f in firsts]
-    drain = subprocess.Popen(
-        [sys.executable, "-m", "pagefleet", "groups", "drain", "group-1", "--cluster", CLUSTER,
-         "--address", services["address"]],
-        cwd=ROOT, env=services["env"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+    assert "group-1" in [f.placement.group_id for f in firsts]
+    drained = supervisor.drain.remote("group-1", 300.0)
     deadline = time.monotonic() + 60
     while not {g.group_id: g for g in a.cluster_status()}["group-1"].draining:
-        if drain.poll() is not None or time.monotonic() > deadline:
-            pytest.fail(f"group-1 never drained: {drain.poll()} {drain.communicate(timeout=60)[0]}")
+        assert time.monotonic() < deadline, "group-1 never drained"
         time.sleep(0.05)
-    for q in range(20):  # nothing new goes to the draining group
+    for q in range(10):  # nothing new goes to the draining group
         assert ask(a, 920 + q).group_id == "group-0"
     for s, first in zip(streams, firsts, strict=True):
         rest = list(s)
         assert rest[-1].finished and rest[-1].finish_reason == 2  # LENGTH: none failed
-        assert len(first.token_ids) + sum(len(r.token_ids) for r in rest) == 120
-    out, _ = drain.communicate(timeout=120)
-    assert drain.returncode == 0 and "group-1: retired" in out, out
+        assert len(first.token_ids) + sum(len(r.token_ids) for r in rest) == 600
+    assert ray.get(drained, timeout=120).state == "retired"
     deadline = time.monotonic() + 10
     while "group-1" in {g.group_id for g in a.cluster_status() if g.alive}:
         assert time.monotonic() < deadline

@@ -238,16 +238,18 @@ def test_a_full_queue_sends_the_request_to_the_next_group_before_refusing_it():
     long = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
     short = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
 
-    async def consume(stream) -> None:
+    async def consume(stream, started: asyncio.Event) -> None:
         async for _ in stream:
-            pass
+            started.set()
 
     async def fill(group) -> list:
+        """One request running (it has produced a token), then one waiting."""
         tasks = []
-        for q, want in ((40, (1, 0)), (41, (1, 1))):  # one running, then one waiting
+        for q in (40, 41):
             request = GenerationRequest(DOC + [q] * 5, long, request_id=f"{group.group_id}-{q}")
-            tasks.append(asyncio.ensure_future(consume(group.generate(request))))
-            while (group.status().running, group.status().waiting) != want:
+            started = asyncio.Event()
+            tasks.append(asyncio.ensure_future(consume(group.generate(request), started)))
+            while not (started.is_set() if q == 40 else group.status().waiting == 1):
                 assert not any(t.done() for t in tasks), [t.exception() for t in tasks if t.done()]
                 await asyncio.sleep(0.01)
         return tasks

@@ -167,7 +167,7 @@ class LLMEngine:
                 continue
             delta = tracked.detok.flush()
             tracked.metrics.finished_time = time.monotonic()
-            outputs.append(_output(req, tracked, [], delta, finished=True))
+            outputs.append(_output(req, tracked, [], delta, finished=True, token_time=None))
         return outputs
 
     def has_unfinished(self) -> bool:
@@ -216,7 +216,7 @@ class LLMEngine:
             m.finished_time = now
             del self._tracked[rid]
             self._flush_events()
-        return _output(req, tracked, [token], delta, finished)
+        return _output(req, tracked, [token], delta, finished, token_time=now)
 
     def _flush_events(self) -> None:
         if self._events:
@@ -245,9 +245,11 @@ class LLMEngine:
 
 
 def _output(
-    req: Request, tracked: _Tracked, new_token_ids: list[int], delta: str, finished: bool
-) -> RequestOutput:
+    req: Request, tracked: _Tracked, new_token_ids: list[int], delta: str, finished: bool,
+    token_time: float | None,
+) -> RequestOutput:  # fmt: skip
     """The request's output after a step (or an abort): everything so far and this delta."""
+    lps = tracked.logprobs
     completion = CompletionOutput(
         index=0,
         text=tracked.detok.text,
@@ -267,6 +269,8 @@ def _output(
         new_token_ids=new_token_ids,
         new_text=delta,
         prompt=tracked.prompt,
+        new_logprobs=None if lps is None else lps[len(lps) - len(new_token_ids) :],
+        token_time=token_time,
     )
 
 

@@ -109,6 +109,10 @@ class RequestOutput:
     metrics: RequestMetrics
     new_token_ids: list[int] = field(default_factory=list)  # generated in this step
     new_text: str = ""  # text safe to show that appeared in this step
+    # This step's logprobs (when asked) and sampling time: the whole-output lists and the
+    # metrics grow as the engine runs on, so a consumer that reads later takes these.
+    new_logprobs: list[TokenLogprobs] | None = None
+    token_time: float | None = None
     prompt: str | None = None  # the prompt's text, when it was given as text
 
     @property

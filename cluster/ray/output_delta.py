@@ -39,7 +39,7 @@ class OutputDelta:
     def of(cls, out: RequestOutput, with_prompt: bool) -> OutputDelta:
         """The delta of `out`; `with_prompt` for a request's first delta when the receiving
         side was not given its ids (see `OutputAssembler.expect`)."""
-        m, n = out.metrics, len(out.new_token_ids)
+        m = out.metrics
         return cls(
             request_id=out.request_id,
             prompt_token_ids=list(out.prompt_token_ids) if with_prompt else None,
@@ -49,12 +49,12 @@ class OutputDelta:
             finish_reason=out.finish_reason,
             stop_reason=out.stop_reason,
             num_cached_tokens=out.num_cached_tokens,
-            new_logprobs=None if out.logprobs is None else list(out.logprobs[-n:]) if n else [],
+            new_logprobs=None if out.new_logprobs is None else list(out.new_logprobs),
             arrival_time=m.arrival_time,
             first_scheduled_time=m.first_scheduled_time,
             first_token_time=m.first_token_time,
             finished_time=m.finished_time,
-            token_time=m.token_times[-1] if m.token_times else None,
+            token_time=out.token_time,
         )
 
 
@@ -122,6 +122,8 @@ class OutputAssembler:
             metrics=m,
             new_token_ids=d.new_token_ids,
             new_text=d.new_text,
+            new_logprobs=d.new_logprobs,
+            token_time=d.token_time,
         )
 
     def drop(self, request_id: str) -> None:

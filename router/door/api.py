@@ -144,8 +144,9 @@ def response_message(
         text=out.text if final_only else out.new_text,
         finished=out.finished,
     )
-    if out.logprobs is not None:
-        msg.logprobs.extend(_logprob(lp) for lp in out.logprobs[len(out.logprobs) - len(ids) :])
+    logprobs = out.logprobs if final_only else out.new_logprobs  # (the whole list grows on)
+    if logprobs is not None:
+        msg.logprobs.extend(_logprob(lp) for lp in logprobs)
     if record is not None:
         msg.placement.CopyFrom(
             pb.Placement(group_id=record.group_id, reason=record.reason,

@@ -72,8 +72,8 @@ class Formatter:
         body = self._envelope("chat.completion.chunk" if self.chat else "text_completion")
         new_ids = out.new_token_ids
         lps = None
-        if out.logprobs is not None:
-            lps = self._logprobs(out.logprobs[len(out.logprobs) - len(new_ids) :], new_ids, c.text_length)  # fmt: skip
+        if out.new_logprobs is not None:  # this step's (the whole list grows on)
+            lps = self._logprobs(out.new_logprobs, new_ids, c.text_length)
         choice = {"index": c.index}
         if self.chat:
             delta = {"content": out.new_text}
