@@ -233,7 +233,7 @@ class Router:
             placement = self.place(hashes, exclude=tried)
             record = RouteRecord(
                 rid, placement.group_id, placement.reason,
-                predicted_cached_tokens=min(placement.cached_blocks * self.model_info.block_size, len(ids) - 1),
+                predicted_cached_tokens=placement.cached_tokens(len(ids), self.model_info.block_size),
                 decision_seconds=time.perf_counter() - t0,
             )  # fmt: skip
             self.records[rid] = record

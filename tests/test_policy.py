@@ -292,3 +292,14 @@ def test_pending_writes_never_raise_and_log_one_warning(caplog):
     assert len(warnings) == 1
     m = pending.overlay(chain(4, first=2), {"g0": GroupMatch("g0", 1, 0, 0, None)})
     assert m["g0"].pending_blocks == 4  # the local table still has it
+
+
+def test_a_prediction_stops_before_the_block_of_the_last_token():
+    """An exact repeat of a block-aligned prompt: the engine computes its last token, so its
+    last block is not a hit; the prediction says the same."""
+    from router.placement import Placement
+
+    assert Placement("g", "prefix_hit", 4).cached_tokens(64, 16) == 48
+    assert Placement("g", "prefix_hit", 4).cached_tokens(65, 16) == 64
+    assert Placement("g", "prefix_hit", 2).cached_tokens(64, 16) == 32
+    assert Placement("g", "new_prefix", 0).cached_tokens(1, 16) == 0
