@@ -203,12 +203,12 @@ def run_sim(args, policy_name: str, server: RedisServer | None, cost: CostModel,
         spill = p.cached_blocks < min(best, (len(a.prompt) - 1) // args.block_size)
         hits = p.cached_tokens(len(a.prompt), args.block_size)
         placed[a.request_id] = (hits, a.key, spill)
-        router.ledger.add_in_flight(p.group_id, len(a.prompt) - hits)  # as Router.generate does
+        router.ledger.add_in_flight(p.group_id, len(a.prompt) - hits, hits)  # as Router.generate
         return router.groups[p.group_id]
 
     def first_token(rec) -> None:
         hits = placed[rec.request_id][0]
-        router.ledger.add_in_flight(rec.group_id, hits - rec.prompt_tokens)
+        router.ledger.add_in_flight(rec.group_id, hits - rec.prompt_tokens, -hits)
 
     wall = time.perf_counter()
     done = Simulation(groups, hasher, clock=clock).run(arrivals(), place, first_token)

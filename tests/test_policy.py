@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import pytest
 
@@ -292,6 +293,52 @@ def test_pending_writes_never_raise_and_log_one_warning(caplog):
     assert len(warnings) == 1
     m = pending.overlay(chain(4, first=2), {"g0": GroupMatch("g0", 1, 0, 0, None)})
     assert m["g0"].pending_blocks == 4  # the local table still has it
+
+
+def test_queued_work_leaves_out_the_prefix_a_waiting_request_will_find_cached():
+    """A group counts a waiting request's whole prompt as queued work until it admits it and
+    finds its prefix: three questions on a cached document, queued behind a long prefill,
+    would count the document three times. The router's ledger knows what it predicted cached
+    and counts only the questions (and never less than what it sent uncached)."""
+    from cluster.cost_model import CostModel
+    from cluster.sim_group import Arrival, SimGroup, SimGroupConfig, Simulation
+    from router.placement import Placement
+    from worker.config import SchedulerConfig
+
+    sched = SchedulerConfig(max_model_len=8192, max_num_batched_tokens=256)
+    g = SimGroup("g0", SimGroupConfig(512, 16, sched, CostModel()), HASHER)
+    doc = list(range(1000, 1000 + 640))  # 40 blocks
+    Simulation([g], HASHER).run([Arrival("doc", 0.0, doc + [7] * 8, 1)], lambda a, h: g)
+    ledger = Ledger(InMemoryPrefixIndex(), 16)
+    # a long prompt from another router: this one's ledger knows nothing of it
+    g.submit("long", list(range(2000)), 1, 1.0, HASHER.hash_prompt(list(range(2000))))
+    for i in range(3):
+        prompt = doc + [i] * 24  # 664 tokens: 41 whole blocks, the document's 40 cached
+        p = Placement("g0", "prefix_hit", 40)
+        hits = p.cached_tokens(len(prompt), 16)
+        assert hits == 640 == g.scheduler.bm.match_prefix(_request(prompt)).num_tokens
+        g.submit(f"q{i}", prompt, 1, 1.0, HASHER.hash_prompt(prompt))
+        ledger.add_in_flight("g0", len(prompt) - hits, hits)
+    g.start_step(1.0)  # admits the long prompt's first chunk; the questions wait
+    reported = g.status().pending_prefill_tokens
+    assert reported == 2000 - 256 + 3 * 664
+    seen = ledger.with_in_flight({"g0": g.status()})["g0"].pending_prefill_tokens
+    assert seen == reported - 3 * 640 == 2000 - 256 + 3 * 24
+    # What it sent uncached is the floor while the group's report lags behind.
+    lagging = replace(g.status(), pending_prefill_tokens=0)
+    assert ledger.with_in_flight({"g0": lagging})["g0"].pending_prefill_tokens == 3 * 24
+    for _ in range(3):  # their first tokens: nothing of theirs is in flight any more
+        ledger.add_in_flight("g0", -24, -640)
+    assert ledger.in_flight == {}
+    assert ledger.with_in_flight({"g0": g.status()})["g0"].pending_prefill_tokens == reported
+
+
+def _request(prompt: list[int]):
+    from worker.request import Request
+    from worker.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=1)
+    return Request("probe", prompt, params, max_tokens=1, block_hashes=HASHER.hash_prompt(prompt))
 
 
 def test_a_prediction_stops_before_the_block_of_the_last_token():
