@@ -39,10 +39,10 @@ def chain(n_blocks: int, first: int = 0) -> list[bytes]:
     return HASHER.hash_prompt(list(range(first, first + 16 * n_blocks)))
 
 
-def status(gid: str, queued: int = 0, running: int = 0, free: int = 1000, cached: int = 0):
+def status(gid: str, queued: int = 0, running: int = 0, free: int = 1000, cached: int = 0, waiting: int = 0):  # fmt: skip
     return GroupStatus(
         gid, True, 1, ("cpu",), blocks_total=1000, blocks_free=free, blocks_cached=cached,
-        running=running, waiting=0, pending_prefill_tokens=queued,
+        running=running, waiting=waiting, pending_prefill_tokens=queued,
     )  # fmt: skip
 
 
@@ -69,6 +69,21 @@ def test_spills_when_the_holders_queue_costs_more_than_a_prefill_elsewhere():
     heavy = {"a": status("a", queued=20_000, running=50), "b": status("b")}
     p = policy.choose(c, heavy, matches)
     assert (p.group_id, p.reason) == ("b", "spill")
+
+
+def test_a_copy_elsewhere_is_charged_for_the_requests_it_delays():
+    """The same holder's queue (0.3 s) is worth a cold copy of its 1600-token prefix on an idle
+    cluster, where nobody waits behind the copy, and not on a busy one, where every group has
+    ten requests that would wait behind it."""
+    c = chain(100)
+    matches = {g: match(g, 100 if g == "a" else 0) for g in "abcd"}
+    for formula in (False, True):
+        idle = {"a": status("a", queued=6000, running=2), **{g: status(g) for g in "bcd"}}
+        p = Placer(make_policy("prefix_aware"), formula).choose(c, idle, matches)
+        assert (p.group_id, p.reason) in {("b", "spill"), ("c", "spill"), ("d", "spill")}
+        busy = {"a": status("a", queued=6000, running=10), **{g: status(g, running=8, waiting=2) for g in "bcd"}}  # fmt: skip
+        p = Placer(make_policy("prefix_aware"), formula).choose(c, busy, matches)
+        assert (p.group_id, p.reason) == ("a", "prefix_hit")
 
 
 def test_the_choice_follows_a_groups_new_status():
@@ -222,7 +237,7 @@ def test_the_fast_loop_chooses_as_the_formula_does(monkeypatch):
         statuses, out = {}, []
         for step in range(400):
             for g in gids if step == 0 else rng.sample(gids, min(3, len(gids))):
-                statuses[g] = status(g, rng.choice([0, 0, 500, 20000]), rng.randint(0, 9), rng.choice([0, 40, 1000]), rng.choice([0, 500]))  # fmt: skip
+                statuses[g] = status(g, rng.choice([0, 0, 500, 20000]), rng.randint(0, 9), rng.choice([0, 40, 1000]), rng.choice([0, 500]), rng.choice([0, 0, 3, 30]))  # fmt: skip
             n = rng.choice(list(chains))
             matches = {g: match(g, rng.randint(0, n + 2), rng.choice([0, rng.randint(0, n)])) for g in gids if rng.random() < 0.2}  # fmt: skip
             p = policy.choose(chains[n], statuses, matches)
@@ -242,7 +257,7 @@ def test_the_fast_loop_chooses_as_the_formula_does(monkeypatch):
 
 
 def test_load_bound_config_is_validated():
-    for field in ("load_slack", "load_burst", "balance_weight", "recompute_weight"):
+    for field in ("load_slack", "load_burst", "balance_weight", "eviction_weight"):
         with pytest.raises(ValueError, match=field):
             PrefixAwareConfig(**{field: -1.0})
     with pytest.raises(ValueError, match="balance_window"):
