@@ -1,7 +1,7 @@
 """Routing benchmark: hit rate, load balance, TTFT and decision latency per placement policy.
 
     python -m benchmarks.routing --trace T.jsonl --groups 16 --policy all --mode sim --plot r.svg
-    python -m benchmarks.routing --trace T.jsonl --groups 4 --capacity 1.25 --rates 25,50,100 --plot s.svg
+    python -m benchmarks.routing --trace T.jsonl --groups 4 --capacity 1.25 --rates 25,100 --plot s.svg
     python -m benchmarks.routing --trace T.jsonl --groups 2 --policy all --mode real
     python -m benchmarks.routing --latency 4,16,64
     python -m benchmarks.routing --calibrate --cost-out cost.json

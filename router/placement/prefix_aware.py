@@ -14,17 +14,19 @@ blocks, in seconds (`PrefixAware.cost`, one term per line):
     neighbours  = request_weight * (g's running + waiting requests) * decode_seq_s
     balance     = balance_weight * decode_seq_s * (g's recent placements - their mean)
 
-The first term is the request's own wait; the others are what the placement costs the rest of
-the cluster. A prefix computed where another group holds it takes a second copy of pool space
-(the 1 of recompute) and is work that the requests behind it wait for: at least as many as the
-least busy group holds (Little's law: as many arrive during a wait as a group holds). On an idle
-cluster that is none, and a spill costs little more than its own prefill; under saturation it
-is tens of requests, so a holder keeps its prefix unless its queue outweighs them all: a cold
-copy of a document adds its whole prefill to a saturated cluster. (The least busy group, not the
-mean: one overloaded group must not make an idle one look busy.) What the placement evicts is colder the less new content
-the group took in lately (pressure: g's recent uncached tokens over the mean); each request
-already on g slows its steps (neighbours); and a group above the mean of recent placements
-should take the next one less (balance).
+The first term is the request's own wait (g's queued prefill as the router's ledger corrects it:
+without the prefixes it predicted cached for its requests in flight, which the group counts as
+work until it admits them). The others are what the placement costs the rest of the cluster. A
+prefix computed where another group holds it takes a second copy of pool space (the 1 of
+recompute) and is work that the requests behind it wait for: at least as many as the least busy
+group holds (Little's law: as many arrive during a wait as a group holds). On an idle cluster
+that is none, and a spill costs little more than its own prefill; under saturation it is tens of
+requests, so a holder keeps its prefix unless its queue outweighs them all, since a cold copy of
+a document adds its whole prefill to a saturated cluster. (The least busy group, not the mean:
+one overloaded group must not make an idle one look busy.) What the placement evicts is colder
+the less new content the group took in lately (pressure: g's recent uncached tokens over the
+mean); each request already on g slows its steps (neighbours); and a group above the mean of
+recent placements should take the next one less (balance).
 
 The bound (`LoadBound`, consistent hashing with bounded loads, Mirrokni et al.): a group over
 (1 + load_slack) x the mean of this router's recent placements (+ load_burst) takes no request,
