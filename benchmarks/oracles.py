@@ -1,4 +1,5 @@
-"""Placements that know the whole trace, for the routing benchmark to measure policies against.
+"""Reference placements for the routing benchmark to measure policies against: two that know the
+whole trace, and the cache-aware rule of SGLang's router.
 
 `oracle` (`Oracle`) is perfect document affinity: every document on one group, chosen
 when its first request comes, whatever that does to the load (a hot document's group takes 4x
@@ -19,16 +20,26 @@ group at most `cap`). It plans once, before the first request:
 
 It answers what static placement by demand and size reaches at the same balance, with no cost
 model and no index (figures: benchmarks/RESULTS.md).
+
+Both oracles read each request's document from the trace; on a trace that names none,
+`with_documents` derives them from shared leading blocks first.
+
+`cache_aware_threshold` (`CacheAwareThreshold`) is the threshold switch of SGLang's router
+(`cache_aware`): affinity to the longest match unless the groups' loads are imbalanced, then
+the shortest queue. It knows nothing ahead; it is the field's rule, for the benchmark only.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
+from array import array
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import replace
 
 from benchmarks.traces import TraceRequest
-from router.placement.policy import Placement, Policy, cached_blocks
+from router.placement.policy import Placement, Policy, cached_blocks, first_block, rendezvous
 from router.placement.registry import LeastLoaded
 
 
@@ -112,3 +123,75 @@ class BalancedOracle(Oracle):
         gid = min(homes or statuses, key=lambda g: (self.placed[g], g))
         self.placed[gid] += 1
         return Placement(gid, self.name, cached_blocks(matches, gid))
+
+
+def with_documents(requests: Callable[[], Iterable[TraceRequest]], block_size: int = 16) -> Iterator[TraceRequest]:  # fmt: skip
+    """The requests `requests()` yields (read twice), each one that names no document given one
+    derived from shared leading blocks: its longest block-aligned prefix (of one tenant) that
+    another request of the trace starts with, named by that prefix's hash. A request that shares
+    no whole block keeps none (the oracles place it by load, as a chat); so does a text prompt."""
+    seen = Counter(h for r in requests() if r.doc is None for h in _block_chain(r, block_size))
+    for r in requests():
+        chain = _block_chain(r, block_size) if r.doc is None else []
+        shared = next((k for k in range(len(chain), 0, -1) if seen[chain[k - 1]] > 1), 0)
+        yield replace(r, doc=f"~{chain[shared - 1].hex()}", doc_tokens=shared * block_size) if shared else r  # fmt: skip
+
+
+def _block_chain(r: TraceRequest, block_size: int) -> list[bytes]:
+    """Chained hashes of the request's whole blocks before its last token (the engine always
+    computes that one), rooted at its tenant."""
+    if r.prompt_token_ids is None:
+        return []
+    data, step = array("I", r.prompt_token_ids).tobytes(), 4 * block_size
+    h, chain = (r.tenant or "").encode(), []
+    for k in range((len(r.prompt_token_ids) - 1) // block_size):
+        h = hashlib.blake2b(h + data[k * step : (k + 1) * step], digest_size=16).digest()
+        chain.append(h)
+    return chain
+
+
+class CacheAwareThreshold(Policy):
+    """SGLang's router's cache-aware rule (its `cache_aware` policy, with its defaults), on
+    this cluster's prefix index:
+
+    - the groups are imbalanced when the most loaded one has more than `balance_abs` requests
+      more than the least loaded and more than `balance_rel` times as many (load: requests
+      running and waiting, what that router counts in flight); then the least loaded group
+      takes the request (the shortest queue);
+    - otherwise, if the longest match covers more than `cache_threshold` of the prompt, the
+      group holding it takes the request (ties: the less loaded);
+    - otherwise the group whose cache took the least (that router's smallest tree; here the
+      fewest uncached tokens placed on it lately).
+
+    The match is the index's (exact), where that router keeps an approximate tree of its own
+    routes: the rule, not its approximation, is what the benchmark compares."""
+
+    name = "cache_aware_threshold"
+
+    def __init__(self, block_size: int = 16, cache_threshold: float = 0.3, balance_abs: int = 64, balance_rel: float = 1.5) -> None:  # fmt: skip
+        super().__init__(block_size)
+        if not 0 <= cache_threshold <= 1:
+            raise ValueError(f"cache_threshold must be in [0, 1], got {cache_threshold}")
+        if balance_abs < 0 or not balance_rel >= 1:
+            raise ValueError(f"balance_abs must be >= 0 and balance_rel >= 1, got {balance_abs}, {balance_rel}")  # fmt: skip
+        self.cache_threshold, self.balance_abs, self.balance_rel = cache_threshold, balance_abs, balance_rel  # fmt: skip
+
+    def choose(self, block_hashes, statuses, matches, placed) -> Placement:
+        load = {g: s.running + s.waiting for g, s in statuses.items()}
+        key = first_block(block_hashes)
+
+        def least(groups, by) -> str:
+            return min(groups, key=lambda g: (by(g), bytes(255 - b for b in rendezvous(key, g))))
+
+        most, fewest = max(load.values()), min(load.values())
+        if most - fewest > self.balance_abs and most > self.balance_rel * fewest:
+            gid = least(statuses, load.get)
+            return Placement(gid, "shortest_queue", cached_blocks(matches, gid))
+        hit = {g: cached_blocks(matches, g) for g in statuses}
+        best = max(hit.values())
+        if block_hashes and best > self.cache_threshold * len(block_hashes):
+            gid = least([g for g in statuses if hit[g] == best], load.get)
+            return Placement(gid, "prefix_hit", best)
+        _, tokens, scale = placed.raw()
+        gid = least(statuses, lambda g: tokens.get(g, 0.0) * scale)
+        return Placement(gid, "smallest_cache", hit[gid])

@@ -8,6 +8,7 @@ sixteen numbers. No plotting library: a few rectangles and lines written as text
 
 from __future__ import annotations
 
+import math
 from html import escape
 
 PANEL_W, PANEL_H = 440, 150  # one chart
@@ -65,4 +66,83 @@ def _bars(spread: dict, name: str, colour: str, x0: float, y0: float, top: float
     if values:
         y = base - sum(values) / len(values) * scale
         out.append(f'<line class="mean" x1="{x0}" y1="{y:.1f}" x2="{x0 + PANEL_W}" y2="{y:.1f}" stroke="black" stroke-dasharray="4 3"/>')  # fmt: skip
+    return out
+
+
+# ---- a load sweep (--rates) ---------------------------------------------------------------
+CURVES = (  # (result field, chart title, log scale)
+    ("hit_rate", "hit rate", False),
+    ("ttft_s_p99", "TTFT p99 (s, log scale)", True),
+)
+COLOURS = ("#4c78a8", "#f58518", "#54a24b", "#e45756", "#72b7b2", "#b279a2", "#9d755d", "#bab0ac")
+
+
+def sweep_svg(results: list[dict]) -> str:
+    """An SVG of a load sweep: per field of `CURVES`, a chart of it against the arrival rate
+    with a line per policy (points titled with the run's utilisation), and a legend."""
+    policies = list(dict.fromkeys(r["policy"] for r in results))
+    rates = sorted({r["rate"] for r in results})
+    legend_h = 18 * len(policies)
+    width = PAD + len(CURVES) * (PANEL_W + PAD)
+    height = PAD + TITLE_H + PANEL_H + PAD + legend_h + PAD
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+        f'font-family="sans-serif" font-size="12">',
+        f'<rect width="{width}" height="{height}" fill="white"/>',
+    ]
+    for j, (field, name, log) in enumerate(CURVES):
+        x0, y0 = PAD + j * (PANEL_W + PAD), PAD + TITLE_H
+        values = [r[field] for r in results if r.get(field) is not None]
+        out += _axes(name, x0, y0, rates, min(values, default=0), max(values, default=1), log)
+        scale = _scale(min(values, default=0), max(values, default=1), log)
+        for k, policy in enumerate(policies):
+            points = [
+                (_x(r["rate"], rates, x0), y0 + PANEL_H - scale(r[field]), r)
+                for r in results
+                if r["policy"] == policy and r.get(field) is not None
+            ]  # fmt: skip
+            colour = COLOURS[k % len(COLOURS)]
+            path = " ".join(f"{x:.1f},{y:.1f}" for x, y, _ in points)
+            out.append(f'<polyline class="curve" points="{path}" fill="none" stroke="{colour}" stroke-width="2"/>')  # fmt: skip
+            for x, y, r in points:
+                tip = f"{policy} at {r['rate']:g}/s: {field} {r[field]}, utilisation {r.get('utilisation')}"  # fmt: skip
+                out.append(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="3" fill="{colour}"><title>{escape(tip)}</title></circle>')  # fmt: skip
+    y = PAD + TITLE_H + PANEL_H + PAD
+    for k, policy in enumerate(policies):
+        colour = COLOURS[k % len(COLOURS)]
+        out.append(f'<rect x="{PAD}" y="{y + 18 * k}" width="12" height="12" fill="{colour}"/>')
+        out.append(f'<text x="{PAD + 18}" y="{y + 18 * k + 11}">{escape(policy)}</text>')
+    out.append("</svg>")
+    return "\n".join(out) + "\n"
+
+
+def _x(rate: float, rates: list[float], x0: float) -> float:
+    """Rates at even steps along the axis (a sweep's rates are the reader's chosen points)."""
+    return x0 + PANEL_W * (rates.index(rate) + 0.5) / len(rates)
+
+
+def _scale(low: float, high: float, log: bool):
+    """value -> pixels above the axis, the range [low, high] over the chart's height."""
+    if log:
+        low, high = math.log10(max(low, 1e-4)), math.log10(max(high, 1e-4))
+    span = (high - low) or 1.0
+
+    def f(v: float) -> float:
+        v = math.log10(max(v, 1e-4)) if log else v
+        return 8 + (PANEL_H - 24) * (v - low) / span
+
+    return f
+
+
+def _axes(name: str, x0: float, y0: float, rates: list[float], low: float, high: float, log: bool) -> list[str]:  # fmt: skip
+    base, scale = y0 + PANEL_H, _scale(low, high, log)
+    out = [
+        f'<text x="{x0}" y="{y0 - 8}" font-weight="bold">{escape(name)} against arrival rate (requests/s)</text>',  # fmt: skip
+        f'<line x1="{x0}" y1="{base}" x2="{x0 + PANEL_W}" y2="{base}" stroke="#999"/>',
+        f'<line x1="{x0}" y1="{y0}" x2="{x0}" y2="{base}" stroke="#999"/>',
+    ]
+    for rate in rates:
+        out.append(f'<text x="{_x(rate, rates, x0):.1f}" y="{base + 14}" text-anchor="middle" fill="#555">{rate:g}</text>')  # fmt: skip
+    for v in (low, high):
+        out.append(f'<text x="{x0 - 4}" y="{base - scale(v) + 4:.1f}" text-anchor="end" fill="#555">{v:.3g}</text>')  # fmt: skip
     return out

@@ -1,13 +1,22 @@
 """Routing benchmark: hit rate, load balance, TTFT and decision latency per placement policy.
 
     python -m benchmarks.routing --trace T.jsonl --groups 16 --policy all --mode sim --plot r.svg
+    python -m benchmarks.routing --trace T.jsonl --groups 4 --capacity 1.25 --rates 25,100 --plot s.svg
     python -m benchmarks.routing --trace T.jsonl --groups 2 --policy all --mode real
     python -m benchmarks.routing --latency 4,16,64
     python -m benchmarks.routing --calibrate --cost-out cost.json
 
 Every policy replays the same trace against fresh groups and prints one JSON line; `all` runs the
-router's policies and `oracle_balanced`, the clairvoyant placement under the load bound
-(benchmarks/oracles.py). `--mode sim`
+router's policies and the references of benchmarks/oracles.py: `oracle_balanced`, the
+clairvoyant placement under the load bound, and `cache_aware_threshold`, the cache-aware rule of
+SGLang's router. A line gives the hit rate (and the predicted one), requests and computed tokens
+per group, TTFT, the decision's time, and per document the groups its requests went to
+(`workers_per_doc`; `replicas`, the copies beyond one), with `spills`, requests placed where
+another group held more of the prompt. `--rates R,...` replays the trace at each arrival rate
+(its arrival times scaled), a line per rate and policy with the groups' `utilisation` and the
+`offered_load` (their busy time over the arrivals' span), and a warning where that passes 1;
+`--plot` then draws hit rate and TTFT p99 against the rate. `--capacity X` sizes the groups'
+pools to X times the blocks of the trace's documents. `--mode sim`
 runs simulated groups (cluster/sim_group.py: the real scheduler and block manager, a calibrated
 cost model for the forward) in simulated time, by default over the in-process index on the
 simulated clock (heartbeats and pending TTLs in simulated seconds; `--index redis` puts a real
@@ -28,16 +37,21 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import random
+import sys
 import time
 import uuid
 from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
+from typing import NamedTuple
 
 from tqdm import tqdm
 
-from benchmarks.oracles import BalancedOracle, Oracle
-from benchmarks.plot import routing_svg
+from benchmarks.oracles import BalancedOracle, CacheAwareThreshold, Oracle, with_documents
+from benchmarks.plot import routing_svg, sweep_svg
 from benchmarks.routing_latency import SECRET, decision_latency, pct, run_latency
 from benchmarks.traces import TraceRequest, read
 from cluster.cost_model import CostModel
@@ -51,8 +65,34 @@ from worker.config import SchedulerConfig
 from worker.hashing import BlockHasher, ModelFingerprint
 from worker.sampling_params import SamplingParams
 
-# the router's policies, then the benchmark's clairvoyant peer under the load bound
-NAMES = [*sorted([*POLICIES, Oracle.name]), BalancedOracle.name]
+# the router's policies, then the benchmark's references: the clairvoyant peer under the load
+# bound and the field's cache-aware threshold rule
+NAMES = [*sorted([*POLICIES, Oracle.name]), BalancedOracle.name, CacheAwareThreshold.name]
+Requests = Callable[[], Iterator[TraceRequest]]  # the trace's requests, from the start each call
+
+
+def trace_requests(path: str, block_size: int, rate: float | None = None) -> Requests:
+    """The trace's requests, with documents derived where it names none (benchmarks/oracles.py)
+    and, given `rate`, arrival times scaled so that requests / last arrival is `rate` per
+    second: the same trace, replayed faster or slower."""
+    scale = 1.0
+    if rate is not None:
+        times = [r.arrival_s for r in read(path)]
+        if not rate > 0 or not times or not times[-1] > 0:
+            raise ValueError(f"rates must be > 0 on a trace whose arrivals span time, got {rate}")
+        scale = len(times) / times[-1] / rate
+
+    def requests() -> Iterator[TraceRequest]:
+        for r in with_documents(lambda: read(path), block_size):
+            yield r if scale == 1.0 else replace(r, arrival_s=r.arrival_s * scale)
+
+    return requests
+
+
+def document_blocks(requests: Requests, block_size: int) -> int:
+    """The blocks the trace's documents take (each document once per tenant)."""
+    docs = {(r.doc, r.tenant): r.doc_tokens for r in requests() if r.doc is not None}
+    return sum(-(-tokens // block_size) for tokens in docs.values())
 
 
 def spread(counts: Counter, groups: list[str]) -> dict:
@@ -61,11 +101,13 @@ def spread(counts: Counter, groups: list[str]) -> dict:
     return {"per_group": values, "max_over_mean": round(max(values) / mean, 3) if mean else None}
 
 
-def make_router(groups, index, hasher, block_size: int, policy_name: str, cost: CostModel, tuning: dict | None = None, trace: str | None = None, batch_tokens: int = 2048):  # fmt: skip
+def make_router(groups, index, hasher, block_size: int, policy_name: str, cost: CostModel, tuning: dict | None = None, requests: Requests | None = None, batch_tokens: int = 2048):  # fmt: skip
     if policy_name == "prefix_aware":
         policy = PrefixAware(PrefixAwareConfig(cost=cost, **(tuning or {})), block_size, batch_tokens)  # fmt: skip
     elif policy_name == BalancedOracle.name:  # plans over the whole trace first
-        policy = BalancedOracle.plan(read(trace), [g.group_id for g in groups], block_size=block_size)  # fmt: skip
+        policy = BalancedOracle.plan(requests(), [g.group_id for g in groups], block_size=block_size)  # fmt: skip
+    elif policy_name == CacheAwareThreshold.name:
+        policy = CacheAwareThreshold(block_size)
     elif policy_name == Oracle.name:
         policy = Oracle(block_size)
     else:
@@ -74,19 +116,35 @@ def make_router(groups, index, hasher, block_size: int, policy_name: str, cost: 
     return Router(groups, index, hasher, info, policy=policy)
 
 
-def summarize(name, rows, groups, decisions, extra) -> dict:
-    """rows: (group, prompt_tokens, predicted_cached, actual_cached, ttft_s, prefill_tokens)."""
-    prompt = sum(r[1] for r in rows)
-    actual = sum(r[3] for r in rows)
-    agree = sum(1 for r in rows if r[2] == r[3])
-    ttfts = [r[4] for r in rows if r[4] is not None]
+class Row(NamedTuple):
+    """One request's outcome: where it went, its tokens predicted and found cached, its TTFT,
+    its document (if any) and whether it was a spill (placed where another group held more of
+    its prompt)."""
+
+    group: str
+    prompt_tokens: int
+    predicted: int
+    actual: int
+    ttft_s: float | None
+    doc: str | None = None
+    spill: bool = False
+
+
+def summarize(name, rows: list[Row], groups, decisions, extra) -> dict:
+    prompt = sum(r.prompt_tokens for r in rows)
+    actual = sum(r.actual for r in rows)
+    agree = sum(1 for r in rows if r.predicted == r.actual)
+    ttfts = [r.ttft_s for r in rows if r.ttft_s is not None]
+    workers = Counter(d for d, _ in {(r.doc, r.group) for r in rows if r.doc is not None})
     return {
         "policy": name,
         "requests": len(rows),
         "hit_rate": round(actual / prompt, 4) if prompt else None,
-        "predicted_hit_rate": round(sum(r[2] for r in rows) / prompt, 4) if prompt else None,
+        "predicted_hit_rate": round(sum(r.predicted for r in rows) / prompt, 4) if prompt else None,
         "predicted_equals_actual": round(agree / len(rows), 4) if rows else None,
-        "requests_per_group": spread(Counter(r[0] for r in rows), groups),
+        "prompt_tokens": prompt,
+        "computed_tokens": prompt - actual,
+        "requests_per_group": spread(Counter(r.group for r in rows), groups),
         "prefill_tokens_per_group": spread(
             Counter({g: v for g, v in extra.pop("prefill").items()}), groups
         ),  # fmt: skip
@@ -94,13 +152,20 @@ def summarize(name, rows, groups, decisions, extra) -> dict:
         "ttft_s_p99": round(pct(ttfts, 0.99), 4) if ttfts else None,
         "decision_ms_p50_trace": round(1e3 * pct(decisions, 0.5), 3),
         "decision_ms_p99_trace": round(1e3 * pct(decisions, 0.99), 3),
+        "spills": sum(r.spill for r in rows),
+        "docs": len(workers),
+        "workers_per_doc": round(sum(workers.values()) / len(workers), 3) if workers else None,
+        "workers_per_doc_max": max(workers.values(), default=None),
+        "replicas": sum(workers.values()) - len(workers),
         **extra,
     }
 
 
 # ---- simulated groups ----------------------------------------------------------------------
-def run_sim(args, policy_name: str, server: RedisServer | None, cost: CostModel) -> dict:
+def run_sim(args, policy_name: str, server: RedisServer | None, cost: CostModel, rate: float | None = None) -> dict:  # fmt: skip
+    """One policy over the trace (replayed at `rate` requests per second, if given)."""
     hasher = BlockHasher(SECRET, ModelFingerprint("bench", block_size=args.block_size))
+    requests = trace_requests(args.trace, args.block_size, rate)
     clock = SimClock() if server is None else None
     if clock is not None:  # liveness and pending TTLs in simulated seconds
         index = InMemoryPrefixIndex(clock=clock)
@@ -109,12 +174,13 @@ def run_sim(args, policy_name: str, server: RedisServer | None, cost: CostModel)
     sched = SchedulerConfig(max_model_len=1 << 20, max_num_batched_tokens=args.batch_tokens)
     cfg = SimGroupConfig(args.blocks, args.block_size, sched, cost)
     groups = [SimGroup(f"g{i:02d}", cfg, hasher, index, clock or time.monotonic) for i in range(args.groups)]  # fmt: skip
-    router = make_router(groups, index, hasher, args.block_size, policy_name, cost, args.tuning, args.trace, args.batch_tokens)  # fmt: skip
-    predicted, decisions, last_doc = {}, [], [[]]
+    router = make_router(groups, index, hasher, args.block_size, policy_name, cost, args.tuning, requests, args.batch_tokens)  # fmt: skip
+    placed, decisions, last_doc = {}, [], [[]]  # placed: request id -> (predicted, doc, spill)
     doc_hashes: dict[tuple, list[bytes]] = {}
+    span = [0.0]  # the last arrival
 
     def arrivals():
-        for r in tqdm(read(args.trace), desc=policy_name, unit="req", leave=False, disable=None):
+        for r in tqdm(requests(), desc=policy_name, unit="req", leave=False, disable=None):
             hashes = None
             if r.doc is not None:  # the document's blocks are hashed once per tenant
                 key = (r.doc, r.tenant)
@@ -124,22 +190,33 @@ def run_sim(args, policy_name: str, server: RedisServer | None, cost: CostModel)
                 parent = head[-1] if head else hasher.root(None, r.tenant)
                 hashes = head + hasher.hash_blocks(r.prompt_token_ids, parent, len(head))
                 last_doc[0] = r.prompt_token_ids[: r.doc_tokens]
+            span[0] = r.arrival_s
             yield Arrival(r.id, r.arrival_s, r.prompt_token_ids, r.max_tokens, r.tenant, r.doc, hashes)  # fmt: skip
 
     def place(a: Arrival, hashes: list[bytes]) -> SimGroup:
+        best = max((m.expected_blocks for m in router.ledger.matches(hashes).values()), default=0)  # fmt: skip
         if isinstance(router.policy, Oracle):
             router.policy.expect(a.key, len(a.prompt))
         t0 = time.perf_counter()
         p = router.place(hashes)
         decisions.append(time.perf_counter() - t0)
-        predicted[a.request_id] = min(p.cached_blocks * args.block_size, len(a.prompt) - 1)
+        spill = p.cached_blocks < min(best, (len(a.prompt) - 1) // args.block_size)
+        hits = p.cached_tokens(len(a.prompt), args.block_size)
+        placed[a.request_id] = (hits, a.key, spill)
+        router.ledger.add_in_flight(p.group_id, len(a.prompt) - hits, hits)  # as Router.generate
         return router.groups[p.group_id]
 
+    def first_token(rec) -> None:
+        hits = placed[rec.request_id][0]
+        router.ledger.add_in_flight(rec.group_id, hits - rec.prompt_tokens, -hits)
+
     wall = time.perf_counter()
-    done = Simulation(groups, hasher, clock=clock).run(arrivals(), place)
+    done = Simulation(groups, hasher, clock=clock).run(arrivals(), place, first_token)
     wall = time.perf_counter() - wall
-    rows = [(d.group_id, d.prompt_tokens, predicted[d.request_id], d.cached_tokens, d.ttft_s, 0) for d in done]  # fmt: skip
-    extra = {"prefill": {g.group_id: g.prefill_tokens for g in groups}, "mode": "sim", "index": args.index, "groups": args.groups, "wall_s": round(wall, 1)}  # fmt: skip
+    rows = [Row(d.group_id, d.prompt_tokens, placed[d.request_id][0], d.cached_tokens, d.ttft_s, *placed[d.request_id][1:]) for d in done]  # fmt: skip
+    extra = {"prefill": {g.group_id: g.prefill_tokens for g in groups}, "mode": "sim", "index": args.index, "groups": args.groups, "blocks": args.blocks}  # fmt: skip
+    extra.update(load(groups, span[0], max((d.finished_s for d in done), default=0.0), rate))
+    extra["wall_s"] = round(wall, 1)
     if server is not None:
         extra.update(decision_latency(router, last_doc[0], hasher, n=40))
     router.ledger.pending.flush()
@@ -149,6 +226,19 @@ def run_sim(args, policy_name: str, server: RedisServer | None, cost: CostModel)
     if policy_name == "prefix_aware" and args.tuning:
         extra["tuning"] = args.tuning
     return summarize(policy_name, rows, [g.group_id for g in groups], decisions, extra)
+
+
+def load(groups: list[SimGroup], last_arrival: float, last_finish: float, rate: float | None) -> dict:  # fmt: skip
+    """How busy the groups were: `utilisation`, their steps' seconds over the run's (first
+    arrival to last finish, all groups); `offered_load`, the same seconds over the arrivals'
+    span: above 1 the trace brought more work than the groups could do while it arrived
+    (queues grew to its end), and a warning says so."""
+    busy = sum(g.busy_s for g in groups)
+    out = {"rate": rate, "utilisation": round(busy / (len(groups) * last_finish), 3) if last_finish > 0 else None}  # fmt: skip
+    out["offered_load"] = round(busy / (len(groups) * last_arrival), 3) if last_arrival > 0 else None  # fmt: skip
+    if out["offered_load"] is not None and out["offered_load"] > 1:
+        out["warning"] = "offered load exceeds the groups' capacity: queues grew through the trace"
+    return out
 
 
 # ---- real groups on this CPU ------------------------------------------------------------------
@@ -161,8 +251,9 @@ def run_real(args, policy_name: str, server: RedisServer, cost: CostModel) -> di
     config = engine_config("builtin", num_blocks=args.blocks, block_size=args.block_size, cluster_secret=SECRET, max_num_batched_tokens=args.batch_tokens, max_model_len=min(4096, args.blocks * args.block_size))  # fmt: skip
     groups = [LocalGroup(config, index, group_id=f"g{i}") for i in range(args.groups)]
     hasher = groups[0].hasher
-    router = make_router(groups, routed, hasher, args.block_size, policy_name, cost, trace=args.trace, batch_tokens=args.batch_tokens)  # fmt: skip
-    reqs = list(read(args.trace))
+    requests = trace_requests(args.trace, args.block_size)
+    router = make_router(groups, routed, hasher, args.block_size, policy_name, cost, requests=requests, batch_tokens=args.batch_tokens)  # fmt: skip
+    reqs = list(requests())
     rows: list = []
     decisions: list[float] = []
 
@@ -177,7 +268,7 @@ def run_real(args, policy_name: str, server: RedisServer, cost: CostModel) -> di
             ttft = ttft if ttft is not None else time.perf_counter() - start
         rec = router.records[r.id]
         decisions.append(rec.decision_seconds)
-        rows.append((rec.group_id, len(r.prompt_token_ids), rec.predicted_cached_tokens, rec.actual_cached_tokens, ttft, 0))  # fmt: skip
+        rows.append(Row(rec.group_id, len(r.prompt_token_ids), rec.predicted_cached_tokens, rec.actual_cached_tokens, ttft, r.doc))  # fmt: skip
 
     async def replay() -> None:
         t0 = time.perf_counter()
@@ -223,9 +314,10 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--trace")
     p.add_argument("--groups", type=int, default=4)
-    p.add_argument("--policy", default="all", help=f"one of {NAMES} or 'all'")
+    p.add_argument("--policy", default="all", help=f"of {NAMES}: one, several (a,b) or 'all'")
     p.add_argument("--mode", choices=("sim", "real"), default="sim")
     p.add_argument("--blocks", type=int, default=2048, help="KV blocks per group")
+    p.add_argument("--capacity", type=float, help="instead of --blocks: all groups' blocks over the trace's documents' (e.g. 1.25)")  # fmt: skip
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--batch-tokens", type=int, default=2048)
     p.add_argument("--time-scale", type=float, default=1.0, help="real mode: wall s per trace s")
@@ -236,6 +328,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--calibrate", action="store_true")
     p.add_argument("--cost-out")
     p.add_argument("--plot", help="also write the policies' results as an SVG (benchmarks/plot.py)")
+    p.add_argument("--rates", help="sim mode: comma-separated requests/s to replay the trace at")
     args = p.parse_args(argv)
     if args.calibrate:
         cost = calibrate(args.block_size)
@@ -253,18 +346,44 @@ def main(argv: list[str] | None = None) -> None:
         return
     if not args.trace:
         p.error("--trace is required (generate one with python -m benchmarks.traces)")
-    if args.policy not in (*NAMES, "all"):
-        p.error(f"--policy must be one of {NAMES} or 'all', got {args.policy!r}")
-    names = NAMES if args.policy == "all" else [args.policy]
-    run = run_sim if args.mode == "sim" else run_real
+    names = NAMES if args.policy == "all" else args.policy.split(",")
+    if not set(names) <= set(NAMES):
+        p.error(f"--policy must be of {NAMES} (one, several or 'all'), got {args.policy!r}")
+    if args.capacity is not None:
+        if not args.capacity > 0:
+            p.error(f"--capacity must be > 0, got {args.capacity}")
+        docs = document_blocks(trace_requests(args.trace, args.block_size), args.block_size)
+        args.blocks = max(1, math.ceil(args.capacity * docs / args.groups))
+    try:
+        rates = [None] if not args.rates else [float(x) for x in args.rates.split(",")]
+    except ValueError:
+        p.error(f"--rates must be comma-separated numbers, got {args.rates!r}")
+    if not all(r is None or r > 0 for r in rates):
+        p.error(f"--rates must be > 0, got {args.rates!r}")
+    if args.rates and args.mode != "sim":
+        p.error("--rates replays the trace in simulated time: use --mode sim")
+    results = replay(args, names, rates, cost)
+    if args.plot:
+        svg = sweep_svg(results) if args.rates else routing_svg(results)
+        Path(args.plot).write_text(svg, encoding="utf-8")
+
+
+def replay(args, names: list[str], rates: list[float | None], cost: CostModel) -> list[dict]:
+    """Every policy at every rate (None: the trace's own), printing each line as it comes."""
     results = []
     with contextlib.ExitStack() as stack:
         server = None if args.mode == "sim" and args.index == "memory" else stack.enter_context(RedisServer())  # fmt: skip
-        for name in names:
-            results.append(run(args, name, server, cost))
-            print(json.dumps(results[-1]), flush=True)
-    if args.plot:
-        Path(args.plot).write_text(routing_svg(results), encoding="utf-8")
+        for rate in rates:
+            for name in names:
+                if args.mode == "sim":
+                    results.append(run_sim(args, name, server, cost, rate))
+                else:
+                    results.append(run_real(args, name, server, cost))
+                print(json.dumps(results[-1]), flush=True)
+                if "warning" in results[-1]:
+                    at = f"{rate:g}/s" if rate else "the trace's rate"
+                    print(f"warning: {name} at {at}: {results[-1]['warning']}", file=sys.stderr)
+    return results
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ class TraceConfig:
     blocks_per_group: int = 2048
     block_size: int = 16
     fill: float = 0.6  # distinct document tokens / all groups' pool tokens
+    docs: int = 0  # 0: documents until they make `fill`; N: exactly N (fill is then unused)
     doc_min_frac: float = 0.05  # document size as a fraction of one group's pool
     doc_max_frac: float = 0.25
     questions_min: int = 2  # per burst
@@ -54,6 +55,8 @@ class TraceConfig:
         for name in ("groups", "blocks_per_group", "block_size", "requests", "vocab"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.docs < 0:
+            raise ValueError(f"docs must be >= 0, got {self.docs}")
         if not 0 < self.doc_min_frac <= self.doc_max_frac <= 1:
             raise ValueError(f"doc_max_frac must be in [doc_min_frac, 1], got {self.doc_max_frac}")
         if not 1 <= self.questions_min <= self.questions_max:
@@ -67,13 +70,7 @@ class TraceConfig:
 def generate(cfg: TraceConfig) -> Iterator[dict]:
     """Trace lines in arrival order: each document's line just before its first question."""
     rng = random.Random(cfg.seed)
-    pool_tokens = cfg.blocks_per_group * cfg.block_size
-    docs: list[list[int]] = []
-    total = 0
-    while total < cfg.fill * cfg.groups * pool_tokens:
-        n = rng.randint(int(cfg.doc_min_frac * pool_tokens), int(cfg.doc_max_frac * pool_tokens))
-        docs.append([rng.randrange(cfg.vocab) for _ in range(n)])
-        total += n
+    docs = _documents(cfg, rng)
     weights = [1 / (i + 1) ** cfg.zipf_s for i in range(len(docs))]
     tenant_of = [f"t{i % cfg.tenants}" for i in range(len(docs))]
     defined: set[int] = set()
@@ -97,6 +94,16 @@ def generate(cfg: TraceConfig) -> Iterator[dict]:
         pending.sort(key=lambda r: r["arrival_s"])
         while pending and (pending[0]["arrival_s"] <= t or made >= cfg.requests):
             yield from _emit(pending.pop(0), docs, defined, rng, cfg, ids)
+
+
+def _documents(cfg: TraceConfig, rng: random.Random) -> list[list[int]]:
+    """Documents' tokens: `docs` of them, or as many as make `fill` of the pools."""
+    pool_tokens, docs, total = cfg.blocks_per_group * cfg.block_size, [], 0
+    while len(docs) < cfg.docs if cfg.docs else total < cfg.fill * cfg.groups * pool_tokens:
+        n = rng.randint(int(cfg.doc_min_frac * pool_tokens), int(cfg.doc_max_frac * pool_tokens))
+        docs.append(_rand(rng, n, cfg.vocab))
+        total += n
+    return docs
 
 
 def _emit(line: dict, docs, defined: set[int], rng: random.Random, cfg: TraceConfig, ids):

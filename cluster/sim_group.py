@@ -104,10 +104,12 @@ class SimGroup(GroupHandle):
         if index is not None:
             self.publisher = IndexPublisher(index, group_id, bm.cached_hashes, clock=clock)
         self.records: dict[str, SimRecord] = {}
+        self.started: list[SimRecord] = []  # first tokens since the simulation last took them
         self.busy_until: float | None = None  # end of the step in flight; None when idle
         self._step: SchedulerOutput | None = None
         self._dirty = False  # KV events queued since the last flush
         self.prefill_tokens = 0  # prompt tokens computed (not served from the cache)
+        self.busy_s = 0.0  # simulated seconds spent in steps
         self.alive = True
         # status() only changes when a request is queued or a step starts or ends; a router
         # asks every group for it at every arrival, and the scheduler's count is O(requests).
@@ -144,7 +146,9 @@ class SimGroup(GroupHandle):
                 rec.cached_tokens = s.request.num_cached_tokens
         self._step = out
         self._stale()
-        self.busy_until = now + self.config.cost.step_seconds(prefill, decodes)
+        seconds = self.config.cost.step_seconds(prefill, decodes)
+        self.busy_s += seconds
+        self.busy_until = now + seconds
         return self.busy_until
 
     def end_step(self) -> list[SimRecord]:
@@ -154,7 +158,9 @@ class SimGroup(GroupHandle):
         sampled = {s.request.request_id: _SAMPLED_TOKEN for s in out.scheduled if s.samples}
         for rid in sampled:
             rec = self.records[rid]
-            rec.first_token_s = rec.first_token_s if rec.first_token_s is not None else now
+            if rec.first_token_s is None:
+                rec.first_token_s = now
+                self.started.append(rec)
         finished = self.scheduler.update_from_output(out, sampled)
         done = []
         for req in finished:
@@ -232,6 +238,8 @@ class Arrival:
 
 # place(arrival, block_hashes) -> the group that takes it
 PlaceFn = Callable[[Arrival, list[bytes]], SimGroup]
+# first_token(record): a request produced its first token (as a router's stream sees it)
+FirstTokenFn = Callable[[SimRecord], None]
 
 
 class Simulation:
@@ -258,9 +266,9 @@ class Simulation:
         self._heap: list[tuple[float, int, object]] = []
         self._seq = itertools.count()
 
-    def run(self, arrivals: Iterable[Arrival], place: PlaceFn) -> list[SimRecord]:
+    def run(self, arrivals: Iterable[Arrival], place: PlaceFn, first_token: FirstTokenFn | None = None) -> list[SimRecord]:  # fmt: skip
         """Replay `arrivals` (in arrival order; read lazily) to the end; returns every finished
-        record."""
+        record. `first_token` hears of each request's first token when its step ends."""
         pending = iter(arrivals)
         self._push_next(pending)
         clock = self.clock or time.monotonic
@@ -280,6 +288,9 @@ class Simulation:
                 self._push_next(pending)
             else:
                 self.finished += item.end_step()
+                started, item.started = item.started, []
+                for rec in started if first_token is not None else ():
+                    first_token(rec)
                 self._start(item, now)
         return self.finished
 

@@ -245,7 +245,7 @@ class Router:
                 raise
             record = RouteRecord(
                 rid, placement.group_id, placement.reason,
-                predicted_cached_tokens=min(placement.cached_blocks * self.model_info.block_size, len(ids) - 1),
+                predicted_cached_tokens=placement.cached_tokens(len(ids), self.model_info.block_size),
                 decision_seconds=time.perf_counter() - t0,
             )  # fmt: skip
             self.records[rid] = record
@@ -254,14 +254,15 @@ class Router:
                 ids, request.params, request_id=rid, priority=request.priority,
                 cache_salt=request.cache_salt, block_hashes=hashes,
             )  # fmt: skip
-            sent = len(ids) - record.predicted_cached_tokens
-            self.ledger.add_in_flight(placement.group_id, sent)
+            hits = record.predicted_cached_tokens
+            sent = len(ids) - hits
+            self.ledger.add_in_flight(placement.group_id, sent, hits)
             started = False
             try:
                 async for out in group.generate(forwarded):
                     if not started:
                         started = True
-                        self.ledger.add_in_flight(placement.group_id, -sent)
+                        self.ledger.add_in_flight(placement.group_id, -sent, -hits)
                         record.actual_cached_tokens = out.num_cached_tokens
                     yield out
                 return
@@ -281,7 +282,7 @@ class Router:
                 )
             finally:
                 if not started:
-                    self.ledger.add_in_flight(placement.group_id, -sent)
+                    self.ledger.add_in_flight(placement.group_id, -sent, -hits)
                 self._trim_records()
 
     def abort(self, request_id: str) -> None:

@@ -13,15 +13,20 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.oracles import BalancedOracle
+from benchmarks.oracles import BalancedOracle, CacheAwareThreshold, with_documents
 from benchmarks.plot import PANEL_H
-from benchmarks.traces import TraceRequest
-from router.placement import PlacedShare
+from benchmarks.traces import TraceConfig, TraceRequest, generate, read
+from cluster.group import GroupStatus
+from cluster.index import GroupMatch
+from router.placement import PlacedShare, Placement
+
+SVG = "{http://www.w3.org/2000/svg}"
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run(*args: str, timeout: int = 300) -> list[dict]:
+def run(*args: str, timeout: int = 300, stderr: list[str] | None = None) -> list[dict]:
+    """The JSON lines a benchmark prints (its stderr's lines appended to `stderr`, if given)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     out = subprocess.run(
         [sys.executable, *args],
@@ -32,6 +37,8 @@ def run(*args: str, timeout: int = 300) -> list[dict]:
         timeout=timeout,
         check=True,
     )
+    if stderr is not None:
+        stderr += out.stderr.splitlines()
     return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
 
 
@@ -67,16 +74,16 @@ def test_routing_benchmark_smoke(tmp_path):
     run("-m", "benchmarks.traces", "--out", str(trace), "--groups", "2", "--blocks", "256", "--requests", "30")  # fmt: skip
     common = ("-m", "benchmarks.routing", "--trace", str(trace), "--groups", "2", "--blocks", "256")
     sim = {c["policy"]: c for c in run(*common, "--policy", "all", "--plot", str(tmp_path / "r.svg"))}  # fmt: skip
-    assert list(sim) == ["least_loaded", "oracle", "prefix_aware", "prefix_hash", "round_robin", "oracle_balanced"]  # fmt: skip
+    assert list(sim) == ["least_loaded", "oracle", "prefix_aware", "prefix_hash", "round_robin", "oracle_balanced", "cache_aware_threshold"]  # fmt: skip
     for case in sim.values():
         assert case["requests"] == 30 and 0 <= case["hit_rate"] <= 1
     # The plot: per policy (in the order printed), a bar per group for requests, then for
     # prefill tokens; the requests' bars are as tall as their counts, on one scale.
     svg = ET.parse(tmp_path / "r.svg").getroot()
     bars = svg.findall("{http://www.w3.org/2000/svg}rect[@class='bar']")
-    assert len(bars) == 6 * 2 * 2
+    assert len(bars) == 7 * 2 * 2
     counts = [v for c in sim.values() for v in c["requests_per_group"]["per_group"]]
-    heights = [float(b.get("height")) for i in range(6) for b in bars[4 * i : 4 * i + 2]]
+    heights = [float(b.get("height")) for i in range(7) for b in bars[4 * i : 4 * i + 2]]
     assert max(heights) == pytest.approx(PANEL_H - 16, abs=0.1)
     ratios = [h / v for h, v in zip(heights, counts, strict=True) if v >= 5]
     assert ratios and max(ratios) / min(ratios) < 1.02
@@ -153,3 +160,100 @@ def test_serving_benchmark_smoke():
         assert line["errors"] == 0 and line["requests"] == 6, line
         assert line["ttft_ms_p50"] > 0 and line["output_tok_s"] > 0 and line["door_ms_p50"] > 0
     assert set(lines[1]["vs_grpc"]) >= {"ttft_ms_p50", "door_ms_p50", "output_tok_s"}
+
+
+def test_the_routing_sweep_reports_load_and_warns_past_capacity(tmp_path):
+    """--rates replays one trace at each rate: a line per rate and policy with its load, and
+    a warning where the trace brings more work than the groups can do; --plot draws hit rate
+    and TTFT p99 against the rate, a line per policy."""
+    trace = tmp_path / "trace.jsonl"
+    run("-m", "benchmarks.traces", "--out", str(trace), "--groups", "2", "--blocks", "256", "--requests", "30")  # fmt: skip
+    policies, warnings = ["prefix_aware", "cache_aware_threshold"], []
+    lines = run("-m", "benchmarks.routing", "--trace", str(trace), "--groups", "2", "--blocks", "256", "--policy", ",".join(policies), "--rates", "20,2000", "--plot", str(tmp_path / "s.svg"), stderr=warnings)  # fmt: skip
+    assert [(c["rate"], c["policy"]) for c in lines] == [(r, p) for r in (20.0, 2000.0) for p in policies]  # fmt: skip
+    prompt = sum(len(r.prompt_token_ids) for r in read(str(trace)))
+    docs = {r.doc for r in read(str(trace)) if r.doc}
+    for c in lines:
+        assert c["prompt_tokens"] == prompt
+        assert c["computed_tokens"] == pytest.approx(prompt * (1 - c["hit_rate"]), abs=1e-4 * prompt)  # fmt: skip
+        assert 0 < c["utilisation"] <= 1 and c["offered_load"] >= c["utilisation"]
+        assert c["docs"] == len(docs) and c["workers_per_doc"] >= 1
+        assert c["replicas"] == round(c["docs"] * (c["workers_per_doc"] - 1)) and c["spills"] >= 0
+        assert ("warning" in c) == (c["rate"] == 2000.0)  # 30 requests in 15 ms: past capacity
+    assert len([w for w in warnings if w.startswith("warning:") and "2000/s" in w]) == 2
+    assert lines[0]["offered_load"] < lines[2]["offered_load"]
+    svg = ET.parse(tmp_path / "s.svg").getroot()
+    curves = svg.findall(f"{SVG}polyline[@class='curve']")
+    assert len(curves) == 2 * len(policies)  # hit rate, then TTFT p99: a line per policy
+    for curve in curves:
+        assert len(curve.get("points").split()) == 2  # a point per rate
+    texts = [t.text for t in svg.iter(f"{SVG}text")]
+    assert all(p in texts for p in policies) and "2000" in texts
+
+
+def test_oracles_derive_documents_where_a_trace_names_none(tmp_path):
+    """On a trace whose requests carry whole prompts, the oracles place by documents derived
+    from shared leading blocks: the same documents as the trace named, so the same placement
+    (not least_loaded or round robin under an oracle's name)."""
+    named = tmp_path / "named.jsonl"
+    run("-m", "benchmarks.traces", "--out", str(named), "--groups", "2", "--blocks", "256", "--requests", "40")  # fmt: skip
+    bare = tmp_path / "bare.jsonl"
+    with open(bare, "w") as f:
+        for r in read(str(named)):
+            line = {"id": r.id, "arrival_s": r.arrival_s, "prompt_token_ids": r.prompt_token_ids, "max_tokens": r.max_tokens, "tenant": r.tenant}  # fmt: skip
+            f.write(json.dumps(line) + "\n")
+    derived = list(with_documents(lambda: read(str(bare))))
+    by_name = {}
+    for r, d in zip(read(str(named)), derived, strict=True):
+        assert (r.doc is None) == (d.doc is None)
+        if r.doc is not None:
+            assert by_name.setdefault(r.doc, d.doc) == d.doc  # one derived name per document
+            assert d.doc_tokens == r.doc_tokens // 16 * 16  # its whole blocks
+    assert len(set(by_name.values())) == len(by_name)
+    common = ("-m", "benchmarks.routing", "--groups", "2", "--blocks", "256", "--policy", "oracle,oracle_balanced")  # fmt: skip
+    for a, b in zip(run(*common, "--trace", str(named)), run(*common, "--trace", str(bare)), strict=True):  # fmt: skip
+        assert a["policy"] == b["policy"]
+        assert (a["hit_rate"], a["requests_per_group"]) == (b["hit_rate"], b["requests_per_group"])
+        assert b["docs"] == len(by_name) and b["workers_per_doc"] == a["workers_per_doc"]
+
+
+def test_an_exact_repeat_of_a_block_aligned_prompt_is_predicted(tmp_path):
+    """The engine computes a prompt's last token, so a repeat of a 64-token prompt finds 48
+    tokens cached, not 63: the prediction says so and agrees with the engine."""
+    trace = tmp_path / "repeat.jsonl"
+    prompt = list(range(100, 164))
+    trace.write_text("".join(json.dumps({"id": f"r{i}", "arrival_s": i * 1.0, "prompt_token_ids": prompt, "max_tokens": 2}) + "\n" for i in range(3)))  # fmt: skip
+    (line,) = run("-m", "benchmarks.routing", "--trace", str(trace), "--groups", "1", "--blocks", "64", "--policy", "prefix_aware")  # fmt: skip
+    assert line["predicted_equals_actual"] == 1.0
+    assert line["hit_rate"] == line["predicted_hit_rate"] == round(2 * 48 / (3 * 64), 4)
+
+
+def status(gid: str, running: int, waiting: int = 0) -> GroupStatus:
+    return GroupStatus(gid, True, 1, ("sim",), 100, 100, 0, running, waiting, 0)
+
+
+def test_the_cache_aware_threshold_rule():
+    """Affinity to the longest match while the loads are balanced; the shortest queue once the
+    most loaded group has more than balance_abs requests more than the least and more than
+    balance_rel times as many; the least filled cache when the match is short."""
+    rule = CacheAwareThreshold(block_size=16, cache_threshold=0.3, balance_abs=4, balance_rel=1.5)
+    chain, placed = [bytes([i]) * 8 for i in range(10)], PlacedShare()
+    placed.add("a", 5000), placed.add("b", 100), placed.add("c", 3000)
+    match = {"a": GroupMatch("a", 1, 8, 0, None), "b": GroupMatch("b", 1, 0, 0, None), "c": GroupMatch("c", 1, 2, 0, None)}  # fmt: skip
+    balanced = {"a": status("a", 6), "b": status("b", 3), "c": status("c", 4)}  # 6 - 3 <= 4
+    assert rule.choose(chain, balanced, match, placed) == Placement("a", "prefix_hit", 8)
+    imbalanced = {**balanced, "a": status("a", 6, 2)}  # 8 - 3 > 4 and 8 > 1.5 * 3
+    assert rule.choose(chain, imbalanced, match, placed).group_id == "b"
+    short = {g: m._replace(blocks=min(m.blocks, 3)) for g, m in match.items()}  # 3 <= 0.3 * 10
+    p = rule.choose(chain, balanced, short, placed)
+    assert (p.group_id, p.reason) == ("b", "smallest_cache")
+    with pytest.raises(ValueError, match="cache_threshold"):
+        CacheAwareThreshold(cache_threshold=1.5)
+
+
+def test_a_trace_of_a_given_number_of_documents():
+    cfg = TraceConfig(groups=4, blocks_per_group=1000, docs=60, doc_min_frac=0.0625, doc_max_frac=0.25, zipf_s=0.0, requests=3000)  # fmt: skip
+    sizes = {line["doc"]: len(line["doc_token_ids"]) for line in generate(cfg) if "doc_token_ids" in line}  # fmt: skip
+    assert len(sizes) == 60 and min(sizes.values()) >= 1000 and max(sizes.values()) <= 4000
+    with pytest.raises(ValueError, match="docs"):
+        TraceConfig(docs=-1)

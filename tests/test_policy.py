@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import pytest
 
@@ -38,10 +39,10 @@ def chain(n_blocks: int, first: int = 0) -> list[bytes]:
     return HASHER.hash_prompt(list(range(first, first + 16 * n_blocks)))
 
 
-def status(gid: str, queued: int = 0, running: int = 0, free: int = 1000, cached: int = 0):
+def status(gid: str, queued: int = 0, running: int = 0, free: int = 1000, cached: int = 0, waiting: int = 0):  # fmt: skip
     return GroupStatus(
         gid, True, 1, ("cpu",), blocks_total=1000, blocks_free=free, blocks_cached=cached,
-        running=running, waiting=0, pending_prefill_tokens=queued,
+        running=running, waiting=waiting, pending_prefill_tokens=queued,
     )  # fmt: skip
 
 
@@ -68,6 +69,21 @@ def test_spills_when_the_holders_queue_costs_more_than_a_prefill_elsewhere():
     heavy = {"a": status("a", queued=20_000, running=50), "b": status("b")}
     p = policy.choose(c, heavy, matches)
     assert (p.group_id, p.reason) == ("b", "spill")
+
+
+def test_a_copy_elsewhere_is_charged_for_the_requests_it_delays():
+    """The same holder's queue (0.3 s) is worth a cold copy of its 1600-token prefix on an idle
+    cluster, where nobody waits behind the copy, and not on a busy one, where every group has
+    ten requests that would wait behind it."""
+    c = chain(100)
+    matches = {g: match(g, 100 if g == "a" else 0) for g in "abcd"}
+    for formula in (False, True):
+        idle = {"a": status("a", queued=6000, running=2), **{g: status(g) for g in "bcd"}}
+        p = Placer(make_policy("prefix_aware"), formula).choose(c, idle, matches)
+        assert (p.group_id, p.reason) in {("b", "spill"), ("c", "spill"), ("d", "spill")}
+        busy = {"a": status("a", queued=6000, running=10), **{g: status(g, running=8, waiting=2) for g in "bcd"}}  # fmt: skip
+        p = Placer(make_policy("prefix_aware"), formula).choose(c, busy, matches)
+        assert (p.group_id, p.reason) == ("a", "prefix_hit")
 
 
 def test_the_choice_follows_a_groups_new_status():
@@ -221,7 +237,7 @@ def test_the_fast_loop_chooses_as_the_formula_does(monkeypatch):
         statuses, out = {}, []
         for step in range(400):
             for g in gids if step == 0 else rng.sample(gids, min(3, len(gids))):
-                statuses[g] = status(g, rng.choice([0, 0, 500, 20000]), rng.randint(0, 9), rng.choice([0, 40, 1000]), rng.choice([0, 500]))  # fmt: skip
+                statuses[g] = status(g, rng.choice([0, 0, 500, 20000]), rng.randint(0, 9), rng.choice([0, 40, 1000]), rng.choice([0, 500]), rng.choice([0, 0, 3, 30]))  # fmt: skip
             n = rng.choice(list(chains))
             matches = {g: match(g, rng.randint(0, n + 2), rng.choice([0, rng.randint(0, n)])) for g in gids if rng.random() < 0.2}  # fmt: skip
             p = policy.choose(chains[n], statuses, matches)
@@ -241,7 +257,7 @@ def test_the_fast_loop_chooses_as_the_formula_does(monkeypatch):
 
 
 def test_load_bound_config_is_validated():
-    for field in ("load_slack", "load_burst", "balance_weight", "recompute_weight"):
+    for field in ("load_slack", "load_burst", "balance_weight", "eviction_weight"):
         with pytest.raises(ValueError, match=field):
             PrefixAwareConfig(**{field: -1.0})
     with pytest.raises(ValueError, match="balance_window"):
@@ -292,3 +308,60 @@ def test_pending_writes_never_raise_and_log_one_warning(caplog):
     assert len(warnings) == 1
     m = pending.overlay(chain(4, first=2), {"g0": GroupMatch("g0", 1, 0, 0, None)})
     assert m["g0"].pending_blocks == 4  # the local table still has it
+
+
+def test_queued_work_leaves_out_the_prefix_a_waiting_request_will_find_cached():
+    """A group counts a waiting request's whole prompt as queued work until it admits it and
+    finds its prefix: three questions on a cached document, queued behind a long prefill,
+    would count the document three times. The router's ledger knows what it predicted cached
+    and counts only the questions (and never less than what it sent uncached)."""
+    from cluster.cost_model import CostModel
+    from cluster.sim_group import Arrival, SimGroup, SimGroupConfig, Simulation
+    from router.placement import Placement
+    from worker.config import SchedulerConfig
+
+    sched = SchedulerConfig(max_model_len=8192, max_num_batched_tokens=256)
+    g = SimGroup("g0", SimGroupConfig(512, 16, sched, CostModel()), HASHER)
+    doc = list(range(1000, 1000 + 640))  # 40 blocks
+    Simulation([g], HASHER).run([Arrival("doc", 0.0, doc + [7] * 8, 1)], lambda a, h: g)
+    ledger = Ledger(InMemoryPrefixIndex(), 16)
+    # a long prompt from another router: this one's ledger knows nothing of it
+    g.submit("long", list(range(2000)), 1, 1.0, HASHER.hash_prompt(list(range(2000))))
+    for i in range(3):
+        prompt = doc + [i] * 24  # 664 tokens: 41 whole blocks, the document's 40 cached
+        p = Placement("g0", "prefix_hit", 40)
+        hits = p.cached_tokens(len(prompt), 16)
+        assert hits == 640 == g.scheduler.bm.match_prefix(_request(prompt)).num_tokens
+        g.submit(f"q{i}", prompt, 1, 1.0, HASHER.hash_prompt(prompt))
+        ledger.add_in_flight("g0", len(prompt) - hits, hits)
+    g.start_step(1.0)  # admits the long prompt's first chunk; the questions wait
+    reported = g.status().pending_prefill_tokens
+    assert reported == 2000 - 256 + 3 * 664
+    seen = ledger.with_in_flight({"g0": g.status()})["g0"].pending_prefill_tokens
+    assert seen == reported - 3 * 640 == 2000 - 256 + 3 * 24
+    # What it sent uncached is the floor while the group's report lags behind.
+    lagging = replace(g.status(), pending_prefill_tokens=0)
+    assert ledger.with_in_flight({"g0": lagging})["g0"].pending_prefill_tokens == 3 * 24
+    for _ in range(3):  # their first tokens: nothing of theirs is in flight any more
+        ledger.add_in_flight("g0", -24, -640)
+    assert ledger.in_flight == {}
+    assert ledger.with_in_flight({"g0": g.status()})["g0"].pending_prefill_tokens == reported
+
+
+def _request(prompt: list[int]):
+    from worker.request import Request
+    from worker.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=1)
+    return Request("probe", prompt, params, max_tokens=1, block_hashes=HASHER.hash_prompt(prompt))
+
+
+def test_a_prediction_stops_before_the_block_of_the_last_token():
+    """An exact repeat of a block-aligned prompt: the engine computes its last token, so its
+    last block is not a hit; the prediction says the same."""
+    from router.placement import Placement
+
+    assert Placement("g", "prefix_hit", 4).cached_tokens(64, 16) == 48
+    assert Placement("g", "prefix_hit", 4).cached_tokens(65, 16) == 64
+    assert Placement("g", "prefix_hit", 2).cached_tokens(64, 16) == 32
+    assert Placement("g", "new_prefix", 0).cached_tokens(1, 16) == 0

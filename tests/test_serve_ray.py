@@ -81,9 +81,12 @@ def test_a_ray_groups_blocks_are_in_the_index_when_its_request_finishes(ray_and_
     load = matches["ray-0"].load
     assert load is not None and load.total_blocks == 64
 
-    # Both groups are idle and equal; only the index says where the document is.
+    # Both groups are idle and equal; only the index says where the document is. (A group
+    # reports idle a moment after its request finishes: a 6-block document is worth less to
+    # the policy than a neighbour it would slow down.)
     router = Router([local, ray_group], index, hasher, info, policy="prefix_aware")
     for question in (8, 9):
+        wait_until(lambda: ray_group.status().running == 0, 10, "the Ray group to report idle")
         request = RouteRequest(prompt_token_ids=DOC + [question] * 3, params=PARAMS)
 
         async def routed(request=request):

@@ -53,6 +53,20 @@ def test_simulated_time_orders_groups_and_queues():
     assert {d.group_id for d in done} == {"g0", "g1"}
 
 
+def test_first_tokens_are_told_once_and_busy_time_is_the_steps():
+    (a, b) = make_groups(2, None)
+    arrivals = [Arrival(f"r{i}", 0.1 * i, list(range(i, i + 300)), 3) for i in range(4)]
+    heard = []
+    done = Simulation([a, b], HASHER).run(arrivals, lambda x, h: (a, b)[int(x.request_id[1]) % 2], heard.append)  # fmt: skip
+    assert sorted(r.request_id for r in heard) == sorted(d.request_id for d in done)
+    # each heard when its step ended, before its later tokens
+    assert all(r.first_token_s is not None and r.first_token_s < r.finished_s for r in heard)
+    # a group is busy exactly while its steps run: two requests of 300 tokens each, 3 tokens out
+    for g in (a, b):
+        steps = 2 * COST.step_seconds(300, 0) + 2 * 2 * COST.step_seconds(0, 1)
+        assert g.busy_s == pytest.approx(steps)
+
+
 def test_cost_model_fit_recovers_a_linear_model():
     truth = CostModel(step_s=2e-3, prefill_token_s=3e-5, decode_seq_s=4e-4)
     samples = [(p, d, truth.step_seconds(p, d)) for p in (0, 128, 1024) for d in (0, 4, 32)]

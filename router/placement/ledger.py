@@ -4,8 +4,9 @@ a decision needs:
 - the pending overlay (`PendingPlacements`): placements seen by this router's own next decisions
   at once and written to the shared prefix index in the background, so that requests sharing a
   prefix find the group that is computing it before that group reports its blocks;
-- the prefill in flight: prompt tokens sent to each group that have not produced a first token
-  (a group's own load report lags by up to a step, and a burst must not all see it idle);
+- the prefill in flight: prompt tokens sent to each group that have not produced a first token,
+  uncached and predicted cached (a group's own load report lags by up to a step, and a burst
+  must not all see it idle; it counts a waiting request's cached prefix as work);
 - the placed share (`PlacedShare`): each group's part of the recent placements, for the
   policy's load bound.
 """
@@ -45,7 +46,9 @@ class Ledger:
         self.block_size = block_size
         self.pending = PendingPlacements(index)
         self.placed = PlacedShare(window)
-        self.in_flight: dict[str, int] = {}  # group -> prompt tokens sent, no first token yet
+        # group -> (prompt tokens sent uncached, predicted cached) of requests without a first
+        # token yet
+        self.in_flight: dict[str, tuple[int, int]] = {}
 
     def matches(self, block_hashes: Sequence[bytes]) -> Matches:
         """The index's answer for the chain, with this router's own placements that the index
@@ -66,21 +69,29 @@ class Ledger:
         new_tokens = (len(block_hashes) - placement.cached_blocks) * self.block_size
         self.placed.add(placement.group_id, new_tokens, live_groups)
 
-    def add_in_flight(self, group_id: str, tokens: int) -> None:
-        """Prompt tokens sent to the group (negative: they produced their first token)."""
-        left = self.in_flight.get(group_id, 0) + tokens
-        if left > 0:
-            self.in_flight[group_id] = left
+    def add_in_flight(self, group_id: str, tokens: int, cached: int = 0) -> None:
+        """Prompt tokens sent to the group uncached and predicted cached (negative: they
+        produced their first token)."""
+        sent, hits = self.in_flight.get(group_id, (0, 0))
+        sent, hits = sent + tokens, hits + cached
+        if sent > 0 or hits > 0:
+            self.in_flight[group_id] = (sent, hits)
         else:
             self.in_flight.pop(group_id, None)
 
     def with_in_flight(self, statuses: dict[str, GroupStatus]) -> dict[str, GroupStatus]:
-        """`statuses` (a copy of this router's to change) with each group's queued prefill at
-        least what this router sent it that is still in flight."""
-        for gid, tokens in self.in_flight.items():  # only groups with prefill in flight
+        """`statuses` (a copy of this router's to change) with each group's queued prefill
+        corrected by what this router has in flight there: at least the tokens it sent
+        uncached (the group's report lags by up to a step), and without the tokens it predicted
+        cached (a group counts a waiting request's whole prompt as work until it admits it and
+        finds its prefix: a hot document's questions queued on its holder would count the
+        document once each)."""
+        for gid, (sent, hits) in self.in_flight.items():  # only groups with prefill in flight
             s = statuses.get(gid)
-            if s is not None and tokens > s.pending_prefill_tokens:
-                statuses[gid] = replace(s, pending_prefill_tokens=tokens)
+            if s is not None:
+                queued = max(sent, s.pending_prefill_tokens - hits)
+                if queued != s.pending_prefill_tokens:
+                    statuses[gid] = replace(s, pending_prefill_tokens=queued)
         return statuses
 
 

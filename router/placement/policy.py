@@ -19,6 +19,12 @@ class Placement:
     reason: str  # why: "prefix_hit", "spill", "new_prefix", "least_loaded", "round_robin", ...
     cached_blocks: int = 0  # leading blocks the index says the group holds (or has pending)
 
+    def cached_tokens(self, prompt_tokens: int, block_size: int) -> int:
+        """The prompt tokens the placement predicts the group serves from its cache: whole
+        blocks, never the one holding the last prompt token (the engine computes that token, so
+        a hit stops a block before it, as worker/block_manager.py's match does)."""
+        return min(self.cached_blocks, (prompt_tokens - 1) // block_size) * block_size
+
 
 class PlacedShare:
     """Each group's part of a router's last ~`window` x (live groups) placements, exponentially

@@ -7,18 +7,26 @@ blocks, in seconds (`PrefixAware.cost`, one term per line):
     new         = (n - h) * block_size + block_size / 2    tokens g must compute (with the tail)
     ttft        = (g's queued prefill + new) * prefill_token_s
                   + steps of that work * (step_s + g's running decodes * decode_seq_s)
-    recompute   = recompute_weight * new * prefill_token_s
+    recompute   = (1 + delayed) * new * prefill_token_s
+                  where delayed = the fewest requests running and waiting on any live group
     eviction    = eviction_weight * pressure(g) * (new blocks beyond g's empty ones)
                   * block_size * prefill_token_s
     neighbours  = request_weight * (g's running + waiting requests) * decode_seq_s
     balance     = balance_weight * decode_seq_s * (g's recent placements - their mean)
 
-The first term is the request's own wait; the others are what the placement costs the rest of
-the cluster: a prefix computed where another group holds it is work every queued request waits
-for and a second copy of pool space (recompute); what it evicts is colder the less new content
-the group took in lately (pressure: g's recent uncached tokens over the mean); each request
-already on g slows its steps (neighbours); and a group above the mean of recent placements
-should take the next one less (balance).
+The first term is the request's own wait (g's queued prefill as the router's ledger corrects it:
+without the prefixes it predicted cached for its requests in flight, which the group counts as
+work until it admits them). The others are what the placement costs the rest of the cluster. A
+prefix computed where another group holds it takes a second copy of pool space (the 1 of
+recompute) and is work that the requests behind it wait for: at least as many as the least busy
+group holds (Little's law: as many arrive during a wait as a group holds). On an idle cluster
+that is none, and a spill costs little more than its own prefill; under saturation it is tens of
+requests, so a holder keeps its prefix unless its queue outweighs them all, since a cold copy of
+a document adds its whole prefill to a saturated cluster. (The least busy group, not the mean:
+one overloaded group must not make an idle one look busy.) What the placement evicts is colder
+the less new content the group took in lately (pressure: g's recent uncached tokens over the
+mean); each request already on g slows its steps (neighbours); and a group above the mean of
+recent placements should take the next one less (balance).
 
 The bound (`LoadBound`, consistent hashing with bounded loads, Mirrokni et al.): a group over
 (1 + load_slack) x the mean of this router's recent placements (+ load_burst) takes no request,
@@ -59,12 +67,6 @@ class PrefixAwareConfig:
     research-assistant traces (benchmarks/RESULTS.md)."""
 
     cost: CostModel = field(default_factory=CostModel)
-    # Each prompt token a group must compute is charged its prefill time once for this
-    # request's wait and recompute_weight times more for what it costs the cluster: every
-    # request queued behind it waits too, and a prefix computed where another group holds it
-    # takes a second copy of pool space. 0 is the bare TTFT rule (it spills a hot document as
-    # soon as its holder's queue costs more than one prefill, and duplicates freely).
-    recompute_weight: float = 8.0
     # Each cached block a placement evicts is charged eviction_weight times its recompute,
     # scaled by the group's recent uncached tokens over the mean: a group that took in less
     # new content lately has an older LRU tail, so what it evicts is colder.
@@ -93,7 +95,7 @@ class PrefixAwareConfig:
     hit_holders: int = 2
 
     def __post_init__(self) -> None:
-        for name in ("recompute_weight", "eviction_weight", "request_weight", "balance_weight", "load_burst"):  # fmt: skip
+        for name in ("eviction_weight", "request_weight", "balance_weight", "load_burst"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.max_replicas is not None and self.max_replicas < 1:
@@ -175,16 +177,17 @@ class PrefixAware(Policy):
         return self.config.balance_window
 
     # ---- the formula ------------------------------------------------------------------
-    def cost(self, n: int, s: GroupStatus, hit: int, placements: float, mean: float, pressure: float) -> float:  # fmt: skip
+    def cost(self, n: int, s: GroupStatus, hit: int, placements: float, mean: float, pressure: float, delayed: int) -> float:  # fmt: skip
         """Seconds: this request's time to first token on the group, plus what placing it
         there costs the rest of the cluster (module docstring). `placements`: the group's
         recent placements, `mean` theirs over the live groups; `pressure`: the group's recent
-        uncached tokens over the mean (1 when nothing was sent)."""
+        uncached tokens over the mean (1 when nothing was sent); `delayed`: the fewest requests
+        running and waiting on any live group (`_delayed`)."""
         cfg, c, bs = self.config, self.config.cost, self.block_size
         new = (n - hit) * bs + bs // 2
         work = s.pending_prefill_tokens + new
         ttft = work * c.prefill_token_s + math.ceil(work / self.batch_tokens) * (c.step_s + s.running * c.decode_seq_s)  # fmt: skip
-        recompute = cfg.recompute_weight * new * c.prefill_token_s
+        recompute = (1.0 + delayed) * new * c.prefill_token_s
         evicted = max(0, math.ceil(new / bs) - _empty_blocks(s))
         eviction = cfg.eviction_weight * pressure * evicted * bs * c.prefill_token_s
         neighbours = cfg.request_weight * (s.running + s.waiting) * c.decode_seq_s
@@ -199,7 +202,7 @@ class PrefixAware(Policy):
         share = _Placed(requests, scale, live)
         mean = share.mean(statuses)
         total = sum(tokens.get(g, 0.0) for g in statuses)
-        bound = LoadBound.of(self.config, held, share, mean)
+        bound, delayed = LoadBound.of(self.config, held, share, mean), _delayed(statuses)
         for limits in (bound, *bound.relaxed()):
             costs = {
                 g: self.cost(
@@ -209,6 +212,7 @@ class PrefixAware(Policy):
                     share[g],
                     mean,
                     tokens.get(g, 0.0) * live / total if total > 0 else 1.0,
+                    delayed,
                 )  # fmt: skip
                 for g, s in statuses.items()
                 if limits.admits(held.get(g, 0), share[g])
@@ -226,7 +230,7 @@ class PrefixAware(Policy):
         share = _Placed(requests, scale, live)  # read per candidate, not built for every group
         mean = share.mean(statuses)
         bound = LoadBound.of(self.config, held, share, mean)
-        rows = statuses, held, share, mean, tokens
+        rows = statuses, held, share, mean, tokens, 1.0 + _delayed(statuses)
         tied = self._lowest(n, rows, bound)
         if not tied:  # every candidate is over the bound
             for limits in bound.relaxed():
@@ -246,7 +250,8 @@ class PrefixAware(Policy):
 
     def _lowest(self, n, rows, limits: LoadBound) -> list[str]:
         """The candidates of lowest `cost`, several on a tie (e.g. idle groups, a new prefix).
-        `rows`: (statuses, held, placed share, mean, recent uncached tokens), see `choose`.
+        `rows`: (statuses, held, placed share, mean, recent uncached tokens, recompute's
+        weight), see `choose`.
 
         The groups with a hit are scored first. The rest (hit 0) all pay the same recompute, so
         none of them can cost less than `floor`, the whole prompt's prefill and recompute with
@@ -257,9 +262,9 @@ class PrefixAware(Policy):
         terms that only a status sets cached (`_status_terms`), those that only the hit sets
         computed once per hit."""
         cfg, c, bs, ceil = self.config, self.config.cost, self.block_size, math.ceil
-        prefill_s, budget, recompute_w, eviction_w = c.prefill_token_s, self.batch_tokens, cfg.recompute_weight, cfg.eviction_weight  # fmt: skip
+        prefill_s, budget, eviction_w = c.prefill_token_s, self.batch_tokens, cfg.eviction_weight
         unit = cfg.balance_weight * c.decode_seq_s
-        half, (statuses, held, placed, mean, tokens), live = bs // 2, rows, len(rows[0])
+        half, (statuses, held, placed, mean, tokens, recompute_w), live = bs // 2, rows, len(rows[0])  # fmt: skip
         placements, scale = placed.requests.get, placed.scale
         min_hit, bound, high, best_hit = limits.min_hit, limits.bound, limits.high, limits.best_hit
         terms, by_hit, total = self._terms, {}, None  # by_hit: hit -> (new, blocks, recompute)
@@ -309,6 +314,12 @@ class PrefixAware(Policy):
         neighbours = cfg.request_weight * (s.running + s.waiting) * c.decode_seq_s
         step = c.step_s + s.running * c.decode_seq_s
         return s, s.pending_prefill_tokens, step, _empty_blocks(s), neighbours
+
+
+def _delayed(statuses: Mapping[str, GroupStatus]) -> int:
+    """The fewest requests running and waiting on any live group: how many, at least, wait
+    behind new work wherever it goes (the recompute charge's weight, module docstring)."""
+    return min(s.running + s.waiting for s in statuses.values())
 
 
 def _empty_blocks(s: GroupStatus) -> int:
