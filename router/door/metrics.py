@@ -51,6 +51,7 @@ class ServerMetrics:
         self.prompt_tokens = Counter(f"{P}prompt_tokens", "Prompt tokens of finished requests.", m, registry=r)  # fmt: skip
         self.generation_tokens = Counter(f"{P}generation_tokens", "Generated tokens.", m, registry=r)  # fmt: skip
         self.success = Counter(f"{P}request_success", "Finished requests by finish reason.", [*m, "finished_reason"], registry=r)  # fmt: skip
+        self.resumes = Counter(f"{P}request_resumes", "Times a stream moved to another group after its group died (each resumed request counted once per move).", m, registry=r)  # fmt: skip
         self.errors = Counter(f"{P}request_errors", "Requests that ended with a gRPC error, by status code.", [*m, "code"], registry=r)  # fmt: skip
         self.routing = Counter(f"{P}routing_decisions", "Placements by group and reason.", [*m, "group", "reason"], registry=r)  # fmt: skip
         self.decision = Histogram(f"{P}routing_decision_seconds", "Time to choose a group (index match + policy).", m, buckets=FAST_BUCKETS, registry=r)  # fmt: skip

@@ -95,10 +95,13 @@ class PageFleetServicer(pb_grpc.PageFleetServicer):
             async with contextlib.aclosing(
                 outputs(router, route, self.metrics, self.in_flight, t0)
             ) as stream:
+                placed = None  # the request's record: a resume updates it
                 async for out, record in stream:
+                    placed = placed or record
                     if kind == pb.OUTPUT_KIND_FINAL_ONLY and not out.finished:
                         continue
-                    yield response_message(out, kind, record, time.perf_counter() - t0)
+                    resumes = placed.resumes if placed is not None and out.finished else 0
+                    yield response_message(out, kind, record, time.perf_counter() - t0, resumes)
         except asyncio.CancelledError:  # the client cancelled or its deadline passed
             if self.metrics is not None:
                 expired = deadline_passed(context.time_remaining(), budget)

@@ -181,6 +181,9 @@ async def outputs(
                         )
                     if out.finished and metrics is not None:
                         metrics.observe_finished(out, time.perf_counter() - t0)
+                        resumed = router.records.get(rid)
+                        if resumed is not None and resumed.resumes:
+                            metrics.resumes.labels(metrics.model_name).inc(resumed.resumes)
                     first = False
                     yield out, record
         except (asyncio.CancelledError, GeneratorExit):
