@@ -154,7 +154,7 @@ def targets_of(target: str | Sequence[str]) -> list[str]:
 
 class _Routers:
     """A client's router addresses, one channel each (made on first use), and the one in use:
-    a call that finds it UNAVAILABLE before any answer moves on to the next."""
+    a call that finds it UNAVAILABLE moves on to the next."""
 
     def __init__(self, target: str | Sequence[str], make_channel) -> None:
         self.targets = targets_of(target)
@@ -172,22 +172,57 @@ class _Routers:
             self._channels[target] = self._make_channel(target)
         return self._channels[target]
 
-    def move_on(self, error: grpc.RpcError, attempt: int) -> bool:
-        """Whether to try the next router after `error` on attempt `attempt` (0-based)."""
+    def stub(self) -> tuple[str, pb_grpc.PageFleetStub]:
+        """The router in use and a stub of it."""
+        target = self.target
+        return target, pb_grpc.PageFleetStub(self.channel())
+
+    def move_on(self, error: grpc.RpcError, attempt: int, target: str) -> bool:
+        """Whether to try again after `error` from `target` on attempt `attempt` (0-based):
+        on UNAVAILABLE, with the next router (unless another call has already moved away from
+        `target`), at most once per router."""
         if error.code() != grpc.StatusCode.UNAVAILABLE or attempt + 1 >= len(self.targets):
             return False
-        self.current = (self.current + 1) % len(self.targets)
+        if self.target == target:
+            self.current = (self.current + 1) % len(self.targets)
         return True
 
     def channels(self) -> list:
         return list(self._channels.values())
 
 
+class _Delivered:
+    """What one stream has delivered so far, so that a router going away mid-stream does not
+    end it: the request goes to the next router with `resume` set to the tokens, their text's
+    length and their logprobs (the router continues it with none repeated or missing; a
+    seeded request draws what it would have). Before any token the request is sent again as
+    it was."""
+
+    def __init__(self, request: pb.GenerateRequest) -> None:
+        self._request = request
+        self._resume = pb.ResumeFrom()
+        self._resume.CopyFrom(request.resume)  # a request may itself continue a stream
+
+    def add(self, response: pb.GenerateResponse) -> None:
+        self._resume.token_ids.extend(response.token_ids)
+        self._resume.text_chars += len(response.text)
+        self._resume.logprobs.extend(response.logprobs)
+
+    def request(self) -> pb.GenerateRequest:
+        if not self._resume.token_ids:
+            return self._request
+        request = pb.GenerateRequest()
+        request.CopyFrom(self._request)
+        request.resume.CopyFrom(self._resume)
+        return request
+
+
 class Client:
     """A blocking client of one or several routers (`target`: "host:port", "a:1,b:2" or a
-    list): a call that finds its router UNAVAILABLE before any answer moves on to the next
-    (a stream that already has tokens is resumed by the router itself when a group dies; a
-    router that dies mid-stream ends it). Thread-safe like gRPC channels are."""
+    list): a call that finds its router UNAVAILABLE moves on to the next, before its first
+    token or mid-stream (the stream continues there from what it had delivered: see
+    `_Delivered`; one whose group dies is resumed by the router itself). Thread-safe like
+    gRPC channels are."""
 
     def __init__(
         self,
@@ -221,26 +256,28 @@ class Client:
         """One call on the router in use, moving on while routers are UNAVAILABLE."""
         for attempt in itertools.count():
             try:
-                return getattr(self.stub, method)(request, timeout=self.timeout, metadata=self._md)
+                target, stub = self.routers.stub()
+                return getattr(stub, method)(request, timeout=self.timeout, metadata=self._md)
             except grpc.RpcError as e:
-                if not self.routers.move_on(e, attempt):
+                if not self.routers.move_on(e, attempt, target):
                     raise
 
     def generate_stream(
         self, prompt: str | None = None, *, timeout: float | None = None, **options
     ) -> Iterator[pb.GenerateResponse]:
         """Stream GenerateResponses; closing the iterator early cancels the request."""
-        request = build_request(prompt, **options)
+        delivered = _Delivered(build_request(prompt, **options))
         for attempt in itertools.count():
-            call = self.stub.Generate(request, timeout=timeout or self.timeout, metadata=self._md)
-            answered = False
+            request = delivered.request()
+            target, stub = self.routers.stub()
+            call = stub.Generate(request, timeout=timeout or self.timeout, metadata=self._md)
             try:
                 for response in call:
-                    answered = True
+                    delivered.add(response)
                     yield response
                 return
             except grpc.RpcError as e:
-                if answered or not self.routers.move_on(e, attempt):
+                if not self.routers.move_on(e, attempt, target):
                     raise
             finally:
                 call.cancel()  # a no-op once the stream has ended
@@ -325,26 +362,28 @@ class AsyncClient:
     async def _unary(self, method: str, request):
         for attempt in itertools.count():
             try:
-                return await getattr(self.stub, method)(request, timeout=self.timeout, metadata=self._md)  # fmt: skip
+                target, stub = self.routers.stub()
+                return await getattr(stub, method)(request, timeout=self.timeout, metadata=self._md)  # fmt: skip
             except grpc.RpcError as e:
-                if not self.routers.move_on(e, attempt):
+                if not self.routers.move_on(e, attempt, target):
                     raise
 
     async def generate_stream(
         self, prompt: str | None = None, *, timeout: float | None = None, **options
     ) -> AsyncIterator[pb.GenerateResponse]:
         """Stream GenerateResponses; leaving the loop early cancels the request."""
-        request = build_request(prompt, **options)
+        delivered = _Delivered(build_request(prompt, **options))
         for attempt in itertools.count():
-            call = self.stub.Generate(request, timeout=timeout or self.timeout, metadata=self._md)
-            answered = False
+            request = delivered.request()
+            target, stub = self.routers.stub()
+            call = stub.Generate(request, timeout=timeout or self.timeout, metadata=self._md)
             try:
                 async for response in call:
-                    answered = True
+                    delivered.add(response)
                     yield response
                 return
             except grpc.RpcError as e:
-                if answered or not self.routers.move_on(e, attempt):
+                if not self.routers.move_on(e, attempt, target):
                     raise
             finally:
                 call.cancel()

@@ -103,6 +103,14 @@ class RayGroups:
                 raise GroupsFailedError(f"the groups did not all serve within {timeout_s} s: {states}")  # fmt: skip
             time.sleep(0.2)
 
+    def model_facts(self, timeout_s: float = 60.0):
+        """The served model as a router needs it, from a serving group's rank 0
+        (worker/protocol.py: ModelFacts)."""
+        serving = [i for i in self.directory.infos if i.state == "serving" and i.rank0 is not None]
+        if not serving:
+            raise GroupsFailedError("no group serves: cannot read the model's facts")
+        return ray.get(serving[0].rank0.model_facts.remote(), timeout=timeout_s)
+
     def follow(self, router, loop: asyncio.AbstractEventLoop) -> None:
         """From now on hand the router every change of the groups, on its event loop."""
         self.directory.on_change = lambda handles: loop.call_soon_threadsafe(router.set_groups, handles)  # fmt: skip

@@ -72,6 +72,7 @@ class RouteRequest:
     request_id: str | None = None
     priority: int = 0
     cache_salt: str | None = None  # the tenant's salt: tenants never share blocks
+    resume: Resume | None = None  # a stream continued from another router: what it delivered
 
 
 @dataclass
@@ -97,12 +98,15 @@ class _Stream:
     """What of one request reached its caller (its tokens, how much of their text, their
     logprobs, the first group's timings) and which groups it tried: what a resume needs."""
 
-    def __init__(self) -> None:
-        self.tokens: list[int] = []
-        self.text_sent = 0
-        self.logprobs: list = []
+    def __init__(self, resume: Resume | None = None) -> None:
+        """`resume`: what the stream had delivered through another router (counts as a
+        resume)."""
+        self.tokens: list[int] = list(resume.token_ids) if resume else []
+        self.text_sent = resume.text_sent if resume else 0
+        self.text = ""  # the text passed through this router (a resumed one's lacks the start)
+        self.logprobs: list = list(resume.logprobs) if resume else []
         self.metrics: RequestMetrics | None = None  # the first group's: TTFT, queue time
-        self.resumes = 0
+        self.resumes = int(resume is not None)
         self.record: RouteRecord | None = None
         self.tried: set = set()  # group handles that failed or refused it
         self.full: set = set()  # of which refused it for a full queue
@@ -113,11 +117,21 @@ class _Stream:
         return Resume(tuple(self.tokens), self.text_sent, tuple(self.logprobs))
 
     def passed(self, out: RequestOutput) -> RequestOutput:
-        """`out`, counted as passed to the caller; after a resume, with the first group's
-        timings (arrival, first token), the ones the caller saw."""
+        """`out`, counted as passed to the caller; after a resume, with the whole output so
+        far (a group that resumed it may hold only what it generated itself) and the first
+        group's timings (arrival, first token), the ones the caller saw."""
         self.tokens += out.new_token_ids
         self.text_sent += len(out.new_text)
+        self.text += out.new_text
         self.logprobs += out.new_logprobs or ()
+        if self.resumes:
+            c = out.outputs[0]
+            whole = replace(
+                c, token_ids=list(self.tokens), text=self.text,
+                logprobs=None if c.logprobs is None else list(self.logprobs),
+                cumulative_logprob=None if c.logprobs is None else sum(lp.logprob for lp in self.logprobs),
+            )  # fmt: skip
+            out = replace(out, outputs=[whole, *out.outputs[1:]])
         if self.metrics is None:
             self.metrics = out.metrics
         elif out.metrics is not self.metrics:
@@ -283,14 +297,14 @@ class Router:
         _, ids = self.checked_prompt(request)  # CheckedIds: trusted from here on
         rid = request.request_id or f"rt-{next(self._ids)}"
         hashes = self.hash_cache.hash_prompt(ids, cache_salt=request.cache_salt)
-        state = _Stream()  # what reached the caller, for a resume
+        state = _Stream(request.resume)  # what reached the caller, for a resume
         while True:
             t0 = time.perf_counter()
             placement = await self._place_for(hashes, state)
             predicted = placement.cached_tokens(len(ids), self.model_info.block_size)
             decided = time.perf_counter() - t0
             if state.record is None:  # one record per request, updated when it moves
-                state.record = RouteRecord(rid, placement.group_id, placement.reason, predicted, decision_seconds=decided)  # fmt: skip
+                state.record = RouteRecord(rid, placement.group_id, placement.reason, predicted, decision_seconds=decided, resumes=state.resumes)  # fmt: skip
             else:
                 state.record.moved(placement, predicted, decided, state.resumes)
             record = self.records[rid] = state.record

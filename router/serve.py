@@ -222,7 +222,10 @@ def build_cluster(
         index.close()
         raise
     try:
-        hasher, tokenizer, info = router_side(probe, name)
+        if config.role == "router":  # from the groups: this process loads no torch
+            hasher, tokenizer, info = router_side_of(ray_groups.model_facts(), probe, name)
+        else:
+            hasher, tokenizer, info = router_side(probe, name)
         metrics = ServerMetrics(name)
         reader = metrics.timed_index(index.reader)
         router = Router(groups, reader, hasher, info, tokenizer=tokenizer, policy=policy)
@@ -296,6 +299,22 @@ def router_side(engine_config, name: str):
         vocab_size=mc.vocab_size, eos_token_ids=tuple(mc.eos_token_ids),
     )  # fmt: skip
     return hasher, load_tokenizer(engine_config.model), info
+
+
+def router_side_of(facts, engine_config, name: str):
+    """The router's hasher, tokenizer and ModelInfo from a group's `ModelFacts` (a router of a
+    cluster: the same fingerprint and tokenizer as the group's, without torch)."""
+    from router.router import ModelInfo
+    from worker.config import cluster_secret
+    from worker.hashing import BlockHasher
+
+    hasher = BlockHasher(cluster_secret(engine_config.cluster_secret), facts.fingerprint)
+    info = ModelInfo(
+        model=name, max_model_len=facts.max_model_len, block_size=facts.fingerprint.block_size,
+        kv_cache_dtype=facts.fingerprint.kv_cache_dtype, vocab_size=facts.vocab_size,
+        eos_token_ids=facts.eos_token_ids,
+    )  # fmt: skip
+    return hasher, facts.tokenizer(), info
 
 
 def _local_groups(config, make_engine_config, options, index) -> list:

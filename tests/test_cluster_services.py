@@ -20,7 +20,10 @@ from pathlib import Path
 
 import grpc
 import pytest
+import redis
+from factories import wait_until
 
+from cluster.ray.runtime import live_actors, live_placement_groups
 from pagefleet.client import Client
 from tests.redis_server import free_port
 from tests.serve_process import start_serve
@@ -96,6 +99,18 @@ def services(ray_runtime, redis_server, tmp_path_factory):
         for node in nodes:
             if node in cluster.worker_nodes:
                 cluster.remove_node(node, allow_graceful=False)
+    # Nothing left behind: no actor, no placement group, no group's keys in Redis (what stays is
+    # the cluster's bookkeeping: its epoch counter, registrations to forget, the change log).
+    deadline = time.monotonic() + 30
+    while (live_actors() or live_placement_groups()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert (live_actors(), live_placement_groups()) == ([], [])
+    admin = redis.Redis.from_url(redis_server.url)
+
+    def left() -> set[str]:  # pf:CLUSTER:MODEL:what
+        return {k.decode().split(":", 3)[3] for k in admin.scan_iter(match=f"pf:{CLUSTER}:*")}
+
+    assert wait_until(lambda: left() <= {"epochs", "groups", "log", "logseq"}, 10), left()
 
 
 def ask(client: Client, question: int, **options):
@@ -116,14 +131,26 @@ def test_groups_run_one_per_node_and_both_routers_place_a_document_alike(service
             assert time.monotonic() < deadline, "the document never came from the cache"
         assert done.group_id == first.group_id
     assert [g.alive for g in a.cluster_status()] == [True, True]
+    for proc, _ in services["routers"]:  # a router loads no torch (nor its kernels)
+        maps = Path(f"/proc/{proc.pid}/maps").read_text()
+        assert "libtorch" not in maps and "libtriton" not in maps
 
 
-def test_a_restarted_supervisor_adopts_the_running_groups(services):
+def supervisor_node() -> str:
+    from cluster.ray.supervisor import SUPERVISOR_NAME
+
+    (actor,) = [a for a in live_actors() if a.get("Name") == SUPERVISOR_NAME]
+    return actor["Address"]["NodeID"]
+
+
+def test_a_restarted_supervisor_adopts_the_running_groups(services, ray_runtime):
     """Ray restarts a killed supervisor; the new one takes over the groups as they are (same
-    generations, no new placement) and the routers serve throughout."""
+    generations, no new placement) and the routers serve throughout. It lives on the head
+    node, not on a group's."""
     from cluster.ray.runtime import ray
     from cluster.ray.supervisor import SUPERVISOR_NAME
 
+    assert supervisor_node() == ray_runtime.cluster.head_node.node_id
     (_, a), _, _ = services["routers"]
     before = {g["group"]: g for g in groups_status(services["address"], services["env"])}
     supervisor = ray.get_actor(SUPERVISOR_NAME, namespace=f"pagefleet-{CLUSTER}")
@@ -141,6 +168,7 @@ def test_a_restarted_supervisor_adopts_the_running_groups(services):
         assert (after[gid]["state"], after[gid]["generation"], after[gid]["pids"]) == ("serving", g["generation"], g["pids"])  # fmt: skip
     pgs = [p for p in ray.util.placement_group_table().values() if p["state"] != "REMOVED"]
     assert len(pgs) == len(before)
+    assert supervisor_node() == ray_runtime.cluster.head_node.node_id  # restarted there too
 
 
 STREAMS = [  # 8 streams about one document (prefix_hash puts them all on one group)
@@ -149,8 +177,9 @@ STREAMS = [  # 8 streams about one document (prefix_hash puts them all on one gr
 ] * 4
 
 
-def run_streams(client: Client, questions: list[int], kill=None) -> list[list[int]]:
-    """Every stream's tokens; `kill(group_id)` once each stream has its first response."""
+def run_streams(client: Client, questions: list[int], kill=None, lasts=None) -> list[list[int]]:
+    """Every stream's tokens; `kill(group_id)` once each stream has its first response;
+    `lasts`: a list to append each stream's last response to."""
     streams = [
         client.generate_stream(token_ids=DOC + [q] * 3, **opts)
         for q, opts in zip(questions, STREAMS, strict=True)
@@ -164,6 +193,8 @@ def run_streams(client: Client, questions: list[int], kill=None) -> list[list[in
         chunks = [first, *stream]
         assert chunks[-1].finished and chunks[-1].finish_reason == 2, chunks[-1]  # LENGTH
         out.append([t for c in chunks for t in c.token_ids])
+        if lasts is not None:
+            lasts.append(chunks[-1])
     return out
 
 
@@ -253,12 +284,24 @@ def test_a_drained_group_finishes_its_streams_and_leaves(services):
 
 
 def test_a_killed_router_leaves_the_other_serving_and_clients_move_on(services):
-    """Last but one: it kills the second router."""
+    """Last but one: it kills the second router while 8 streams run through it. The client
+    continues each on the first router from what it had delivered (GenerateRequest.resume):
+    the tokens of an undisturbed run, greedy and seeded; new requests go there too."""
     (_, a), (proc, b), _ = services["routers"]
+    questions = list(range(60, 68))
+    undisturbed = run_streams(a, questions)
     both = Client([b.target, a.target], timeout=60)
     assert ask(both, 910).completion_tokens == 4
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(30)
+
+    def kill_router(_group_id: str) -> None:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+
+    lasts = []
+    assert run_streams(both, questions, kill_router, lasts) == undisturbed
+    resumes = [last.usage.resumes for last in lasts]  # (a stream may have ended before)
+    assert set(resumes) <= {0, 1} and sum(resumes) > 0, resumes
+    assert [last.usage.completion_tokens for last in lasts] == [60] * len(questions)
     with pytest.raises(grpc.RpcError):
         ask(b, 911)
     for q in range(912, 916):

@@ -14,6 +14,7 @@ from factories import wait_until
 
 from cluster.index import (
     GroupLoad,
+    GroupPublisher,
     IndexPublisher,
     InMemoryPrefixIndex,
     MirroredPrefixIndex,
@@ -243,6 +244,24 @@ def test_publisher_batches_per_step_and_rate_limits_heartbeats():
     assert pub.epoch == 2 and blocks(index, c) == {"g0": 4}
     pub.close()
     assert index.match(c) == {}
+
+
+def test_a_group_stays_matched_through_a_step_longer_than_the_ttl(redis_server):
+    """A real model's long prefill step on a CPU: the group's beat thread keeps its
+    registration alive while the step thread is busy, so no re-registration follows."""
+    config = PrefixIndexConfig(heartbeat_ttl_s=0.6)
+    group_side = RedisPrefixIndex.from_url(redis_server.url, "beat", "m1", config)
+    router = RedisPrefixIndex.from_url(redis_server.url, "beat", "m1", config)
+    c = chain(4)
+    pub = GroupPublisher(group_side, "g0", lambda: set(c), PublisherConfig(heartbeat_interval_s=0.2))  # fmt: skip
+    pub.publish_step([], load())
+    epoch = pub.epoch
+    time.sleep(2.0)  # one step of 2 s: no tick, more than three TTLs
+    assert blocks(router, c) == {"g0": 4}
+    pub.publish_step([], load())
+    assert pub.epoch == epoch  # still the first registration
+    pub.close()  # the beats stop and the group deregisters
+    assert wait_until(lambda: router.match(c) == {}, 3.0)
 
 
 def test_two_routers_over_one_redis_see_the_same_answer(redis_server):

@@ -220,6 +220,30 @@ def test_logprobs_and_final_only_equal_llm(server, llm):
         assert math.isclose(got.logprob, want.logprob, rel_tol=1e-5, abs_tol=1e-5)
 
 
+@pytest.mark.parametrize("options", [dict(temperature=0.0, logprobs=2),
+                                     dict(temperature=1.0, top_p=0.9, seed=5)])  # fmt: skip
+def test_a_stream_resumed_from_what_it_delivered_goes_on_as_the_undisturbed_one(server, options):
+    """GenerateRequest.resume (what a client sends another router when its own died mid-way):
+    the rest of the stream equals the undisturbed run's, text and logprobs included."""
+    client, _, _ = server
+    prompt = dict(prompt="Pages hold the keys and values of", max_tokens=24, ignore_eos=True)
+    chunks = list(client.generate_stream(**prompt, **options))
+    cut = 3  # responses delivered before the router went away
+    request = build_request(**prompt, **options)
+    for c in chunks[:cut]:
+        request.resume.token_ids.extend(c.token_ids)
+        request.resume.text_chars += len(c.text)
+        request.resume.logprobs.extend(c.logprobs)
+    rest = list(client.stub.Generate(request, timeout=60))
+    tokens = lambda cs: [t for c in cs for t in c.token_ids]  # noqa: E731
+    assert tokens(rest) == tokens(chunks[cut:])
+    assert "".join(c.text for c in rest) == "".join(c.text for c in chunks[cut:])
+    got = [(lp.token_id, lp.rank, [t.token_id for t in lp.top]) for c in rest for lp in c.logprobs]
+    want = [(lp.token_id, lp.rank, [t.token_id for t in lp.top]) for c in chunks[cut:] for lp in c.logprobs]  # fmt: skip
+    assert got == want
+    assert rest[-1].usage.resumes == 1 and rest[-1].usage.completion_tokens == 24
+
+
 def test_two_concurrent_streams(server, llm):
     client, _, _ = server
     target = client.target
@@ -315,6 +339,14 @@ def _with_kind(kind: int) -> pb.GenerateRequest:
     return request
 
 
+def resumed(tokens: list[int], text_chars: int = 0, lps: int = 0, **options) -> pb.GenerateRequest:
+    request = build_request("a", **{"max_tokens": 16, **options})
+    request.resume.token_ids.extend(tokens)
+    request.resume.text_chars = text_chars
+    request.resume.logprobs.extend(pb.TokenLogprob(token_id=7) for _ in range(lps))
+    return request
+
+
 BAD_REQUESTS = {
     "empty prompt": (pb.GenerateRequest(text=""), INVALID, "text is empty"),
     "no prompt": (pb.GenerateRequest(), INVALID, "exactly one of text, token_ids or messages"),
@@ -357,6 +389,11 @@ BAD_REQUESTS = {
     ),  # fmt: skip
     "chat without role": (build_request(messages=[("", "hi")]), INVALID, "messages[0].role"),
     "bad request_id": (build_request("a", request_id="has space"), INVALID, "request_id"),
+    "resume of max_tokens": (resumed([7] * 4, max_tokens=4), INVALID, "resume.token_ids has 4"),
+    "resume beyond vocab": (resumed([7, 10**6]), INVALID, "resume.token_ids[1]"),
+    "resume negative chars": (resumed([7], text_chars=-1), INVALID, "resume.text_chars"),
+    "resume without logprobs": (resumed([7, 8], logprobs=2), INVALID, "resume.logprobs has 0"),
+    "resume with logprobs": (resumed([7], lps=1), INVALID, "asks for no logprobs"),
 }
 
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from worker.model_source import check_model
 
 POLICIES = ("fcfs", "priority")
 # "auto": the model's dtype; int8 and fp8 (float8 e4m3, "fp8_e4m3") are 8-bit caches with
@@ -67,3 +69,23 @@ def _positive(obj: object, *names: str) -> None:
         value = getattr(obj, name)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything one engine needs; `pagefleet.LLM(model, **options)` fills it."""
+
+    model: str
+    dtype: str = "auto"
+    device: str = "cpu"
+    attention_backend: str | None = None  # None: Triton on CUDA, torch elsewhere
+    max_model_len: int | None = None  # None: the model's context length
+    seed: int = 0
+    cluster_secret: bytes | str | None = field(default=None, repr=False)  # keys every hash
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        check_model(self.model)
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")

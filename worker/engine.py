@@ -5,48 +5,28 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from worker.block_manager import BlockManager
-from worker.config import CacheConfig, SchedulerConfig, cluster_secret
+from worker.config import EngineConfig, cluster_secret
 from worker.detokenizer import IncrementalDetokenizer
 from worker.executor import Executor, LocalExecutor
 from worker.hashing import BlockHasher, ModelFingerprint
 from worker.kv_events import KVEvent
 from worker.kv_pool import check_pool_fits, kv_torch_dtype
 from worker.model_config import ModelConfig
-from worker.model_source import check_model, is_gguf
+from worker.model_source import is_gguf
 from worker.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprobs
-from worker.protocol import Resume
+from worker.protocol import ModelFacts, Resume
 from worker.request import Request, RequestStatus
 from worker.sampling_params import SamplingParams
 from worker.scheduler import Scheduler, SchedulerOutput
 from worker.token_ids import token_list
 
 KVEventsCallback = Callable[[list[KVEvent]], None]
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """Everything one engine needs; `pagefleet.LLM(model, **options)` fills it."""
-
-    model: str
-    dtype: str = "auto"
-    device: str = "cpu"
-    attention_backend: str | None = None  # None: Triton on CUDA, torch elsewhere
-    max_model_len: int | None = None  # None: the model's context length
-    seed: int = 0
-    cluster_secret: bytes | str | None = field(default=None, repr=False)  # keys every hash
-    cache: CacheConfig = field(default_factory=CacheConfig)
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-
-    def __post_init__(self) -> None:
-        check_model(self.model)
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
 
 
 @dataclass
@@ -225,6 +205,14 @@ class LLMEngine:
                 self.on_kv_events(batch)
 
     # ---- introspection -----------------------------------------------------------------
+    def facts(self) -> ModelFacts:
+        """This engine's model as a router of another process needs it."""
+        return ModelFacts(
+            fingerprint=self.hasher.fingerprint, max_model_len=self.max_model_len,
+            vocab_size=self.model_config.vocab_size, eos_token_ids=tuple(self.eos_token_ids),
+            tokenizer_files=ModelFacts.tokenizer_files_of(self.tokenizer),
+        )  # fmt: skip
+
     def stats(self) -> dict:
         bm, sched = self.scheduler.bm, self.scheduler
         return {

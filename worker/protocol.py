@@ -1,14 +1,18 @@
 """What crosses a worker group's boundary, free of torch: the request a group receives
-(`GenerationRequest`, with `Resume` for a request continued after its group died) and the
-errors it answers with. What it streams back is worker/outputs.py (`RequestOutput`); its
+(`GenerationRequest`, with `Resume` for a request continued after its group died), the errors
+it answers with, and what a router of another process needs to know of its model
+(`ModelFacts`: the block hasher's fingerprint, the limits, the tokenizer's files). What it streams back is worker/outputs.py (`RequestOutput`); its
 sampling options worker/sampling_params.py. A router imports these, never the engine.
 """
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
+from worker.hashing import ModelFingerprint
 from worker.sampling_params import SamplingParams
 
 
@@ -44,3 +48,40 @@ class EngineDeadError(RuntimeError):
 
 class QueueFullError(RuntimeError):
     """The waiting queue is at its bound; the caller should retry later."""
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """A group's model as a router sees it: the fingerprint its blocks are hashed with, its
+    context, vocabulary and end-of-sequence ids, and its tokenizer as the files
+    `save_pretrained` writes (None: token-id prompts only). A router of another process builds
+    its hasher and tokenizer from these, never from the weights: it loads no torch, and it
+    names blocks exactly as the group does."""
+
+    fingerprint: ModelFingerprint
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    tokenizer_files: dict[str, bytes] | None
+
+    @staticmethod
+    def tokenizer_files_of(tokenizer) -> dict[str, bytes] | None:
+        """A tokenizer's files (tokenizer.json, its config, the chat template)."""
+        if tokenizer is None:
+            return None
+        with tempfile.TemporaryDirectory() as tmp:
+            tokenizer.save_pretrained(tmp)
+            return {p.name: p.read_bytes() for p in Path(tmp).iterdir() if p.is_file()}
+
+    def tokenizer(self):
+        """The tokenizer from its files, as transformers' fast tokenizer: the same ids and
+        chat template as the group's (tests/test_structure.py), without the model classes
+        (which load torch)."""
+        if self.tokenizer_files is None:
+            return None
+        from transformers import PreTrainedTokenizerFast
+
+        with tempfile.TemporaryDirectory() as tmp:
+            for name, data in self.tokenizer_files.items():
+                (Path(tmp) / Path(name).name).write_bytes(data)
+            return PreTrainedTokenizerFast.from_pretrained(tmp)

@@ -3,7 +3,9 @@
 A group hands each engine step's KV events and load to `publisher.publish_step(events, load)`
 (from the thread that steps the engine, or the one that receives a remote engine's steps; the
 publisher is not thread-safe). A step publishes its events as one batch, in order, then sends a
-load report or a heartbeat when one is due.
+load report or a heartbeat when one is due. A `GroupPublisher` also beats from a thread of its
+own, so that a step longer than the index's TTL (a long prefill of a real model on a CPU) does
+not make the group look dead and cost it a re-registration and a republish of its inventory.
 
 When the index is out of reach the publisher logs one warning, marks itself disconnected and
 drops its queue: events are not kept, because on reconnect (tried on later ticks, with
@@ -15,6 +17,7 @@ refuses the epoch (the heartbeat lapsed, or someone else registered the group).
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -122,6 +125,19 @@ class IndexPublisher:
         elif now - self._last_beat >= self.config.heartbeat_interval_s:
             self._heartbeat(now)
 
+    def beat(self) -> None:
+        """A heartbeat when one is due, from any thread: liveness that does not wait for the
+        engine's step. It only refreshes the live registration; a failure is left for the
+        step thread's next call to find (and resync), so this thread never races it."""
+        epoch, now = self._epoch, self._clock()
+        if not self._connected or epoch is None or now - self._last_beat < self.config.heartbeat_interval_s:  # fmt: skip
+            return
+        try:
+            self.index.heartbeat(self.group_id, epoch)
+            self._last_beat = now
+        except PrefixIndexError:
+            pass
+
     def close(self) -> None:
         """Deregister (best effort): the group's entries leave the index at once."""
         if self._connected and self._epoch is not None:
@@ -194,6 +210,14 @@ class GroupPublisher:
         if isinstance(indexes, IndexWriter):
             indexes = (indexes,)
         self.publishers = [IndexPublisher(ix, group_id, inventory, config) for ix in indexes]
+        self._stop = threading.Event()
+        self._beats = threading.Thread(target=self._beat, name=f"{group_id}-beat", daemon=True)
+        self._beats.start()
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.config.heartbeat_interval_s / 2):
+            for p in self.publishers:
+                p.beat()
 
     @property
     def config(self) -> PublisherConfig:
@@ -209,6 +233,8 @@ class GroupPublisher:
             p.publish_step(events, load)
 
     def close(self) -> None:
+        self._stop.set()
+        self._beats.join(timeout=5)
         for p in self.publishers:
             p.close()
 

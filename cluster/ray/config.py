@@ -7,7 +7,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from cluster.planner import local_kv_heads
-from worker.model_loader import read_model_config
 
 
 @dataclass(frozen=True)
@@ -64,6 +63,8 @@ def parse_cpu_binding(text: str, ranks: int) -> list[frozenset[int]]:
 
 def check_tensor_parallel(model_dir: str, tp: int) -> None:
     """Refuse, before placing anything, a tp that the model's heads cannot be split over."""
+    from worker.model_loader import read_model_config  # (torch: not in a router's imports)
+
     mc = read_model_config(model_dir)
     if mc.num_heads % tp:
         raise ValueError(

@@ -50,7 +50,7 @@ from cluster.ray.output_delta import OutputAssembler
 from cluster.ray.rank_actor import OWNER, IndexTarget, KVEvents, RequestFailed, describe_error
 from cluster.ray.ranks import RankSet
 from cluster.ray.runtime import ray
-from worker.engine import EngineConfig
+from worker.config import EngineConfig
 from worker.outputs import RequestOutput
 from worker.protocol import EngineDeadError, GenerationRequest
 

@@ -36,7 +36,7 @@ from dataclasses import dataclass, replace
 
 from cluster.ray.output_delta import OutputDelta
 from cluster.ray.runtime import ray
-from worker.engine import EngineConfig
+from worker.config import EngineConfig
 from worker.protocol import GenerationRequest
 
 OWNER = ""  # the subscriber of the process that placed the group (and of `submit` by default)
@@ -73,6 +73,7 @@ class RankActor:
         import worker.executor  # noqa: F401  (load torch and the model code while others start)
 
         self.engine = None  # rank 0: AsyncEngine
+        self.facts = None  # rank 0: its model for routers (worker/protocol.py: ModelFacts)
         self.executor = None  # rank 0: TPExecutor
         self.worker = None  # rank > 0: TPWorker
         self._calls: queue.SimpleQueue = queue.SimpleQueue()  # work for rank 0's engine thread
@@ -129,6 +130,7 @@ class RankActor:
                 self._events_to = index.subscriber
             if self._publisher is not None or self._events_to is not None:
                 engine.on_kv_events = self._kv_events
+            self.facts = engine.facts()  # (before the engine thread uses the tokenizer)
             self.engine = AsyncEngine(engine, self._tick)
             layout = self.executor.layout
         else:
@@ -225,9 +227,17 @@ class RankActor:
             self.engine.abort(request_id)
 
     def stats(self) -> dict:
+        if self.engine is None:
+            return {"error": "rank 0 has not started its engine", "draining": self._draining}
         dead = self.engine.dead
         error = None if dead is None else describe_error(dead)
         return {**self.engine.stats(), "error": error, "draining": self._draining}
+
+    def model_facts(self):
+        """The model as routers of other processes need it (worker/protocol.py: ModelFacts)."""
+        if self.facts is None:
+            raise RuntimeError("rank 0 has not started its engine")
+        return self.facts
 
     def set_draining(self, draining: bool = True) -> None:
         """Routers place no new request on a draining group; those in flight finish."""

@@ -18,7 +18,7 @@ import time
 from cluster.ray.config import RayGroupConfig, check_tensor_parallel, parse_cpu_binding
 from cluster.ray.rank_actor import IndexTarget, RankActor, describe_error
 from cluster.ray.runtime import ensure_ray, ray
-from worker.engine import EngineConfig
+from worker.config import EngineConfig
 
 
 class RankSet:
@@ -68,6 +68,8 @@ class RankSet:
             self.pg = ray.util.get_placement_group(f"{name}.pg")
             self.ranks = ray.get([a.describe.remote() for a in self.actors], timeout=10)
         except Exception:  # noqa: BLE001  (half gone: not adoptable; the supervisor replaces it)
+            return None
+        if not all(self.ranks):  # placed but never started (its starter died): not adoptable
             return None
         return max(gens), self
 

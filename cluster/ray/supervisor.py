@@ -27,10 +27,11 @@ from cluster.ray.config import RayGroupConfig
 from cluster.ray.rank_actor import IndexTarget
 from cluster.ray.ranks import RankSet
 from cluster.ray.runtime import ray
-from worker.engine import EngineConfig
+from worker.config import EngineConfig
 
 log = logging.getLogger(__name__)
 
+HEAD_NODE = "node:__internal_head__"  # the resource only the head node has
 SUPERVISOR_NAME = "pagefleet-supervisor"
 STATES = ("starting", "serving", "draining", "restarting", "failed", "retired")
 
@@ -162,6 +163,10 @@ class Supervisor:
                 s.ranks, s.state = None, "retired"
         for r in ranks:  # (a placement still waiting for resources is removed too)
             r.shutdown()
+        for gid, gens in _placement_generations().items():  # any other left behind (a
+            if gid in self._slots:  # supervisor that died while placing it, say)
+                for gen in gens:
+                    _remove_placement(f"{gid}.g{gen}.pg")
 
     # ---- the watch --------------------------------------------------------------------------
     def _run(self) -> None:
@@ -279,18 +284,16 @@ def start_supervisor(spec: GroupsSpec, detached: bool, name: str = SUPERVISOR_NA
     """The supervisor of this job's namespace: the running one if there is one (a detached
     one started earlier), else a new one for `spec`.
 
-    It is placed on the caller's node (the head node, where `pagefleet groups start` runs),
-    so that losing a group's node does not take the supervisor with it; `soft` lets Ray
-    restart it elsewhere if that node goes."""
+    It is placed on the head node, as Ray Serve places its controller (a sliver of the head's
+    own resource): losing a group's node must not take the supervisor along, or a restarted
+    supervisor would race the old one, still running on a node whose raylet died."""
     try:
         return ray.get_actor(name)
     except ValueError:
         pass
-    here = ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(
-        ray.get_runtime_context().get_node_id(), soft=True
-    )
-    options = {"name": name, "lifetime": "detached" if detached else None}
-    return Supervisor.options(**options, scheduling_strategy=here).remote(replace(spec), detached)
+    return Supervisor.options(
+        name=name, lifetime="detached" if detached else None, resources={HEAD_NODE: 0.001}
+    ).remote(replace(spec), detached)
 
 
 __all__ = [

@@ -58,8 +58,35 @@ async def route_request(
     route = RouteRequest(
         prompt_token_ids=ids, params=params, request_id=request.request_id or default_id,
         priority=request.priority, cache_salt=salt,
+        resume=resume_from(request.resume, params, router.model_info.vocab_size)
+        if request.HasField("resume") else None,
     )  # fmt: skip
     return route, request.output_kind
+
+
+def resume_from(msg: pb.ResumeFrom, params, vocab_size: int):
+    """The `Resume` of a stream continued from another router (what it had delivered),
+    checked: 1 to max_tokens - 1 tokens in the vocabulary, a text length >= 0, and one logprob
+    per token exactly when the request asks for logprobs."""
+    from worker.outputs import TokenLogprobs
+    from worker.protocol import Resume
+
+    n = len(msg.token_ids)
+    if not 0 < n < params.max_tokens:
+        raise invalid(f"resume.token_ids has {n} tokens; give 1 to max_tokens - 1 ({params.max_tokens - 1})")  # fmt: skip
+    if (i := first_outside(np.array(msg.token_ids, dtype=np.int64), vocab_size)) is not None:
+        raise invalid(f"resume.token_ids[{i}] = {msg.token_ids[i]} is outside the vocabulary [0, {vocab_size})")  # fmt: skip
+    if msg.text_chars < 0:
+        raise invalid(f"resume.text_chars must be >= 0, got {msg.text_chars}")
+    asked = params.logprobs is not None
+    if len(msg.logprobs) != (n if asked else 0):
+        want = f"{n} (one per token)" if asked else "none (the request asks for no logprobs)"
+        raise invalid(f"resume.logprobs has {len(msg.logprobs)} entries; give {want}")
+    logprobs = tuple(
+        TokenLogprobs(lp.token_id, lp.logprob, lp.rank, [(t.token_id, t.logprob) for t in lp.top])
+        for lp in msg.logprobs
+    )
+    return Resume(tuple(msg.token_ids), msg.text_chars, logprobs)
 
 
 def sampling_params(msg: pb.SamplingParams):

@@ -1,0 +1,292 @@
+"""Failover benchmark: a steady open-loop load on a cluster of two groups and two routers, and
+one of them killed mid-run.
+
+    python -m benchmarks.failover              # both cases
+    python -m benchmarks.failover --quick      # a smaller trace (smoke)
+
+The cluster is the one a deployment runs (README, "A cluster"), on a multi-node Ray cluster on
+loopback (ray.cluster_utils: a head and two nodes with one group slot each), a real
+redis-server, `pagefleet groups start --groups 2` (the built-in model) and two
+`pagefleet serve --role router` processes. The load is the research-assistant trace
+(benchmarks/workloads.py), Poisson arrivals, half the requests greedy and half seeded
+(temperature 1), through clients that know both routers (half of them list the first router
+first, half the second).
+
+Runs, in order:
+- `undisturbed`: the trace, nothing killed: every request's tokens are the reference, and its
+  inter-token gaps the peer of the stalls below.
+- `group_killed`: the same trace; at `--kill-at` seconds, SIGKILL of the rank process of the
+  group with the most streams in flight. Its streams resume on the other group (the router
+  resends the prompt and the tokens so far); the supervisor replaces the group.
+- `router_killed`: the same trace; at `--kill-at` seconds, SIGKILL of the first router. Its
+  streams continue through the second one (the client resends what they had delivered).
+
+One JSON line per run: requests sent / completed / failed (goal: 0 failed); streams whose tokens
+differ from the undisturbed run's, with the tokens repeated and missing against it (goal: 0);
+the resumed streams' stall p50/p99 (the longest gap between two of a stream's responses,
+around the kill) and, as its peer, the same figure over the undisturbed run's streams; the time
+from the kill to a replacement group serving (group_killed) or to the killed router's streams
+all having moved (router_killed); end-to-end p50/p99 and its ratio to the undisturbed run's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import difflib
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from benchmarks.serving import pct
+from benchmarks.workloads import ResearchWorkload, research_requests
+from pagefleet.client import AsyncClient
+from tests.redis_server import RedisServer, free_port
+from tests.serve_process import start_serve
+
+ROOT = Path(__file__).resolve().parents[1]
+CLUSTER = "failover"
+SLOT = "pf_group"
+
+
+@dataclass
+class Stream:
+    """One request as its client saw it."""
+
+    tokens: list[int] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)  # arrival of each response with tokens
+    group: str = ""
+    resumes: int = 0
+    error: str | None = None
+    start: float = 0.0
+    end: float = 0.0
+
+    @property
+    def stall(self) -> float:
+        """The longest gap between two of its responses (0 for fewer than two)."""
+        return max((b - a for a, b in itertools.pairwise(self.times)), default=0.0)
+
+
+async def one(client: AsyncClient, req, i: int, t0: float, streams: dict) -> Stream:
+    s = streams[i] = Stream(start=time.perf_counter() - t0)
+    options = dict(max_tokens=req.max_tokens, ignore_eos=True)
+    options.update(temperature=0.0) if i % 2 == 0 else options.update(temperature=1.0, seed=i)
+    try:
+        async for r in client.generate_stream(token_ids=list(req.prompt), **options):
+            if r.HasField("placement"):
+                s.group = r.placement.group_id
+            if r.token_ids:
+                s.tokens += r.token_ids
+                s.times.append(time.perf_counter() - t0)
+            if r.finished:
+                s.resumes = r.usage.resumes
+    except Exception as e:  # noqa: BLE001  (a failed request is a figure here)
+        details = e.details() if hasattr(e, "details") else str(e)
+        s.error = f"{type(e).__name__}: {details}"
+    s.end = time.perf_counter() - t0
+    return s
+
+
+async def run_trace(targets: list[str], trace, rate: float, seed: int, at: float | None, kill):
+    """The trace at `rate` requests/s (Poisson) through two clients (each router first in
+    one); `kill(streams)` at `at` seconds, in a thread. Returns (streams, kill's result)."""
+    import random
+
+    rng = random.Random(seed)
+    gaps = [rng.expovariate(rate) for _ in trace]
+    clients = [AsyncClient(targets, timeout=300), AsyncClient(targets[::-1], timeout=300)]
+    streams: dict[int, Stream] = {}
+    t0 = time.perf_counter()
+
+    async def send(i: int, req, when: float) -> Stream:
+        await asyncio.sleep(max(0.0, when - (time.perf_counter() - t0)))
+        return await one(clients[i % 2], req, i, t0, streams)
+
+    async def killer():
+        await asyncio.sleep(at)
+        return await asyncio.to_thread(kill, streams, time.perf_counter() - t0)
+
+    when, tasks = 0.0, []
+    for i, (req, gap) in enumerate(zip(trace, gaps, strict=True)):
+        when += gap
+        tasks.append(asyncio.ensure_future(send(i, req, when)))
+    killed = asyncio.ensure_future(killer()) if kill is not None else None
+    done = await asyncio.gather(*tasks)
+    result = await killed if killed is not None else None
+    for c in clients:
+        await c.close()
+    return done, result
+
+
+def compare(streams: list[Stream], reference: list[Stream]) -> dict:
+    """Streams whose tokens differ from the reference, and the tokens repeated (extra) and
+    missing against it."""
+    differ = repeated = missing = 0
+    for s, ref in zip(streams, reference, strict=True):
+        if s.error is not None or s.tokens == ref.tokens:
+            continue
+        differ += 1
+        for op, a0, a1, b0, b1 in difflib.SequenceMatcher(a=ref.tokens, b=s.tokens).get_opcodes():
+            if op in ("insert", "replace"):
+                repeated += b1 - b0
+            if op in ("delete", "replace"):
+                missing += a1 - a0
+    return {"streams_differ": differ, "tokens_repeated": repeated, "tokens_missing": missing}
+
+
+def line(case: str, streams: list[Stream], reference: list[Stream] | None, extra: dict) -> dict:
+    ok = [s for s in streams if s.error is None]
+    out = {"bench": "failover", "case": case, "sent": len(streams), "completed": len(ok),
+           "failed": len(streams) - len(ok)}  # fmt: skip
+    if reference is not None:
+        out.update(compare(streams, reference))
+    resumed = [s.stall for s in ok if s.resumes]
+    out["resumed"] = len(resumed)
+    out["stall_ms_p50"], out["stall_ms_p99"] = pct(resumed, 0.5), pct(resumed, 0.99)
+    e2e = [s.end - s.start for s in ok]
+    out["e2e_ms_p50"], out["e2e_ms_p99"] = pct(e2e, 0.5), pct(e2e, 0.99)
+    out.update(extra)
+    errors = sorted({s.error for s in streams if s.error})
+    if errors:
+        out["errors"] = errors[:3]
+    return out
+
+
+class Deployment:
+    """The cluster of the module docstring; `close()` takes it all down."""
+
+    def __init__(self, tmp: Path, ready_s: float = 600) -> None:
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # loopback only
+        from ray.cluster_utils import Cluster
+
+        from cluster.ray.runtime import ensure_ray
+        from worker.builtin_model import builtin_model_path
+
+        self.redis = RedisServer().__enter__()
+        node = dict(num_cpus=2, object_store_memory=80 << 20, node_ip_address="127.0.0.1")
+        self.cluster = Cluster(initialize_head=True, head_node_args={**node, "include_dashboard": False})  # fmt: skip
+        for _ in range(2):
+            self.cluster.add_node(**node, resources={SLOT: 1})
+        self.cluster.wait_for_nodes()
+        self.address = ensure_ray(self.cluster.address)
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
+        self.env.update(PYTHONPATH=str(ROOT), PAGEFLEET_CLUSTER_SECRET="failover-benchmark")
+        started = self.pagefleet(
+            "groups", "start", "--redis", self.redis.url, "--model", str(builtin_model_path()),
+            "--groups", "2", "--group-resource", f"{SLOT}=1", "--num-blocks", "512",
+            "--max-model-len", "2048", "--timeout", str(ready_s),
+        )  # fmt: skip
+        if started.returncode != 0:
+            raise RuntimeError(started.stderr)
+        self.routers = []
+        for i in range(2):
+            flags = ["--role", "router", "--cluster", CLUSTER, "--address", self.address,
+                     "--redis", self.redis.url, "--no-metrics", "--grace", "2"]  # fmt: skip
+            self.routers.append(start_serve(flags, free_port(), tmp / f"router{i}.log", ready_s, self.env))  # fmt: skip
+
+    def pagefleet(self, *args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "pagefleet", *args[:2], "--cluster", CLUSTER, "--address",
+             self.address, *args[2:]], cwd=ROOT, env=self.env, capture_output=True, text=True,
+        )  # fmt: skip
+
+    def groups(self) -> dict[str, dict]:
+        from cluster.ray.runtime import ray
+        from cluster.ray.supervisor import SUPERVISOR_NAME
+
+        supervisor = ray.get_actor(SUPERVISOR_NAME, namespace=f"pagefleet-{CLUSTER}")
+        return {i.group_id: i for i in ray.get(supervisor.groups.remote(), timeout=30)}
+
+    @property
+    def targets(self) -> list[str]:
+        return [client.target for _, client in self.routers]
+
+    def kill_group(self, streams: dict[int, Stream], now: float) -> dict:
+        """SIGKILL rank 0 of the group with the most streams in flight; returns the seconds
+        until its replacement serves and the routers see it."""
+        in_flight = [s.group for s in streams.values() if s.group and not s.end]
+        victim = max(sorted(set(in_flight)), key=in_flight.count)
+        info = self.groups()[victim]
+        t = time.perf_counter()
+        os.kill(info.ranks[0]["pid"], signal.SIGKILL)
+        while True:
+            fresh = self.groups()[victim]
+            if fresh.state == "serving" and fresh.generation != info.generation:
+                _, client = self.routers[1]
+                if sum(g.alive for g in client.cluster_status()) == 2:
+                    break
+            time.sleep(0.2)
+        return {"killed_at_s": round(now, 2), "killed_streams": in_flight.count(victim),
+                "replacement_serving_s": round(time.perf_counter() - t, 2)}  # fmt: skip
+
+    def kill_router(self, streams: dict[int, Stream], now: float) -> dict:
+        """SIGKILL the first router; returns the streams in flight then."""
+        proc, client = self.routers[0]
+        in_flight = sum(1 for s in streams.values() if not s.end)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+        client.close()
+        return {"killed_at_s": round(now, 2), "streams_in_flight": in_flight}
+
+    def close(self) -> None:
+        from cluster.ray.runtime import shutdown_ray
+
+        for proc, client in self.routers:
+            client.close()
+            if proc.poll() is None:
+                proc.terminate()
+                proc.wait(60)
+        self.pagefleet("groups", "stop")
+        shutdown_ray()
+        self.cluster.shutdown()
+        self.redis.__exit__(None, None, None)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rate", type=float, default=2.0, help="requests per second")
+    p.add_argument("--kill-at", type=float, default=6.0, help="seconds into the run")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="a smaller trace (smoke)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    args = parse_args(argv)
+    workload = ResearchWorkload(
+        num_docs=3, doc_len=(300, 500), questions_per_doc=4 if args.quick else 8,
+        num_chats=4 if args.quick else 8, output_len=(32, 96), vocab_size=1000, seed=args.seed,
+    )  # fmt: skip
+    trace = research_requests(workload)
+    lines = []
+    with tempfile.TemporaryDirectory() as tmp:
+        cluster = Deployment(Path(tmp))
+        try:
+            run = lambda kill: asyncio.run(run_trace(cluster.targets, trace, args.rate, args.seed, args.kill_at, kill))  # noqa: E731  # fmt: skip
+            reference, _ = run(None)
+            ok = [s for s in reference if s.error is None]
+            peer = {"undisturbed_stall_ms_p50": pct([s.stall for s in ok], 0.5),
+                    "undisturbed_stall_ms_p99": pct([s.stall for s in ok], 0.99)}  # fmt: skip
+            lines.append(line("undisturbed", reference, None, peer))
+            print(json.dumps(lines[0]), flush=True)
+            for case, kill in (("group_killed", cluster.kill_group), ("router_killed", cluster.kill_router)):  # fmt: skip
+                streams, killed = run(kill)
+                out = line(case, streams, reference, {**killed, **peer})
+                if out["e2e_ms_p50"] and lines[0]["e2e_ms_p50"]:
+                    out["e2e_p50_vs_undisturbed"] = round(out["e2e_ms_p50"] / lines[0]["e2e_ms_p50"], 3)  # fmt: skip
+                lines.append(out)
+                print(json.dumps(out), flush=True)
+        finally:
+            cluster.close()
+    return lines
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
