@@ -28,8 +28,11 @@ time (router/door/cluster_metrics.py); process_* and python_* are prometheus_cli
 
 from __future__ import annotations
 
+import socket
+import threading
 import time
 from collections.abc import Callable, Sequence
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 from prometheus_client import (
     CollectorRegistry,
@@ -38,8 +41,9 @@ from prometheus_client import (
     Histogram,
     PlatformCollector,
     ProcessCollector,
-    start_http_server,
+    make_wsgi_app,
 )
+from prometheus_client.exposition import ThreadingWSGIServer
 
 from cluster.index import IndexReader
 from router.door.cluster_metrics import GroupCollector, IndexCollector, TimedReader
@@ -108,6 +112,15 @@ class ServerMetrics:
         self.routed_prompt = Counter(f"{P}routed_prompt_tokens", "Prompt tokens of this router's placements, counted at their first output.", g, registry=r)  # fmt: skip
         self.predicted_cached = Counter(f"{P}predicted_cached_tokens", "Prompt tokens this router predicted cached on the group it chose.", g, registry=r)  # fmt: skip
         self.actual_cached = Counter(f"{P}actual_cached_tokens", "Prompt tokens the chosen group served from its prefix cache.", g, registry=r)  # fmt: skip
+        # Every series exists from the start, at zero (as vLLM's do): a rate over a counter that
+        # appears with its first event would miss that event, and a dashboard would show no
+        # data where the truth is zero.
+        for family in (self.ttft, self.itl, self.tpot, self.e2e, self.queue, self.prefill,
+                       self.decode, self.inference, self.prompt_tokens, self.generation_tokens,
+                       self.prompt_hist, self.generation_hist, self.resumes, self.decision):  # fmt: skip
+            family.labels(model_name)
+        for reason in ("stop", "length", "abort"):
+            self.success.labels(model_name, reason)
         # ---- the process (prometheus_client's own collectors, in this registry) ----
         ProcessCollector(registry=r)
         PlatformCollector(registry=r)
@@ -249,8 +262,31 @@ class Unobserved:
         pass
 
 
+# What /metrics always answers with: Prometheus' text format. prometheus_client's OpenMetrics
+# writer (what a Prometheus server asks for first) turns the ':' of sample names into '_' while
+# their HELP and TYPE lines keep it (prometheus/client_python#1177): Prometheus would store none
+# of the pagefleet: series under their names. Every Prometheus also accepts this format.
+TEXT_FORMAT = "text/plain; version=0.0.4"
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format, *args) -> None:  # noqa: A002  (a scrape is not news)
+        pass
+
+
 def serve_metrics(metrics: ServerMetrics, host: str = "127.0.0.1", port: int = 0):
-    """Serve /metrics over HTTP on (host, port); port 0 picks a free one. Returns the
-    server (its `server_port` is the bound port; `shutdown()` stops it)."""
-    server, _thread = start_http_server(port, addr=host, registry=metrics.registry)
+    """Serve /metrics over HTTP on (host, port), in Prometheus' text format whatever the scraper
+    asks for (see TEXT_FORMAT); port 0 picks a free one. Returns the server (its `server_port`
+    is the bound port; `shutdown()` stops it)."""
+    app = make_wsgi_app(metrics.registry)
+
+    def text_format(environ, start_response):
+        environ["HTTP_ACCEPT"] = TEXT_FORMAT
+        return app(environ, start_response)
+
+    class Server(ThreadingWSGIServer):
+        address_family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+
+    server = make_server(host, port, text_format, Server, handler_class=_QuietHandler)
+    threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
     return server
