@@ -67,9 +67,10 @@ def run_groups(args: argparse.Namespace) -> int:
             infos = [info]
         else:
             infos = ray.get(the_supervisor().groups.remote(), timeout=30)
-    except (RuntimeError, ray.exceptions.RayTaskError) as e:
+    except (RuntimeError, TimeoutError, ray.exceptions.RayError) as e:
+        # (a task's error, a supervisor being restarted or gone: one line, not a traceback)
         cause = getattr(e, "cause", None) or e
-        print(f"pagefleet groups: error: {cause}", file=sys.stderr)
+        print(f"pagefleet groups: error: {type(cause).__name__}: {cause}", file=sys.stderr)
         return 1
     _print(infos, args.json)
     return 0

@@ -11,6 +11,7 @@ router/placement/ledger.py.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import math
@@ -18,7 +19,7 @@ import time
 from array import array
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Collection, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -28,14 +29,16 @@ from router.hash_cache import PrefixHashCache
 from router.placement import Ledger, Placement, Policy, make_policy
 from worker.chat import check_messages, render_chat
 from worker.hashing import BlockHasher
-from worker.outputs import RequestOutput
-from worker.protocol import EngineDeadError, GenerationRequest, QueueFullError
+from worker.outputs import RequestMetrics, RequestOutput
+from worker.protocol import EngineDeadError, GenerationRequest, QueueFullError, Resume
 from worker.sampling_params import SamplingParams
 from worker.token_ids import check_token_ids
 
 log = logging.getLogger(__name__)
 
 STATUS_REFRESH_S = 1.0  # every group's status is read at least this often (see live_statuses)
+MAX_RESUMES = 3  # a stream moves to another group at most this often
+RESUME_WAIT_S = 30.0  # a stream to resume waits this long for a live group (a replacement)
 
 
 class NoGroupAvailableError(RuntimeError):
@@ -81,6 +84,51 @@ class RouteRecord:
     predicted_cached_tokens: int
     actual_cached_tokens: int | None = None
     decision_seconds: float = 0.0
+    resumes: int = 0  # times the request moved to another group mid-stream
+
+    def moved(self, placement: Placement, predicted: int, decided: float, resumes: int) -> None:
+        """The request went to another group (a retry, a spill, a resume)."""
+        self.group_id, self.reason = placement.group_id, placement.reason
+        self.predicted_cached_tokens, self.decision_seconds = predicted, decided
+        self.actual_cached_tokens, self.resumes = None, resumes
+
+
+class _Stream:
+    """What of one request reached its caller (its tokens, how much of their text, their
+    logprobs, the first group's timings) and which groups it tried: what a resume needs."""
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.text_sent = 0
+        self.logprobs: list = []
+        self.metrics: RequestMetrics | None = None  # the first group's: TTFT, queue time
+        self.resumes = 0
+        self.record: RouteRecord | None = None
+        self.tried: set = set()  # group handles that failed or refused it
+        self.full: set = set()  # of which refused it for a full queue
+
+    def resume(self) -> Resume | None:
+        if not self.tokens:
+            return None
+        return Resume(tuple(self.tokens), self.text_sent, tuple(self.logprobs))
+
+    def passed(self, out: RequestOutput) -> RequestOutput:
+        """`out`, counted as passed to the caller; after a resume, with the first group's
+        timings (arrival, first token), the ones the caller saw."""
+        self.tokens += out.new_token_ids
+        self.text_sent += len(out.new_text)
+        self.logprobs += out.new_logprobs or ()
+        if self.metrics is None:
+            self.metrics = out.metrics
+        elif out.metrics is not self.metrics:
+            first, m = self.metrics, out.metrics
+            merged = RequestMetrics(
+                arrival_time=first.arrival_time, first_scheduled_time=first.first_scheduled_time,
+                first_token_time=first.first_token_time, finished_time=m.finished_time,
+                token_times=m.token_times,
+            )  # fmt: skip
+            out = replace(out, metrics=merged)
+        return out
 
 
 class Router:
@@ -226,33 +274,30 @@ class Router:
 
     # ---- one request -------------------------------------------------------------------
     async def generate(self, request: RouteRequest) -> AsyncIterator[RequestOutput]:
-        """Tokenize, hash once, place, forward, stream. Errors: ValueError (bad input),
-        NoGroupAvailableError, and whatever the group raises (e.g. a full queue)."""
+        """Tokenize, hash once, place, forward, stream. A group that fails before the first
+        token is retried elsewhere; one that dies mid-stream has the request resumed on another
+        group (the prompt plus the tokens streamed so far: see worker/protocol.py, Resume), the
+        stream going on with no token missing or repeated. A full queue tries the next group.
+        Errors: ValueError (bad input), NoGroupAvailableError, QueueFullError (every group's
+        queue is full), EngineDeadError (no group to resume on)."""
         _, ids = self.checked_prompt(request)  # CheckedIds: trusted from here on
         rid = request.request_id or f"rt-{next(self._ids)}"
         hashes = self.hash_cache.hash_prompt(ids, cache_salt=request.cache_salt)
-        tried: set[str] = set()
-        full: set[str] = set()  # tried groups that refused it for a full queue
+        state = _Stream()  # what reached the caller, for a resume
         while True:
             t0 = time.perf_counter()
-            try:
-                placement = self.place(hashes, exclude=tried)
-            except NoGroupAvailableError:
-                if tried and tried <= full:
-                    raise QueueFullError(
-                        f"every live group's queue is full ({len(tried)} tried)"
-                    ) from None
-                raise
-            record = RouteRecord(
-                rid, placement.group_id, placement.reason,
-                predicted_cached_tokens=placement.cached_tokens(len(ids), self.model_info.block_size),
-                decision_seconds=time.perf_counter() - t0,
-            )  # fmt: skip
-            self.records[rid] = record
+            placement = await self._place_for(hashes, state)
+            predicted = placement.cached_tokens(len(ids), self.model_info.block_size)
+            decided = time.perf_counter() - t0
+            if state.record is None:  # one record per request, updated when it moves
+                state.record = RouteRecord(rid, placement.group_id, placement.reason, predicted, decision_seconds=decided)  # fmt: skip
+            else:
+                state.record.moved(placement, predicted, decided, state.resumes)
+            record = self.records[rid] = state.record
             group = self.groups[placement.group_id]
             forwarded = GenerationRequest(
                 ids, request.params, request_id=rid, priority=request.priority,
-                cache_salt=request.cache_salt, block_hashes=hashes,
+                cache_salt=request.cache_salt, block_hashes=hashes, resume=state.resume(),
             )  # fmt: skip
             hits = record.predicted_cached_tokens
             sent = len(ids) - hits
@@ -263,27 +308,53 @@ class Router:
                     if not started:
                         started = True
                         self.ledger.add_in_flight(placement.group_id, -sent, -hits)
-                        record.actual_cached_tokens = out.num_cached_tokens
-                    yield out
+                        if not state.resumes:
+                            record.actual_cached_tokens = out.num_cached_tokens
+                    yield state.passed(out)
                 return
             except QueueFullError:  # try the next-best group before refusing
-                tried.add(placement.group_id)
-                full.add(placement.group_id)
+                state.tried.add(group)
+                state.full.add(group)
                 log.info("group %s refused %s: its queue is full", placement.group_id, rid)
             except EngineDeadError as e:
-                tried.add(placement.group_id)
-                if started or len(tried) >= self.max_attempts:
+                state.tried.add(group)
+                if state.tokens:  # it streamed: go on elsewhere
+                    if state.resumes >= MAX_RESUMES:
+                        raise
+                    state.resumes += 1
+                    log.warning(
+                        "group %s died after %d tokens of %s (%s); resuming it elsewhere",
+                        placement.group_id, len(state.tokens), rid, e,
+                    )  # fmt: skip
+                elif len(state.tried) >= self.max_attempts:
                     raise
-                log.warning(
-                    "group %s failed before the first token of %s (%s); retrying elsewhere",
-                    placement.group_id,
-                    rid,
-                    e,
-                )
+                else:
+                    log.warning(
+                        "group %s failed before the first token of %s (%s); retrying elsewhere",
+                        placement.group_id, rid, e,
+                    )  # fmt: skip
             finally:
                 if not started:
                     self.ledger.add_in_flight(placement.group_id, -sent, -hits)
                 self._trim_records()
+
+    async def _place_for(self, hashes: Sequence[bytes], state: _Stream) -> Placement:
+        """A placement among the groups this request has not tried (by handle: a group
+        replaced under the same id is new). A stream to resume waits up to RESUME_WAIT_S for a
+        live group (a replacement) rather than failing."""
+        deadline = time.monotonic() + RESUME_WAIT_S
+        while True:
+            exclude = {gid for gid, g in self.groups.items() if g in state.tried}
+            try:
+                return self.place(hashes, exclude=exclude)
+            except NoGroupAvailableError:
+                if state.tried and state.tried <= state.full:
+                    raise QueueFullError(
+                        f"every live group's queue is full ({len(state.tried)} tried)"
+                    ) from None
+                if not state.tokens or time.monotonic() > deadline:
+                    raise
+            await asyncio.sleep(0.2)
 
     def abort(self, request_id: str) -> None:
         record = self.records.get(request_id)

@@ -29,7 +29,7 @@ from worker.builtin_model import builtin_model_path
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTER = "svc"
 GROUP_SLOT = "pf_group"  # a node with one of these takes one group
-DOC = [(13 * i + 7) % 1000 for i in range(160)]  # 10 blocks of 16
+DOC = [(13 * i + 7) % 1000 for i in range(800)]  # 50 blocks of 16: worth keeping together
 READY_S = 300
 
 
@@ -73,9 +73,10 @@ def services(ray_runtime, redis_server, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("routers")
     routers = []
     try:
-        for i in range(2):
+        for i, policy in enumerate(("prefix_aware", "prefix_aware", "prefix_hash")):
             flags = ["--role", "router", "--cluster", CLUSTER, "--address", address, "--redis",
-                     redis_server.url, "--no-metrics", "--no-http", "--grace", "2"]  # fmt: skip
+                     redis_server.url, "--no-metrics", "--no-http", "--grace", "2",
+                     "--policy", policy]  # fmt: skip
             routers.append(start_serve(flags, free_port(), tmp / f"router{i}.log", READY_S, env))
         yield {
             "address": address,
@@ -94,7 +95,7 @@ def services(ray_runtime, redis_server, tmp_path_factory):
         assert stopped.returncode == 0, stopped.stderr
         for node in nodes:
             if node in cluster.worker_nodes:
-                cluster.remove_node(node)
+                cluster.remove_node(node, allow_graceful=False)
 
 
 def ask(client: Client, question: int, **options):
@@ -107,7 +108,7 @@ def test_groups_run_one_per_node_and_both_routers_place_a_document_alike(service
     status = groups_status(services["address"], services["env"])
     assert [g["state"] for g in status] == ["serving", "serving"]
     assert len({g["nodes"][0] for g in status}) == 2  # one group per node
-    (_, a), (_, b) = services["routers"]
+    (_, a), (_, b), _ = services["routers"]
     first = ask(a, 901)
     for router, q in ((a, 902), (b, 903), (b, 904), (a, 905)):
         deadline = time.monotonic() + 10
@@ -117,12 +118,116 @@ def test_groups_run_one_per_node_and_both_routers_place_a_document_alike(service
     assert [g.alive for g in a.cluster_status()] == [True, True]
 
 
-def test_a_drained_group_finishes_its_streams_and_leaves(services):
-    """Runs before the kills: it retires one group (group-1), which is not replaced."""
+def test_a_restarted_supervisor_adopts_the_running_groups(services):
+    """Ray restarts a killed supervisor; the new one takes over the groups as they are (same
+    generations, no new placement) and the routers serve throughout."""
     from cluster.ray.runtime import ray
     from cluster.ray.supervisor import SUPERVISOR_NAME
 
-    (_, a), _ = services["routers"]
+    (_, a), _, _ = services["routers"]
+    before = {g["group"]: g for g in groups_status(services["address"], services["env"])}
+    supervisor = ray.get_actor(SUPERVISOR_NAME, namespace=f"pagefleet-{CLUSTER}")
+    ray.kill(supervisor, no_restart=False)
+    assert ask(a, 906).completion_tokens == 4  # served while the supervisor restarts
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            after = {g["group"]: g for g in groups_status(services["address"], services["env"])}
+            break
+        except AssertionError:  # (the CLI fails while the actor restarts)
+            assert time.monotonic() < deadline
+            time.sleep(0.5)
+    for gid, g in before.items():
+        assert (after[gid]["state"], after[gid]["generation"], after[gid]["pids"]) == ("serving", g["generation"], g["pids"])  # fmt: skip
+    pgs = [p for p in ray.util.placement_group_table().values() if p["state"] != "REMOVED"]
+    assert len(pgs) == len(before)
+
+
+STREAMS = [  # 8 streams about one document (prefix_hash puts them all on one group)
+    dict(max_tokens=60, temperature=0.0, ignore_eos=True),
+    dict(max_tokens=60, temperature=1.0, top_p=0.9, seed=21, ignore_eos=True),
+] * 4
+
+
+def run_streams(client: Client, questions: list[int], kill=None) -> list[list[int]]:
+    """Every stream's tokens; `kill(group_id)` once each stream has its first response."""
+    streams = [
+        client.generate_stream(token_ids=DOC + [q] * 3, **opts)
+        for q, opts in zip(questions, STREAMS, strict=True)
+    ]
+    firsts = [next(s) for s in streams]
+    if kill is not None:
+        (group,) = {f.placement.group_id for f in firsts}  # prefix_hash: one group
+        kill(group)
+    out = []
+    for first, stream in zip(firsts, streams, strict=True):
+        chunks = [first, *stream]
+        assert chunks[-1].finished and chunks[-1].finish_reason == 2, chunks[-1]  # LENGTH
+        out.append([t for c in chunks for t in c.token_ids])
+    return out
+
+
+def group_info(services, group_id: str) -> dict:
+    return {g["group"]: g for g in groups_status(services["address"], services["env"])}[group_id]
+
+
+def test_streams_survive_the_sigkill_of_their_groups_rank_and_the_group_is_replaced(services):
+    _, _, (_, hashing) = services["routers"]
+    questions = list(range(30, 38))
+    undisturbed = run_streams(hashing, questions)
+    killed = []
+
+    def kill(group_id: str) -> None:
+        info = group_info(services, group_id)
+        os.kill(info["pids"][0], signal.SIGKILL)
+        killed.append((group_id, info["generation"]))
+
+    assert run_streams(hashing, questions, kill) == undisturbed  # greedy and seeded alike
+    ((group_id, generation),) = killed
+    deadline = time.monotonic() + READY_S
+    while (info := group_info(services, group_id))["state"] != "serving" or info["generation"] == generation:  # fmt: skip
+        assert time.monotonic() < deadline, f"{group_id} not replaced: {info}"
+        time.sleep(0.5)
+    assert info["restarts"] == 1
+    # the replacement serves
+    deadline = time.monotonic() + 60
+    while not all(g.alive for g in hashing.cluster_status()):
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    assert run_streams(hashing, questions) == undisturbed
+
+
+def test_streams_resume_on_the_other_node_when_a_nodes_raylet_dies(services, ray_runtime):
+    """The raylet of the node holding the document's group dies: its streams go on on the
+    other node's group. A new node with a group slot then takes the replacement."""
+    _, _, (_, hashing) = services["routers"]
+    questions = list(range(40, 48))
+    undisturbed = run_streams(hashing, questions)
+    cluster = ray_runtime.cluster
+
+    def kill_node(group_id: str) -> None:
+        info = group_info(services, group_id)
+        (node,) = [n for n in services["nodes"] if n.node_id == info["nodes"][0]]
+        raylet = node.all_processes["raylet"][0].process
+        os.kill(raylet.pid, signal.SIGKILL)
+        services["dead"] = (group_id, info["generation"], node)
+
+    assert run_streams(hashing, questions, kill_node) == undisturbed
+    group_id, generation, node = services.pop("dead")
+    services["nodes"].append(cluster.add_node(num_cpus=2, resources={GROUP_SLOT: 1}, object_store_memory=80 << 20, node_ip_address="127.0.0.1"))  # fmt: skip
+    deadline = time.monotonic() + READY_S
+    while (info := group_info(services, group_id))["state"] != "serving" or info["generation"] == generation:  # fmt: skip
+        assert time.monotonic() < deadline, f"{group_id} not replaced on the new node: {info}"
+        time.sleep(0.5)
+    assert info["nodes"][0] == services["nodes"][-1].node_id, info  # the new node's slot
+
+
+def test_a_drained_group_finishes_its_streams_and_leaves(services):
+    """Runs after the group kills: it retires one group (group-1), which is not replaced."""
+    from cluster.ray.runtime import ray
+    from cluster.ray.supervisor import SUPERVISOR_NAME
+
+    (_, a), _, _ = services["routers"]
     supervisor = ray.get_actor(SUPERVISOR_NAME, namespace=f"pagefleet-{CLUSTER}")
     streams = [a.generate_stream(token_ids=[300 + q] * 40, max_tokens=600, temperature=0.0, ignore_eos=True) for q in range(6)]  # fmt: skip
     firsts = [next(s) for s in streams]
@@ -149,7 +254,7 @@ def test_a_drained_group_finishes_its_streams_and_leaves(services):
 
 def test_a_killed_router_leaves_the_other_serving_and_clients_move_on(services):
     """Last but one: it kills the second router."""
-    (_, a), (proc, b) = services["routers"]
+    (_, a), (proc, b), _ = services["routers"]
     both = Client([b.target, a.target], timeout=60)
     assert ask(both, 910).completion_tokens == 4
     proc.send_signal(signal.SIGKILL)

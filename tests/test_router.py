@@ -6,6 +6,7 @@ import asyncio
 import logging
 import time
 import uuid
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -275,6 +276,56 @@ def test_a_full_queue_sends_the_request_to_the_next_group_before_refusing_it():
 
     try:
         assert asyncio.run(run()) == "q1"
+    finally:
+        for g in made:
+            g.shutdown()
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=1),
+        SamplingParams(max_tokens=40, temperature=1.0, seed=11, ignore_eos=True, stop=["zz"]),
+    ],
+    ids=["greedy", "seeded"],
+)
+def test_a_group_dying_mid_stream_has_its_streams_resumed_elsewhere(params, caplog):
+    """Its device fails after 12 steps: the stream goes on on the other group, no token
+    missing or repeated, equal to an undisturbed run (seeded too), and says it was resumed."""
+    index = InMemoryPrefixIndex()
+    config = engine_config("builtin", num_blocks=64, max_model_len=512, cluster_secret=SECRET)
+    made = [LocalGroup(config, index, group_id=f"m{i}") for i in range(2)]
+    prompt = RouteRequest(prompt_token_ids=DOC + [5] * 7, params=params)
+    try:
+        router = Router(made, index, made[0].hasher, info(), policy="round_robin")
+
+        async def stream():
+            return [o async for o in router.generate(replace(prompt, request_id=None))]
+
+        whole = asyncio.run(stream())  # undisturbed, on m0 (round robin)
+        assert router.records[whole[-1].request_id].group_id == "m0"
+        engine = made[1].engine.engine  # the next one goes to m1, which dies after 12 steps
+        steps, execute = [0], engine.executor.execute
+
+        def dies(out):
+            steps[0] += 1
+            if steps[0] > 12:
+                raise RuntimeError("device lost")
+            return execute(out)
+
+        engine.executor.execute = dies
+        with caplog.at_level(logging.WARNING):
+            moved = asyncio.run(stream())
+        record = router.records[moved[-1].request_id]
+        assert "resuming it elsewhere" in caplog.text and record.resumes == 1
+        assert record.group_id == "m0" and not made[1].status().alive
+        assert [t for o in moved for t in o.new_token_ids] == whole[-1].token_ids
+        assert "".join(o.new_text for o in moved) == whole[-1].text
+        last = moved[-1]
+        assert last.finished and last.token_ids == whole[-1].token_ids
+        if params.logprobs is not None:
+            assert [lp.token_id for lp in last.logprobs] == whole[-1].token_ids
+        assert last.metrics.first_token_time == moved[0].metrics.first_token_time
     finally:
         for g in made:
             g.shutdown()

@@ -18,6 +18,7 @@ name, so groups keep serving meanwhile.
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from dataclasses import dataclass, field, replace
@@ -103,6 +104,7 @@ class _Slot:
         self.restarts: list[float] = []  # when each restart happened
         self.restart_at = 0.0
         self.placing = False  # a thread is placing its next generation
+        self.placing_ranks: RankSet | None = None  # what it is placing (stop removes it)
 
 
 @ray.remote(num_cpus=0, max_restarts=-1, max_concurrency=16)
@@ -155,9 +157,10 @@ class Supervisor:
         self._thread.join(timeout=30)
         with self._lock:
             ranks = [s.ranks for s in self._slots.values() if s.ranks is not None]
+            ranks += [s.placing_ranks for s in self._slots.values() if s.placing_ranks is not None]
             for s in self._slots.values():
                 s.ranks, s.state = None, "retired"
-        for r in ranks:
+        for r in ranks:  # (a placement still waiting for resources is removed too)
             r.shutdown()
 
     # ---- the watch --------------------------------------------------------------------------
@@ -195,12 +198,18 @@ class Supervisor:
         name = f"{slot.group_id}.g{slot.generation}"
         index = IndexTarget(slot.group_id, spec.redis_url, spec.cluster, spec.model, spec.events_to)  # fmt: skip
         try:
-            ranks = RankSet(spec.engine, spec.group_config, index, name, self.detached)
+            ranks = slot.placing_ranks = RankSet(spec.engine, spec.group_config, index, name, self.detached)  # fmt: skip
             ranks.wait_ready()
         except Exception as e:  # noqa: BLE001  (placement or start-up failed: a restart)
-            self._died(slot, f"could not start: {type(e).__name__}: {e}")
+            if not self._stopping:
+                self._died(slot, f"could not start: {type(e).__name__}: {e}")
             return
+        finally:
+            slot.placing_ranks = None
         with self._lock:
+            if self._stopping:  # (stop came while it started: it goes too)
+                ranks.shutdown()
+                return
             slot.ranks, slot.state = ranks, "serving"
         log.info("supervisor: %s serving (generation %d)", slot.group_id, slot.generation)
 
@@ -220,12 +229,19 @@ class Supervisor:
             ranks.shutdown()
 
     def _adopt(self) -> None:
-        """After a restart of this actor: take over the groups still running (found by name)."""
+        """After a restart of this actor: take over the groups still running (found by name),
+        remove the placement groups of generations that are not (a dead group's, or one being
+        placed when the old supervisor died) and go on counting generations after them."""
+        placed = _placement_generations()
         for slot in self._slots.values():
             found = RankSet.find(slot.group_id, self.spec.engine, self.spec.group_config)
             if found is not None:
                 slot.generation, slot.ranks = found
                 slot.state = "serving"
+            for gen in placed.get(slot.group_id, ()):
+                slot.generation = max(slot.generation, gen)
+                if found is None or gen != found[0]:
+                    _remove_placement(f"{slot.group_id}.g{gen}.pg")
 
     def _info(self, slot: _Slot) -> GroupInfo:
         ranks = slot.ranks
@@ -236,15 +252,45 @@ class Supervisor:
         )  # fmt: skip
 
 
+def _placement_generations() -> dict[str, list[int]]:
+    """group id -> generations that have a live placement group in this namespace."""
+    found: dict[str, list[int]] = {}
+    for pg in ray.util.placement_group_table().values():
+        m = re.fullmatch(r"(.+)\.g(\d+)\.pg", pg.get("name") or "")
+        if m is None or pg.get("state") == "REMOVED":
+            continue
+        try:  # (the table spans namespaces; a name is ours if this namespace resolves it)
+            ray.util.get_placement_group(pg["name"])
+        except ValueError:
+            continue
+        found.setdefault(m.group(1), []).append(int(m.group(2)))
+    return found
+
+
+def _remove_placement(name: str) -> None:
+    try:
+        ray.util.remove_placement_group(ray.util.get_placement_group(name))
+        log.info("supervisor: removed %s (a generation nobody serves)", name)
+    except Exception:  # noqa: BLE001  (already gone)
+        pass
+
+
 def start_supervisor(spec: GroupsSpec, detached: bool, name: str = SUPERVISOR_NAME):
     """The supervisor of this job's namespace: the running one if there is one (a detached
-    one started earlier), else a new one for `spec`."""
+    one started earlier), else a new one for `spec`.
+
+    It is placed on the caller's node (the head node, where `pagefleet groups start` runs),
+    so that losing a group's node does not take the supervisor with it; `soft` lets Ray
+    restart it elsewhere if that node goes."""
     try:
         return ray.get_actor(name)
     except ValueError:
         pass
+    here = ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(
+        ray.get_runtime_context().get_node_id(), soft=True
+    )
     options = {"name": name, "lifetime": "detached" if detached else None}
-    return Supervisor.options(**options).remote(replace(spec), detached)
+    return Supervisor.options(**options, scheduling_strategy=here).remote(replace(spec), detached)
 
 
 __all__ = [

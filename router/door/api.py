@@ -133,9 +133,11 @@ def cache_salt(request: pb.GenerateRequest, key_tenant: str | None = None) -> st
 
 
 def response_message(
-    out: RequestOutput, kind: int, record: RouteRecord | None, e2e_seconds: float
-) -> pb.GenerateResponse:
-    """One stream message: this step's delta (or, FINAL_ONLY, the whole output)."""
+    out: RequestOutput, kind: int, record: RouteRecord | None, e2e_seconds: float,
+    resumes: int = 0,
+) -> pb.GenerateResponse:  # fmt: skip
+    """One stream message: this step's delta (or, FINAL_ONLY, the whole output); the placement
+    with `record` (the first message), the usage when finished."""
     final_only = kind == pb.OUTPUT_KIND_FINAL_ONLY
     ids = out.token_ids if final_only else out.new_token_ids
     msg = pb.GenerateResponse(
@@ -163,6 +165,7 @@ def response_message(
             pb.Usage(
                 prompt_tokens=len(out.prompt_token_ids), completion_tokens=len(out.token_ids),
                 cached_tokens=out.num_cached_tokens, ttft_seconds=m.ttft or 0.0,
+                resumes=resumes,
                 queue_seconds=m.queue_time or 0.0, e2e_seconds=e2e_seconds,
             )
         )  # fmt: skip

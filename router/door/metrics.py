@@ -103,7 +103,7 @@ class ServerMetrics:
         self.generation_hist = Histogram(f"{P}request_generation_tokens", "Generated tokens per request.", m, buckets=tokens, registry=r)  # fmt: skip
         self.success = Counter(f"{P}request_success", "Requests that ended with a finish reason (stop, length, abort).", [*m, "finished_reason"], registry=r)  # fmt: skip
         self.errors = Counter(f"{P}request_errors", "Requests and calls that ended with an error, by gRPC status code.", [*m, "code"], registry=r)  # fmt: skip
-        self.resumes = Counter(f"{P}request_resumes", "Requests resumed on another group after their group died mid-stream.", m, registry=r)  # fmt: skip
+        self.resumes = Counter(f"{P}request_resumes", "Times a request moved to another group after its group died mid-stream (once per move).", m, registry=r)  # fmt: skip
         # ---- routing ----
         self.routing = Counter(f"{P}routing_decisions", "Placements by group and reason.", [*m, "group", "reason"], registry=r)  # fmt: skip
         self.decision = Histogram(f"{P}routing_decision_seconds", "Time to choose a group (index match + policy).", m, buckets=FAST_BUCKETS, registry=r)  # fmt: skip
@@ -155,8 +155,9 @@ class RequestObserver:
     def __init__(self, metrics: ServerMetrics, received: float) -> None:
         self.m = metrics
         self.received = received  # the door's clock (time.perf_counter)
-        self.record = None  # the placement (RouteRecord) whose outputs arrive now
-        self.measured = None  # the placement whose cached tokens were counted
+        self.record = None  # the request's RouteRecord (one, updated when the request moves)
+        self.placements = 0  # placements whose outputs arrived: the first, then one per resume
+        self.measured = 0  # the placement whose cached tokens were counted
         self.tokens = 0  # generated tokens counted so far
         self.prompt_len: int | None = None
         self.queue_s: float | None = None
@@ -173,11 +174,12 @@ class RequestObserver:
         if self.tokens:
             self.m.resumes.labels(name).inc()
         self.record = record
+        self.placements += 1
 
     def output(self, out) -> None:
         """A `RequestOutput` (worker/outputs.py) of the current placement."""
         now = time.perf_counter()
-        if self.record is not None and self.measured is not self.record:
+        if self.record is not None and self.measured != self.placements:
             self._count_cached(out)
         new = len(out.token_ids) - self.tokens  # a resumed group re-sends none of the earlier
         if new > 0:
@@ -185,7 +187,7 @@ class RequestObserver:
                 self._first_token(out, now)
             else:
                 self._next_token(out, now)
-            self.last = (self.record, out.token_time, now)
+            self.last = (self.placements, out.token_time, now)
             self.tokens += new
             self.m.generation_tokens.labels(self.m.model_name).inc(new)
         if out.finished:
@@ -195,7 +197,7 @@ class RequestObserver:
         r, name = self.record, self.m.model_name
         if r.actual_cached_tokens is None:
             return  # (set by the router with the placement's first output)
-        self.measured = r
+        self.measured = self.placements
         self.m.routed_prompt.labels(name, r.group_id).inc(len(out.prompt_token_ids))
         self.m.predicted_cached.labels(name, r.group_id).inc(r.predicted_cached_tokens)
         self.m.actual_cached.labels(name, r.group_id).inc(r.actual_cached_tokens)
@@ -210,8 +212,8 @@ class RequestObserver:
             self.prefill_s = em.first_token_time - em.first_scheduled_time
 
     def _next_token(self, out, now: float) -> None:
-        record, group_time, door_time = self.last
-        same_clock = record is self.record and None not in (group_time, out.token_time)
+        placement, group_time, door_time = self.last
+        same_clock = placement == self.placements and None not in (group_time, out.token_time)
         gap = out.token_time - group_time if same_clock else now - door_time
         self.m.itl.labels(self.m.model_name).observe(gap)
         self.decode_s += gap

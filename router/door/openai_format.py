@@ -143,7 +143,8 @@ def _chat_logprob(text: Callable[[int], str], lp) -> dict:
 
 def placement(record: RouteRecord) -> dict:
     return {"group_id": record.group_id, "reason": record.reason,
-            "predicted_cached_tokens": record.predicted_cached_tokens}  # fmt: skip
+            "predicted_cached_tokens": record.predicted_cached_tokens,
+            "resumes": record.resumes}  # fmt: skip
 
 
 def extension(choices: Sequence[Choice]) -> dict:

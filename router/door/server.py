@@ -103,10 +103,13 @@ class PageFleetServicer(pb_grpc.PageFleetServicer):
         stream = outputs(router, route, self.metrics, self.in_flight, t0, cancelled_code)
         try:
             async with contextlib.aclosing(stream):
+                placed = None  # the request's record: a resume updates it
                 async for out, record in stream:
+                    placed = placed or record
                     if kind == pb.OUTPUT_KIND_FINAL_ONLY and not out.finished:
                         continue
-                    yield response_message(out, kind, record, time.perf_counter() - t0)
+                    resumes = placed.resumes if placed is not None and out.finished else 0
+                    yield response_message(out, kind, record, time.perf_counter() - t0, resumes)
         except Exception as e:  # (the stream counted it)
             code, message = status_for(e, rid)
             if code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # when to try again

@@ -178,16 +178,16 @@ async def outputs(
     (`cancelled_code()`: CANCELLED, or DEADLINE_EXCEEDED when the door knows the deadline
     passed). Closing or cancelling the stream aborts the request in its group (its blocks are
     freed at once)."""
-    rid, record = route.request_id, None
+    rid, placement = route.request_id, None
     seen = metrics.request(t0) if metrics is not None else Unobserved()
     with in_flight.track(rid):
         try:
             async with contextlib.aclosing(router.generate(route)) as stream:
                 async for out in stream:
-                    placed = router.records.get(rid)
-                    fresh = placed is not None and placed is not record
+                    placed = router.records.get(rid)  # one record, updated when it moves
+                    fresh = placed is not None and placement != (placed, placed.resumes)
                     if fresh:
-                        record = placed
+                        placement = (placed, placed.resumes)
                         seen.placed(placed)
                     seen.output(out)  # (a finished output ends the request here)
                     yield out, placed if fresh else None

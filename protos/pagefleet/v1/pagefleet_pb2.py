@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cpagefleet/v1/pagefleet.proto\x12\x0cpagefleet.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xfc\x03\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x03\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x15\n\x08logprobs\x18\n \x01(\x05H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0b \x01(\x02H\x07\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0c \x01(\x02H\x08\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\r \x01(\x02H\t\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x0e \x01(\x08\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penalty\"\x96\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\x04text\x18\x02 \x01(\tH\x00\x88\x01\x01\x12\x11\n\ttoken_ids\x18\x03 \x03(\x03\x12+\n\x08messages\x18\x04 \x03(\x0b\x32\x19.pagefleet.v1.ChatMessage\x12.\n\x08sampling\x18\x05 \x01(\x0b\x32\x1c.pagefleet.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12\x0e\n\x06tenant\x18\x07 \x01(\t\x12\x10\n\x08priority\x18\x08 \x01(\x05\x12-\n\x0boutput_kind\x18\t \x01(\x0e\x32\x18.pagefleet.v1.OutputKindB\x07\n\x05_text\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"f\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12%\n\x03top\x18\x04 \x03(\x0b\x32\x18.pagefleet.v1.TopLogprob\"\x92\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x03\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x03\x12\x15\n\rcached_tokens\x18\x03 \x01(\x03\x12\x14\n\x0cttft_seconds\x18\x04 \x01(\x01\x12\x15\n\rqueue_seconds\x18\x05 \x01(\x01\x12\x13\n\x0b\x65\x32\x65_seconds\x18\x06 \x01(\x01\"N\n\tPlacement\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x1f\n\x17predicted_cached_tokens\x18\x03 \x01(\x03\"\xc9\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x0c\n\x04text\x18\x03 \x01(\t\x12,\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1a.pagefleet.v1.TokenLogprob\x12\x10\n\x08\x66inished\x18\x05 \x01(\x08\x12\x31\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x1a.pagefleet.v1.FinishReason\x12\x17\n\rstop_token_id\x18\x07 \x01(\x03H\x00\x12\x15\n\x0bstop_string\x18\x08 \x01(\tH\x00\x12\"\n\x05usage\x18\t \x01(\x0b\x32\x13.pagefleet.v1.Usage\x12*\n\tplacement\x18\n \x01(\x0b\x32\x17.pagefleet.v1.PlacementB\r\n\x0bstop_reason\"Z\n\x0fTokenizeRequest\x12\x11\n\x04text\x18\x01 \x01(\tH\x00\x88\x01\x01\x12+\n\x08messages\x18\x02 \x03(\x0b\x32\x19.pagefleet.v1.ChatMessageB\x07\n\x05_text\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\"\x15\n\x13GetModelInfoRequest\"\x88\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x03\x12\x12\n\nblock_size\x18\x03 \x01(\x03\x12\x16\n\x0ekv_cache_dtype\x18\x04 \x01(\t\x12\x12\n\nvocab_size\x18\x05 \x01(\x03\x12\x15\n\reos_token_ids\x18\x06 \x03(\x03\"\x19\n\x17GetClusterStatusRequest\"\x85\x03\n\x0bGroupStatus\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\r\n\x05\x61live\x18\x02 \x01(\x08\x12\x1c\n\x14tensor_parallel_size\x18\x03 \x01(\x05\x12\x0f\n\x07\x64\x65vices\x18\x04 \x03(\t\x12\x14\n\x0c\x62locks_total\x18\x05 \x01(\x03\x12\x13\n\x0b\x62locks_free\x18\x06 \x01(\x03\x12\x15\n\rblocks_cached\x18\x07 \x01(\x03\x12\x0f\n\x07running\x18\x08 \x01(\x03\x12\x0f\n\x07waiting\x18\t \x01(\x03\x12\x1e\n\x16pending_prefill_tokens\x18\n \x01(\x03\x12\x1c\n\x14prefix_cache_queries\x18\x0b \x01(\x03\x12\x19\n\x11prefix_cache_hits\x18\x0c \x01(\x03\x12\x13\n\x0bpreemptions\x18\r \x01(\x03\x12\r\n\x05\x65rror\x18\x0e \x01(\t\x12\x10\n\x08\x64raining\x18\x0f \x01(\x08\x12\r\n\x05state\x18\x10 \x01(\t\x12\x12\n\ngeneration\x18\x11 \x01(\x03\x12\x10\n\x08restarts\x18\x12 \x01(\x05\":\n\rClusterStatus\x12)\n\x06groups\x18\x01 \x03(\x0b\x32\x19.pagefleet.v1.GroupStatus*\\\n\nOutputKind\x12\x1b\n\x17OUTPUT_KIND_UNSPECIFIED\x10\x00\x12\x15\n\x11OUTPUT_KIND_DELTA\x10\x01\x12\x1a\n\x16OUTPUT_KIND_FINAL_ONLY\x10\x02*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xc7\x02\n\tPageFleet\x12K\n\x08Generate\x12\x1d.pagefleet.v1.GenerateRequest\x1a\x1e.pagefleet.v1.GenerateResponse0\x01\x12I\n\x08Tokenize\x12\x1d.pagefleet.v1.TokenizeRequest\x1a\x1e.pagefleet.v1.TokenizeResponse\x12J\n\x0cGetModelInfo\x12!.pagefleet.v1.GetModelInfoRequest\x1a\x17.pagefleet.v1.ModelInfo\x12V\n\x10GetClusterStatus\x12%.pagefleet.v1.GetClusterStatusRequest\x1a\x1b.pagefleet.v1.ClusterStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cpagefleet/v1/pagefleet.proto\x12\x0cpagefleet.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xfc\x03\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x03\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x15\n\x08logprobs\x18\n \x01(\x05H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0b \x01(\x02H\x07\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0c \x01(\x02H\x08\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\r \x01(\x02H\t\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x0e \x01(\x08\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penalty\"\x96\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\x04text\x18\x02 \x01(\tH\x00\x88\x01\x01\x12\x11\n\ttoken_ids\x18\x03 \x03(\x03\x12+\n\x08messages\x18\x04 \x03(\x0b\x32\x19.pagefleet.v1.ChatMessage\x12.\n\x08sampling\x18\x05 \x01(\x0b\x32\x1c.pagefleet.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12\x0e\n\x06tenant\x18\x07 \x01(\t\x12\x10\n\x08priority\x18\x08 \x01(\x05\x12-\n\x0boutput_kind\x18\t \x01(\x0e\x32\x18.pagefleet.v1.OutputKindB\x07\n\x05_text\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"f\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12%\n\x03top\x18\x04 \x03(\x0b\x32\x18.pagefleet.v1.TopLogprob\"\xa3\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x03\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x03\x12\x15\n\rcached_tokens\x18\x03 \x01(\x03\x12\x14\n\x0cttft_seconds\x18\x04 \x01(\x01\x12\x15\n\rqueue_seconds\x18\x05 \x01(\x01\x12\x13\n\x0b\x65\x32\x65_seconds\x18\x06 \x01(\x01\x12\x0f\n\x07resumes\x18\x07 \x01(\x05\"N\n\tPlacement\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x1f\n\x17predicted_cached_tokens\x18\x03 \x01(\x03\"\xc9\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x0c\n\x04text\x18\x03 \x01(\t\x12,\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1a.pagefleet.v1.TokenLogprob\x12\x10\n\x08\x66inished\x18\x05 \x01(\x08\x12\x31\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x1a.pagefleet.v1.FinishReason\x12\x17\n\rstop_token_id\x18\x07 \x01(\x03H\x00\x12\x15\n\x0bstop_string\x18\x08 \x01(\tH\x00\x12\"\n\x05usage\x18\t \x01(\x0b\x32\x13.pagefleet.v1.Usage\x12*\n\tplacement\x18\n \x01(\x0b\x32\x17.pagefleet.v1.PlacementB\r\n\x0bstop_reason\"Z\n\x0fTokenizeRequest\x12\x11\n\x04text\x18\x01 \x01(\tH\x00\x88\x01\x01\x12+\n\x08messages\x18\x02 \x03(\x0b\x32\x19.pagefleet.v1.ChatMessageB\x07\n\x05_text\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\"\x15\n\x13GetModelInfoRequest\"\x88\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x03\x12\x12\n\nblock_size\x18\x03 \x01(\x03\x12\x16\n\x0ekv_cache_dtype\x18\x04 \x01(\t\x12\x12\n\nvocab_size\x18\x05 \x01(\x03\x12\x15\n\reos_token_ids\x18\x06 \x03(\x03\"\x19\n\x17GetClusterStatusRequest\"\x85\x03\n\x0bGroupStatus\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\r\n\x05\x61live\x18\x02 \x01(\x08\x12\x1c\n\x14tensor_parallel_size\x18\x03 \x01(\x05\x12\x0f\n\x07\x64\x65vices\x18\x04 \x03(\t\x12\x14\n\x0c\x62locks_total\x18\x05 \x01(\x03\x12\x13\n\x0b\x62locks_free\x18\x06 \x01(\x03\x12\x15\n\rblocks_cached\x18\x07 \x01(\x03\x12\x0f\n\x07running\x18\x08 \x01(\x03\x12\x0f\n\x07waiting\x18\t \x01(\x03\x12\x1e\n\x16pending_prefill_tokens\x18\n \x01(\x03\x12\x1c\n\x14prefix_cache_queries\x18\x0b \x01(\x03\x12\x19\n\x11prefix_cache_hits\x18\x0c \x01(\x03\x12\x13\n\x0bpreemptions\x18\r \x01(\x03\x12\r\n\x05\x65rror\x18\x0e \x01(\t\x12\x10\n\x08\x64raining\x18\x0f \x01(\x08\x12\r\n\x05state\x18\x10 \x01(\t\x12\x12\n\ngeneration\x18\x11 \x01(\x03\x12\x10\n\x08restarts\x18\x12 \x01(\x05\":\n\rClusterStatus\x12)\n\x06groups\x18\x01 \x03(\x0b\x32\x19.pagefleet.v1.GroupStatus*\\\n\nOutputKind\x12\x1b\n\x17OUTPUT_KIND_UNSPECIFIED\x10\x00\x12\x15\n\x11OUTPUT_KIND_DELTA\x10\x01\x12\x1a\n\x16OUTPUT_KIND_FINAL_ONLY\x10\x02*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xc7\x02\n\tPageFleet\x12K\n\x08Generate\x12\x1d.pagefleet.v1.GenerateRequest\x1a\x1e.pagefleet.v1.GenerateResponse0\x01\x12I\n\x08Tokenize\x12\x1d.pagefleet.v1.TokenizeRequest\x1a\x1e.pagefleet.v1.TokenizeResponse\x12J\n\x0cGetModelInfo\x12!.pagefleet.v1.GetModelInfoRequest\x1a\x17.pagefleet.v1.ModelInfo\x12V\n\x10GetClusterStatus\x12%.pagefleet.v1.GetClusterStatusRequest\x1a\x1b.pagefleet.v1.ClusterStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pagefleet.v1.pagefleet_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_OUTPUTKIND']._serialized_start=2370
-  _globals['_OUTPUTKIND']._serialized_end=2462
-  _globals['_FINISHREASON']._serialized_start=2464
-  _globals['_FINISHREASON']._serialized_end=2584
+  _globals['_OUTPUTKIND']._serialized_start=2387
+  _globals['_OUTPUTKIND']._serialized_end=2479
+  _globals['_FINISHREASON']._serialized_start=2481
+  _globals['_FINISHREASON']._serialized_end=2601
   _globals['_CHATMESSAGE']._serialized_start=46
   _globals['_CHATMESSAGE']._serialized_end=90
   _globals['_SAMPLINGPARAMS']._serialized_start=93
@@ -46,25 +46,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENLOGPROB']._serialized_start=933
   _globals['_TOKENLOGPROB']._serialized_end=1035
   _globals['_USAGE']._serialized_start=1038
-  _globals['_USAGE']._serialized_end=1184
-  _globals['_PLACEMENT']._serialized_start=1186
-  _globals['_PLACEMENT']._serialized_end=1264
-  _globals['_GENERATERESPONSE']._serialized_start=1267
-  _globals['_GENERATERESPONSE']._serialized_end=1596
-  _globals['_TOKENIZEREQUEST']._serialized_start=1598
-  _globals['_TOKENIZEREQUEST']._serialized_end=1688
-  _globals['_TOKENIZERESPONSE']._serialized_start=1690
-  _globals['_TOKENIZERESPONSE']._serialized_end=1727
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1729
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1750
-  _globals['_MODELINFO']._serialized_start=1753
-  _globals['_MODELINFO']._serialized_end=1889
-  _globals['_GETCLUSTERSTATUSREQUEST']._serialized_start=1891
-  _globals['_GETCLUSTERSTATUSREQUEST']._serialized_end=1916
-  _globals['_GROUPSTATUS']._serialized_start=1919
-  _globals['_GROUPSTATUS']._serialized_end=2308
-  _globals['_CLUSTERSTATUS']._serialized_start=2310
-  _globals['_CLUSTERSTATUS']._serialized_end=2368
-  _globals['_PAGEFLEET']._serialized_start=2587
-  _globals['_PAGEFLEET']._serialized_end=2914
+  _globals['_USAGE']._serialized_end=1201
+  _globals['_PLACEMENT']._serialized_start=1203
+  _globals['_PLACEMENT']._serialized_end=1281
+  _globals['_GENERATERESPONSE']._serialized_start=1284
+  _globals['_GENERATERESPONSE']._serialized_end=1613
+  _globals['_TOKENIZEREQUEST']._serialized_start=1615
+  _globals['_TOKENIZEREQUEST']._serialized_end=1705
+  _globals['_TOKENIZERESPONSE']._serialized_start=1707
+  _globals['_TOKENIZERESPONSE']._serialized_end=1744
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1746
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1767
+  _globals['_MODELINFO']._serialized_start=1770
+  _globals['_MODELINFO']._serialized_end=1906
+  _globals['_GETCLUSTERSTATUSREQUEST']._serialized_start=1908
+  _globals['_GETCLUSTERSTATUSREQUEST']._serialized_end=1933
+  _globals['_GROUPSTATUS']._serialized_start=1936
+  _globals['_GROUPSTATUS']._serialized_end=2325
+  _globals['_CLUSTERSTATUS']._serialized_start=2327
+  _globals['_CLUSTERSTATUS']._serialized_end=2385
+  _globals['_PAGEFLEET']._serialized_start=2604
+  _globals['_PAGEFLEET']._serialized_end=2931
 # @@protoc_insertion_point(module_scope)

@@ -110,20 +110,22 @@ class TokenLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., rank: _Optional[int] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "ttft_seconds", "queue_seconds", "e2e_seconds")
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "ttft_seconds", "queue_seconds", "e2e_seconds", "resumes")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TTFT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     E2E_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    RESUMES_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
     ttft_seconds: float
     queue_seconds: float
     e2e_seconds: float
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., ttft_seconds: _Optional[float] = ..., queue_seconds: _Optional[float] = ..., e2e_seconds: _Optional[float] = ...) -> None: ...
+    resumes: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., ttft_seconds: _Optional[float] = ..., queue_seconds: _Optional[float] = ..., e2e_seconds: _Optional[float] = ..., resumes: _Optional[int] = ...) -> None: ...
 
 class Placement(_message.Message):
     __slots__ = ("group_id", "reason", "predicted_cached_tokens")
