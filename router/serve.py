@@ -226,10 +226,11 @@ def build_cluster(
             hasher, tokenizer, info = router_side_of(ray_groups.model_facts(), probe, name)
         else:
             hasher, tokenizer, info = router_side(probe, name)
-        metrics = ServerMetrics(name)
+        metrics = ServerMetrics(name, info.max_model_len)
         reader = metrics.timed_index(index.reader)
         router = Router(groups, reader, hasher, info, tokenizer=tokenizer, policy=policy)
         metrics.watch_groups(router.cluster_status)
+        metrics.watch_index(reader)
     except BaseException:  # the groups started: stop them rather than leave them behind
         Cluster(None, groups, index, None, ray_groups).shutdown()
         raise

@@ -13,9 +13,14 @@ fi
 
 if [[ "${1:-}" == "--test" ]]; then
     "$PY" -m pip install -q -e ".[test]"
-    if ! command -v redis-server >/dev/null 2>&1; then
+    # redis-server (the prefix index's tests); prometheus (Prometheus and promtool: deploy/'s
+    # scrape configuration and alert rules, checked against a running server)
+    missing=()
+    command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
+    command -v promtool >/dev/null 2>&1 || missing+=(prometheus)
+    if (( ${#missing[@]} )); then
         SUDO=""; [[ $(id -u) -ne 0 ]] && SUDO="sudo"
-        $SUDO apt-get update -qq && $SUDO apt-get install -y -qq redis-server >/dev/null
+        $SUDO apt-get update -qq && $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
     fi
 else
     "$PY" -m pip install -q -e .

@@ -194,11 +194,16 @@ def test_a_disconnect_mid_stream_frees_the_requests_blocks(served):
     stream = api.completions.create(model=model, prompt=list(range(1, 100)), max_tokens=400,
                                     temperature=0.0, stream=True,
                                     extra_body={"ignore_eos": True})  # fmt: skip
+    before = scrape()
     next(iter(stream))
     busy = client.cluster_status()[0]
     assert busy.running == 1 and busy.blocks_free < busy.blocks_total
     stream.close()
     assert wait_for(lambda: all_blocks_free(client), 10), client.cluster_status()
+    after = scrape()  # counted once, as cancelled
+    for name, labels, grew in (("request_errors_total", {"code": "CANCELLED"}, 1),
+                               ("request_errors_total", {}, 1), ("request_success_total", {}, 0)):  # fmt: skip
+        assert counter(after, name, **labels) - counter(before, name, **labels) == grew, name
 
 
 # ---- errors as OpenAI's API raises them ------------------------------------------------------
@@ -250,11 +255,17 @@ def test_a_full_queue_is_a_rate_limit_error_with_retry_after(served):
             *[api.completions.create(**kw) for _ in range(8)], return_exceptions=True
         )
 
+    before = scrape()
     results = asyncio.run(flood())
     limited = [r for r in results if isinstance(r, openai.RateLimitError)]
     assert limited and all(not isinstance(r, Exception) or r in limited for r in results), results
     assert limited[0].status_code == 429 and limited[0].response.headers["retry-after"] == "1"
     assert wait_for(lambda: all_blocks_free(client))
+    after = scrape()  # each request counted once: refused, or finished
+    for name, labels, grew in (("request_errors_total", {"code": "RESOURCE_EXHAUSTED"}, len(limited)),
+                               ("request_errors_total", {}, len(limited)),
+                               ("request_success_total", {"finished_reason": "length"}, 8 - len(limited))):  # fmt: skip
+        assert counter(after, name, **labels) - counter(before, name, **labels) == grew, name
 
 
 # ---- tenants ----------------------------------------------------------------------------------
@@ -301,9 +312,12 @@ def counter(text: str, name: str, **labels) -> float:
     return total
 
 
+def scrape() -> str:
+    return urllib.request.urlopen(METRICS["url"], timeout=10).read().decode()
+
+
 def test_both_doors_count_in_the_same_metrics(served):
     _, client, _, model = served
-    scrape = lambda: urllib.request.urlopen(METRICS["url"], timeout=10).read().decode()  # noqa: E731
     before = scrape()
     sdk(served).completions.create(model=model, prompt=[1, 2], max_tokens=3)
     client.generate(token_ids=[1, 2], max_tokens=3)

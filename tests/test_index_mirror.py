@@ -6,6 +6,7 @@ mirror too.)"""
 from __future__ import annotations
 
 import gc
+import math
 import random
 import uuid
 
@@ -159,14 +160,20 @@ def test_mirror_falls_back_to_redis_and_heals_after_a_restart():
             pub.sink(BlockStored(tuple(c[:12]), None))
             pub.tick(load(1))
             assert mirror.wait_synced() and mirror.match(c)["g0"].blocks == 12
+            health = mirror.health()  # what the router's metrics tell
+            assert health.shared and health.reachable and health.mirror_lag_s < 1.0
+            assert (health.entries, health.blocks, health.groups) == (12, 12, 1)
             server.stop()
             assert wait_until(lambda: not mirror.synced, 3.0)
+            assert wait_until(lambda: not mirror.health().reachable, 3.0)
             with pytest.raises(IndexUnavailableError):
                 mirror.match(c)  # no stale answer: the caller places by load, as without one
+            assert mirror.health().mirror_lag_s == math.inf  # out of sync until a snapshot
             server.start()  # back, empty; the publisher re-registers and republishes
             cache.update(c[12:20])
             assert wait_until(lambda: pub.tick(load(2)) or pub.connected, 5.0)
             assert mirror.wait_synced() and mirror.match(c)["g0"].blocks == 20
+            assert mirror.health().reachable and mirror.health().entries == 20, mirror.health()
 
             def reported() -> bool:  # the next load report (at most one per load interval)
                 pub.tick(load(2))
@@ -243,6 +250,8 @@ def test_serve_keeps_routing_on_prefixes_while_redis_is_down_and_converges_after
             assert wait_until(lambda: ask(2) and not cluster.index.reader.shared_up, 5.0)
             rec = ask(2)
             assert rec.predicted_cached_tokens == rec.actual_cached_tokens == len(doc)
+            down = cluster.index.reader.health()  # unreachable; routing on the local index
+            assert down.shared and not down.reachable and down.groups == 1 and down.entries >= 6
             server.start()  # empty: the group's publisher registers again and republishes
             assert wait_until(
                 lambda: ask(3) and cluster.index.reader.shared_up and mirror.synced, 20.0
@@ -250,6 +259,7 @@ def test_serve_keeps_routing_on_prefixes_while_redis_is_down_and_converges_after
             assert wait_until(lambda: mirror.match(hashes).get("group-0") is not None and mirror.match(hashes)["group-0"].blocks == 6, 5.0)  # fmt: skip
             rec = ask(4)
             assert rec.predicted_cached_tokens == rec.actual_cached_tokens == len(doc)
+            assert cluster.index.reader.health().reachable
         finally:
             cluster.shutdown()
 

@@ -76,6 +76,7 @@ def server(tmp_path_factory, llm_loading):
                 seen["health"].append(status)
             if status == "SERVING":
                 break
+            seen.setdefault("liveness_while_loading", client.health("liveness", timeout=2))
             if seen["generate_while_loading"] is None:
                 try:
                     client.generate("x", max_tokens=1)
@@ -134,6 +135,8 @@ def test_health_is_serving_only_once_ready(server):
     # warmed up: every group has already run its tiny generation
     assert all(g.prefix_cache_queries > 0 for g in groups)
     assert client.health("pagefleet.v1.PageFleet") == "SERVING"
+    # liveness (Kubernetes' probe) holds while the groups load, as once they serve
+    assert seen["liveness_while_loading"] == "SERVING" == client.health("liveness")
 
 
 def test_model_info_matches_the_engine(server, llm):
@@ -300,7 +303,8 @@ def test_deadline_expires_cleanly_and_is_counted_as_a_deadline(server):
 
 
 def test_full_queue_is_resource_exhausted(server):
-    client, _, _ = server
+    client, metrics_port, _ = server
+    before = scrape(metrics_port)
 
     async def run():
         async with AsyncClient(client.target, timeout=120) as c:
@@ -326,6 +330,14 @@ def test_full_queue_is_resource_exhausted(server):
     assert "queue is full" in err.details() and "retry after 1 s" in err.details()
     assert ("grpc-retry-pushback-ms", "1000") in tuple(err.trailing_metadata())
     wait_for(lambda: all_blocks_free(client), what="blocks freed after the full queue")
+    after = scrape(metrics_port)
+    errors = 'pagefleet:request_errors_total{code="%s",model_name="builtin-v1"}'
+    # each request counted once: the refused one, and the four the client went away from
+    for code, want in (("RESOURCE_EXHAUSTED", 1), ("CANCELLED", 4), ("UNAVAILABLE", 0)):
+        assert after.get(errors % code, 0) - before.get(errors % code, 0) == want, code
+    assert total(after, "pagefleet:request_success_total") == total(
+        before, "pagefleet:request_success_total"
+    )
 
 
 # ---- bad input -----------------------------------------------------------------------------
@@ -424,9 +436,20 @@ def test_oversized_message_is_refused_by_the_server(server):
 # ---- metrics -------------------------------------------------------------------------------
 
 
+# What a Prometheus server asks for: OpenMetrics first (whose writer would mangle the ':' of
+# pagefleet:'s sample names), the text format next.
+PROMETHEUS_ACCEPT = ("application/openmetrics-text;version=1.0.0,application/openmetrics-text;"
+                     "version=0.0.1;q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1")  # fmt: skip
+
+
 def scrape(port: int) -> dict[str, float]:
-    """Prometheus text -> {series with labels: value}."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    """Prometheus text -> {series with labels: value}, asked for as Prometheus asks."""
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/metrics", headers={"Accept": PROMETHEUS_ACCEPT}
+    )
+    with urllib.request.urlopen(request, timeout=10) as response:
+        assert response.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+        text = response.read().decode()
     out = {}
     for line in text.splitlines():
         if line and not line.startswith("#"):
@@ -456,6 +479,12 @@ def test_metrics_expose_pagefleet_series(server):
     assert delta("pagefleet:e2e_request_latency_seconds_count") == 2
     assert delta("pagefleet:request_queue_time_seconds_count") == 2
     assert delta("pagefleet:inter_token_latency_seconds_count") == 4  # 2 gaps per request
+    for name in ("request_prefill_time_seconds", "request_decode_time_seconds",
+                 "request_inference_time_seconds", "request_time_per_output_token_seconds",
+                 "request_prompt_tokens", "request_generation_tokens"):  # fmt: skip
+        assert delta(f"pagefleet:{name}_count") == 2, name
+    assert delta("pagefleet:routed_prompt_tokens_total") == 130
+    assert delta("pagefleet:actual_cached_tokens_total") == 64
     assert delta("pagefleet:generation_tokens_total") == 6
     assert delta("pagefleet:prompt_tokens_total") == 130
     assert delta("pagefleet:prefix_cache_queries_total") == 130
@@ -472,6 +501,12 @@ def test_metrics_expose_pagefleet_series(server):
     labels = 'device="cpu",group="group-0",model_name="builtin-v1"'
     assert after[f"pagefleet:kv_cache_blocks_free{{{labels}}}"] == group.blocks_free
     assert after[f"pagefleet:kv_cache_blocks_used{{{labels}}}"] == 0
+    # the prefix index as the router sees it, and the process
+    assert after['pagefleet:prefix_index_up{backend="memory",model_name="builtin-v1"}'] == 1
+    assert after['pagefleet:prefix_index_groups{model_name="builtin-v1"}'] == 1
+    assert after['pagefleet:prefix_index_entries{model_name="builtin-v1"}'] >= 4  # the document
+    assert total(after, "pagefleet:group_restarts_total") == 0
+    assert after["process_resident_memory_bytes"] > 0 and total(after, "python_info") == 1
 
 
 def test_reflection_lists_the_services(server):

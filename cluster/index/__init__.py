@@ -15,6 +15,7 @@ from cluster.index.redis_index import RedisPrefixIndex
 from cluster.index.types import (
     GroupLoad,
     GroupMatch,
+    IndexHealth,
     IndexUnavailableError,
     InventoryStats,
     Matches,
@@ -31,6 +32,7 @@ __all__ = [
     "GroupLoad",
     "GroupMatch",
     "GroupPublisher",
+    "IndexHealth",
     "IndexPublisher",
     "IndexReader",
     "IndexUnavailableError",

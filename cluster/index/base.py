@@ -22,6 +22,8 @@ from collections.abc import Sequence
 
 from cluster.index.types import (
     GroupLoad,
+    IndexHealth,
+    IndexUnavailableError,
     InventoryStats,
     Matches,
     PendingWrite,
@@ -91,6 +93,17 @@ class IndexReader(ABC):
     @abstractmethod
     def inventory_stats(self) -> InventoryStats:
         """Entry counts and, where measurable, memory per cached block."""
+
+    def health(self) -> IndexHealth:
+        """Reachability and inventory for a router's metrics (read at every scrape). This
+        default asks `inventory_stats`: readers that keep a copy answer from it instead."""
+        try:
+            stats = self.inventory_stats()
+        except IndexUnavailableError:
+            return IndexHealth(not self.in_process, False, None, 0, 0, 0)
+        return IndexHealth(
+            not self.in_process, True, None, stats.entries, stats.blocks, stats.groups
+        )
 
     def close(self) -> None:  # noqa: B027  (optional hook)
         """Release connections; the index is unusable afterwards."""

@@ -79,6 +79,12 @@ class IndexCopy:
         """(distinct cached blocks, distinct pending probes) the copy holds masks for."""
         return len(self._held), len(self._pending)
 
+    def live_inventory(self, now: float) -> tuple[int, int, int]:
+        """(entries, distinct blocks, groups) of the live registrations, without a pass over
+        the blocks: the distinct count is of every registration not yet dropped."""
+        live = [g for g in self.groups.values() if g.deadline > now]
+        return sum(len(g.inventory) for g in live), len(self._held), len(live)
+
     # ---- registrations ----------------------------------------------------------------
     def register(
         self, group_id: str, epoch: int, now: float, load: GroupLoad | None = None

@@ -17,11 +17,18 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 from cluster.index.base import IndexReader
 from cluster.index.memory import InMemoryPrefixIndex
 from cluster.index.outage import Outage
-from cluster.index.types import IndexUnavailableError, InventoryStats, Matches, PendingWrite
+from cluster.index.types import (
+    IndexHealth,
+    IndexUnavailableError,
+    InventoryStats,
+    Matches,
+    PendingWrite,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +72,15 @@ class FailoverReader(IndexReader):
     def inventory_stats(self) -> InventoryStats:
         answer = self._shared(self.shared.inventory_stats)
         return self.local.inventory_stats() if answer is None else answer
+
+    def health(self) -> IndexHealth:
+        """The shared index's, while it answers; else unreachable, with the local inventory
+        that routing runs on meanwhile."""
+        shared = self.shared.health()
+        if shared.reachable and self.shared_up:
+            return shared
+        local = self.local.health()
+        return replace(local, shared=True, reachable=False, mirror_lag_s=shared.mirror_lag_s)
 
     def close(self) -> None:
         self.shared.close()

@@ -18,6 +18,7 @@ from cluster.index.copy import CopiedGroup, IndexCopy
 from cluster.index.probes import probe_hashes
 from cluster.index.types import (
     GroupLoad,
+    IndexHealth,
     InventoryStats,
     Matches,
     PendingWrite,
@@ -137,6 +138,11 @@ class InMemoryPrefixIndex(PrefixIndex):
             entries = sum(len(g.inventory) for g in live)
             distinct = len(set().union(*(g.inventory for g in live)))
             return InventoryStats(entries=entries, blocks=distinct, groups=len(live))
+
+    def health(self) -> IndexHealth:
+        with self._lock:
+            entries, blocks, groups = self._copy.live_inventory(self._clock())
+        return IndexHealth(False, True, None, entries, blocks, groups)
 
     # Internals; the lock is held.
 

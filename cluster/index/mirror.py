@@ -28,6 +28,7 @@ entry comes back), so a router's next decision always sees its own placements.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -37,7 +38,7 @@ from cluster.index.copy import IndexCopy
 from cluster.index.outage import Outage
 from cluster.index.probes import probe_hashes
 from cluster.index.redis_index import RedisPrefixIndex, to_ms
-from cluster.index.types import GroupLoad, InventoryStats, Matches, PendingWrite
+from cluster.index.types import GroupLoad, IndexHealth, InventoryStats, Matches, PendingWrite
 from worker.hashing import HashChain
 
 log = logging.getLogger(__name__)
@@ -95,6 +96,16 @@ class MirroredPrefixIndex(IndexReader):
                 return True
             time.sleep(0.005)
         return False
+
+    def health(self) -> IndexHealth:
+        """Redis reachable as the follower last found it (or in sync: its outage is marked
+        over just after the read that ends it); lag since its last log read."""
+        reachable = self._outage.up or self.synced
+        with self._lock:
+            now = self._clock()
+            entries, blocks, groups = self._copy.live_inventory(now)
+            lag = now - self._read_ok_at if self._seq is not None else math.inf
+        return IndexHealth(True, reachable, lag, entries, blocks, groups)
 
     # ---- reads: the copy ----------------------------------------------------------------
     def match(self, block_hashes: Sequence[bytes]) -> Matches:

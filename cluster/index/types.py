@@ -138,3 +138,19 @@ class InventoryStats:
     # Redis memory of the change log that routers' mirrors follow (cluster/index/mirror.py):
     # recent writes, about LOG_MAX_ENTRIES of them, not part of bytes_total.
     log_bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class IndexHealth:
+    """What a router's reader knows of its index without a round trip, for its metrics: whether
+    the shared index answers, how far behind the router's mirror of it is, and the inventory as
+    this router routes on it (live groups' entries)."""
+
+    shared: bool  # a shared index (Redis) behind the reader; False: in-process only
+    reachable: bool  # the shared index answered lately (always True in process)
+    # Seconds since the router's mirror last read the index's change log (inf: never in sync
+    # yet); None without a mirror.
+    mirror_lag_s: float | None
+    entries: int  # (group, block) pairs of live groups
+    blocks: int  # distinct block hashes held
+    groups: int  # live groups

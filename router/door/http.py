@@ -181,11 +181,10 @@ class HttpDoor:
             except BaseException:
                 await merged.aclose()
                 raise
-        except ClientGone:
-            self.observe_error("CANCELLED")
+        except ClientGone:  # (each stream counted its own end)
             return Response(status_code=499)
         except Exception as e:
-            raise Reject(*_http_status(e, rid)) from None
+            raise Reject(*_http_status(e, rid), counted=True) from None
         usage = body.stream_options is not None and body.stream_options.include_usage
         events = self._events(merged, primed, choices, fmt, prompts if usage else None, rid)
         return StreamingResponse(events, media_type="text/event-stream")
@@ -199,14 +198,10 @@ class HttpDoor:
                 yield _sse(_step(fmt, choices[i], out, record))
             if prompts is not None:
                 yield _sse(fmt.usage_chunk(choices, prompts))
-        except Exception as e:
+        except Exception as e:  # (each stream counts its own end)
             code, message = _http_status(e, rid)
-            self.observe_error(code.name)
             yield _sse(error_body(code, message))
-        except (asyncio.CancelledError, GeneratorExit):  # the client disconnected
-            self.observe_error("CANCELLED")
-            raise
-        finally:
+        finally:  # the client disconnected, or a choice failed: the others end here
             merged.cancel()
         yield "data: [DONE]\n\n"
 
@@ -340,15 +335,18 @@ def build_app(door: HttpDoor, max_body_bytes: int) -> FastAPI:
 
 
 def _add_error_handlers(app: FastAPI, door: HttpDoor, max_body_bytes: int) -> None:
-    def respond(code: grpc.StatusCode, message: str, param: str | None) -> JSONResponse:
-        door.observe_error(code.name)
+    def respond(
+        code: grpc.StatusCode, message: str, param: str | None, counted: bool = False
+    ) -> JSONResponse:
+        if not counted:
+            door.observe_error(code.name)
         status = HTTP_STATUS.get(code, HTTP_STATUS[grpc.StatusCode.INTERNAL])[0]
         headers = {"Retry-After": str(RETRY_AFTER_S)} if status in (429, 503) else None
         return JSONResponse(error_body(code, message, param), status, headers=headers)
 
     @app.exception_handler(Reject)
     async def rejected(request: Request, r: Reject) -> JSONResponse:
-        return respond(r.code, r.message, r.param)
+        return respond(r.code, r.message, r.param, r.counted)
 
     @app.exception_handler(RequestValidationError)
     async def malformed(request: Request, e: RequestValidationError) -> JSONResponse:

@@ -2,7 +2,10 @@
 
 The server binds its port before the cluster loads (health answers NOT_SERVING meanwhile and
 the API answers UNAVAILABLE), and reports SERVING only once `set_ready` hands it a router whose
-groups have loaded and warmed up, and NOT_SERVING again while no group is alive. This module
+groups have loaded and warmed up, and NOT_SERVING again while no group is alive: a readiness
+check. The health service "liveness" is SERVING from the bind to the stop, whatever the groups
+do: a liveness check (a router is not restarted for its groups' sake), answered by the event
+loop, so a loop that stalls fails it. This module
 imports neither torch nor the router at import time, so `pagefleet serve` answers within a
 second or two of starting.
 
@@ -64,6 +67,7 @@ log = logging.getLogger(__name__)
 DEFAULT_PORT = 50151  # gRPC; `pagefleet serve --port`
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # per message, both ways: ~500k token ids or 4 MB of text
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["PageFleet"].full_name  # "pagefleet.v1.PageFleet"
+LIVENESS_SERVICE = "liveness"  # grpc.health.v1 service name of the liveness check
 DEADLINE_SLACK_S = 0.1  # see deadline_passed
 HEALTH_INTERVAL_S = 1.0  # how often health looks for a live group
 ABORT_FLUSH_S = 5.0  # after the grace period, how long aborted streams have to send their end
@@ -91,10 +95,14 @@ class PageFleetServicer(pb_grpc.PageFleetServicer):
         except Reject as r:
             await self._abort(context, r.code, r.message)
         rid = route.request_id
+
+        def cancelled_code() -> str:  # the client cancelled, or its deadline passed
+            expired = deadline_passed(context.time_remaining(), budget)
+            return "DEADLINE_EXCEEDED" if expired else "CANCELLED"
+
+        stream = outputs(router, route, self.metrics, self.in_flight, t0, cancelled_code)
         try:
-            async with contextlib.aclosing(
-                outputs(router, route, self.metrics, self.in_flight, t0)
-            ) as stream:
+            async with contextlib.aclosing(stream):
                 placed = None  # the request's record: a resume updates it
                 async for out, record in stream:
                     placed = placed or record
@@ -102,16 +110,11 @@ class PageFleetServicer(pb_grpc.PageFleetServicer):
                         continue
                     resumes = placed.resumes if placed is not None and out.finished else 0
                     yield response_message(out, kind, record, time.perf_counter() - t0, resumes)
-        except asyncio.CancelledError:  # the client cancelled or its deadline passed
-            if self.metrics is not None:
-                expired = deadline_passed(context.time_remaining(), budget)
-                self.metrics.observe_error("DEADLINE_EXCEEDED" if expired else "CANCELLED")
-            raise
-        except Exception as e:
+        except Exception as e:  # (the stream counted it)
             code, message = status_for(e, rid)
             if code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # when to try again
                 context.set_trailing_metadata(retry_after(RETRY_AFTER_S))
-            await self._abort(context, code, _proto_names(message))
+            await context.abort(code, _proto_names(message))
 
     async def Tokenize(self, request: pb.TokenizeRequest | Unparsed, context):
         router, _ = await self._ready(request, context)
@@ -159,6 +162,7 @@ class PageFleetServicer(pb_grpc.PageFleetServicer):
         return self.router, tenant
 
     async def _abort(self, context, code: grpc.StatusCode, message: str):
+        """Refuse a call before it reached the router (counted here)."""
         if self.metrics is not None:
             self.metrics.observe_error(code.name)
         await context.abort(code, message)
@@ -273,6 +277,7 @@ class FrontDoor:
         services = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name)
         reflection.enable_server_reflection((*services, reflection.SERVICE_NAME), self.server)
         await self._set_health(_NOT_SERVING)
+        await self.health.set(LIVENESS_SERVICE, _SERVING)
         if self.tls is None:
             self.port = self.server.add_insecure_port(self.address)
         else:

@@ -11,12 +11,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING
 
 import grpc
 
+from router.door.metrics import Unobserved
 from worker.hashing import cache_namespace
 from worker.token_ids import CheckedIds
 
@@ -36,13 +36,17 @@ MAX_CACHE_SALT_CHARS = 256
 
 class Reject(Exception):
     """A request refused at the door: a status code and a message naming the field (`param`:
-    the field, for the HTTP door's error body)."""
+    the field, for the HTTP door's error body). `counted`: the error of a stream, which its
+    metrics observer counted already."""
 
-    def __init__(self, code: grpc.StatusCode, message: str, param: str | None = None) -> None:
+    def __init__(
+        self, code: grpc.StatusCode, message: str, param: str | None = None, counted: bool = False
+    ) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.param = param
+        self.counted = counted
 
 
 def invalid(message: str, param: str | None = None) -> Reject:
@@ -165,53 +169,72 @@ async def outputs(
     metrics: ServerMetrics | None,
     in_flight: InFlight,
     t0: float,
+    cancelled_code: Callable[[], str] = lambda: "CANCELLED",
 ) -> AsyncIterator[tuple[RequestOutput, RouteRecord | None]]:
-    """The router's stream for `route`, each output with the route's record on the first one
-    (None after), with the placement and finished metrics observed. Closing or cancelling the
-    stream aborts the request in its group (its blocks are freed at once)."""
-    rid, first = route.request_id, True
+    """The router's stream for `route`, each output with the route's record when it is new (the
+    first output's, and a resumed stream's first on its new group; None otherwise). The
+    request's metrics are observed from `t0` (the door's receipt, time.perf_counter) to its end,
+    once however it ends: finished, failed (the status its error maps to) or closed early
+    (`cancelled_code()`: CANCELLED, or DEADLINE_EXCEEDED when the door knows the deadline
+    passed). Closing or cancelling the stream aborts the request in its group (its blocks are
+    freed at once)."""
+    rid, placement = route.request_id, None
+    seen = metrics.request(t0) if metrics is not None else Unobserved()
     with in_flight.track(rid):
         try:
             async with contextlib.aclosing(router.generate(route)) as stream:
                 async for out in stream:
-                    record = router.records.get(rid) if first else None
-                    if record is not None and metrics is not None:
-                        metrics.observe_placement(
-                            record.group_id, record.reason, record.decision_seconds
-                        )
-                    if out.finished and metrics is not None:
-                        metrics.observe_finished(out, time.perf_counter() - t0)
-                        resumed = router.records.get(rid)
-                        if resumed is not None and resumed.resumes:
-                            metrics.resumes.labels(metrics.model_name).inc(resumed.resumes)
-                    first = False
-                    yield out, record
+                    placed = router.records.get(rid)  # one record, updated when it moves
+                    fresh = placed is not None and placement != (placed, placed.resumes)
+                    if fresh:
+                        placement = (placed, placed.resumes)
+                        seen.placed(placed)
+                    seen.output(out)  # (a finished output ends the request here)
+                    yield out, placed if fresh else None
+            seen.fail("UNKNOWN")  # a stream without a finished output (never, by contract)
         except (asyncio.CancelledError, GeneratorExit):
             router.abort(rid)  # the stream's `finally` aborted already; this is idempotent
+            seen.fail(cancelled_code())
+            raise
+        except Exception as e:
+            seen.fail(error_code(e).name)
             raise
 
 
-def status_for(e: Exception, request_id: str) -> tuple[grpc.StatusCode, str]:
-    """A status for an error from the router or a group; never a traceback."""
+def error_code(e: Exception) -> grpc.StatusCode:
+    """The status an error from the router or a group is answered with."""
     from cluster.index import PrefixIndexError
     from router.router import NoGroupAvailableError
     from worker.protocol import EngineDeadError, QueueFullError
 
     if isinstance(e, Reject):
-        return e.code, e.message
+        return e.code
     if isinstance(e, ValueError):
-        return grpc.StatusCode.INVALID_ARGUMENT, str(e)
+        return grpc.StatusCode.INVALID_ARGUMENT
     if isinstance(e, QueueFullError):
-        return (
-            grpc.StatusCode.RESOURCE_EXHAUSTED,
-            f"{e}; retry after {RETRY_AFTER_S:g} s (request {request_id})",
-        )
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
+    if isinstance(e, NoGroupAvailableError | EngineDeadError | PrefixIndexError):
+        return grpc.StatusCode.UNAVAILABLE
+    return grpc.StatusCode.INTERNAL
+
+
+def status_for(e: Exception, request_id: str) -> tuple[grpc.StatusCode, str]:
+    """A status and a message for an error from the router or a group; never a traceback."""
+    from router.router import NoGroupAvailableError
+
+    code = error_code(e)
+    if isinstance(e, Reject):
+        return code, e.message
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return code, str(e)
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return code, f"{e}; retry after {RETRY_AFTER_S:g} s (request {request_id})"
     if isinstance(e, NoGroupAvailableError):
-        return grpc.StatusCode.UNAVAILABLE, f"{e}; retry later (request {request_id})"
-    if isinstance(e, EngineDeadError | PrefixIndexError):
-        return grpc.StatusCode.UNAVAILABLE, f"request {request_id} failed: {e}; retry"
+        return code, f"{e}; retry later (request {request_id})"
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return code, f"request {request_id} failed: {e}; retry"
     log.exception("internal error serving request %s", request_id)
     return (
-        grpc.StatusCode.INTERNAL,
+        code,
         f"internal error while serving request {request_id}; the server log has the details",
     )

@@ -1,0 +1,175 @@
+"""Metrics read at scrape time: the groups' status and the prefix index's health, as this router
+sees them, and the timing of the router's round trips to the index.
+
+Every router of a cluster reports every group's series (the same group's values from each
+router agree up to the moment each read them): a dashboard takes `max by (group)` of them, not
+their sum. A group's counters (prefix cache queries and hits, preemptions, restarts) are its
+own since its start; a replacement starts them again, which Prometheus' rate() reads as a
+counter reset.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Sequence
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from cluster.index import IndexHealth, IndexReader, InventoryStats, Matches
+
+P = "pagefleet:"
+
+
+class GroupCollector(Collector):
+    """Per-group gauges and counters from the groups' status, read at scrape time."""
+
+    def __init__(self, model_name: str, statuses: Callable[[], Sequence]) -> None:
+        self.model_name = model_name
+        self.statuses = statuses
+
+    def collect(self) -> Iterable[Metric]:
+        g, gd = ["model_name", "group"], ["model_name", "group", "device"]
+        fams = {
+            "running": GaugeMetricFamily(
+                f"{P}num_requests_running", "Requests in a group's running batch.", labels=g
+            ),  # fmt: skip
+            "waiting": GaugeMetricFamily(
+                f"{P}num_requests_waiting", "Requests waiting in a group's queue.", labels=g
+            ),  # fmt: skip
+            "usage": GaugeMetricFamily(
+                f"{P}kv_cache_usage_perc", "Fraction of a group's KV blocks in use (0-1).", labels=g
+            ),  # fmt: skip
+            "used": GaugeMetricFamily(
+                f"{P}kv_cache_blocks_used",
+                "KV blocks referenced by requests, per device of a group.",
+                labels=gd,
+            ),  # fmt: skip
+            "free": GaugeMetricFamily(
+                f"{P}kv_cache_blocks_free",
+                "Unreferenced KV blocks (empty or evictable), per device.",
+                labels=gd,
+            ),  # fmt: skip
+            "alive": GaugeMetricFamily(
+                f"{P}group_alive", "1 while the group is alive.", labels=g
+            ),  # fmt: skip
+            "draining": GaugeMetricFamily(
+                f"{P}group_draining",
+                "1 while the group is draining (alive, taking no new request).",
+                labels=g,
+            ),  # fmt: skip
+            "queries": CounterMetricFamily(
+                f"{P}prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", labels=g
+            ),  # fmt: skip
+            "hits": CounterMetricFamily(
+                f"{P}prefix_cache_hits", "Prompt tokens served from the prefix cache.", labels=g
+            ),  # fmt: skip
+            "preempt": CounterMetricFamily(
+                f"{P}num_preemptions", "Requests preempted (recomputed later).", labels=g
+            ),  # fmt: skip
+            "restarts": CounterMetricFamily(
+                f"{P}group_restarts", "Times the supervisor replaced the group.", labels=g
+            ),  # fmt: skip
+        }
+        for s in self.statuses():
+            lab = [self.model_name, s.group_id]
+            used = s.blocks_total - s.blocks_free
+            fams["running"].add_metric(lab, s.running)
+            fams["waiting"].add_metric(lab, s.waiting)
+            fams["usage"].add_metric(lab, used / s.blocks_total if s.blocks_total else 0.0)
+            fams["alive"].add_metric(lab, 1.0 if s.alive else 0.0)
+            fams["draining"].add_metric(lab, 1.0 if s.draining else 0.0)
+            fams["queries"].add_metric(lab, s.prefix_cache_queries)
+            fams["hits"].add_metric(lab, s.prefix_cache_hits)
+            fams["preempt"].add_metric(lab, s.preemptions)
+            fams["restarts"].add_metric(lab, s.restarts)
+            for device in s.devices:  # every device of a group shares one block table
+                fams["used"].add_metric([*lab, device], used)
+                fams["free"].add_metric([*lab, device], s.blocks_free)
+        return list(fams.values())
+
+
+class IndexCollector(Collector):
+    """The prefix index's health as the router's reader knows it (`IndexReader.health`): no
+    round trip at scrape time."""
+
+    def __init__(self, model_name: str, index: IndexReader) -> None:
+        self.model_name = model_name
+        self.index = index
+
+    def collect(self) -> Iterable[Metric]:
+        h: IndexHealth = self.index.health()
+        m, backend = [self.model_name], "redis" if h.shared else "memory"
+        up = GaugeMetricFamily(
+            f"{P}prefix_index_up",
+            "1 while the router's prefix index answers (Redis reachable; always 1 in process).",
+            labels=["model_name", "backend"],
+        )
+        up.add_metric([*m, backend], 1.0 if h.reachable else 0.0)
+        fams = [up]
+        for name, value, text in (
+            (
+                "entries",
+                h.entries,
+                "(group, block) entries of live groups in the router's index.",
+            ),  # fmt: skip
+            (
+                "blocks",
+                h.blocks,
+                "Distinct KV blocks held by some group, as the router sees them.",
+            ),  # fmt: skip
+            ("groups", h.groups, "Live groups registered in the router's prefix index."),
+        ):
+            fam = GaugeMetricFamily(f"{P}prefix_index_{name}", text, labels=["model_name"])
+            fam.add_metric(m, value)
+            fams.append(fam)
+        if h.mirror_lag_s is not None:
+            lag = GaugeMetricFamily(
+                f"{P}prefix_index_mirror_lag_seconds",
+                "Seconds since the router's mirror of Redis last read the index's change log.",
+                labels=["model_name"],
+            )
+            lag.add_metric(m, h.mirror_lag_s)
+            fams.append(lag)
+        return fams
+
+
+class TimedReader(IndexReader):
+    """A router's index reader whose round trips (`match`, `record_pending_many`) are timed."""
+
+    def __init__(self, inner: IndexReader, match_hist, pending_hist) -> None:
+        self.inner = inner
+        self.in_process = inner.in_process
+        self.config = inner.config
+        self._match_hist = match_hist
+        self._pending_hist = pending_hist
+
+    def match(self, block_hashes) -> Matches:
+        t0 = time.perf_counter()
+        try:
+            return self.inner.match(block_hashes)
+        finally:
+            self._match_hist.observe(time.perf_counter() - t0)
+
+    def record_pending(self, group_id, block_hashes, ttl_s=None) -> None:
+        t0 = time.perf_counter()
+        try:
+            self.inner.record_pending(group_id, block_hashes, ttl_s)
+        finally:
+            self._pending_hist.observe(time.perf_counter() - t0)
+
+    def record_pending_many(self, writes, ttl_s=None) -> None:
+        t0 = time.perf_counter()
+        try:
+            self.inner.record_pending_many(writes, ttl_s)
+        finally:
+            self._pending_hist.observe(time.perf_counter() - t0)
+
+    def inventory_stats(self) -> InventoryStats:
+        return self.inner.inventory_stats()
+
+    def health(self) -> IndexHealth:
+        return self.inner.health()
+
+    def close(self) -> None:
+        self.inner.close()
