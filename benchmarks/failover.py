@@ -74,9 +74,9 @@ class Stream:
         return max((b - a for a, b in itertools.pairwise(self.times)), default=0.0)
 
 
-async def one(client: AsyncClient, req, i: int, t0: float, streams: dict) -> Stream:
+async def one(client: AsyncClient, req, i: int, t0: float, streams: dict, salt: str) -> Stream:
     s = streams[i] = Stream(start=time.perf_counter() - t0)
-    options = dict(max_tokens=req.max_tokens, ignore_eos=True)
+    options = dict(max_tokens=req.max_tokens, ignore_eos=True, cache_salt=salt)
     options.update(temperature=0.0) if i % 2 == 0 else options.update(temperature=1.0, seed=i)
     try:
         async for r in client.generate_stream(token_ids=list(req.prompt), **options):
@@ -94,9 +94,12 @@ async def one(client: AsyncClient, req, i: int, t0: float, streams: dict) -> Str
     return s
 
 
-async def run_trace(targets: list[str], trace, rate: float, seed: int, at: float | None, kill):
+async def run_trace(
+    targets: list[str], trace, rate: float, seed: int, at: float | None, kill, salt: str
+):
     """The trace at `rate` requests/s (Poisson) through two clients (each router first in
-    one); `kill(streams)` at `at` seconds, in a thread. Returns (streams, kill's result)."""
+    one); `kill(streams)` at `at` seconds, in a thread. `salt`: the run's cache salt (each run
+    starts with none of the trace's documents cached). Returns (streams, kill's result)."""
     import random
 
     rng = random.Random(seed)
@@ -107,7 +110,7 @@ async def run_trace(targets: list[str], trace, rate: float, seed: int, at: float
 
     async def send(i: int, req, when: float) -> Stream:
         await asyncio.sleep(max(0.0, when - (time.perf_counter() - t0)))
-        return await one(clients[i % 2], req, i, t0, streams)
+        return await one(clients[i % 2], req, i, t0, streams, salt)
 
     async def killer():
         await asyncio.sleep(at)
@@ -223,7 +226,7 @@ class Deployment:
                 if sum(g.alive for g in client.cluster_status()) == 2:
                     break
             time.sleep(0.2)
-        return {"killed_at_s": round(now, 2), "killed_streams": in_flight.count(victim),
+        return {"killed_at_s": round(now, 2), "streams_on_group": in_flight.count(victim),
                 "replacement_serving_s": round(time.perf_counter() - t, 2)}  # fmt: skip
 
     def kill_router(self, streams: dict[int, Stream], now: float) -> dict:
@@ -251,8 +254,8 @@ class Deployment:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--rate", type=float, default=2.0, help="requests per second")
-    p.add_argument("--kill-at", type=float, default=6.0, help="seconds into the run")
+    p.add_argument("--rate", type=float, default=4.0, help="requests per second")
+    p.add_argument("--kill-at", type=float, default=4.0, help="seconds into the run")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="a smaller trace (smoke)")
     return p.parse_args(argv)
@@ -262,14 +265,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     workload = ResearchWorkload(
         num_docs=3, doc_len=(300, 500), questions_per_doc=4 if args.quick else 8,
-        num_chats=4 if args.quick else 8, output_len=(32, 96), vocab_size=1000, seed=args.seed,
+        num_chats=4 if args.quick else 8, output_len=(32, 96) if args.quick else (96, 192),
+        vocab_size=1000, seed=args.seed,
     )  # fmt: skip
     trace = research_requests(workload)
     lines = []
     with tempfile.TemporaryDirectory() as tmp:
         cluster = Deployment(Path(tmp))
         try:
-            run = lambda kill: asyncio.run(run_trace(cluster.targets, trace, args.rate, args.seed, args.kill_at, kill))  # noqa: E731  # fmt: skip
+            run = lambda kill: asyncio.run(run_trace(cluster.targets, trace, args.rate, args.seed, args.kill_at, kill, f"run-{time.time_ns()}"))  # noqa: E731  # fmt: skip
             reference, _ = run(None)
             ok = [s for s in reference if s.error is None]
             peer = {"undisturbed_stall_ms_p50": pct([s.stall for s in ok], 0.5),

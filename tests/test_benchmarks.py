@@ -257,3 +257,19 @@ def test_a_trace_of_a_given_number_of_documents():
     assert len(sizes) == 60 and min(sizes.values()) >= 1000 and max(sizes.values()) <= 4000
     with pytest.raises(ValueError, match="docs"):
         TraceConfig(docs=-1)
+
+
+def test_the_failover_benchmark_counts_tokens_repeated_and_missing():
+    """benchmarks/failover.py's comparison with the undisturbed run: a stream that repeats a
+    token after a resume, one that lost two, one that failed (not compared), one intact."""
+    from benchmarks.failover import Stream, compare
+
+    ref = [Stream(tokens=[1, 2, 3, 4, 5]) for _ in range(4)]
+    got = [
+        Stream(tokens=[1, 2, 3, 3, 4, 5]),  # the token at the cut sent twice
+        Stream(tokens=[1, 2, 5]),  # two lost
+        Stream(tokens=[1, 2], error="UNAVAILABLE"),
+        Stream(tokens=[1, 2, 3, 4, 5]),
+    ]
+    assert compare(got, ref) == {"streams_differ": 2, "tokens_repeated": 1, "tokens_missing": 2}
+    assert Stream(times=[0.0, 0.1, 0.5, 0.6]).stall == pytest.approx(0.4)
