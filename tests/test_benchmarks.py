@@ -273,3 +273,18 @@ def test_the_failover_benchmark_counts_tokens_repeated_and_missing():
     ]
     assert compare(got, ref) == {"streams_differ": 2, "tokens_repeated": 1, "tokens_missing": 2}
     assert Stream(times=[0.0, 0.1, 0.5, 0.6]).stall == pytest.approx(0.4)
+
+
+def test_step_overhead_benchmark_smoke():
+    """benchmarks/step_overhead.py: every case runs its steps with every request decoding
+    (the benchmark asserts it) and reports a positive overhead and gap."""
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks.step_overhead", "--quick"], cwd=ROOT,
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert [(x["forward"], x["running"]) for x in lines] == [
+        (f, n) for f in ("null", "fixed_5ms") for n in (1, 64, 256)
+    ]
+    assert all(x["overhead_ms_p50"] > 0 and x["gap_ms_p50"] > 0 for x in lines)

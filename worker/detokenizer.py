@@ -9,6 +9,7 @@ start of a text (SentencePiece drops the leading space) than in context.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 from worker.sampling_params import SamplingParams
@@ -37,6 +38,7 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
     ) -> None:
         self._tokenizer = tokenizer
+        self._decode_ids = None if tokenizer is None else _decoder(tokenizer)
         self._params = params
         self._skip_special = skip_special_tokens
         # Ids of the decode window: a little prompt context, then the output.
@@ -101,7 +103,7 @@ class IncrementalDetokenizer:
         return delta
 
     def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special)
+        return self._decode_ids(ids, skip_special_tokens=self._skip_special)
 
     def _decode_new(self) -> str:
         """Text added by the ids after `_read_offset`; "" while the tail is incomplete."""
@@ -185,3 +187,23 @@ class IncrementalDetokenizer:
         if self._stop_matched is not None:
             self._finished = True
         return delta
+
+
+def _decoder(tokenizer):
+    """`tokenizer.decode`, or for a list of ints the method it ends in (`_decode`) when the
+    class keeps transformers' `decode`: that one first converts its input to Python objects,
+    checking every id's type, twice per generated token here (most of a decode step's own time
+    with hundreds of requests running). The same text either way."""
+    decode = getattr(type(tokenizer), "decode", None)
+    if decode is not None and decode is _base_decode() and hasattr(tokenizer, "_decode"):
+        return tokenizer._decode
+    return tokenizer.decode
+
+
+@functools.cache
+def _base_decode():
+    try:
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+    except ImportError:  # (transformers absent: a tokenizer of another kind)
+        return None
+    return PreTrainedTokenizerBase.decode
