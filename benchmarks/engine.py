@@ -162,6 +162,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="torch threads for every system (0: torch's default); 1 by default because on a "
         "shared machine multi-threaded kernels measure the neighbours' load, not the engine",
     )  # fmt: skip
+    p.add_argument("--device", default="cpu", help="cpu or cuda: every system runs there")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                   help="the weights' and activations' dtype, for every system")  # fmt: skip
     p.add_argument("--quick", action="store_true", help="tiny trace: a smoke run")
     p.add_argument("--profile", action="store_true", help="pagefleet only, under cProfile")
     kv = p.add_argument_group("8-bit KV caches (benchmarks/kv_cache.py)")
@@ -235,7 +238,8 @@ def _meta(args, reqs: list[BenchRequest], vocab: int, model_dir: str) -> dict:
         if args.model
         else f"random llama {MODEL_SHAPE['hidden_size']}h "
         f"{MODEL_SHAPE['num_hidden_layers']}L vocab {vocab}",
-        "device": "cpu",
+        "device": args.device,
+        "dtype": args.dtype,
         "torch_threads": torch.get_num_threads(),
     }
 

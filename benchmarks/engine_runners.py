@@ -61,8 +61,9 @@ class PeakRss:
 
 
 # ---- shared by the runners ----------------------------------------------------------------
-def load_hf(model_dir: str):
-    """transformers' model from a model directory or a GGUF file (dequantized), float32."""
+def load_hf(model_dir: str, args):
+    """transformers' model from a model directory or a GGUF file (dequantized), in the run's
+    dtype on its device."""
     from transformers import AutoModelForCausalLM
 
     from worker.model_source import is_gguf
@@ -71,11 +72,11 @@ def load_hf(model_dir: str):
     where = dict(gguf_file=path.name) if is_gguf(path) else {}
     model = AutoModelForCausalLM.from_pretrained(
         path.parent if is_gguf(path) else path,
-        dtype=torch.float32,
+        dtype=getattr(torch, args.dtype),
         attn_implementation="sdpa",
         **where,
     )
-    return model.eval()
+    return model.to(args.device).eval()
 
 
 def _warmup_prompt(vocab_size: int) -> list[int]:
@@ -94,6 +95,8 @@ def run_pagefleet(model_dir: str, reqs: list[BenchRequest], args, vocab: int) ->
         max_num_batched_tokens=args.max_batch_tokens,
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.kv_tokens,  # at most the pool (the engine caps it at the model's)
+        device=args.device,
+        dtype=args.dtype,
     )
     with PeakRss() as mem:
         llm = LLM(model_dir, **options)
@@ -123,7 +126,8 @@ def run_pagefleet(model_dir: str, reqs: list[BenchRequest], args, vocab: int) ->
         wall,
         mem.bytes,
         hits / queries if queries else None,
-        {**options, "max_model_len": llm.engine.max_model_len, "attention_backend": "torch",
+        {**options, "max_model_len": llm.engine.max_model_len,
+         "attention_backend": "triton" if args.device.startswith("cuda") else "torch",
          "preemptions": after["preemptions"],
          "kv_pool_mb": round(after["kv_pool_bytes"] / 2**20, 1), "profiled": bool(profiler)},
     )  # fmt: skip
@@ -226,7 +230,7 @@ def run_generate_batch(model_dir: str, reqs: list[BenchRequest], args, vocab: in
     )
     order = sorted(range(len(reqs)), key=lambda i: reqs[i].prompt, reverse=True)
     with PeakRss() as mem, _PrefixMatchCounter() as prefix:
-        model = load_hf(model_dir)
+        model = load_hf(model_dir, args)
         model.generate_batch([_warmup_prompt(vocab)], gen_config, cb_config, max_new_tokens=4)
         prefix.matched.clear()
         results = {}
@@ -292,11 +296,14 @@ def run_generate(model_dir: str, reqs: list[BenchRequest], args, vocab: int) -> 
     tokens: list[list[int]] = [[] for _ in reqs]
     ttft = [0.0] * len(reqs)
     with PeakRss() as mem, torch.no_grad():
-        model = load_hf(model_dir)
-        model.generate(torch.tensor([_warmup_prompt(vocab)]), max_new_tokens=4, do_sample=False)
+        model = load_hf(model_dir, args)
+        warm = torch.tensor([_warmup_prompt(vocab)], device=args.device)
+        model.generate(warm, max_new_tokens=4, do_sample=False)
         t0 = time.perf_counter()
         for batch in batches:
-            ids, mask = _left_pad([list(reqs[i].prompt) for i in batch])
+            ids, mask = (
+                t.to(args.device) for t in _left_pad([list(reqs[i].prompt) for i in batch])
+            )
             n = max(reqs[i].max_tokens for i in batch)
             clock = _FirstTokenClock()
             out = model.generate(

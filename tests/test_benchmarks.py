@@ -288,3 +288,20 @@ def test_step_overhead_benchmark_smoke():
         (f, n) for f in ("null", "fixed_5ms") for n in (1, 64, 256)
     ]
     assert all(x["overhead_ms_p50"] > 0 and x["gap_ms_p50"] > 0 for x in lines)
+
+
+def test_the_gpu_check_script_says_it_needs_a_device_and_its_commands_parse():
+    """scripts/gpu_check.sh (run where a CUDA device is lent): here it stops at once, saying
+    why; the benchmark command lines it runs parse with their own parsers."""
+    import re
+    import shlex
+
+    from benchmarks.engine import parse_args
+
+    script = ROOT / "scripts" / "gpu_check.sh"
+    done = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and "no CUDA device" in done.stderr + done.stdout
+    text = script.read_text().replace("\\\n", " ")
+    (engine,) = re.findall(r"-m benchmarks\.engine (.*)", text)
+    args = parse_args(shlex.split(engine))
+    assert (args.model, args.device, args.dtype) == ("default", "cuda", "bfloat16")
