@@ -64,7 +64,7 @@ def test_a_routers_tokenizer_from_the_groups_files_is_the_groups(model):
     (worker/protocol.py: ModelFacts), without transformers' model classes: the same ids for
     text and for a chat, as the group's own tokenizer (the built-in model's and the default
     GGUF model's, whose tokenizer transformers converts from the file's metadata)."""
-    from worker.engine import load_tokenizer
+    from worker.engine.llm_engine import load_tokenizer
     from worker.model_source import resolve_model
     from worker.protocol import ModelFacts
 
