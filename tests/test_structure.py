@@ -6,6 +6,7 @@ a group's boundary (worker/protocol.py, worker/outputs.py, the hashing) is free 
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +15,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 FLOORS = {"kernels": 1, "worker": 2, "cluster": 3, "router": 4, "pagefleet": 5}
+STRUCTURES = ROOT / "docs" / "structures.md"
 
 
 def imports(path: Path) -> list[tuple[int, str]]:
@@ -56,6 +58,22 @@ def test_the_router_loads_no_torch():
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+def test_docs_structures_lists_every_module_and_only_existing_paths():
+    """docs/structures.md has one line per module of the floors and protos/ (generated modules
+    aside), and every path it names exists, so the map cannot drift from the code."""
+    text = STRUCTURES.read_text()
+    listed = re.findall(r"^- `([\w/]+\.py)`:", text, flags=re.MULTILINE)
+    modules = sorted(
+        str(path.relative_to(ROOT))
+        for top in [*FLOORS, "protos"]
+        for path in (ROOT / top).rglob("*.py")
+        if "_pb2" not in path.name
+    )
+    assert sorted(listed) == modules
+    named = set(re.findall(r"`((?:[\w.-]+/)+[\w.-]*)`", text))
+    assert sorted(p for p in named if not (ROOT / p).exists()) == []
 
 
 @pytest.mark.parametrize("model", ["builtin", "default"])
