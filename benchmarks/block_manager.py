@@ -16,12 +16,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from worker.block_manager import BlockManager  # noqa: E402
 from worker.config import SchedulerConfig  # noqa: E402
+from worker.engine.block_manager import BlockManager  # noqa: E402
+from worker.engine.request import Request  # noqa: E402
+from worker.engine.scheduler import Scheduler  # noqa: E402
 from worker.hashing import BlockHasher, ModelFingerprint  # noqa: E402
-from worker.request import Request  # noqa: E402
 from worker.sampling_params import SamplingParams  # noqa: E402
-from worker.scheduler import Scheduler  # noqa: E402
 
 
 def best_of(fn, repeat: int) -> float:

@@ -51,7 +51,7 @@ from benchmarks.kv_cache import kv_lines  # noqa: E402
 from benchmarks.workloads import BenchRequest, ResearchWorkload, describe, research_requests  # noqa: E402
 
 SYSTEMS = ("pagefleet", "generate_batch", "generate")
-MODEL_SHAPE = dict(  # a small random-weight Llama; see worker/builtin_model.py for the init
+MODEL_SHAPE = dict(  # a small random-weight Llama; see worker/model/builtin_model.py for the init
     hidden_size=384,
     intermediate_size=1024,
     num_hidden_layers=4,
@@ -78,7 +78,7 @@ def percentile(values: list[float], q: float) -> float | None:
 
 # ---- the model ----------------------------------------------------------------------------
 def make_bench_model(path: Path, vocab_size: int, seed: int) -> Path:
-    from worker.builtin_model import make_model_dir
+    from worker.model.builtin_model import make_model_dir
 
     return make_model_dir(
         path, "llama", seed=seed, output_scale=OUTPUT_SCALE, vocab_size=vocab_size, **MODEL_SHAPE
@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(prefix="pagefleet-bench-") as tmp:
         if args.model:
-            from worker.model_loader import read_model_config
+            from worker.model.model_loader import read_model_config
             from worker.model_source import resolve_model
 
             model_dir = resolve_model(args.model)

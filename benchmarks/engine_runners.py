@@ -135,7 +135,7 @@ def run_pagefleet(model_dir: str, reqs: list[BenchRequest], args, vocab: int) ->
 
 # ---- the profile --------------------------------------------------------------------------
 BREAKDOWN = {  # label -> (file name, function name) whose cumulative time it is
-    "engine.step (all)": ("engine.py", "step"),
+    "engine.step (all)": ("llm_engine.py", "step"),
     "scheduler.schedule": ("scheduler.py", "schedule"),
     "scheduler.update_from_output": ("scheduler.py", "update_from_output"),
     "model_runner.prepare (inputs)": ("model_runner.py", "prepare"),
@@ -148,7 +148,7 @@ BREAKDOWN = {  # label -> (file name, function name) whose cumulative time it is
     "  torch linear (matmuls)": ("~", "<built-in method torch._C._nn.linear>"),
     "compute_logits": ("llama.py", "compute_logits"),
     "sampler": ("sampler.py", "__call__"),
-    "engine._progress (outputs)": ("engine.py", "_progress"),
+    "engine._progress (outputs)": ("llm_engine.py", "_progress"),
 }
 
 

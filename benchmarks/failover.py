@@ -170,7 +170,7 @@ class Deployment:
         from ray.cluster_utils import Cluster
 
         from cluster.ray.runtime import ensure_ray
-        from worker.builtin_model import builtin_model_path
+        from worker.model.builtin_model import builtin_model_path
 
         self.redis = RedisServer().__enter__()
         node = dict(num_cpus=2, object_store_memory=80 << 20, node_ip_address="127.0.0.1")

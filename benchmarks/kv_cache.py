@@ -147,7 +147,7 @@ def throughput_line(run: KVRun, base: KVRun, reqs: list[BenchRequest]) -> dict:
 
 def kv_lines(model_dir: str, reqs: list[BenchRequest], args) -> list[dict]:
     """Every line of the KV-dtype comparison: throughput, capacity and accuracy per dtype."""
-    from worker.builtin_model import make_model_dir
+    from worker.model.builtin_model import make_model_dir
 
     dtypes = [args.kv_baseline, *args.kv_cache_dtype]
     budget = budget_bytes(model_dir, args.kv_tokens, args.block_size, args.kv_baseline)
@@ -176,7 +176,7 @@ def _accuracy(dtypes: list[str], args) -> dict[str, dict]:
     from types import SimpleNamespace
 
     from benchmarks.kv_accuracy import real_model_dir, run_engine_cases
-    from worker.builtin_model import builtin_model_path
+    from worker.model.builtin_model import builtin_model_path
 
     model, name = args.accuracy_model, args.accuracy_model
     if model is None:  # a smoke run uses the built-in model: it has a tokenizer, and no download

@@ -291,7 +291,7 @@ def run_real(args, policy_name: str, server: RedisServer, cost: CostModel) -> di
 def calibrate(block_size: int = 16) -> CostModel:
     """Fit the cost model to steps of the real engine (built-in model, this CPU)."""
     from pagefleet.llm import engine_config
-    from worker.engine import LLMEngine
+    from worker.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(engine_config("builtin", num_blocks=1024, block_size=block_size, enable_prefix_caching=False))  # fmt: skip
     rng, samples = random.Random(0), []

@@ -41,15 +41,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from cluster.ray.group import RayGroup, RayGroupConfig  # noqa: E402
 from cluster.ray.runtime import ensure_ray, shutdown_ray  # noqa: E402
 from pagefleet.llm import engine_config  # noqa: E402
-from worker.block_manager import BlockManager  # noqa: E402
-from worker.builtin_model import builtin_model_path  # noqa: E402
 from worker.config import SchedulerConfig  # noqa: E402
-from worker.model_runner import ModelRunner  # noqa: E402
+from worker.engine.block_manager import BlockManager  # noqa: E402
+from worker.engine.request import Request  # noqa: E402
+from worker.engine.scheduler import Scheduler  # noqa: E402
+from worker.exec.model_runner import ModelRunner  # noqa: E402
+from worker.exec.step_codec import decode_step, encode_step  # noqa: E402
+from worker.model.builtin_model import builtin_model_path  # noqa: E402
 from worker.protocol import GenerationRequest  # noqa: E402
-from worker.request import Request  # noqa: E402
 from worker.sampling_params import SamplingParams  # noqa: E402
-from worker.scheduler import Scheduler  # noqa: E402
-from worker.step_codec import decode_step, encode_step  # noqa: E402
 
 RUNNING = (1, 32, 256)
 PROMPT_LEN = 16

@@ -8,9 +8,9 @@ from collections.abc import AsyncIterator, Sequence
 
 from cluster.group import GroupHandle, GroupStatus, status_from_stats
 from cluster.index import GroupPublisher, IndexWriter
-from worker.async_engine import AsyncEngine
 from worker.config import EngineConfig
-from worker.engine import LLMEngine
+from worker.engine.async_engine import AsyncEngine
+from worker.engine.llm_engine import LLMEngine
 from worker.outputs import RequestOutput
 from worker.protocol import GenerationRequest
 

@@ -26,7 +26,7 @@ devices, heads are replicated: tp must be a multiple of kv_heads and each device
 All devices share one block table, so a block is the same number of tokens everywhere and
 per-device figures use the local head count.
 
-Pure Python (no torch). The engine's pool (worker/kv_pool.py) counts the same bytes from its
+Pure Python (no torch). The engine's pool (worker/exec/kv_pool.py) counts the same bytes from its
 tensors' dtypes, and tests hold the two equal byte for byte for every KV dtype. Block-table
 bookkeeping is not counted.
 """
@@ -218,7 +218,7 @@ class KVShape:
         transformers (and as the engine runs a dequantized GGUF file).
         """
         if not isinstance(config, Mapping) and is_gguf(config):
-            from worker.model_loader import read_model_config  # torch: only for a .gguf file
+            from worker.model.model_loader import read_model_config  # torch: only for a .gguf file
 
             mc = read_model_config(config)
             dtype = kv_dtype or mc.dtype

@@ -1,10 +1,10 @@
 """Simulated worker groups: the real scheduler and block manager, a cost model for the forward.
 
-A `SimGroup` runs exactly what a group's engine runs on the CPU side (worker/scheduler.py and
-worker/block_manager.py, with the router's block hashes), publishes the block manager's real KV
-events to a prefix index, and replaces the forward pass by a `CostModel`: seconds per step, per
-prefill token and per decoding sequence, calibrated from the real engine
-(benchmarks/routing.py --calibrate). A `Simulation` advances simulated time from event to event
+A `SimGroup` runs exactly what a group's engine runs on the CPU side
+(worker/engine/scheduler.py and worker/engine/block_manager.py, with the router's block hashes),
+publishes the block manager's real KV events to a prefix index, and replaces the forward pass
+by a `CostModel`: seconds per step, per prefill token and per decoding sequence, calibrated from
+the real engine (benchmarks/routing.py --calibrate). A `Simulation` advances simulated time from event to event
 (arrivals and step ends), so 64 groups and 100k requests take minutes, not days.
 
 Simulated groups live in simulated time: they have no asyncio stream (`generate` refuses); the
@@ -26,12 +26,12 @@ from dataclasses import dataclass, field
 from cluster.cost_model import CostModel
 from cluster.group import GroupHandle, GroupStatus
 from cluster.index import IndexPublisher, IndexWriter
-from worker.block_manager import BlockManager
 from worker.config import SchedulerConfig
+from worker.engine.block_manager import BlockManager
+from worker.engine.request import Request
+from worker.engine.scheduler import Scheduler, SchedulerOutput
 from worker.hashing import BlockHasher
-from worker.request import Request
 from worker.sampling_params import SamplingParams
-from worker.scheduler import Scheduler, SchedulerOutput
 
 _SAMPLED_TOKEN = 0  # what every simulated decode "samples"; no EOS, so max_tokens ends requests
 

@@ -69,7 +69,7 @@ def dequantize(
         s = s.unsqueeze(-1)
     if codes.dtype != FP8_E4M3:
         return codes.to(dtype).mul_(s)
-    # torch's own float8 cast runs ~10x slower than this on CPU: an e4m3 code's bits, moved
+    # Not torch's own float8 cast, which is slow on CPU: an e4m3 code's bits, moved
     # into a float16's (the sign, then exponent and mantissa one bit lower: the widening copies
     # the sign into bit 14, which is cleared), are the same number x 2**-8 (exponent bias 15
     # against 7), subnormals included; NaN codes are never written (writes saturate).

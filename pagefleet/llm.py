@@ -8,7 +8,7 @@ from typing import Any
 
 from worker.chat import render_chat, render_chat_text
 from worker.config import CacheConfig, SchedulerConfig
-from worker.engine import EngineConfig, LLMEngine, load_tokenizer
+from worker.engine.llm_engine import EngineConfig, LLMEngine, load_tokenizer
 from worker.model_source import resolve_model
 from worker.outputs import RequestOutput, merge_completions
 from worker.protocol import GenerationRequest

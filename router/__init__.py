@@ -1,1 +1,1 @@
-"""Floor 4: the front door: placement policy, router, gRPC server and client."""
+"""Floor 4: the router over many worker groups, its doors (gRPC, HTTP) and placement."""

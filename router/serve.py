@@ -286,10 +286,10 @@ def start_ray(config: ServeConfig) -> None:
 def router_side(engine_config, name: str):
     """The router's hasher, tokenizer and ModelInfo, read from the model directory without
     loading weights (groups may live in other processes); the hasher is built by the same
-    function as every engine's (`worker.engine.block_hasher`)."""
+    function as every engine's (`worker.engine.llm_engine.block_hasher`)."""
     from router.router import ModelInfo
-    from worker.engine import block_hasher, load_tokenizer
-    from worker.model_loader import read_model_config
+    from worker.engine.llm_engine import block_hasher, load_tokenizer
+    from worker.model.model_loader import read_model_config
 
     mc = read_model_config(engine_config.model)
     hasher = block_hasher(engine_config, mc)

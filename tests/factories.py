@@ -6,13 +6,13 @@ import itertools
 import random
 import time
 
-from worker.block_manager import BlockManager
 from worker.config import SchedulerConfig
+from worker.engine.block_manager import BlockManager
+from worker.engine.request import Request
+from worker.engine.scheduler import Scheduler
 from worker.hashing import BlockHasher, ModelFingerprint
 from worker.kv_events import KVEvent
-from worker.request import Request
 from worker.sampling_params import SamplingParams
-from worker.scheduler import Scheduler
 
 SECRET = b"test-cluster-secret"
 _ids = itertools.count()

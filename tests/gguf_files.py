@@ -1,6 +1,6 @@
 """GGUF files written from tiny random models, the way llama.cpp's converter writes them.
 
-`write_gguf` takes a model directory from `worker.builtin_model.make_model_dir` and writes its
+`write_gguf` takes a model directory from `worker.model.builtin_model.make_model_dir` and writes its
 config, (optionally) a tokenizer, and its tensors with the `gguf` package's writer: names from
 gguf's own table, 2-D weights in the chosen quantization type (`gguf.quants`), norms in F32, and
 Llama's q/k rows interleaved per head as llama.cpp stores them. transformers, reading the same

@@ -56,7 +56,7 @@ def start_serve(
 def builtin_model_flags() -> list[str]:
     """`--model DIR` of the tiny random built-in model (made once, then cached), so that a test
     server starts in seconds whatever the default model is."""
-    from worker.builtin_model import builtin_model_path
+    from worker.model.builtin_model import builtin_model_path
 
     return ["--model", str(builtin_model_path())]
 

@@ -7,8 +7,8 @@ import asyncio
 import pytest
 
 from pagefleet.llm import LLM, engine_config
-from worker.async_engine import AsyncEngine
-from worker.engine import LLMEngine
+from worker.engine.async_engine import AsyncEngine
+from worker.engine.llm_engine import LLMEngine
 from worker.protocol import GenerationRequest
 from worker.sampling_params import SamplingParams
 

@@ -141,7 +141,7 @@ def test_engine_benchmark_kv_cache_dtypes_quick():
 
 
 def test_kv_accuracy_benchmark_smoke():
-    from worker.builtin_model import builtin_model_path
+    from worker.model.builtin_model import builtin_model_path
 
     model = str(builtin_model_path())
     lines = run("benchmarks/kv_accuracy.py", "--model", model, "--tokens", "64", "--kv-cache-dtype", "int8")  # fmt: skip

@@ -138,7 +138,7 @@ def test_caching_disabled_never_hits_or_emits():
 
 
 def test_bad_sizes():
-    from worker.block_manager import BlockManager
+    from worker.engine.block_manager import BlockManager
 
     with pytest.raises(ValueError, match="num_blocks"):
         BlockManager(0, 16)

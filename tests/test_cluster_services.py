@@ -27,7 +27,7 @@ from cluster.ray.runtime import live_actors, live_placement_groups
 from pagefleet.client import Client
 from tests.redis_server import free_port
 from tests.serve_process import start_serve
-from worker.builtin_model import builtin_model_path
+from worker.model.builtin_model import builtin_model_path
 
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTER = "svc"

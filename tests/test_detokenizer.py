@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from worker.detokenizer import IncrementalDetokenizer
+from worker.engine.detokenizer import IncrementalDetokenizer
 from worker.sampling_params import SamplingParams
 
 TRAIN = [

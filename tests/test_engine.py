@@ -1,8 +1,8 @@
 """The engine against Hugging Face transformers on the same weights (float32, greedy).
 
 Test models are tiny random-weight checkpoints written by transformers' own config classes and
-`save_pretrained` (worker/builtin_model.make_model_dir). Random weights give flat logits, so the
-checkpoints carry an output scale of 8 on the final norm (every logit x 8): greedy choices are
+`save_pretrained` (worker/model/builtin_model.make_model_dir). Random weights give flat logits,
+so the checkpoints carry an output scale of 8 on the final norm (every logit x 8): greedy choices are
 then separated by whole nats instead of hundredths and do not flip on rounding; tied models also
 get a larger initializer range so that they do not just repeat their last input token.
 """
@@ -19,7 +19,7 @@ from factories import transformers_greedy
 from transformers import AutoModelForCausalLM
 
 from pagefleet.llm import LLM
-from worker.builtin_model import make_model_dir
+from worker.model.builtin_model import make_model_dir
 from worker.sampling_params import SamplingParams
 
 ARCHS = {
@@ -256,7 +256,7 @@ def test_half_precision_follows_transformers(dtype, model_dirs):
 
 
 def test_pool_sized_from_memory_budget(model_dirs):
-    from worker.kv_pool import CPU_DEFAULT_KV_MEMORY, device_memory, weights_bytes
+    from worker.exec.kv_pool import CPU_DEFAULT_KV_MEMORY, device_memory, weights_bytes
 
     llm = make_llm(model_dirs["llama"], memory_utilization=0.5)
     engine = llm.engine

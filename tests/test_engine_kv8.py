@@ -33,9 +33,9 @@ from cluster.local_group import LocalGroup
 from cluster.planner import KVShape
 from kernels.kv_quant import FP8_E4M3, FP8_MAX
 from pagefleet.llm import LLM, engine_config
-from worker.builtin_model import make_model_dir
 from worker.config import CacheConfig
-from worker.kv_calibration import CALIBRATION_SEED, CALIBRATION_TOKENS, HEADROOM
+from worker.exec.kv_calibration import CALIBRATION_SEED, CALIBRATION_TOKENS, HEADROOM
+from worker.model.builtin_model import make_model_dir
 from worker.protocol import GenerationRequest
 from worker.sampling_params import SamplingParams
 

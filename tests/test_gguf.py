@@ -24,11 +24,11 @@ from test_models import Pool, run_ranks, run_step
 from cluster.planner import KVShape
 from pagefleet.cli import main
 from pagefleet.llm import LLM
-from worker.builtin_model import make_model_dir, train_builtin_tokenizer
-from worker.engine import load_tokenizer
-from worker.gguf_loader import SUPPORTED_ARCHITECTURES, SUPPORTED_TYPES, load_gguf_weights
-from worker.model_loader import read_model_config
-from worker.models import MODEL_REGISTRY
+from worker.engine.llm_engine import load_tokenizer
+from worker.model.builtin_model import make_model_dir, train_builtin_tokenizer
+from worker.model.gguf_loader import SUPPORTED_ARCHITECTURES, SUPPORTED_TYPES, load_gguf_weights
+from worker.model.model_loader import read_model_config
+from worker.model.models import MODEL_REGISTRY
 from worker.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10)

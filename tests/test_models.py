@@ -17,17 +17,17 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from kernels.registry import get_backend
-from worker.attention_metadata import AttentionMetadata
-from worker.builtin_model import builtin_model_path, make_model_dir
-from worker.distributed import Collectives
-from worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from worker.layers.linear import (
+from worker.exec.attention_metadata import AttentionMetadata
+from worker.exec.distributed import Collectives
+from worker.model.builtin_model import builtin_model_path, make_model_dir
+from worker.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from worker.model.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
 )
-from worker.model_loader import load_model
+from worker.model.model_loader import load_model
 
 TOL = 1e-3
 PROMPT_LENS = (5, 17, 33)

@@ -349,7 +349,7 @@ def test_queued_work_leaves_out_the_prefix_a_waiting_request_will_find_cached():
 
 
 def _request(prompt: list[int]):
-    from worker.request import Request
+    from worker.engine.request import Request
     from worker.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=1)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from pagefleet.llm import engine_config
-from worker.engine import LLMEngine
+from worker.engine.llm_engine import LLMEngine
 from worker.protocol import Resume
 from worker.sampling_params import SamplingParams
 

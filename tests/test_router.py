@@ -195,8 +195,8 @@ def test_statuses_follow_what_groups_report_and_every_group_is_read_each_second(
     every group is read again once a second (here: at once) even without a word."""
     from cluster.sim_group import SimGroup, SimGroupConfig
     from router import router as router_module
+    from worker.engine.request import Request
     from worker.hashing import BlockHasher, ModelFingerprint
-    from worker.request import Request
 
     hasher = BlockHasher(b"board-secret", ModelFingerprint("m", block_size=16))
     groups = [SimGroup(f"g{i}", SimGroupConfig(num_blocks=512), hasher) for i in range(3)]

@@ -14,7 +14,7 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from worker.sampler import Sampler, SamplingRow, draw, seeded_uniform
+from worker.exec.sampler import Sampler, SamplingRow, draw, seeded_uniform
 from worker.sampling_params import SamplingParams
 
 VOCAB = 64

@@ -11,8 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from worker.config import SchedulerConfig
+from worker.engine.request import RequestStatus
 from worker.protocol import QueueFullError
-from worker.request import RequestStatus
 
 
 def test_seed_requests_a_b_c_fit_paged_where_contiguous_would_not():

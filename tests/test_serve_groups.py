@@ -23,7 +23,7 @@ import pytest
 from tests.process_tree import descendants, is_loopback, listening_sockets, process_state
 from tests.redis_server import free_port
 from tests.serve_process import start_serve
-from worker.builtin_model import make_model_dir
+from worker.model.builtin_model import make_model_dir
 
 READY_WITHIN_S = 300  # a local Ray runtime and two groups, on a busy 2-core machine
 GCS_GIVE_UP_S = 60  # a driver that loses its GCS exits this long after (Ray's default)

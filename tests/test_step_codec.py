@@ -14,8 +14,8 @@ import pytest
 import torch
 from factories import make_request, make_requests, make_scheduler
 
-from worker.model_runner import ModelRunner
-from worker.step_codec import decode_step, encode_step
+from worker.exec.model_runner import ModelRunner
+from worker.exec.step_codec import decode_step, encode_step
 
 BLOCK = 4
 

@@ -6,6 +6,7 @@ a group's boundary (worker/protocol.py, worker/outputs.py, the hashing) is free 
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +15,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 FLOORS = {"kernels": 1, "worker": 2, "cluster": 3, "router": 4, "pagefleet": 5}
+STRUCTURES = ROOT / "docs" / "structures.md"
 
 
 def imports(path: Path) -> list[tuple[int, str]]:
@@ -58,13 +60,29 @@ def test_the_router_loads_no_torch():
     assert done.stdout.strip() == "[]"
 
 
+def test_docs_structures_lists_every_module_and_only_existing_paths():
+    """docs/structures.md has one line per module of the floors and protos/ (generated modules
+    aside), and every path it names exists, so the map cannot drift from the code."""
+    text = STRUCTURES.read_text()
+    listed = re.findall(r"^- `([\w/]+\.py)`:", text, flags=re.MULTILINE)
+    modules = sorted(
+        str(path.relative_to(ROOT))
+        for top in [*FLOORS, "protos"]
+        for path in (ROOT / top).rglob("*.py")
+        if "_pb2" not in path.name
+    )
+    assert sorted(listed) == modules
+    named = set(re.findall(r"`((?:[\w.-]+/)+[\w.-]*)`", text))
+    assert sorted(p for p in named if not (ROOT / p).exists()) == []
+
+
 @pytest.mark.parametrize("model", ["builtin", "default"])
 def test_a_routers_tokenizer_from_the_groups_files_is_the_groups(model):
     """A router of a cluster tokenizes with the tokenizer rebuilt from a group's files
     (worker/protocol.py: ModelFacts), without transformers' model classes: the same ids for
     text and for a chat, as the group's own tokenizer (the built-in model's and the default
     GGUF model's, whose tokenizer transformers converts from the file's metadata)."""
-    from worker.engine import load_tokenizer
+    from worker.engine.llm_engine import load_tokenizer
     from worker.model_source import resolve_model
     from worker.protocol import ModelFacts
 

@@ -12,7 +12,7 @@ if not torch.cuda.is_available():
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from pagefleet.llm import LLM  # noqa: E402
-from worker.builtin_model import make_model_dir  # noqa: E402
+from worker.model.builtin_model import make_model_dir  # noqa: E402
 from worker.sampling_params import SamplingParams  # noqa: E402
 
 

@@ -9,7 +9,7 @@ from worker.model_source import check_model
 
 POLICIES = ("fcfs", "priority")
 # "auto": the model's dtype; int8 and fp8 (float8 e4m3, "fp8_e4m3") are 8-bit caches with
-# scales (worker/kv_pool.py says which granularity each has, and why).
+# scales (worker/exec/kv_pool.py says which granularity each has, and why).
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8", "fp8", "fp8_e4m3")
 CLUSTER_SECRET_ENV = "PAGEFLEET_CLUSTER_SECRET"
 

@@ -116,7 +116,7 @@ class HashChain(Sequence[bytes]):
     """A chain of block hashes held as one bytes object, `len(self) * DIGEST_SIZE` long.
 
     The router builds a 2048-block chain by joining its memoised segments (one 32 KiB copy)
-    instead of a list of 2048 hash objects (one reference each, ~0.1 ms on a cold cache), and it
+    instead of a list of 2048 hash objects (one reference each: benchmarks/RESULTS.md), and it
     reads only ~100 of them (the probes); a hash is sliced out when read. Iterating, or reading
     a slice with a step, builds the list once and keeps it. Equal to any sequence of the same
     hashes; pickles as its bytes."""

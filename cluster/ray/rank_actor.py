@@ -71,7 +71,8 @@ class RankActor:
     """One device of a group. Rank 0 hosts the engine; the others run the step loop."""
 
     def __init__(self) -> None:
-        import worker.executor  # noqa: F401  (load torch and the model code while others start)
+        # Load torch and the model code while the other ranks start.
+        import worker.exec.executor  # noqa: F401
 
         self.engine = None  # rank 0: AsyncEngine
         self.facts = None  # rank 0: its model for routers (worker/protocol.py: ModelFacts)
@@ -89,9 +90,9 @@ class RankActor:
         self._loop: asyncio.AbstractEventLoop | None = None  # the actor's event loop
 
     def store_path(self) -> str:
-        """A fresh store file on this node for the group's rendezvous (worker/distributed.py:
+        """A fresh store file on this node for the group's rendezvous (worker/exec/distributed.py:
         the ranks share this node)."""
-        from worker.distributed import Rendezvous
+        from worker.exec.distributed import Rendezvous
 
         return Rendezvous.new_store_path()
 
@@ -109,11 +110,11 @@ class RankActor:
     def _start(self, config, rank: int, rendezvous, heartbeat_s: float, index) -> dict:
         import torch
 
-        from worker.async_engine import AsyncEngine
-        from worker.distributed import init_group
-        from worker.engine import LLMEngine
-        from worker.tp_executor import TPExecutor
-        from worker.tp_worker import TPWorker
+        from worker.engine.async_engine import AsyncEngine
+        from worker.engine.llm_engine import LLMEngine
+        from worker.exec.distributed import init_group
+        from worker.exec.tp_executor import TPExecutor
+        from worker.exec.tp_worker import TPWorker
 
         if config.device.startswith("cuda"):
             config = replace(config, device="cuda:0")  # Ray shows this actor its own GPU only
@@ -251,7 +252,7 @@ class RankActor:
 
     def timings(self) -> list[tuple[int, float, tuple[float, ...]]]:
         """(scheduled requests, seconds from decision to forward, its parts) of recent steps,
-        this rank (worker/tp_executor.py and worker/tp_worker.py name the parts)."""
+        this rank (worker/exec/tp_executor.py and worker/exec/tp_worker.py name the parts)."""
         source = self.executor if self.executor is not None else self.worker
         return list(source.timings)
 

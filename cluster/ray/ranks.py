@@ -102,7 +102,7 @@ class RankSet:
         """Block until every rank has its shard and pool and the engine runs; returns the
         ranks' descriptions. On failure the ranks are stopped and the first rank's error
         raised."""
-        from worker.distributed import Rendezvous
+        from worker.exec.distributed import Rendezvous
 
         gc = self.group_config
         try:

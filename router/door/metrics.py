@@ -55,8 +55,8 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
 REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
-# Queue and prefill times are milliseconds on an idle cluster: vLLM's request buckets start at
-# 0.3 s and would put them all in the first one, so they take the TTFT buckets.
+# Queue and prefill times are short on an idle cluster: vLLM's request buckets start at 0.3 s
+# and would put them all in the first one, so they take the TTFT buckets.
 PHASE_BUCKETS = TTFT_BUCKETS
 # Routing and index round trips are sub-millisecond in process, milliseconds over Redis.
 FAST_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,

@@ -119,7 +119,7 @@ class Formatter:
                 "model": self.model}  # fmt: skip
 
     def _logprobs(self, entries, token_ids: Sequence[int], offset: int) -> dict:
-        """OpenAI's logprobs of `token_ids` (`entries`: worker.sampler.TokenLogprobs each)."""
+        """OpenAI's logprobs of `token_ids` (`entries`: worker.outputs.TokenLogprobs each)."""
         text = self.token_text
         if self.chat:
             return {"content": [_chat_logprob(text, lp) for lp in entries]}

@@ -22,7 +22,7 @@ class Placement:
     def cached_tokens(self, prompt_tokens: int, block_size: int) -> int:
         """The prompt tokens the placement predicts the group serves from its cache: whole
         blocks, never the one holding the last prompt token (the engine computes that token, so
-        a hit stops a block before it, as worker/block_manager.py's match does)."""
+        a hit stops a block before it, as worker/engine/block_manager.py's match does)."""
         return min(self.cached_blocks, (prompt_tokens - 1) // block_size) * block_size
 
 

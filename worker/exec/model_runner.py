@@ -1,6 +1,6 @@
 """Turns one scheduler step into flat input tensors, runs one forward pass, samples.
 
-A step reaches the runner of every rank as a `FlatStep` (worker/step_codec.py: flat arrays of
+A step reaches the runner of every rank as a `FlatStep` (worker/exec/step_codec.py: flat arrays of
 each sequence's table row, start and length, the input tokens, the block-table entries written
 this step). Rank 0 (or a single device) plans it from the scheduler's entries; the other ranks
 of a tensor-parallel group decode it from rank 0's message and never build a request object.
@@ -21,11 +21,11 @@ from itertools import compress
 import numpy as np
 import torch
 
-from worker.attention_metadata import AttentionMetadata
+from worker.engine.scheduler import SchedulerOutput
+from worker.exec.attention_metadata import AttentionMetadata
+from worker.exec.sampler import Sampler, SamplingRow
+from worker.exec.step_codec import BlockTable, FlatStep, RowPlanner
 from worker.outputs import TokenLogprobs
-from worker.sampler import Sampler, SamplingRow
-from worker.scheduler import SchedulerOutput
-from worker.step_codec import BlockTable, FlatStep, RowPlanner
 
 Sampled = dict[str, tuple[int, TokenLogprobs | None]]  # request id -> (token, logprobs)
 _NO_SEQS = np.zeros(0, dtype=np.intp)  # (0,) no sequence indices, shared

@@ -8,10 +8,10 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
-from worker.block_manager import BlockManager, cdiv
 from worker.config import SchedulerConfig
+from worker.engine.block_manager import BlockManager, cdiv
+from worker.engine.request import Request, RequestStatus
 from worker.protocol import QueueFullError
-from worker.request import Request, RequestStatus
 
 
 @dataclass

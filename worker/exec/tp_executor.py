@@ -1,7 +1,7 @@
 """Rank 0's executor of a tensor-parallel group: each step goes to the other ranks, then runs here.
 
-The step travels as one message on the group's step channel (worker/distributed.py ByteChannel,
-a TCP stream per other rank; worker/step_codec.py: the step's flat arrays, running requests as
+The step travels as one message on the group's step channel (worker/exec/distributed.py ByteChannel,
+a TCP stream per other rank; worker/exec/step_codec.py: the step's flat arrays, running requests as
 diffs), never as a remote call per step; then rank 0 runs its own shard, whose collectives meet the
 other ranks' inside the forward pass. When the group is idle, a heartbeat (a message and a barrier) every `heartbeat_s` keeps the other ranks' receive
 under the collective timeout and finds a dead or hung rank within `heartbeat_s + timeout`.
@@ -15,11 +15,11 @@ import collections
 import contextlib
 import time
 
-from worker.distributed import ByteChannel, Collectives, startup_barrier
-from worker.executor import DeviceWorker, Executor
-from worker.model_runner import Sampled
-from worker.scheduler import SchedulerOutput
-from worker.step_codec import HEARTBEAT, SHUTDOWN, encode_step, probe_message
+from worker.engine.scheduler import SchedulerOutput
+from worker.exec.distributed import ByteChannel, Collectives, startup_barrier
+from worker.exec.executor import DeviceWorker, Executor
+from worker.exec.model_runner import Sampled
+from worker.exec.step_codec import HEARTBEAT, SHUTDOWN, encode_step, probe_message
 
 TIMINGS_KEPT = 4096  # steps of control-overhead samples kept for the benchmark
 

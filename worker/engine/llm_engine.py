@@ -10,20 +10,20 @@ from pathlib import Path
 
 import torch
 
-from worker.block_manager import BlockManager
 from worker.config import EngineConfig, cluster_secret
-from worker.detokenizer import IncrementalDetokenizer
-from worker.executor import Executor, LocalExecutor
+from worker.engine.block_manager import BlockManager
+from worker.engine.detokenizer import IncrementalDetokenizer
+from worker.engine.request import Request, RequestStatus
+from worker.engine.scheduler import Scheduler, SchedulerOutput
+from worker.exec.executor import Executor, LocalExecutor
+from worker.exec.kv_pool import check_pool_fits, kv_torch_dtype
 from worker.hashing import BlockHasher, ModelFingerprint
 from worker.kv_events import KVEvent
-from worker.kv_pool import check_pool_fits, kv_torch_dtype
-from worker.model_config import ModelConfig
+from worker.model.model_config import ModelConfig
 from worker.model_source import is_gguf
 from worker.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprobs
 from worker.protocol import ModelFacts, Resume
-from worker.request import Request, RequestStatus
 from worker.sampling_params import SamplingParams
-from worker.scheduler import Scheduler, SchedulerOutput
 from worker.token_ids import token_list
 
 KVEventsCallback = Callable[[list[KVEvent]], None]
@@ -88,7 +88,7 @@ class LLMEngine:
         resume: Resume | None = None,
     ) -> str:
         """Queue a prompt (text, when the model has a tokenizer, or token ids); `resume`: the
-        output it already had on a group that died (worker/async_engine.py: Resume)."""
+        output it already had on a group that died (worker/protocol.py: Resume)."""
         params = params or SamplingParams()
         if params.n != 1:
             raise ValueError(
@@ -281,7 +281,7 @@ def load_tokenizer(model_dir: str):
     """The model's tokenizer (a directory's files or a GGUF file's metadata), or None when it
     has none (token-id prompts only)."""
     if is_gguf(model_dir):
-        from worker.gguf_loader import gguf_tokenizer
+        from worker.model.gguf_loader import gguf_tokenizer
 
         return gguf_tokenizer(model_dir)
     path = Path(model_dir)

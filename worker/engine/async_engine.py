@@ -15,7 +15,7 @@ import threading
 import traceback
 from collections.abc import AsyncIterator, Callable
 
-from worker.engine import LLMEngine
+from worker.engine.llm_engine import LLMEngine
 from worker.outputs import RequestOutput
 from worker.protocol import EngineDeadError, GenerationRequest
 

@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker.distributed import Collectives, SingleRank
-from worker.layers.linear import copy_checked, shape_of, take
+from worker.exec.distributed import Collectives, SingleRank
+from worker.model.layers.linear import copy_checked, shape_of, take
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -1,6 +1,6 @@
 """The loop of a tensor-parallel rank other than 0: receive a step, run its shard, repeat.
 
-Such a rank owns no scheduler and no request: rank 0's messages (worker/step_codec.py) carry
+Such a rank owns no scheduler and no request: rank 0's messages (worker/exec/step_codec.py) carry
 each step as flat arrays that its model runner prepares directly (its block tables kept from
 step to step), and it runs the same forward pass without sampling, so its collectives meet
 rank 0's. A heartbeat answers with a barrier; a shutdown message ends the loop; a
@@ -14,10 +14,10 @@ import time
 
 import torch
 
-from worker.distributed import ByteChannel, Collectives, startup_barrier
-from worker.executor import DeviceWorker
-from worker.step_codec import HEARTBEAT, PROBE, SHUTDOWN, STEP, decode_step, probe_rounds
-from worker.tp_executor import TIMINGS_KEPT, GroupFailedError
+from worker.exec.distributed import ByteChannel, Collectives, startup_barrier
+from worker.exec.executor import DeviceWorker
+from worker.exec.step_codec import HEARTBEAT, PROBE, SHUTDOWN, STEP, decode_step, probe_rounds
+from worker.exec.tp_executor import TIMINGS_KEPT, GroupFailedError
 
 
 class TPWorker:

@@ -27,8 +27,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from worker.model_config import ModelConfig
-from worker.model_loader import check_coverage, checkpoint_names, load_one
+from worker.model.model_config import ModelConfig
+from worker.model.model_loader import check_coverage, checkpoint_names, load_one
 
 # GGUF's `general.architecture` values that our Llama-family model covers.
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
@@ -94,7 +94,7 @@ def load_gguf_weights(model: nn.Module, path: str | Path, config: ModelConfig) -
 class GGUFTensorSlice:
     """One GGUF tensor as a lazy (out, in) torch tensor: `[rows]`, `[:, cols]` and `[:]` read
     and dequantize only what they cover, to float32. This is the interface of a safetensors
-    slice, which the parallel layers' weight loaders take (worker/layers/linear.py).
+    slice, which the parallel layers' weight loaders take (worker/model/layers/linear.py).
 
     `heads`: the tensor is a Llama q or k projection (weight or bias) stored with each head's
     rows interleaved, as (head_dim / 2, 2), by llama.cpp; they come back as (2, head_dim / 2).

@@ -13,14 +13,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.registry import AttentionBackend
-from worker.attention_metadata import AttentionMetadata
-from worker.distributed import Collectives, SingleRank
-from worker.layers.attention import PagedAttention
-from worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from worker.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from worker.layers.norm import RMSNorm
-from worker.layers.rotary import RotaryEmbedding, apply_rotary
-from worker.model_config import ModelConfig
+from worker.exec.attention_metadata import AttentionMetadata
+from worker.exec.distributed import Collectives, SingleRank
+from worker.model.layers.attention import PagedAttention
+from worker.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from worker.model.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
+from worker.model.layers.norm import RMSNorm
+from worker.model.layers.rotary import RotaryEmbedding, apply_rotary
+from worker.model.model_config import ModelConfig
 
 
 class LlamaAttention(nn.Module):

@@ -1,6 +1,6 @@
 """Model architectures, by Hugging Face architecture name."""
 
-from worker.models.llama import LlamaForCausalLM
+from worker.model.models.llama import LlamaForCausalLM
 
 # HF architecture name -> our class; Mistral and Qwen2/3 are Llama with a few switches.
 MODEL_REGISTRY = {

@@ -12,7 +12,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from worker.block_pool import Block, FreeBlockQueue
+from worker.engine.block_pool import Block, FreeBlockQueue
+from worker.engine.request import Request
 from worker.hashing import BlockHasher
 from worker.kv_events import (
     AllBlocksCleared,
@@ -21,7 +22,6 @@ from worker.kv_events import (
     KVEventSink,
     discard_events,
 )
-from worker.request import Request
 
 
 def cdiv(a: int, b: int) -> int:

@@ -1,5 +1,5 @@
 """Load a Llama-family model from a Hugging Face model directory (config.json + safetensors)
-or from a GGUF file (worker/gguf_loader.py).
+or from a GGUF file (worker/model/gguf_loader.py).
 
 Each rank opens the safetensors files lazily and reads only its slices of each tensor
 (`safe_open(...).get_slice`), so a tensor-parallel rank never materialises other ranks'
@@ -22,11 +22,11 @@ from torch import nn
 from transformers import AutoConfig
 
 from kernels.registry import AttentionBackend, get_backend
-from worker.distributed import Collectives
-from worker.layers.linear import default_weight_loader
-from worker.model_config import SUPPORTED_ARCHITECTURES, ModelConfig
+from worker.exec.distributed import Collectives
+from worker.model.layers.linear import default_weight_loader
+from worker.model.model_config import SUPPORTED_ARCHITECTURES, ModelConfig
+from worker.model.models import MODEL_REGISTRY
 from worker.model_source import is_gguf
-from worker.models import MODEL_REGISTRY
 
 # HF suffix -> (our suffix, shard id)
 _MERGED = {
@@ -61,7 +61,7 @@ def load_model(
     model = MODEL_REGISTRY[config.architecture](config, collectives, attention_backend)
     model = model.to(device=device, dtype=torch_dtype).eval()
     if is_gguf(model_dir):
-        from worker.gguf_loader import load_gguf_weights
+        from worker.model.gguf_loader import load_gguf_weights
 
         load_gguf_weights(model, model_dir, config)
     else:
@@ -73,7 +73,7 @@ def read_model_config(model_dir: str | Path) -> ModelConfig:
     """config.json (and generation_config.json's eos ids), or a GGUF file's metadata ->
     ModelConfig with id and revision."""
     if is_gguf(model_dir):
-        from worker.gguf_loader import read_gguf_config
+        from worker.model.gguf_loader import read_gguf_config
 
         return read_gguf_config(model_dir)
     model_dir = Path(model_dir)

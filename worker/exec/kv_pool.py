@@ -8,10 +8,11 @@ head_dim) in the KV dtype. An 8-bit cache holds codes and their scales (kernels/
   token may have; on the real model they left several times the error in the next-token
   distribution (benchmarks/RESULTS.md), to save 2 bytes in 2 + head_dim.
 - fp8 (float8 e4m3): one float32 scale per layer for K and one for V, calibrated once at
-  start-up (worker/kv_calibration.py). A float8 code carries its exponent,
-  so its relative error is the same across its range and the scale only has to place the
-  range; finer scales measured little better (a per-token float8 cache would cost int8's bytes
-  for several times int8's error), and one scale per tensor keeps float8's bytes at head_dim.
+  start-up (worker/exec/kv_calibration.py). A float8 code carries its exponent, so its
+  relative error is the same across its range and the scale only has to place the range;
+  finer scales measured little better (benchmarks/RESULTS.md, scale granularity: a per-token
+  float8 cache would cost int8's bytes for several times int8's error), and one scale per
+  tensor keeps float8's bytes at head_dim.
 
 Under tensor parallelism int8's scales shard with their heads; float8's are the group's (the
 calibration takes the largest absmax over the ranks), so neither depends on the split.
@@ -36,7 +37,7 @@ import torch
 
 from kernels.kv_quant import FP8_E4M3, TENSOR_SCALE_DTYPE, TOKEN_SCALE_DTYPE, is_quantized
 from worker.config import KV_CACHE_DTYPES, CacheConfig
-from worker.model_config import ModelConfig
+from worker.model.model_config import ModelConfig
 
 CPU_DEFAULT_KV_MEMORY = 1 << 30  # 1 GiB: a CPU pool must leave the host room to work
 _KV_DTYPES = {
