@@ -29,7 +29,7 @@ import time
 import torch
 
 from pagefleet.llm import engine_config
-from worker.engine import LLMEngine
+from worker.engine.llm_engine import LLMEngine
 from worker.sampling_params import SamplingParams
 
 PROMPT = 16  # tokens: one block

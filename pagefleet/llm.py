@@ -7,8 +7,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from worker.chat import render_chat, render_chat_text
-from worker.config import CacheConfig, SchedulerConfig
-from worker.engine.llm_engine import EngineConfig, LLMEngine, load_tokenizer
+from worker.config import CacheConfig, EngineConfig, SchedulerConfig
+from worker.engine.llm_engine import LLMEngine, load_tokenizer
 from worker.model_source import resolve_model
 from worker.outputs import RequestOutput, merge_completions
 from worker.protocol import GenerationRequest
