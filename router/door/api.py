@@ -20,12 +20,15 @@ from router.door.serving import (
     request_salt,
     tokenize,
 )
-from worker.sampling_params import shown
+from router.router import RouteRequest
+from worker.outputs import TokenLogprobs
+from worker.protocol import Resume
+from worker.sampling_params import SamplingParams, shown
 from worker.token_ids import CheckedIds, first_outside
 
 if TYPE_CHECKING:
     from cluster.group import GroupStatus
-    from router.router import ModelInfo, Router, RouteRecord, RouteRequest
+    from router.router import ModelInfo, Router, RouteRecord
     from worker.outputs import RequestOutput
 
 _REQUEST_ID = re.compile(r"[A-Za-z0-9_.:\-]{1,128}")
@@ -45,8 +48,6 @@ async def route_request(
     chat prompts are tokenized on a worker thread: a long one must not stall the event loop,
     which serves every other call (health checks included). `key_tenant`: the tenant of the
     call's API key, when keys are configured (see `cache_salt`)."""
-    from router.router import RouteRequest
-
     if request.request_id and not _REQUEST_ID.fullmatch(request.request_id):
         raise invalid(f"request_id must match {_REQUEST_ID.pattern}, got {shown(request.request_id)}")  # fmt: skip
     if request.output_kind not in pb.OutputKind.values():
@@ -68,9 +69,6 @@ def resume_from(msg: pb.ResumeFrom, params, vocab_size: int):
     """The `Resume` of a stream continued from another router (what it had delivered),
     checked: 1 to max_tokens - 1 tokens in the vocabulary, a text length >= 0, and one logprob
     per token exactly when the request asks for logprobs."""
-    from worker.outputs import TokenLogprobs
-    from worker.protocol import Resume
-
     n = len(msg.token_ids)
     if not 0 < n < params.max_tokens:
         raise invalid(f"resume.token_ids has {n} tokens; give 1 to max_tokens - 1 ({params.max_tokens - 1})")  # fmt: skip
@@ -91,8 +89,6 @@ def resume_from(msg: pb.ResumeFrom, params, vocab_size: int):
 
 def sampling_params(msg: pb.SamplingParams):
     """`SamplingParams` from the fields the client set; its ValueError names the field."""
-    from worker.sampling_params import SamplingParams
-
     values = {}
     for name in _SAMPLING_FIELDS:
         field = msg.DESCRIPTOR.fields_by_name[name]

@@ -22,11 +22,12 @@ from router.door.openai_protocol import (
     CompletionRequest,
 )
 from router.door.serving import check_context, invalid, request_salt, tokenize
+from router.router import RouteRequest
+from worker.sampling_params import SamplingParams
 from worker.token_ids import CheckedIds, first_outside
 
 if TYPE_CHECKING:
-    from router.router import Router, RouteRequest
-    from worker.sampling_params import SamplingParams
+    from router.router import Router
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for completions (chat's: up to the context)
 # SamplingParams' fields that a body sets under the same name.
@@ -104,8 +105,6 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict]:
 
 def sampling_params(body, max_tokens: int | None, max_field: str, logprobs, logprobs_field: str):
     """`SamplingParams` of the body; its ValueError becomes a 400 naming the body's field."""
-    from worker.sampling_params import SamplingParams
-
     if body.logit_bias:
         raise invalid("logit_bias is not supported", "logit_bias")
     values = {k: getattr(body, k) for k in _SAME_NAMES if getattr(body, k) is not None}
@@ -125,7 +124,6 @@ def sampling_params(body, max_tokens: int | None, max_field: str, logprobs, logp
 
 
 def _routes(body, prompts, params: SamplingParams, limit_field, router, request_id, tenant) -> Routes:  # fmt: skip
-    from router.router import RouteRequest
 
     if body.stream_options is not None and not body.stream:
         raise invalid("stream_options is only allowed with stream: true", "stream_options")

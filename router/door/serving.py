@@ -16,13 +16,16 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from cluster.index import PrefixIndexError
 from router.door.metrics import Unobserved
+from router.router import NoGroupAvailableError, PromptTooLongError, RouteRequest
 from worker.hashing import cache_namespace
+from worker.protocol import EngineDeadError, QueueFullError
 from worker.token_ids import CheckedIds
 
 if TYPE_CHECKING:
     from router.door.metrics import ServerMetrics
-    from router.router import Router, RouteRecord, RouteRequest
+    from router.router import Router, RouteRecord
     from worker.outputs import RequestOutput
 
 log = logging.getLogger(__name__)
@@ -109,8 +112,6 @@ async def tokenize(
     """The token ids of `text` or chat `messages` (rendered with the model's chat template),
     computed on a worker thread after the checks that refuse at once what cannot fit the
     context: a long prompt must not stall the event loop, which serves every other call."""
-    from router.router import PromptTooLongError, RouteRequest
-
     if messages is not None:
         check_message_count(len(messages), router.model_info.max_model_len)
     request = RouteRequest(prompt=text, messages=messages)
@@ -203,10 +204,6 @@ async def outputs(
 
 def error_code(e: Exception) -> grpc.StatusCode:
     """The status an error from the router or a group is answered with."""
-    from cluster.index import PrefixIndexError
-    from router.router import NoGroupAvailableError
-    from worker.protocol import EngineDeadError, QueueFullError
-
     if isinstance(e, Reject):
         return e.code
     if isinstance(e, ValueError):
@@ -220,8 +217,6 @@ def error_code(e: Exception) -> grpc.StatusCode:
 
 def status_for(e: Exception, request_id: str) -> tuple[grpc.StatusCode, str]:
     """A status and a message for an error from the router or a group; never a traceback."""
-    from router.router import NoGroupAvailableError
-
     code = error_code(e)
     if isinstance(e, Reject):
         return code, e.message
