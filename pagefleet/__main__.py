@@ -1,7 +1,5 @@
 """`python -m pagefleet`: the `pagefleet` command."""
 
-import sys
+from pagefleet.cli import entry
 
-from pagefleet.cli import main
-
-sys.exit(main())
+entry()

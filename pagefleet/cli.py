@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
@@ -212,7 +214,6 @@ def serve_config(args: argparse.Namespace):
 def run_serve(args: argparse.Namespace) -> int:
     """Serve until SIGTERM or Ctrl-C."""
     import asyncio
-    import logging
 
     from router.serve import ServeError, serve
     from worker.model_source import DEFAULT, default_model_path
@@ -223,6 +224,8 @@ def run_serve(args: argparse.Namespace) -> int:
     if config.role == "all" and config.model in (None, DEFAULT):
         default_model_path()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    global _LEAVE_AT_ONCE
+    _LEAVE_AT_ONCE = True  # (see `entry`)
     try:
         return asyncio.run(serve(config, _engine_config))
     except ServeError as e:
@@ -422,6 +425,24 @@ def build_parser() -> argparse.ArgumentParser:
         command.add_arguments(sub)
         sub.set_defaults(_command=command, _parser=sub)
     return parser
+
+
+_LEAVE_AT_ONCE = False  # a server ran in this process and has stopped
+
+
+def entry() -> None:
+    """The `pagefleet` command (`python -m pagefleet` too): `main`, then exit with its code.
+    A server, once stopped (its streams drained, its groups and Ray runtime shut down), leaves
+    at once: the interpreter's own shutdown would only add the leak report of Triton's
+    bindings, which torch loads (nanobind lists every object it still holds: dozens of lines
+    that say nothing about pagefleet)."""
+    code = main()
+    if _LEAVE_AT_ONCE:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
