@@ -224,8 +224,8 @@ def run_serve(args: argparse.Namespace) -> int:
     if config.role == "all" and config.model in (None, DEFAULT):
         default_model_path()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    global _LEAVE_AT_ONCE
-    _LEAVE_AT_ONCE = True  # (see `entry`)
+    global _SERVED
+    _SERVED = True  # (see `entry`)
     try:
         return asyncio.run(serve(config, _engine_config))
     except ServeError as e:
@@ -427,21 +427,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-_LEAVE_AT_ONCE = False  # a server ran in this process and has stopped
+_SERVED = False  # a server ran in this process (and has stopped once main returns)
 
 
 def entry() -> None:
     """The `pagefleet` command (`python -m pagefleet` too): `main`, then exit with its code.
-    A server, once stopped (its streams drained, its groups and Ray runtime shut down), leaves
-    at once: the interpreter's own shutdown would only add the leak report of Triton's
-    bindings, which torch loads (nanobind lists every object it still holds: dozens of lines
-    that say nothing about pagefleet)."""
+    Once a server has stopped (its streams drained, its groups and Ray runtime shut down and
+    its last line printed), what the interpreter's shutdown would still write to stderr is
+    only the leak report of Triton's bindings, which torch loads (nanobind lists every object
+    it still holds: dozens of lines that say nothing about pagefleet); it goes to /dev/null.
+    Exit handlers run as usual."""
     code = main()
-    if _LEAVE_AT_ONCE:
+    if _SERVED:
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(code)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 2)
     sys.exit(code)
 
 

@@ -151,7 +151,7 @@ def test_sigterm_drains_in_flight_requests_then_exits(served):
     assert len(ids) == 40 and last.finish_reason == 2  # FINISH_REASON_LENGTH
     assert proc.wait(60) == 0, log.read_text()
     assert "stopped" in log.read_text()
-    assert "leaked" not in log.read_text()  # a stopped server leaves without Triton's report
+    assert "leaked" not in log.read_text()  # no report of Triton's bindings after "stopped"
     with pytest.raises(grpc.RpcError) as err:
         client.generate("too late", max_tokens=1, timeout=5)
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE

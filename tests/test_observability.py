@@ -36,11 +36,14 @@ DEPLOY = ROOT / "deploy"
 PROMETHEUS = shutil.which("prometheus")
 READY_S = 300  # a local Ray runtime and a group, on a busy 2-core machine
 RATE_WINDOW = "1m"  # stands for Grafana's $__rate_interval
-# One group of 64 blocks of 16 tokens: five requests of 160 + 320 tokens at once need 150
-# blocks, so they fill the cache and preempt one another.
-ENGINE = ["--num-blocks", "64", "--max-model-len", "512", "--max-num-seqs", "5",
-          "--max-waiting", "4"]  # fmt: skip
-LONG_REQUESTS = 5
+# One group of 40 blocks of 16 tokens, and 24 requests at once of 16 + 112 tokens (8 blocks each
+# at their end): 192 blocks of demand, in pieces small enough that the running requests keep the
+# cache over 90% full for seconds (larger ones leave whole requests' worth of blocks free
+# between them), preempting one another as they grow. The queue bound is far above them.
+ENGINE = ["--num-blocks", "40", "--max-model-len", "512", "--max-num-seqs", "32",
+          "--max-waiting", "64"]  # fmt: skip
+LONG_REQUESTS = 24
+LONG_TOKENS = 112
 
 pytestmark = pytest.mark.skipif(
     PROMETHEUS is None, reason="needs Debian's prometheus package (scripts/install.sh --test)"
@@ -135,7 +138,7 @@ def stack(tmp_path_factory):
 
 
 def demo_run(client) -> None:
-    """`pagefleet demo` (one document, eight questions as chat), then five long requests at once
+    """`pagefleet demo` (one document, eight questions as chat), then 24 requests at once
     (the cache fills, requests are preempted) and one the client cancels after two tokens."""
     demo = subprocess.run(
         [sys.executable, "-m", "pagefleet", "demo", "--server", client.target, "--max-tokens", "6"],
@@ -144,12 +147,12 @@ def demo_run(client) -> None:
     assert demo.returncode == 0, demo.stdout + demo.stderr
 
     def long_request(i: int):
-        ids = [(37 * i + 11 * k) % 1000 + 1 for k in range(160)]
-        return client.generate(token_ids=ids, max_tokens=320, temperature=0.0, ignore_eos=True)
+        ids = [(37 * i + 11 * k) % 1000 + 1 for k in range(16)]
+        return client.generate(token_ids=ids, max_tokens=LONG_TOKENS, temperature=0.0, ignore_eos=True)  # fmt: skip
 
     with ThreadPoolExecutor(LONG_REQUESTS) as pool:
         done = list(pool.map(long_request, range(LONG_REQUESTS)))
-    assert all(d.completion_tokens == 320 for d in done)
+    assert all(d.completion_tokens == LONG_TOKENS for d in done)
     stream = client.generate_stream(token_ids=list(range(1, 60)), max_tokens=300)
     for _, _chunk in zip(range(2), stream, strict=False):
         pass
