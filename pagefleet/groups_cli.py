@@ -41,13 +41,27 @@ def add_groups_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_groups(args: argparse.Namespace) -> int:
     """Start, show, drain or stop the cluster's groups."""
-    from cluster.ray.runtime import RayStartError, cluster_namespace, ensure_ray
-    from cluster.ray.supervisor import start_groups, stop_groups, the_supervisor
-
     if args.action == "start" and not args.redis:
         raise ValueError("groups start needs --redis: routers of other processes find the blocks there")  # fmt: skip
     if args.action == "drain" and not args.group:
         raise ValueError("groups drain needs the group to drain, e.g. group-0")
+    # Ray's driver prints the cluster's events (a node marked dead, ...) to stdout from a thread
+    # of its own, at any moment: they go to stderr, and stdout carries only this command's
+    # output (`--json` stays one JSON document for a script to read).
+    out, sys.stdout = sys.stdout, sys.stderr
+    try:
+        return _run(args, out)
+    finally:
+        from cluster.ray.runtime import ray
+
+        ray.shutdown()  # (its printing thread stops here)
+        sys.stdout = out
+
+
+def _run(args: argparse.Namespace, out) -> int:
+    from cluster.ray.runtime import RayStartError, cluster_namespace, ensure_ray
+    from cluster.ray.supervisor import start_groups, stop_groups, the_supervisor
+
     try:
         ensure_ray(args.address, namespace=cluster_namespace(args.cluster))
     except RayStartError as e:
@@ -60,7 +74,7 @@ def run_groups(args: argparse.Namespace) -> int:
             infos = start_groups(_spec(args), args.timeout)
         elif args.action == "stop":
             stop_groups()
-            print(f"pagefleet groups: stopped the groups of {args.cluster}")
+            print(f"pagefleet groups: stopped the groups of {args.cluster}", file=out)
             return 0
         elif args.action == "drain":
             info = ray.get(the_supervisor().drain.remote(args.group, args.timeout))
@@ -72,7 +86,7 @@ def run_groups(args: argparse.Namespace) -> int:
         cause = getattr(e, "cause", None) or e
         print(f"pagefleet groups: error: {type(cause).__name__}: {cause}", file=sys.stderr)
         return 1
-    _print(infos, args.json)
+    _print(infos, args.json, out)
     return 0
 
 
@@ -98,7 +112,7 @@ def _spec(args: argparse.Namespace):
     )  # fmt: skip
 
 
-def _print(infos, as_json: bool) -> None:
+def _print(infos, as_json: bool, out) -> None:
     rows = [
         {"group": i.group_id, "state": i.state, "generation": i.generation,
          "restarts": i.restarts, "nodes": [r.get("node_id", "") for r in i.ranks],
@@ -106,9 +120,9 @@ def _print(infos, as_json: bool) -> None:
         for i in infos
     ]  # fmt: skip
     if as_json:
-        print(json.dumps(rows))
+        print(json.dumps(rows), file=out)
         return
     for r in rows:
         error = f"  ({r['error']})" if r["error"] else ""
         nodes = ",".join(sorted({n[:8] for n in r["nodes"]}))
-        print(f"{r['group']}: {r['state']}, generation {r['generation']}, {r['restarts']} restart(s), nodes {nodes}{error}")  # fmt: skip
+        print(f"{r['group']}: {r['state']}, generation {r['generation']}, {r['restarts']} restart(s), nodes {nodes}{error}", file=out)  # fmt: skip
