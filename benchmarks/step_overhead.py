@@ -14,8 +14,8 @@ detokenizing, output processing. With 1, 64 and 256 requests decoding, after the
   forward the engine does not yet prepare step N+1 during step N's forward, so the gap is the
   overhead).
 
-One JSON line per (forward, running) case; the goals are the issue's (overhead <= 0.5 ms at 256
-running; gap <= 0.1 ms p50 at 256 with a 5 ms forward, which needs the overlap).
+One JSON line per (forward, running) case. The goals: overhead <= 0.5 ms at 256
+running; gap <= 0.1 ms p50 at 256 with a 5 ms forward, which needs the overlap.
 """
 
 from __future__ import annotations

@@ -30,7 +30,13 @@ from router.placement import Ledger, Placement, Policy, make_policy
 from worker.chat import check_messages, render_chat
 from worker.hashing import BlockHasher
 from worker.outputs import RequestMetrics, RequestOutput
-from worker.protocol import EngineDeadError, GenerationRequest, QueueFullError, Resume
+from worker.protocol import (
+    EngineDeadError,
+    GenerationRequest,
+    ModelFacts,
+    QueueFullError,
+    Resume,
+)
 from worker.sampling_params import SamplingParams
 from worker.token_ids import check_token_ids
 
@@ -59,6 +65,14 @@ class ModelInfo:
     kv_cache_dtype: str
     vocab_size: int
     eos_token_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def of(cls, name: str, facts: ModelFacts) -> ModelInfo:
+        return cls(
+            model=name, max_model_len=facts.max_model_len, block_size=facts.fingerprint.block_size,
+            kv_cache_dtype=facts.fingerprint.kv_cache_dtype, vocab_size=facts.vocab_size,
+            eos_token_ids=facts.eos_token_ids,
+        )  # fmt: skip
 
 
 @dataclass
@@ -103,7 +117,7 @@ class _Stream:
         resume)."""
         self.tokens: list[int] = list(resume.token_ids) if resume else []
         self.text_sent = resume.text_sent if resume else 0
-        self.text = ""  # the text passed through this router (a resumed one's lacks the start)
+        self.texts: list[str] = []  # the text passed through this router, piece by piece
         self.logprobs: list = list(resume.logprobs) if resume else []
         self.metrics: RequestMetrics | None = None  # the first group's: TTFT, queue time
         self.resumes = int(resume is not None)
@@ -117,19 +131,21 @@ class _Stream:
         return Resume(tuple(self.tokens), self.text_sent, tuple(self.logprobs))
 
     def passed(self, out: RequestOutput) -> RequestOutput:
-        """`out`, counted as passed to the caller; after a resume, with the whole output so
-        far (a group that resumed it may hold only what it generated itself) and the first
+        """`out`, counted as passed to the caller; after a resume, the last one with the whole
+        output (a group that resumed it may hold only what it generated itself: the deltas
+        before are the caller's, the whole output is read at the end) and each with the first
         group's timings (arrival, first token), the ones the caller saw."""
         self.tokens += out.new_token_ids
         self.text_sent += len(out.new_text)
-        self.text += out.new_text
+        self.texts.append(out.new_text)
         self.logprobs += out.new_logprobs or ()
-        if self.resumes:
+        if self.resumes and out.finished:
             c = out.outputs[0]
+            asked = c.logprobs is not None
             whole = replace(
-                c, token_ids=list(self.tokens), text=self.text,
-                logprobs=None if c.logprobs is None else list(self.logprobs),
-                cumulative_logprob=None if c.logprobs is None else sum(lp.logprob for lp in self.logprobs),
+                c, token_ids=list(self.tokens), text="".join(self.texts),
+                logprobs=list(self.logprobs) if asked else None,
+                cumulative_logprob=sum(lp.logprob for lp in self.logprobs) if asked else None,
             )  # fmt: skip
             out = replace(out, outputs=[whole, *out.outputs[1:]])
         if self.metrics is None:

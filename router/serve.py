@@ -290,16 +290,16 @@ def router_side(engine_config, name: str):
     from router.router import ModelInfo
     from worker.engine.llm_engine import block_hasher, load_tokenizer
     from worker.model.model_loader import read_model_config
+    from worker.protocol import ModelFacts
 
     mc = read_model_config(engine_config.model)
     hasher = block_hasher(engine_config, mc)
     max_len = mc.max_position_embeddings
-    info = ModelInfo(
-        model=name, max_model_len=min(engine_config.max_model_len or max_len, max_len),
-        block_size=engine_config.cache.block_size, kv_cache_dtype=hasher.fingerprint.kv_cache_dtype,
-        vocab_size=mc.vocab_size, eos_token_ids=tuple(mc.eos_token_ids),
+    facts = ModelFacts(
+        hasher.fingerprint, min(engine_config.max_model_len or max_len, max_len), mc.vocab_size,
+        tuple(mc.eos_token_ids), tokenizer_files=None,
     )  # fmt: skip
-    return hasher, load_tokenizer(engine_config.model), info
+    return hasher, load_tokenizer(engine_config.model), ModelInfo.of(name, facts)
 
 
 def router_side_of(facts, engine_config, name: str):
@@ -310,12 +310,7 @@ def router_side_of(facts, engine_config, name: str):
     from worker.hashing import BlockHasher
 
     hasher = BlockHasher(cluster_secret(engine_config.cluster_secret), facts.fingerprint)
-    info = ModelInfo(
-        model=name, max_model_len=facts.max_model_len, block_size=facts.fingerprint.block_size,
-        kv_cache_dtype=facts.fingerprint.kv_cache_dtype, vocab_size=facts.vocab_size,
-        eos_token_ids=facts.eos_token_ids,
-    )  # fmt: skip
-    return hasher, facts.tokenizer(), info
+    return hasher, facts.tokenizer(), ModelInfo.of(name, facts)
 
 
 def _local_groups(config, make_engine_config, options, index) -> list:

@@ -140,8 +140,8 @@ class RankActor:
             self.worker.init_pool()
             layout = self.worker.layout
         # What is built by now (model, pool, tokenizer) lives as long as the rank: hidden from
-        # the garbage collector, a full collection no longer walks it (a pause of hundreds of
-        # milliseconds in a step with hundreds of requests: benchmarks/step_overhead.py).
+        # the garbage collector, a full collection no longer walks it (it would pause a step;
+        # benchmarks/RESULTS.md, "Engine time per step").
         gc.collect()
         gc.freeze()
         ctx = ray.get_runtime_context()

@@ -181,7 +181,7 @@ class RequestObserver:
         now = time.perf_counter()
         if self.record is not None and self.measured != self.placements:
             self._count_cached(out)
-        new = len(out.token_ids) - self.tokens  # a resumed group re-sends none of the earlier
+        new = len(out.new_token_ids)  # (a resumed request's earlier tokens are not new)
         if new > 0:
             if self.last is None:
                 self._first_token(out, now)
