@@ -11,6 +11,10 @@ that forked them exits, not the process: a runtime started on a short-lived thre
 seconds after that thread ends, while the driver goes on as if nothing happened until it next
 needs the object store or the GCS. `ensure_ray` refuses to start one anywhere else.
 
+A local start that times out (Ray gives its raylet 30 s to register with the GCS, a limit it
+does not let anyone change, and a loaded two-core host was seen to miss it) is tried again, up
+to LOCAL_START_ATTEMPTS times, after the processes the failed attempt started are killed.
+
 Joining a cluster that uses token authentication (what `ray start --head` does wherever a token
 exists): when the cluster refuses this process for want of a token, token mode is turned on and
 the join tried again, with the token read as Ray documents it, from RAY_AUTH_TOKEN,
@@ -19,6 +23,8 @@ RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token; without one, the error says what to pr
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import threading
 
@@ -29,6 +35,10 @@ import ray  # noqa: E402  (after the environment above)
 LOCAL_OBJECT_STORE_BYTES = 200 << 20  # outputs are small; a CPU host needs its memory
 LOOPBACK = "127.0.0.1"
 AUTH_MODE_ENV = "RAY_AUTH_MODE"
+LOCAL_START_ATTEMPTS = 3
+START_TIMED_OUT = "timed out during startup"  # the words of Ray's error when its raylet is late
+
+logger = logging.getLogger(__name__)
 
 
 class RayStartError(RuntimeError):
@@ -65,16 +75,49 @@ def _start_local(num_cpus: int | None, resources: dict[str, float] | None, names
             "killed when the thread that started them exits); call ensure_ray() from the main "
             "thread before starting work on other threads"
         )
-    ray.init(
-        address="local",
-        num_cpus=num_cpus,
-        resources=resources,
-        include_dashboard=False,
-        object_store_memory=LOCAL_OBJECT_STORE_BYTES,
-        _node_ip_address=LOOPBACK,
-        log_to_driver=False,
-        namespace=namespace,
-    )
+    for attempt in range(1, LOCAL_START_ATTEMPTS + 1):
+        before = _child_pids()
+        try:
+            ray.init(
+                address="local",
+                num_cpus=num_cpus,
+                resources=resources,
+                include_dashboard=False,
+                object_store_memory=LOCAL_OBJECT_STORE_BYTES,
+                _node_ip_address=LOOPBACK,
+                log_to_driver=False,
+                namespace=namespace,
+            )
+            return
+        except Exception as e:
+            if START_TIMED_OUT not in str(e) or attempt == LOCAL_START_ATTEMPTS:
+                raise
+            killed = _kill_children_except(before)
+            logger.warning(
+                "the local Ray runtime did not come up (%s); killed the %d processes it "
+                "started and trying again (attempt %d of %d)",
+                e, killed, attempt + 1, LOCAL_START_ATTEMPTS,
+            )  # fmt: skip
+
+
+def _child_pids() -> set[int]:
+    import psutil
+
+    return {c.pid for c in psutil.Process().children(recursive=True)}
+
+
+def _kill_children_except(keep: set[int]) -> int:
+    """SIGKILL this process's descendants not in `keep` (what a failed ray.init left: its GCS,
+    raylet and their helpers, which would otherwise live on beside the next attempt's), and
+    wait for them; returns how many there were."""
+    import psutil
+
+    procs = [c for c in psutil.Process().children(recursive=True) if c.pid not in keep]
+    for proc in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.kill()
+    psutil.wait_procs(procs, timeout=10)
+    return len(procs)
 
 
 def _join(address: str, namespace: str | None) -> None:
