@@ -7,15 +7,20 @@ The built-in model's forward is replaced by one that does no work (`null`: zeros
 hidden states and the logits) or that only waits a fixed time (`fixed_5ms`, as a GPU's forward
 of a small model would take, the CPU free meanwhile), so that what remains of a step is the
 engine's: scheduling, block tables, input preparation, sampling and its bookkeeping,
-detokenizing, output processing. With 1, 64 and 256 requests decoding, after their prefill:
+detokenizing, output processing. With 1, 64 and 256 requests decoding, after their prefill,
+each without and with overlap (worker/exec/overlap.py: the next decode step's forward runs
+while the engine processes the last one's tokens):
 
-- overhead_ms: a step's wall time less its forward's, p50 and p99;
-- gap_ms: from the end of one forward to the start of the next, p50 and p99 (with a fixed-time
-  forward the engine does not yet prepare step N+1 during step N's forward, so the gap is the
-  overhead).
+- step_ms: the wall time of one `engine.step()`, p50 and p99;
+- overhead_ms: a step's wall time less its forward's (without overlap, the engine's own time
+  per step; with overlap, what of it the forward did not hide), p50 and p99;
+- gap_ms: from the end of one forward to the start of the next, p50 and p99 (what a device
+  would idle between two forwards; without overlap it is the overhead);
+- ahead_confirmed / ahead_discarded: forwards run ahead and adopted, or not (overlap only);
+- gap_vs_serial: this case's gap p50 over the same case's without overlap, same run.
 
-One JSON line per (forward, running) case. The goals: overhead <= 0.5 ms at 256
-running; gap <= 0.1 ms p50 at 256 with a 5 ms forward, which needs the overlap.
+One JSON line per (forward, running, overlap) case. The goals: overhead <= 0.5 ms at 256
+running; gap <= 0.1 ms p50 at 256 with a 5 ms forward, with overlap.
 """
 
 from __future__ import annotations
@@ -35,11 +40,19 @@ from worker.sampling_params import SamplingParams
 PROMPT = 16  # tokens: one block
 
 
+LOGITS = 32  # the emulated device's logits per row (see TimedForward)
+
+
 class TimedForward:
-    """Stands for the model in the runner: no work (or a fixed wait), timed."""
+    """Stands for the model in the runner: no work (or a fixed wait), timed.
+
+    On a GPU the LM head and the sampler's argmax are device work, done within the forward's
+    time; here the argmax over the model's 1,024 logits per row would cost ~0.3 ms of CPU per
+    step at 256 rows, so the emulated device hands back LOGITS logits per row (valid token
+    ids all the same), whose argmax takes microseconds, and what remains is the engine's."""
 
     def __init__(self, hidden_size: int, vocab_size: int, wait_s: float) -> None:
-        self.hidden_size, self.vocab, self.wait_s = hidden_size, vocab_size, wait_s
+        self.hidden_size, self.vocab, self.wait_s = hidden_size, min(vocab_size, LOGITS), wait_s
         self.spans: list[tuple[float, float]] = []
 
     def __call__(self, input_ids, positions, meta):
@@ -59,16 +72,18 @@ def pct(xs: list[float], q: float) -> float:
     return round(xs[min(len(xs) - 1, int(q * len(xs)))] * 1e3, 3)
 
 
-def run_case(forward: str, running: int, steps: int) -> dict:
+def run_case(forward: str, running: int, steps: int, overlap: bool) -> dict:
     engine = LLMEngine(engine_config(
         "builtin", num_blocks=running * (2 + (PROMPT + steps) // 16) + 16, max_num_seqs=running,
         max_num_batched_tokens=max(2048, running * PROMPT), max_model_len=PROMPT + steps + 64,
+        **({"overlap": True} if overlap else {}),
     ))  # fmt: skip
     gc.collect()
     gc.freeze()  # as a server does once loaded (router/serve.py: freeze_heap)
     runner = engine.executor.worker.runner
     mc = engine.model_config
-    timed = TimedForward(mc.hidden_size, mc.vocab_size, 0.005 if forward == "fixed_5ms" else 0.0)
+    wait_s = 0.005 if forward == "fixed_5ms" else 0.0
+    timed = TimedForward(mc.hidden_size, mc.vocab_size, wait_s)
     runner.model = timed
     params = SamplingParams(max_tokens=steps + 32, temperature=0.0, ignore_eos=True)
     for i in range(running):
@@ -79,35 +94,50 @@ def run_case(forward: str, running: int, steps: int) -> dict:
         r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running
     ):
         engine.step()
+    ahead = engine.executor.overlap
+    before = (ahead.confirmed, ahead.discarded) if ahead else (0, 0)
     timed.spans.clear()
     walls = []
     for _ in range(steps):
         t = time.perf_counter()
         engine.step()
         walls.append(time.perf_counter() - t)
-    spans = timed.spans
-    assert len(spans) == steps and all(len(r.output_token_ids) > 0 for r in engine.scheduler.running)  # fmt: skip
-    overhead = [w - (end - start) for w, (start, end) in zip(walls, spans, strict=True)]
+    spans = list(timed.spans)  # (with overlap, also a forward running ahead of the last step)
+    assert len(spans) >= steps and all(len(r.output_token_ids) > 0 for r in engine.scheduler.running)  # fmt: skip
+    engine.executor.shutdown()
+    forward_s = sorted(end - start for start, end in spans)[len(spans) // 2]
+    overhead = [w - forward_s for w in walls]
     gaps = [b[0] - a[1] for a, b in zip(spans, spans[1:], strict=False)]
     return {
         "bench": "step_overhead", "forward": forward, "running": running, "steps": steps,
+        "overlap": overlap,
+        "step_ms_p50": pct(walls, 0.5), "step_ms_p99": pct(walls, 0.99),
         "overhead_ms_p50": pct(overhead, 0.5), "overhead_ms_p99": pct(overhead, 0.99),
         "gap_ms_p50": pct(gaps, 0.5), "gap_ms_p99": pct(gaps, 0.99),
-        "overlap": False,
+        "ahead_confirmed": (ahead.confirmed - before[0]) if ahead else 0,
+        "ahead_discarded": (ahead.discarded - before[1]) if ahead else 0,
     }  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="fewer steps (smoke)")
+    p.add_argument("--running", default="1,64,256", help="comma-separated running counts")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     lines = []
+    runs = [int(r) for r in args.running.split(",")]
     for forward in ("null", "fixed_5ms"):
-        for running in (1, 64, 256):
-            line = run_case(forward, running, 20 if args.quick else 200)
-            print(json.dumps(line), flush=True)
-            lines.append(line)
+        for running in runs:
+            serial = None
+            for overlap in (False, True):
+                line = run_case(forward, running, 20 if args.quick else 200, overlap)
+                if serial is None:
+                    serial = line
+                else:
+                    line["gap_vs_serial"] = round(line["gap_ms_p50"] / max(serial["gap_ms_p50"], 1e-9), 3)  # fmt: skip
+                print(json.dumps(line), flush=True)
+                lines.append(line)
     return lines
 
 

@@ -277,17 +277,20 @@ def test_the_failover_benchmark_counts_tokens_repeated_and_missing():
 
 def test_step_overhead_benchmark_smoke():
     """benchmarks/step_overhead.py: every case runs its steps with every request decoding
-    (the benchmark asserts it) and reports a positive overhead and gap."""
+    (the benchmark asserts it) and reports a positive step time and gap; with overlap, forwards
+    ran ahead and were adopted."""
     out = subprocess.run(
-        [sys.executable, "-m", "benchmarks.step_overhead", "--quick"], cwd=ROOT,
-        capture_output=True, text=True, timeout=300,
+        [sys.executable, "-m", "benchmarks.step_overhead", "--quick", "--running", "1,64"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
     lines = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
-    assert [(x["forward"], x["running"]) for x in lines] == [
-        (f, n) for f in ("null", "fixed_5ms") for n in (1, 64, 256)
+    assert [(x["forward"], x["running"], x["overlap"]) for x in lines] == [
+        (f, n, o) for f in ("null", "fixed_5ms") for n in (1, 64) for o in (False, True)
     ]
-    assert all(x["overhead_ms_p50"] > 0 and x["gap_ms_p50"] > 0 for x in lines)
+    assert all(x["step_ms_p50"] > 0 and x["gap_ms_p50"] > 0 for x in lines)
+    assert all((x["ahead_confirmed"] > 0) == x["overlap"] for x in lines)
+    assert all("gap_vs_serial" in x for x in lines if x["overlap"])
 
 
 def test_the_gpu_check_script_says_it_needs_a_device_and_its_commands_parse():

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from worker.engine.detokenizer import IncrementalDetokenizer
+from worker.engine.detokenizer import IncrementalDetokenizer, byte_table
 from worker.sampling_params import SamplingParams
 
 TRAIN = [
@@ -26,12 +26,17 @@ TEXTS = [
 REPLACEMENT = "\ufffd"
 
 
-@pytest.fixture(scope="module")
-def tokenizer() -> PreTrainedTokenizerFast:
-    # A small vocabulary (256 bytes + ~40 merges) so that non-ASCII characters span tokens.
+@pytest.fixture(scope="module", params=["byte_table", "window"])
+def tokenizer(request) -> PreTrainedTokenizerFast:
+    """A small vocabulary (256 bytes + ~40 merges) so that non-ASCII characters span tokens.
+    Every test runs twice: on the byte table of a byte-level tokenizer, and on the decode
+    window, which a decoder of another kind gets (here the same decoder in a Sequence, which
+    decodes alike but is not recognised as byte-level)."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
+    if request.param == "window":
+        tok.decoder = decoders.Sequence([decoders.ByteLevel()])
     trainer = trainers.BpeTrainer(
         vocab_size=300,
         special_tokens=["<eos>", "<bos>"],
@@ -39,7 +44,9 @@ def tokenizer() -> PreTrainedTokenizerFast:
         show_progress=False,
     )
     tok.train_from_iterator(TRAIN, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", bos_token="<bos>")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", bos_token="<bos>")
+    assert (byte_table(fast, True) is not None) == (request.param == "byte_table")
+    return fast
 
 
 def encode(tokenizer, text: str) -> list[int]:
@@ -224,3 +231,13 @@ def test_a_resumed_output_streams_exactly_what_was_not_sent(tokenizer, cut):
     rest.append(second.flush())
     assert sent + "".join(rest) == "Stop here. "
     assert second.stop_matched == "END of"
+
+
+@settings(max_examples=150, deadline=None)
+@given(ids=st.lists(st.integers(0, 299), min_size=1, max_size=30), skip=st.booleans())
+def test_any_ids_stream_to_the_tokenizers_decode(tokenizer, ids, skip):
+    """Ids in any order (split and invalid UTF-8, special tokens): the streamed text is what
+    the tokenizer's own decode gives for them, on either path."""
+    detok = IncrementalDetokenizer(tokenizer, [], SamplingParams(), skip_special_tokens=skip)
+    streamed = "".join(detok.step([i]) for i in ids) + detok.flush()
+    assert streamed == tokenizer.decode(ids, skip_special_tokens=skip) == detok.text

@@ -22,6 +22,9 @@ class SchedulerConfig:
     policy: str = "fcfs"
     max_waiting: int = 4096  # beyond this, new requests are refused (QueueFullError)
     watermark: float = 0.01  # fraction of blocks kept free when admitting, against thrash
+    # start a decode step's forward before the last one's tokens are processed
+    # (worker/exec/overlap.py); None: on for a CUDA device, off on CPU
+    overlap: bool | None = None
 
     def __post_init__(self) -> None:
         _positive(self, "max_num_batched_tokens", "max_num_seqs", "max_model_len", "max_waiting")

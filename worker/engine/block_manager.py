@@ -153,13 +153,15 @@ class BlockManager:
         """
         rid = request.request_id
         new_ids = []
+        end = request.num_computed_tokens + num_new_tokens
         if num := self._blocks_to_grow(request, num_new_tokens):
             new_blocks = self._take_free(num)
             self.req_blocks[rid].extend(new_blocks)
             new_ids = [b.block_id for b in new_blocks]
             self._req_block_ids[rid].extend(new_ids)
-        if self.hasher is not None:
-            self._commit_full_blocks(request, request.num_computed_tokens + num_new_tokens)
+        # (most decode steps fill no block: skip the call then)
+        if self.hasher is not None and min(end, request.num_tokens) // self.block_size > self._num_committed[rid]:  # fmt: skip
+            self._commit_full_blocks(request, end)
         return new_ids
 
     # ---- release -----------------------------------------------------------------------

@@ -5,11 +5,20 @@ emits the difference (the approach of vLLM's `detokenize_incrementally`, TGI and
 TextStreamer), so the cost per token does not grow with the output. The window starts a few
 tokens before the text still to be read, because tokenizers render a token differently at the
 start of a text (SentencePiece drops the leading space) than in context.
+
+A byte-level BPE tokenizer (GPT-2's scheme, used by Llama 3, Qwen, SmolLM2 and the built-in
+model) renders a token the same wherever it stands: its text is the UTF-8 decoding of the
+concatenated bytes of the tokens. For those the bytes of every id are tabled once (from the
+tokenizer's own vocabulary, checked against its `decode` id by id) and a step is a table lookup
+fed to an incremental UTF-8 decoder, which holds back a character split across tokens and
+renders invalid bytes as U+FFFD as `decode` does: about a tenth of the two decode calls.
 """
 
 from __future__ import annotations
 
+import codecs
 import functools
+import weakref
 from collections.abc import Sequence
 
 from worker.sampling_params import SamplingParams
@@ -39,6 +48,9 @@ class IncrementalDetokenizer:
     ) -> None:
         self._tokenizer = tokenizer
         self._decode_ids = None if tokenizer is None else _decoder(tokenizer)
+        # byte-level tokenizers: each id's bytes, and a UTF-8 decoder fed with them
+        self._bytes = None if tokenizer is None else byte_table(tokenizer, skip_special_tokens)
+        self._utf8 = None if self._bytes is None else _UTF8(errors="replace")
         self._params = params
         self._skip_special = skip_special_tokens
         # Ids of the decode window: a little prompt context, then the output.
@@ -68,9 +80,12 @@ class IncrementalDetokenizer:
         """Add tokens; return the new text that is safe to emit (possibly "")."""
         if self._finished or self._tokenizer is None:
             return ""
-        self._ids.extend(new_token_ids)
         self._num_output += len(new_token_ids)
-        self._append(self._decode_new())
+        if self._bytes is not None:
+            self._append(self._decode_bytes(new_token_ids))
+        else:
+            self._ids.extend(new_token_ids)
+            self._append(self._decode_new())
         if self._stop_matched is not None:
             return self._take(hold=0)
         return self._take(hold=self._stop_prefix_len())
@@ -92,7 +107,9 @@ class IncrementalDetokenizer:
         if self._finished or self._tokenizer is None:
             self._finished = True
             return ""
-        if self._read_offset < len(self._ids):
+        if self._utf8 is not None:  # an incomplete character at the end becomes U+FFFD
+            self._append(self._utf8.decode(b"", final=True))
+        elif self._read_offset < len(self._ids):
             # Still incomplete at the end: emit it as decode() renders it (with U+FFFD).
             prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
             full = self._decode(self._ids[self._prefix_offset :])
@@ -104,6 +121,13 @@ class IncrementalDetokenizer:
 
     def _decode(self, ids: list[int]) -> str:
         return self._decode_ids(ids, skip_special_tokens=self._skip_special)
+
+    def _decode_bytes(self, ids: Sequence[int]) -> str:
+        table, n = self._bytes, len(self._bytes)
+        if len(ids) == 1:
+            i = ids[0]
+            return self._utf8.decode(table[i] if 0 <= i < n else b"")
+        return self._utf8.decode(b"".join(table[i] if 0 <= i < n else b"" for i in ids))
 
     def _decode_new(self) -> str:
         """Text added by the ids after `_read_offset`; "" while the tail is incomplete."""
@@ -207,3 +231,72 @@ def _base_decode():
     except ImportError:  # (transformers absent: a tokenizer of another kind)
         return None
     return PreTrainedTokenizerBase.decode
+
+
+_UTF8 = codecs.getincrementaldecoder("utf-8")
+_TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> {skip: table}
+
+
+def byte_table(tokenizer, skip_special_tokens: bool) -> list[bytes] | None:
+    """The bytes of every id of a byte-level BPE tokenizer (b"" for a special token skipped),
+    such that `decode(ids)` is the lossy UTF-8 decoding of their concatenation; None for
+    another kind of tokenizer, or one whose `decode` of some id says otherwise. Made once per
+    tokenizer and flag."""
+    try:
+        per_flag = _TABLES.setdefault(tokenizer, {})
+    except TypeError:  # (not weakly referenceable)
+        per_flag = {}
+    if skip_special_tokens not in per_flag:
+        per_flag[skip_special_tokens] = _make_byte_table(tokenizer, skip_special_tokens)
+    return per_flag[skip_special_tokens]
+
+
+def _make_byte_table(tokenizer, skip_special: bool) -> list[bytes] | None:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or type(backend.decoder).__name__ != "ByteLevel":
+        return None
+    if getattr(tokenizer, "clean_up_tokenization_spaces", False) and not (
+        type(backend.model).__name__ == "BPE"
+        and not getattr(
+            tokenizer,
+            "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output",
+            False,
+        )  # fmt: skip
+    ):  # transformers would clean the decoded text up
+        return None
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    # the alphabet's characters stand for the 256 bytes, in byte order (GPT-2's bytes_to_unicode)
+    char_byte = {c: b for b, c in enumerate(_gpt2_byte_chars())}
+    assert set(char_byte) == set(ByteLevel.alphabet())
+    size = backend.get_vocab_size(with_added_tokens=True)
+    table = [b""] * size
+    for token, i in backend.get_vocab(with_added_tokens=True).items():
+        if i < size:  # as the decoder: mapped bytes when every character maps, else UTF-8
+            mapped = [char_byte.get(c) for c in token]
+            table[i] = token.encode() if None in mapped else bytes(mapped)
+    for i, added in getattr(tokenizer, "added_tokens_decoder", {}).items():
+        if i < size and skip_special and added.special:
+            table[i] = b""
+    for i, raw in enumerate(table):  # the tokenizer's word, id by id, where it is whole text
+        try:
+            text = raw.decode()
+        except UnicodeDecodeError:
+            continue
+        if backend.decode([i], skip_special_tokens=skip_special) != text:
+            return None
+    return table
+
+
+@functools.cache
+def _gpt2_byte_chars() -> tuple[str, ...]:
+    """GPT-2's bytes_to_unicode: the printable character standing for each byte value."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]  # fmt: skip
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return tuple(chars[b] for b in range(256))

@@ -12,7 +12,7 @@ import torch
 
 from worker.config import EngineConfig, cluster_secret
 from worker.engine.block_manager import BlockManager
-from worker.engine.detokenizer import IncrementalDetokenizer
+from worker.engine.detokenizer import IncrementalDetokenizer, byte_table
 from worker.engine.request import Request, RequestStatus
 from worker.engine.scheduler import Scheduler, SchedulerOutput
 from worker.exec.executor import Executor, LocalExecutor
@@ -57,6 +57,8 @@ class LLMEngine:
             config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
         )
         self.tokenizer = load_tokenizer(config.model)
+        if self.tokenizer is not None:  # (made now rather than for the first request)
+            byte_table(self.tokenizer, skip_special_tokens=True)
         self.eos_token_ids = mc.eos_token_ids
         self.layout = self.executor.layout
 
@@ -160,17 +162,18 @@ class LLMEngine:
         self._flush_events()
         now = time.monotonic()
         for s in out.scheduled:
-            m = self._tracked[s.request.request_id].metrics
-            if m.first_scheduled_time is None:
-                m.first_scheduled_time = now
+            if s.is_new:  # (admitted, or back from preemption: scheduled before if so)
+                m = self._tracked[s.request.request_id].metrics
+                if m.first_scheduled_time is None:
+                    m.first_scheduled_time = now
         sampled = self.executor.execute(out)
-        tokens = {rid: tok for rid, (tok, _) in sampled.items()}
-        finished = {r.request_id for r in self.scheduler.update_from_output(out, tokens)}
-        by_id = {s.request.request_id: s.request for s in out.scheduled}
-        outputs = [
-            self._progress(by_id[rid], tok, lp, rid in finished)
-            for rid, (tok, lp) in sampled.items()
-        ]
+        finished = {r.request_id for r in self.scheduler.update_from_output(out, sampled)}
+        outputs = []
+        for s in out.scheduled:
+            req = s.request
+            entry = sampled.get(req.request_id)
+            if entry is not None:
+                outputs.append(self._progress(req, *entry, req.request_id in finished))
         self._flush_events()
         return outputs
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from worker.config import SchedulerConfig
@@ -14,7 +14,7 @@ from worker.engine.request import Request, RequestStatus
 from worker.protocol import QueueFullError
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledRequest:
     """One request's share of a step. Filled by the scheduler; read by the model runner."""
 
@@ -166,13 +166,16 @@ class Scheduler:
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         scheduled_ids: set[str] = set()
-        # Decodes first (stable sort keeps admission order within each kind).
-        for req in sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1):
+        # Decodes first, each kind in admission order.
+        decodes, others = [], []
+        for req in self.running:
+            (decodes if len(req.all_token_ids) - req.num_computed_tokens <= 1 else others).append(req)  # fmt: skip
+        for req in decodes + others if others else decodes:
             if budget == 0:
                 break
             if req.status != RequestStatus.RUNNING:  # preempted earlier in this step
                 continue
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = min(len(req.all_token_ids) - req.num_computed_tokens, budget)
             while not self.bm.can_append(req, n):
                 victim = self._pick_victim(exclude=scheduled_ids) or req
                 self._preempt(victim, out)
@@ -237,14 +240,19 @@ class Scheduler:
         out.preempted_ids.append(req.request_id)
 
     # ---- after the forward -------------------------------------------------------------
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Append each sampled token and apply the stop conditions; returns finished requests."""
+    def update_from_output(
+        self, out: SchedulerOutput, sampled: Mapping[str, int | tuple[int, object]]
+    ) -> list[Request]:
+        """Append each sampled token (request id -> token, or (token, its logprobs) as the
+        executor returns them) and apply the stop conditions; returns finished requests."""
         finished = []
         for s in out.scheduled:
             req = s.request
             token = sampled.get(req.request_id)
             if token is None or req.status != RequestStatus.RUNNING:
                 continue  # a prefill chunk that does not sample, or aborted meanwhile
+            if type(token) is tuple:
+                token = token[0]
             req.append_token(token)
             status = self._check_stop(req, token)
             if status is not None:

@@ -16,6 +16,7 @@ from worker.exec.distributed import Collectives, SingleRank
 from worker.exec.kv_calibration import calibrate_tensor_scales
 from worker.exec.kv_pool import KVLayout, KVPool, layout_for, num_blocks_from_memory
 from worker.exec.model_runner import ModelRunner, Sampled
+from worker.exec.overlap import OverlapRunner, wants_overlap
 from worker.model.model_config import ModelConfig
 from worker.model.model_loader import load_model
 
@@ -103,15 +104,25 @@ class LocalExecutor(Executor):
         self.worker = DeviceWorker(config)
         self.model_config = self.worker.model_config
         self.layout = self.worker.layout
+        self.overlap: OverlapRunner | None = None  # started with the pool (after profiling)
+        self._wants_overlap = wants_overlap(config.scheduler.overlap, self.worker.device)
 
     def determine_num_blocks(self) -> int:
         return self.worker.determine_num_blocks()
 
     def init_pool(self, num_blocks: int) -> None:
         self.worker.init_pool(num_blocks)
+        if self._wants_overlap:
+            self.overlap = OverlapRunner(self.worker.runner)
 
     def execute(self, out: SchedulerOutput) -> Sampled:
+        if self.overlap is not None:
+            return self.overlap.execute(out)
         return self.worker.execute(out)
+
+    def shutdown(self) -> None:
+        if self.overlap is not None:
+            self.overlap.close()
 
     @property
     def pool_bytes(self) -> int:

@@ -23,7 +23,7 @@ import torch
 
 from worker.engine.scheduler import SchedulerOutput
 from worker.exec.attention_metadata import AttentionMetadata
-from worker.exec.sampler import Sampler, SamplingRow
+from worker.exec.sampler import Sampler, SampleResult, SamplingRow
 from worker.exec.step_codec import BlockTable, FlatStep, RowPlanner
 from worker.outputs import TokenLogprobs
 
@@ -237,32 +237,60 @@ class ModelRunner:
         if not step.num_seqs:
             return {}
         inputs = self.prepare(step)
-        self.forward_started = time.perf_counter()
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)  # (T, hidden)
-        sampled = self._sample(step, inputs, hidden, out) if len(inputs.sample_rows) else {}
-        self.speculate()  # the forward is done with the kept arrays
-        if self._sampled is not None:
-            self.planner.plan_ahead(self._sampled)
+        hidden = self.forward(inputs)
+        rows = None if out is None else self.rows_of(step, out)
+        sampled, tokens = self.sample(step, inputs, hidden, rows)
+        self.commit(tokens)
         return sampled
 
-    def _sample(
-        self, step: FlatStep, inputs: StepInputs, hidden: torch.Tensor, out: SchedulerOutput | None
-    ) -> Sampled:
-        logits = self.model.compute_logits(hidden[inputs.sample_rows])  # (n, vocab) float32
-        if out is None:
-            return {}
+    def forward(self, inputs: StepInputs) -> torch.Tensor:
+        """The model over a prepared step: (T, hidden)."""
+        self.forward_started = time.perf_counter()
+        return self.model(inputs.input_ids, inputs.positions, inputs.meta)
+
+    def rows_of(self, step: FlatStep, out: SchedulerOutput) -> list[SamplingRow]:
+        """The sampling row of each sequence of `out` that samples in `step`, in order."""
         entries = out.scheduled
         if step.samples is not None:
             entries = list(compress(entries, step.samples.tolist()))
-        result = self.sampler(logits, [self._row(s.request) for s in entries])
+        return [self._row(s.request) for s in entries]
+
+    def sample(
+        self, step: FlatStep, inputs: StepInputs, hidden: torch.Tensor,
+        rows: list[SamplingRow] | None,
+    ) -> tuple[Sampled, np.ndarray | None]:  # fmt: skip
+        """The LM head over the sampling rows (every rank joins its all-gather), then, with
+        `rows` (rank 0), one token per row: (request id -> (token, logprobs), the tokens as an
+        (S,) int32 array when every sequence of a one-token step sampled, else None)."""
+        result, tokens = self.sample_tokens(step, inputs, hidden, rows)
+        return sampled_by_id(inputs.sample_ids, result), tokens
+
+    def sample_tokens(
+        self, step: FlatStep, inputs: StepInputs, hidden: torch.Tensor,
+        rows: list[SamplingRow] | None,
+    ) -> tuple[SampleResult | None, np.ndarray | None]:  # fmt: skip
+        """`sample` before its tokens are keyed by request id (the overlapped runner keys them
+        on the engine's thread, off the path between two forwards)."""
+        if not len(inputs.sample_rows):
+            return None, None
+        # a decode batch samples every row: the hidden states as they are, not a gathered copy
+        every = len(inputs.sample_rows) == hidden.shape[0] and step.q_lens is None
+        logits = self.model.compute_logits(hidden if every else hidden[inputs.sample_rows])
+        if rows is None:
+            return None, None
+        result = self.sampler(logits, rows)
+        tokens = None
         if step.samples is None and step.q_lens is None:  # the next step may continue this one
-            self._sampled = np.array(result.token_ids, dtype=np.int32)
-        return {
-            rid: (tok, lp)
-            for rid, tok, lp in zip(
-                inputs.sample_ids, result.token_ids, result.logprobs, strict=True
-            )
-        }
+            tokens = result.ids.numpy().astype(np.int32)  # (a CPU tensor's memory; copied)
+        return result, tokens
+
+    def commit(self, tokens: np.ndarray | None) -> None:
+        """After a step's forward and sampling: keep its tokens for the next plan, advance the
+        kept decode batch and, when every sequence sampled, build the step that continues it."""
+        self._sampled = tokens
+        self.speculate()  # the forward is done with the kept arrays
+        if tokens is not None:
+            self.planner.plan_ahead(tokens)
 
     def _row(self, request) -> SamplingRow:
         params = request.sampling_params
@@ -289,3 +317,13 @@ class ModelRunner:
         ids = torch.randint(0, vocab_size, (num_tokens,), device=self.device)
         hidden = self.model(ids, torch.arange(num_tokens, device=self.device), meta)
         self.model.compute_logits(hidden[-1:])
+
+
+def sampled_by_id(sample_ids: Sequence[str], result: SampleResult | None) -> Sampled:
+    """A sampler's result keyed by the request id of each row."""
+    if result is None:
+        return {}
+    return {
+        rid: (tok, lp)
+        for rid, tok, lp in zip(sample_ids, result.token_ids, result.logprobs, strict=True)
+    }

@@ -42,11 +42,22 @@ class SamplingRow:
 
 
 @dataclass
+class _RowKinds:
+    """What a batch of rows needs beyond an argmax."""
+
+    penalized: bool  # some row has a penalty
+    suppressing: bool  # some row suppresses ids (min_tokens)
+    random: list[int]  # rows that draw (temperature > 0)
+    logprobs: list[int]  # rows that report logprobs
+
+
+@dataclass
 class SampleResult:
     """What one sampler call returns, one entry per row."""
 
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None]  # None where params.logprobs is None
+    ids: torch.Tensor | None = None  # (n,) int64 on the CPU: token_ids as a tensor
 
 
 class Sampler:
@@ -63,21 +74,44 @@ class Sampler:
         if logprobs_mode not in ("raw", "processed"):
             raise ValueError(f"logprobs_mode must be 'raw' or 'processed', got {logprobs_mode!r}")
         self.logprobs_mode = logprobs_mode
+        self._cached: tuple[Sequence[SamplingRow], _RowKinds] | None = None
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SampleResult:
         """Sample one token per row. logits: (n, vocab) float, row i belongs to rows[i]."""
         _check_inputs(logits, rows)
         if not rows:
             return SampleResult(token_ids=[], logprobs=[])
+        kinds = self._kinds(rows)
         logits = logits.float()
-        penalized = suppress(apply_penalties(logits, rows), rows)
+        penalized = logits
+        if kinds.penalized:
+            penalized = apply_penalties(logits, rows)
+        if kinds.suppressing:
+            penalized = suppress(penalized, rows)
         # The common all-greedy batch is this one argmax.
         token_ids = penalized.argmax(dim=-1)  # (n,)
-        random_idx = [i for i, r in enumerate(rows) if not r.params.greedy]
-        if random_idx:
-            token_ids[random_idx] = self._sample_random(penalized, rows, random_idx)
-        logprobs = self._logprobs(logits, penalized, rows, token_ids)
-        return SampleResult(token_ids=token_ids.tolist(), logprobs=logprobs)
+        if kinds.random:
+            token_ids[kinds.random] = self._sample_random(penalized, rows, kinds.random)
+        logprobs = [None] * len(rows)
+        if kinds.logprobs:
+            logprobs = self._logprobs(logits, penalized, rows, token_ids, kinds.logprobs)
+        ids = token_ids.cpu()
+        return SampleResult(token_ids=ids.tolist(), logprobs=logprobs, ids=ids)
+
+    def _kinds(self, rows: Sequence[SamplingRow]) -> _RowKinds:
+        """Which rows need what, worked out once per rows list: the runner hands the same list
+        again for a batch that continues unchanged (worker/exec/overlap.py)."""
+        cached = self._cached
+        if cached is not None and cached[0] is rows:
+            return cached[1]
+        kinds = _RowKinds(
+            penalized=any(r.params.has_penalties for r in rows),
+            suppressing=any(r.suppressed for r in rows),
+            random=[i for i, r in enumerate(rows) if not r.params.greedy],
+            logprobs=[i for i, r in enumerate(rows) if r.params.logprobs is not None],
+        )
+        self._cached = (rows, kinds)
+        return kinds
 
     def filtered_logits(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         """The logits whose softmax each row samples from, (n, vocab).
@@ -110,11 +144,10 @@ class Sampler:
         penalized: torch.Tensor,
         rows: Sequence[SamplingRow],
         token_ids: torch.Tensor,
+        idx: list[int],
     ) -> list[TokenLogprobs | None]:
+        """TokenLogprobs of the rows `idx` (those that asked), None for the others."""
         out: list[TokenLogprobs | None] = [None] * len(rows)
-        idx = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
-        if not idx:
-            return out
         if self.logprobs_mode == "raw":
             source = raw[idx]
         else:

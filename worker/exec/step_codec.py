@@ -188,6 +188,13 @@ class RowPlanner:
         step = FlatStep(rows, starts + 1, tokens, sample_ids=last[2], continues=True)
         self._ahead = (sampled, step)
 
+    def ahead_of(self, sampled: np.ndarray) -> FlatStep | None:
+        """The step `plan_ahead(sampled)` built, if it built one: what `plan` returns when the
+        scheduler continues the last step with those tokens (the overlapped runner starts its
+        forward before the scheduler has said so)."""
+        ahead = self._ahead
+        return ahead[1] if ahead is not None and ahead[0] is sampled else None
+
     def _plan_decodes(
         self, scheduled: list, requests: list, last: FlatStep, rids: list[str], until: int,
         sampled: np.ndarray | None,

@@ -1,0 +1,130 @@
+"""Overlapped decode steps (worker/exec/overlap.py) give the tokens of serial steps.
+
+The same requests run on two engines of the built-in model, one with `overlap=True` (on CPU too,
+with its forward thread) and one without; every request's tokens, text, finish reason and
+logprobs must be equal, through what makes a forward run ahead useless: requests ending at
+different lengths, stop strings, an abort, requests arriving while others decode, and a pool
+so small that requests are preempted. The counters say that forwards did run ahead and were
+adopted, and that some were discarded.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from pagefleet.llm import engine_config
+from worker.engine.llm_engine import LLMEngine
+from worker.sampling_params import SamplingParams
+
+
+def make_engine(overlap: bool, **options) -> LLMEngine:
+    opts = dict(num_blocks=120, max_num_seqs=8, max_model_len=256) | options
+    return LLMEngine(engine_config("builtin", overlap=overlap, **opts))
+
+
+def prompt(i: int, n: int) -> list[int]:
+    return [(13 * i + 7 * j) % 900 + 5 for j in range(n)]
+
+
+def drive(engine: LLMEngine, script) -> dict[str, tuple]:
+    """Step the engine to the end; `script(step_no, engine)` adds or aborts requests between
+    steps. Returns each request's (token ids, text, finish reason, logprobs)."""
+    done: dict[str, tuple] = {}
+    steps = 0
+    while True:
+        script(steps, engine)
+        if not engine.has_unfinished():
+            break
+        for out in engine.step():
+            if out.finished:
+                c = out.outputs[0]
+                lps = None if c.logprobs is None else [(lp.token_id, lp.logprob) for lp in c.logprobs]  # fmt: skip
+                done[out.request_id] = (tuple(c.token_ids), c.text, c.finish_reason, lps)
+        steps += 1
+    return done
+
+
+def mixed_script(steps: int, engine: LLMEngine) -> None:
+    greedy = dict(temperature=0.0, ignore_eos=True)
+    if steps == 0:
+        for i in range(6):
+            params = SamplingParams(max_tokens=20 + 9 * i, logprobs=2 if i == 1 else None, **greedy)
+            engine.add_request(prompt(i, 12 + 5 * i), params, request_id=f"a{i}")
+    if steps == 7:  # arrives while the others decode
+        engine.add_request(
+            prompt(9, 40), SamplingParams(max_tokens=25, **greedy), request_id="late"
+        )
+    if steps == 12:
+        engine.abort("a5")
+    if steps == 30:  # ends on EOS or a stop string, whichever the random model says
+        engine.add_request(
+            prompt(11, 20), SamplingParams(max_tokens=40, temperature=0.0, stop=["e", " t"]),
+            request_id="stops",
+        )  # fmt: skip
+
+
+def test_overlapped_steps_give_the_tokens_of_serial_steps():
+    serial = drive(make_engine(False), mixed_script)
+    engine = make_engine(True)
+    overlapped = drive(engine, mixed_script)
+    assert overlapped == serial
+    assert set(serial) == {"a0", "a1", "a2", "a3", "a4", "late", "stops"}  # a5: aborted
+    ahead = engine.executor.overlap
+    assert ahead.confirmed > 20, (ahead.confirmed, ahead.discarded)
+    assert ahead.discarded >= 1  # the late arrival, the abort or the stop
+
+
+def test_preemption_and_seeded_sampling_give_the_same_tokens():
+    """A pool that cannot hold every request (preemption, recompute) and seeded random rows
+    (whose draw depends on the position: a batch holding one does not run ahead)."""
+
+    def script(steps: int, engine: LLMEngine) -> None:
+        if steps == 0:
+            for i in range(6):
+                params = SamplingParams(
+                    max_tokens=40, temperature=0.9 if i % 2 else 0.0, seed=100 + i if i % 2 else None,
+                    ignore_eos=True,
+                )  # fmt: skip
+                engine.add_request(prompt(i, 30), params, request_id=f"p{i}")
+
+    small = dict(num_blocks=14, max_num_seqs=6, max_model_len=128)
+    serial_engine = make_engine(False, **small)
+    serial = drive(serial_engine, script)
+    engine = make_engine(True, **small)
+    assert drive(engine, script) == serial
+    assert serial_engine.scheduler.num_preemptions > 0
+
+
+def test_unseeded_random_batches_run_ahead():
+    engine = make_engine(True)
+    params = SamplingParams(max_tokens=30, temperature=0.8, ignore_eos=True)
+    for i in range(4):
+        engine.add_request(prompt(i, 10), params, request_id=f"u{i}")
+    outs = drive(engine, lambda *_: None)
+    assert all(len(o[0]) == 30 for o in outs.values())
+    assert engine.executor.overlap.confirmed > 10
+
+
+class Broken(Exception):
+    pass
+
+
+def test_a_failing_forward_is_raised_by_the_step_not_hung():
+    engine = make_engine(True)
+    model = engine.executor.worker.runner.model
+    calls = 0
+
+    def failing(*args):
+        nonlocal calls
+        calls += 1
+        if calls == 6:  # a forward run ahead
+            raise Broken("forward failed")
+        return model(*args)
+
+    engine.executor.worker.runner.model = failing
+    failing.compute_logits = model.compute_logits
+    engine.add_request(prompt(1, 10), SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))  # fmt: skip
+    with pytest.raises(Broken):
+        for _ in range(20):
+            engine.step()
+    engine.executor.shutdown()

@@ -1,0 +1,190 @@
+"""Overlapped decode steps: the next forward starts before the engine has read the last one's
+tokens, so that a device never waits on the engine's own work between two forwards.
+
+Without overlap a step is serial: schedule, prepare, forward, sample, then the engine appends
+the tokens, checks stops, detokenizes and builds outputs, and only then schedules the next
+step, while the device idles. In the steady state of decoding, the next step is predictable:
+the same requests, each one token further, its input tokens the ones just sampled, which the
+runner already holds (`RowPlanner.plan_ahead` builds that step, `ModelRunner.speculate`
+advances its arrays). So a forward thread runs that step's forward right after sampling, and
+hands the sampled tokens back; the engine does its work meanwhile, schedules, and when its
+scheduler's step is the predicted one (`RowPlanner.plan` returns the very step built ahead),
+that forward is adopted. When it is not (a request stopped on EOS or a stop string, one was
+aborted or admitted), the predicted forward is discarded and the scheduler's step runs; what it
+wrote to the KV pool is what the real step writes for the same tokens at the same positions, or
+lies in a finished request's last, partial block, which no cached prefix holds and which a
+later owner writes before it reads (the real step runs only after the predicted one ended).
+vLLM's asynchronous scheduling overlaps the same way, its scheduler counting placeholders.
+
+A forward runs ahead only when nothing it needs can change meanwhile: a one-token step in which
+every request sampled; no request reaching `max_tokens` in the step before; no position
+entering a block the table lacks (the scheduler allocates those); and sampling rows that do not
+read the output so far (no penalties, no suppressed EOS before `min_tokens`, no seeded random
+draw, which depends on the position), so that the same rows serve again. Greedy and seeded
+requests give the same tokens with and without overlap (tests/test_overlap.py); an unseeded
+random request draws from the global generator, whose draws a discarded forward consumes.
+
+The engine's thread plans (it alone touches the planner while a forward is unconfirmed); the
+forward thread prepares, runs, samples and, once a step is confirmed, commits its tokens and
+starts the next. A single device only: a tensor-parallel group's ranks follow rank 0's steps.
+"""
+
+from __future__ import annotations
+
+import atexit
+import threading
+import weakref
+from collections.abc import Sequence
+
+import torch
+
+from worker.engine.scheduler import SchedulerOutput
+from worker.exec.model_runner import ModelRunner, Sampled, sampled_by_id
+from worker.exec.sampler import SampleResult, SamplingRow
+from worker.exec.step_codec import FlatStep
+
+_DISCARDED: Sampled = {}  # the result of a forward run ahead and not adopted
+
+
+class OverlapRunner:
+    """A ModelRunner driven by a forward thread that runs the predicted next step ahead."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self.confirmed = 0  # forwards run ahead and adopted
+        self.discarded = 0  # forwards run ahead whose step the scheduler did not make
+        self._cv = threading.Condition()
+        self._job: tuple[FlatStep, list[SamplingRow], int] | None = None
+        # what the forward thread hands back: a step's (sample ids, sampler result), a
+        # discarded forward's empty result, or an error
+        self._result: tuple[Sequence[str], SampleResult | None] | Sampled | BaseException | None = (
+            None
+        )
+        self._ahead: FlatStep | None = None  # running ahead, not yet confirmed
+        self._verdict: bool | None = None  # the engine's word on `_ahead`
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="pagefleet-forward", daemon=True)
+        self._thread.start()
+        _RUNNING.add(self)
+
+    # ---- the engine's thread -----------------------------------------------------------
+    def execute(self, out: SchedulerOutput) -> Sampled:
+        """Run the scheduler's step (adopting the forward run ahead when it is that step);
+        returns the sampled token (and logprobs) of each sampling request."""
+        runner = self.runner
+        step = runner.plan(out)
+        with self._cv:
+            ahead, self._ahead = self._ahead, None
+            if ahead is not None:
+                self._verdict = step is ahead
+                self._cv.notify_all()
+        if ahead is not None:
+            if step is ahead:
+                self.confirmed += 1
+                return self._take()
+            self.discarded += 1
+            self._take()  # wait for it to end
+        if not step.num_seqs:
+            return {}
+        rows = runner.rows_of(step, out)
+        horizon = 0  # steps every request can still take after this one
+        if step.samples is None and step.q_lens is None and _plain(rows):
+            horizon = min(s.request.max_tokens - s.request.num_output_tokens for s in out.scheduled)
+        with self._cv:
+            self._job = (step, rows, horizon)
+            self._cv.notify_all()
+        return self._take()
+
+    def close(self, timeout: float = 10.0) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        self._thread.join(timeout)
+
+    def _take(self) -> Sampled:
+        with self._cv:
+            while self._result is None:
+                self._cv.wait()
+            result, self._result = self._result, None
+        if isinstance(result, BaseException):
+            raise result
+        return result if isinstance(result, dict) else sampled_by_id(*result)
+
+    # ---- the forward thread ------------------------------------------------------------
+    def _loop(self) -> None:
+        with torch.inference_mode():
+            while True:
+                with self._cv:
+                    while self._job is None and not self._closed:
+                        self._cv.wait()
+                    if self._closed:
+                        return
+                    job, self._job = self._job, None
+                try:
+                    self._chain(*job)
+                except BaseException as e:  # handed to the engine's thread, raised there
+                    self._publish(e, None)
+
+    def _chain(self, step: FlatStep, rows: list[SamplingRow], horizon: int) -> None:
+        """Run `step`, then, while the engine confirms each prediction, the steps after it."""
+        runner = self.runner
+        inputs = runner.prepare(step)
+        predicted = False
+        while True:
+            hidden = runner.forward(inputs)
+            result, tokens = runner.sample_tokens(step, inputs, hidden, rows)
+            sampled = (inputs.sample_ids, result)  # keyed by id on the engine's thread
+            if predicted and not self._confirmed():
+                self._publish(_DISCARDED, None)
+                return
+            runner.commit(tokens)
+            nxt = None
+            if tokens is not None and horizon > 1 and not self._closed:
+                nxt = runner.planner.ahead_of(tokens)
+            if nxt is not None:
+                inputs = runner.prepare(nxt)  # before the engine wakes: it plans from here
+            self._publish(sampled, nxt)
+            if nxt is None:
+                return
+            step, predicted, horizon = nxt, True, horizon - 1
+
+    def _confirmed(self) -> bool:
+        with self._cv:
+            while self._verdict is None and not self._closed:
+                self._cv.wait()
+            verdict, self._verdict = bool(self._verdict), None
+        return verdict
+
+    def _publish(self, result, ahead: FlatStep | None) -> None:
+        with self._cv:
+            self._result, self._ahead = result, ahead
+            self._cv.notify_all()
+
+
+_RUNNING: weakref.WeakSet[OverlapRunner] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    """End every forward thread before the interpreter does: one left inside a torch call
+    while the process tears down its C++ state aborts it ("terminate called ...")."""
+    for runner in list(_RUNNING):
+        runner.close(timeout=5.0)
+
+
+def _plain(rows: Sequence[SamplingRow]) -> bool:
+    """Whether every row samples the same way whatever the output so far (so that the rows
+    serve the next step too): no penalties, nothing suppressed, no seeded random draw."""
+    for row in rows:
+        p = row.params
+        if row.suppressed or p.has_penalties or (p.seed is not None and not p.greedy):
+            return False
+    return True
+
+
+def wants_overlap(setting: bool | None, device: torch.device) -> bool:
+    """The scheduler's `overlap` setting resolved for a device (None: on for CUDA)."""
+    return device.type == "cuda" if setting is None else setting
+
+
+__all__ = ["OverlapRunner", "wants_overlap"]
