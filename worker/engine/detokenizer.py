@@ -82,7 +82,14 @@ class IncrementalDetokenizer:
             return ""
         self._num_output += len(new_token_ids)
         if self._bytes is not None:
-            self._append(self._decode_bytes(new_token_ids))
+            new_text = self._decode_bytes(new_token_ids)
+            if not self._params.stop:  # nothing to hold back: the new text, and any unsent
+                if new_text:
+                    self._pieces.append(new_text)
+                if self._unsent:  # (after a resume)
+                    new_text, self._unsent = self._unsent + new_text, ""
+                return new_text
+            self._append(new_text)
         else:
             self._ids.extend(new_token_ids)
             self._append(self._decode_new())
