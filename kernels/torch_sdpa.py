@@ -12,6 +12,7 @@ as it is gathered, so the attention sees the same float K/V as with a 16-bit cac
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -26,6 +27,24 @@ _DECODE_GATHER_ELEMS = 1 << 24
 _PREFILL_TILE = 64
 
 
+class Workspace:
+    """Grow-only scratch for the gathered K/V copies, reused by every layer and step of one
+    model (they run one after another). A fresh tensor of megabytes per gather costs page
+    faults that on CPU take longer than the copy itself (benchmarks/RESULTS.md)."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def take(self, name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        """A scratch tensor of `shape` with `like`'s dtype and device; its contents are
+        whatever the last user left, and it is valid until the next `take` of `name`."""
+        n = math.prod(shape)
+        buf = self._buffers.get(name)
+        if buf is None or buf.numel() < n or buf.dtype != like.dtype or buf.device != like.device:
+            buf = self._buffers[name] = torch.empty(n, dtype=like.dtype, device=like.device)
+        return buf[:n].view(shape)
+
+
 class _Pool(NamedTuple):
     """One layer's K/V caches and, for an 8-bit cache, their scales."""
 
@@ -33,9 +52,17 @@ class _Pool(NamedTuple):
     value: torch.Tensor
     k_scale: torch.Tensor | None
     v_scale: torch.Tensor | None
+    workspace: Workspace | None
 
     def gather(self, blocks: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        """K and V of `blocks` (n,), (n, block_size, kvh, d) copies in `dtype`."""
+        """K and V of `blocks` (n,), (n, block_size, kvh, d) copies in `dtype` (in the
+        workspace, when there is one and the cache is of `dtype`)."""
+        if self.k_scale is None and self.key.dtype == dtype and self.workspace is not None:
+            shape = (blocks.numel(), *self.key.shape[1:])
+            return tuple(
+                torch.index_select(cache, 0, blocks, out=self.workspace.take(name, shape, cache))
+                for name, cache in (("k", self.key), ("v", self.value))
+            )
         k, v = self.key.index_select(0, blocks), self.value.index_select(0, blocks)
         if self.k_scale is None:
             return k.to(dtype), v.to(dtype)
@@ -54,10 +81,11 @@ def paged_attention_sdpa(
     out: torch.Tensor | None = None,
     k_scale: torch.Tensor | None = None,  # 8-bit caches only (kernels/torch_ref.py)
     v_scale: torch.Tensor | None = None,
+    workspace: Workspace | None = None,  # scratch for gathered K/V; None: fresh tensors
 ) -> torch.Tensor:
     if out is None:
         out = torch.empty_like(query)
-    pool = _Pool(key_cache, value_cache, k_scale, v_scale)
+    pool = _Pool(key_cache, value_cache, k_scale, v_scale, workspace)
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
     q_lens = [b - a for a, b in zip(starts, starts[1:], strict=False)]

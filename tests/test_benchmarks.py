@@ -66,6 +66,18 @@ def test_engine_benchmark_quick_agrees_with_transformers():
     assert ours["prefill_steps"] >= 1 and ours["prefill_peak_ratio"] > 0
 
 
+def test_cpu_attention_benchmark_smoke():
+    lines = run("benchmarks/cpu_attention.py", "--repeat", "1", "--batch", "2")
+    assert {(c["case"], c["dtype"]) for c in lines} == {
+        (case, dtype)
+        for case in ("decode_2x1000-1500", "prefill_1400", "prefill_600_after_800")
+        for dtype in ("float32", "bfloat16")
+    }
+    for c in lines:  # the same attention as fused SDPA, to the dtype's rounding
+        assert c["max_abs_diff"] < (1e-4 if c["dtype"] == "float32" else 5e-2), c
+        assert c["pagefleet_ms"] > 0 and c["ratio_vs_fused_sdpa"] > 0
+
+
 def test_kernels_benchmark_smoke():
     lines = run("benchmarks/kernels.py", "--smoke", "--kv-cache-dtype", "auto,int8,fp8_e4m3")
     assert lines and all(line["max_abs_err_vs_sdpa"] < 1e-3 for line in lines)

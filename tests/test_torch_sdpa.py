@@ -110,3 +110,18 @@ def test_16bit_prefill_tiles_match_reference(dtype):
     want = paged_attention_torch(*batch, scale=0.2)
     assert not got.isnan().any()
     torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_backends_reused_workspace_gives_each_call_its_own_answer(dtype):
+    """The torch backend gathers K/V into one scratch buffer for all calls: calls of growing,
+    shrinking and again growing sizes each equal the reference (nothing stale is read)."""
+    from kernels.registry import TorchBackend
+
+    backend = TorchBackend()
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    shapes = [([1, 1, 30], [40, 90, 30]), ([1, 1], [5, 17]), ([1, 1, 1, 50], [70, 120, 33, 80])]
+    for seed, (q_lens, seq_lens) in enumerate(shapes):
+        batch = make_batch(q_lens, seq_lens, 8, 2, dtype=dtype, seed=seed)
+        want = paged_attention_torch(*batch, scale=0.2)
+        torch.testing.assert_close(backend.attention(*batch, scale=0.2), want, **tol)
