@@ -201,8 +201,8 @@ def _spread_heads(q: torch.Tensor, kvh: int, scale: float) -> torch.Tensor:
     A decode reads each sequence's K/V once from a gathered copy of shape (S, L, kvh * d), the
     pool's own layout; against these spread queries, scores and outputs are two plain batched
     matmuls over it, with no transposed copy of K/V per KV head. The zero columns cost kvh
-    times the (small) FLOPs of a memory-bound step; fused SDPA over a padding mask was slower,
-    and in 16-bit far slower, on CPU (benchmarks/RESULTS.md).
+    times the (small) FLOPs of a memory-bound step. Fused SDPA over a padding mask was no
+    faster in float32 and several times slower in bfloat16 on CPU (benchmarks/RESULTS.md).
     """
     n, heads, d = q.shape
     spread = q.new_zeros(n, heads, kvh, d)
