@@ -27,6 +27,12 @@ How each number is measured:
 - prefix_hit_rate: prompt tokens served from a prefix cache / prompt tokens looked up (pagefleet:
   `stats()`; continuous batching: the tokens its `search_prefix_match` returned per request, read
   by wrapping that method; static `generate` has no prefix cache: null).
+- model_gflop: the model FLOPs the trace needed of the system (its prefix-cache hits excluded;
+  benchmarks/flops.py says what is counted); gflop_s = model_gflop / wall_s; peak_ratio =
+  gflop_s / matmul_peak_gflop_s, the larger of two measurements of `torch.mm` on the model's
+  linear shapes at --max-batch-tokens rows, in the run's dtype and threads, taken before and
+  after the systems. pagefleet's prefill_*: its steps of at least 90% prompt tokens, timed
+  around the executor.
 """
 
 from __future__ import annotations

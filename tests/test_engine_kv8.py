@@ -148,7 +148,7 @@ def test_twice_the_8k_sequences_at_once_in_the_engine_and_the_planner(tmp_path):
     """At the bytes of three 8k-token sequences in a bfloat16 cache, the running engine holds
     as many whole sequences at once as the planner says fit: six with either 8-bit cache."""
     model = make_model_dir(tmp_path, seed=0, vocab_size=512, **CAPACITY_MODEL)
-    args = SimpleNamespace(capacity_len=8192, capacity_out=8, block_size=16)
+    args = SimpleNamespace(capacity_len=8192, capacity_out=8, block_size=16, dtype="float32")
     sequence = KVShape.from_hf_config(model, "bfloat16", 16).block_bytes() * (8192 // 16)
     budget = 3 * sequence + sequence // 2
     got = {d: capacity_case(str(model), d, budget, args) for d in ("bfloat16", "int8", "fp8_e4m3")}  # fmt: skip
