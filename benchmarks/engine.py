@@ -27,6 +27,12 @@ How each number is measured:
 - prefix_hit_rate: prompt tokens served from a prefix cache / prompt tokens looked up (pagefleet:
   `stats()`; continuous batching: the tokens its `search_prefix_match` returned per request, read
   by wrapping that method; static `generate` has no prefix cache: null).
+- model_gflop: the model FLOPs the trace needed of the system (its prefix-cache hits excluded;
+  benchmarks/flops.py says what is counted); gflop_s = model_gflop / wall_s; peak_ratio =
+  gflop_s / matmul_peak_gflop_s, the larger of two measurements of `torch.mm` on the model's
+  linear shapes at --max-batch-tokens rows, in the run's dtype and threads, taken before and
+  after the systems. pagefleet's prefill_*: its steps of at least 90% prompt tokens, timed
+  around the executor.
 """
 
 from __future__ import annotations
@@ -47,8 +53,11 @@ from benchmarks.engine_runners import (  # noqa: E402
     run_generate_batch,
     run_pagefleet,
 )
+from benchmarks.flops import ModelFlops, matmul_peak  # noqa: E402
 from benchmarks.kv_cache import kv_lines  # noqa: E402
 from benchmarks.workloads import BenchRequest, ResearchWorkload, describe, research_requests  # noqa: E402
+from worker.model.dtypes import resolve_dtype  # noqa: E402
+from worker.model.model_loader import read_model_config  # noqa: E402
 
 SYSTEMS = ("pagefleet", "generate_batch", "generate")
 MODEL_SHAPE = dict(  # a small random-weight Llama; see worker/model/builtin_model.py for the init
@@ -95,9 +104,14 @@ RUNNERS = {
 
 # ---- report -------------------------------------------------------------------------------
 def report(
-    run: SystemRun, runs: dict[str, SystemRun], reqs: list[BenchRequest], meta: dict
+    run: SystemRun,
+    runs: dict[str, SystemRun],
+    reqs: list[BenchRequest],
+    meta: dict,
+    flops: ModelFlops | None = None,
 ) -> dict:
-    """The JSON line of one system, with ratios and token agreement against its peers."""
+    """The JSON line of one system, with ratios and token agreement against its peers and,
+    given the model's FLOP counts, its FLOP/s against the run's matmul peak."""
     line = {"system": run.name, **meta, "requests": len(reqs)}
     line["prompt_tokens"] = sum(r.prompt_len for r in reqs)
     if run.error is not None:
@@ -120,6 +134,8 @@ def report(
         line[f"ratio_vs_{peer}"] = (
             round(tok_s / (sum(map(len, other.tokens)) / other.wall_s), 3) if ok else None
         )
+    if flops is not None:
+        line.update(flop_figures(run, reqs, flops, meta["matmul_peak_gflop_s"]))
     line["identical_tokens"] = {
         peer: sum(a == b for a, b in zip(run.tokens, other.tokens, strict=True)) / len(reqs)
         for peer, other in runs.items()
@@ -127,6 +143,21 @@ def report(
     }
     line["config"] = run.config
     return line
+
+
+def flop_figures(run: SystemRun, reqs: list[BenchRequest], flops: ModelFlops, peak: float) -> dict:
+    """The model FLOPs the system computed (benchmarks/flops.py says what counts), its
+    GFLOP/s over the whole trace and over its prefill steps, and their ratios to the peak."""
+    cached = run.cached_tokens or [0] * len(reqs)
+    work = sum(
+        flops.request(r.prompt_len, r.max_tokens, c) for r, c in zip(reqs, cached, strict=True)
+    )
+    rate = work / run.wall_s / 1e9
+    out = {"model_gflop": round(work / 1e9, 3), "gflop_s": round(rate, 1),
+           "peak_ratio": round(rate / peak, 3), **run.figures}  # fmt: skip
+    if run.figures.get("prefill_gflop_s") is not None:
+        out["prefill_peak_ratio"] = round(run.figures["prefill_gflop_s"] / peak, 3)
+    return out
 
 
 def _round(x: float | None, digits: int = 4) -> float | None:
@@ -163,8 +194,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "shared machine multi-threaded kernels measure the neighbours' load, not the engine",
     )  # fmt: skip
     p.add_argument("--device", default="cpu", help="cpu or cuda: every system runs there")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
-                   help="the weights' and activations' dtype, for every system")  # fmt: skip
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                   help="the weights' and activations' dtype, for every system; auto: "
+                   "pagefleet's default for the model and device")  # fmt: skip
     p.add_argument("--quick", action="store_true", help="tiny trace: a smoke run")
     p.add_argument("--profile", action="store_true", help="pagefleet only, under cProfile")
     kv = p.add_argument_group("8-bit KV caches (benchmarks/kv_cache.py)")
@@ -203,14 +235,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
         torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(prefix="pagefleet-bench-") as tmp:
         if args.model:
-            from worker.model.model_loader import read_model_config
             from worker.model_source import resolve_model
 
             model_dir = resolve_model(args.model)
-            vocab = read_model_config(model_dir).vocab_size
         else:
-            vocab = args.vocab
-            model_dir = str(make_bench_model(Path(tmp) / "model", vocab, args.seed))
+            model_dir = str(make_bench_model(Path(tmp) / "model", args.vocab, args.seed))
+        mc = read_model_config(model_dir)
+        vocab = mc.vocab_size
+        args.dtype = str(resolve_dtype(args.dtype, mc, args.device)).removeprefix("torch.")
+        args.model_flops = ModelFlops.of(mc)
         workload = ResearchWorkload(
             num_docs=args.docs, doc_len=tuple(args.doc_len), questions_per_doc=args.questions,
             num_chats=args.chats, output_len=tuple(args.output_len), vocab_size=vocab,
@@ -220,14 +253,27 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if args.kv_cache_dtype:
             args.tmp = Path(tmp)
             return _print(kv_lines(model_dir, reqs, args), _meta(args, reqs, vocab, model_dir))
+        peak = [_peak(args)]  # before and after the systems: the machine's load varies
         runs: dict[str, SystemRun] = {}
         for name in args.systems:
             try:
                 runs[name] = RUNNERS[name](model_dir, reqs, args, vocab)
             except Exception as e:  # a peer that cannot run still gets its line
                 runs[name] = SystemRun(name, [], [], 0.0, 0, None, error=f"{type(e).__name__}: {e}")
+        peak.append(_peak(args))
     meta = _meta(args, reqs, vocab, model_dir)
-    return _print([report(run, runs, reqs, meta) for run in runs.values()], {})
+    meta.update(
+        matmul_peak_gflop_s=max(p["gflop_s"] for p in peak),
+        matmul_peak={"before": peak[0]["gflop_s"], "after": peak[1]["gflop_s"],
+                     "tokens": peak[0]["tokens"], "op": "torch.mm on the model's linear shapes"},
+    )  # fmt: skip
+    return _print([report(run, runs, reqs, meta, args.model_flops) for run in runs.values()], {})
+
+
+def _peak(args) -> dict:
+    return matmul_peak(
+        args.model_flops, args.max_batch_tokens, getattr(torch, args.dtype), args.device
+    )
 
 
 def _meta(args, reqs: list[BenchRequest], vocab: int, model_dir: str) -> dict:

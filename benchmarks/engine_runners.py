@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.flops import StepClock
 from benchmarks.workloads import BenchRequest
 
 
@@ -31,6 +32,8 @@ class SystemRun:
     prefix_hit_rate: float | None
     config: dict = field(default_factory=dict)
     error: str | None = None
+    cached_tokens: list[int] | None = None  # prompt tokens served from a prefix cache, per request
+    figures: dict = field(default_factory=dict)  # a system's own extra figures (its JSON line)
 
 
 # ---- measurement helpers ------------------------------------------------------------------
@@ -106,6 +109,8 @@ def run_pagefleet(model_dir: str, reqs: list[BenchRequest], args, vocab: int) ->
             SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True) for r in reqs
         ]
         prompts = [list(r.prompt) for r in reqs]
+        clock = StepClock(args.model_flops)
+        clock.wrap(llm.engine.executor)
         profiler = cProfile.Profile() if args.profile else None
         t0 = time.perf_counter()
         if profiler:
@@ -130,6 +135,8 @@ def run_pagefleet(model_dir: str, reqs: list[BenchRequest], args, vocab: int) ->
          "attention_backend": "triton" if args.device.startswith("cuda") else "torch",
          "preemptions": after["preemptions"],
          "kv_pool_mb": round(after["kv_pool_bytes"] / 2**20, 1), "profiled": bool(profiler)},
+        cached_tokens=[o.num_cached_tokens for o in outs],
+        figures=clock.prefill_figures(),
     )  # fmt: skip
 
 
@@ -268,6 +275,7 @@ def run_generate_batch(model_dir: str, reqs: list[BenchRequest], args, vocab: in
          "num_blocks": resolved.num_blocks, "max_batch_tokens": resolved.max_batch_tokens,
          "max_requests_per_batch": resolved.max_requests_per_batch,
          "api": "continuous_batching_context_manager + add_request(max_new_tokens=n)"},
+        cached_tokens=[prefix.matched.get(f"r{i}", 0) for i in range(len(reqs))],
     )  # fmt: skip
 
 
@@ -318,6 +326,7 @@ def run_generate(model_dir: str, reqs: list[BenchRequest], args, vocab: int) -> 
         "generate", tokens, ttft, wall, mem.bytes, None,
         {"attn_implementation": model.config._attn_implementation, "batch_size": args.hf_batch_size,
          "batching": "static, grouped by output length, left padding"},
+        cached_tokens=[0] * len(reqs),  # no prefix cache
     )  # fmt: skip
 
 

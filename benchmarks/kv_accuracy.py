@@ -299,7 +299,8 @@ def run_engine_cases(model_dir: str, dtypes: list[str], args) -> tuple[list[dict
     from worker.sampling_params import SamplingParams
 
     max_len = max(args.tokens, 1024)
-    options = dict(max_model_len=max_len, num_blocks=-(-max_len // 16) + 64)
+    # float32 engines: the study holds their caches against transformers in float32
+    options = dict(max_model_len=max_len, num_blocks=-(-max_len // 16) + 64, dtype="float32")
     ref = LLM(model_dir, kv_cache_dtype="auto", **options)
     ids = reference_text(ref.tokenizer, args.tokens)
     prompts = chat_prompts(ref.tokenizer)

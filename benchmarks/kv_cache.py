@@ -55,8 +55,9 @@ def run_engine(model_dir: str, reqs: list[BenchRequest], dtype: str, budget: int
     from worker.sampling_params import SamplingParams
 
     llm = LLM(
-        model_dir, kv_cache_dtype=dtype, kv_cache_memory=budget, block_size=args.block_size,
-        max_num_batched_tokens=args.max_batch_tokens, max_num_seqs=args.max_num_seqs,
+        model_dir, dtype=args.dtype, kv_cache_dtype=dtype, kv_cache_memory=budget,
+        block_size=args.block_size, max_num_batched_tokens=args.max_batch_tokens,
+        max_num_seqs=args.max_num_seqs,
         max_model_len=max(r.prompt_len + r.max_tokens for r in reqs),
     )  # fmt: skip
     engine = llm.engine
@@ -113,13 +114,13 @@ def capacity_case(model_dir: str, dtype: str, budget: int, args) -> dict:
     from pagefleet.llm import LLM
 
     seq, prompt = args.capacity_len, args.capacity_len - args.capacity_out
-    name = {"fp8_e4m3": "fp8", "auto": "float32"}.get(dtype, dtype)
+    name = {"fp8_e4m3": "fp8", "auto": args.dtype}.get(dtype, dtype)
     shape = KVShape.from_hf_config(model_dir, name, args.block_size)
     planned = plan(shape, max_len=seq, device_memory=budget)
     # A step may prefill every queued sequence, so that only the memory limits admission.
     llm = LLM(
-        model_dir, kv_cache_dtype=dtype, kv_cache_memory=budget, block_size=args.block_size,
-        max_model_len=seq, watermark=0.0, max_num_batched_tokens=seq * (planned.max_sequences + 1),
+        model_dir, dtype=args.dtype, kv_cache_dtype=dtype, kv_cache_memory=budget,
+        block_size=args.block_size, max_model_len=seq, watermark=0.0, max_num_batched_tokens=seq * (planned.max_sequences + 1),
     )  # fmt: skip
     t0 = time.perf_counter()
     got = admitted_at_once(llm, planned.max_sequences + 1, prompt, args.capacity_out)

@@ -7,7 +7,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from kernels.torch_ref import write_kv_torch
-from kernels.torch_sdpa import paged_attention_sdpa
+from kernels.torch_sdpa import Workspace, paged_attention_sdpa
 
 
 class AttentionBackend(ABC):
@@ -46,6 +46,9 @@ class TorchBackend(AttentionBackend):
 
     name = "torch"
 
+    def __init__(self) -> None:
+        self.workspace = Workspace()  # one model's layers share it: they run one at a time
+
     def write_kv(
         self, key, value, key_cache, value_cache, slot_mapping, k_scale=None, v_scale=None
     ) -> None:
@@ -66,7 +69,7 @@ class TorchBackend(AttentionBackend):
     ) -> torch.Tensor:
         return paged_attention_sdpa(
             query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale, out,
-            k_scale, v_scale,
+            k_scale, v_scale, self.workspace,
         )  # fmt: skip
 
 

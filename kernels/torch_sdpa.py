@@ -2,15 +2,17 @@
 
 Same signature and semantics as `kernels.torch_ref.paged_attention_torch` (the reference it is
 tested against), but fast enough to serve from: decodes (one query token per sequence) are
-grouped by context length, gathered per group and attended in one fused
-`torch.nn.functional.scaled_dot_product_attention` call with a padding mask; prefill chunks run
-through the same fused call per sequence, causal against their cached context. An 8-bit
-cache is dequantized (code x scale, kernels/kv_quant.py) into the query's dtype as it is
-gathered, so the fused call sees the same float K/V as with a 16-bit cache.
+grouped by context length, gathered per group in the pool's layout and attended with two
+batched matmuls (`_spread_heads` says how); a float32 prefill chunk runs through fused
+`torch.nn.functional.scaled_dot_product_attention`, causal against its cached context, and a
+16-bit one through tiled matmuls, which on CPU use the 16-bit units that fused SDPA leaves
+idle. An 8-bit cache is dequantized (code x scale, kernels/kv_quant.py) into the query's dtype
+as it is gathered, so the attention sees the same float K/V as with a 16-bit cache.
 """
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -21,6 +23,26 @@ from kernels.kv_quant import dequantize, gather_scale
 # Padded K/V of a decode batch is gathered in groups of at most this many elements, so that a
 # batch of long contexts does not double the memory of the pool it reads.
 _DECODE_GATHER_ELEMS = 1 << 24
+# Queries per tile of a 16-bit prefill: a tile's scores (kvh x g x tile x keys) stay in cache.
+_PREFILL_TILE = 64
+
+
+class Workspace:
+    """Grow-only scratch for the gathered K/V copies, reused by every layer and step of one
+    model (they run one after another). A fresh tensor of megabytes per gather costs page
+    faults that on CPU take longer than the copy itself (benchmarks/RESULTS.md)."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def take(self, name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        """A scratch tensor of `shape` with `like`'s dtype and device; its contents are
+        whatever the last user left, and it is valid until the next `take` of `name`."""
+        n = math.prod(shape)
+        buf = self._buffers.get(name)
+        if buf is None or buf.numel() < n or buf.dtype != like.dtype or buf.device != like.device:
+            buf = self._buffers[name] = torch.empty(n, dtype=like.dtype, device=like.device)
+        return buf[:n].view(shape)
 
 
 class _Pool(NamedTuple):
@@ -30,9 +52,17 @@ class _Pool(NamedTuple):
     value: torch.Tensor
     k_scale: torch.Tensor | None
     v_scale: torch.Tensor | None
+    workspace: Workspace | None
 
     def gather(self, blocks: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        """K and V of `blocks` (n,), (n, block_size, kvh, d) copies in `dtype`."""
+        """K and V of `blocks` (n,), (n, block_size, kvh, d) copies in `dtype` (in the
+        workspace, when there is one and the cache is of `dtype`)."""
+        if self.k_scale is None and self.key.dtype == dtype and self.workspace is not None:
+            shape = (blocks.numel(), *self.key.shape[1:])
+            return tuple(
+                torch.index_select(cache, 0, blocks, out=self.workspace.take(name, shape, cache))
+                for name, cache in (("k", self.key), ("v", self.value))
+            )
         k, v = self.key.index_select(0, blocks), self.value.index_select(0, blocks)
         if self.k_scale is None:
             return k.to(dtype), v.to(dtype)
@@ -51,10 +81,11 @@ def paged_attention_sdpa(
     out: torch.Tensor | None = None,
     k_scale: torch.Tensor | None = None,  # 8-bit caches only (kernels/torch_ref.py)
     v_scale: torch.Tensor | None = None,
+    workspace: Workspace | None = None,  # scratch for gathered K/V; None: fresh tensors
 ) -> torch.Tensor:
     if out is None:
         out = torch.empty_like(query)
-    pool = _Pool(key_cache, value_cache, k_scale, v_scale)
+    pool = _Pool(key_cache, value_cache, k_scale, v_scale, workspace)
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
     q_lens = [b - a for a, b in zip(starts, starts[1:], strict=False)]
@@ -70,18 +101,50 @@ def paged_attention_sdpa(
 def _prefill(query, pool: _Pool, table, q_start, q_len, seq_len, scale, out) -> None:
     _, block_size, kvh, d = pool.key.shape
     blocks = table[: (seq_len + block_size - 1) // block_size].long()
-    q = query[q_start : q_start + q_len].transpose(0, 1).unsqueeze(0)  # (1, h, q, d)
-    k, v = (  # (1, kvh, T, d)
-        t.reshape(-1, kvh, d)[:seq_len].transpose(0, 1).unsqueeze(0)
-        for t in pool.gather(blocks, q.dtype)
-    )
+    k, v = (
+        t.reshape(-1, kvh, d)[:seq_len] for t in pool.gather(blocks, query.dtype)
+    )  # (T, kvh, d)
+    q = query[q_start : q_start + q_len]  # (q, h, d)
+    attend = _prefill_sdpa if query.dtype == torch.float32 else _prefill_tiled
+    out[q_start : q_start + q_len] = attend(q, k, v, scale)
+
+
+def _prefill_sdpa(q, k, v, scale: float) -> torch.Tensor:
+    """(q, h, d) queries, the last q of T positions, over (T, kvh, d) K/V: fused SDPA."""
+    q_len, seq_len = q.shape[0], k.shape[0]
+    q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # (1, heads, len, d)
     if seq_len == q_len:  # no cached context: plain causal
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
     else:  # query i sits at position seq_len - q_len + i
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
         mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]  # (q, T)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-    out[q_start : q_start + q_len] = o[0].transpose(0, 1)
+    return o[0].transpose(0, 1)
+
+
+def _prefill_tiled(q, k, v, scale: float) -> torch.Tensor:
+    """Same as `_prefill_sdpa`, for 16-bit dtypes: tiles of _PREFILL_TILE queries, each a
+    batched matmul per KV head over the keys it can see, a softmax (float inside) and a
+    matmul with V. On CPU, fused SDPA runs 16-bit attention no faster than float32, while
+    16-bit matmuls run at several times the float32 rate (benchmarks/RESULTS.md)."""
+    q_len, heads, d = q.shape
+    seq_len, kvh, _ = k.shape
+    group, context, tile = heads // kvh, seq_len - q_len, _PREFILL_TILE
+    kt = k.permute(1, 2, 0).contiguous()  # (kvh, d, T)
+    vt = v.transpose(0, 1).contiguous()  # (kvh, T, d)
+    qs = (q * scale).view(q_len, kvh, group, d).permute(1, 2, 0, 3)  # (kvh, g, q, d)
+    future = torch.full((tile, tile), float("-inf"), dtype=q.dtype, device=q.device).triu_(1)
+    out = torch.empty_like(q)
+    for a in range(0, q_len, tile):
+        n = min(tile, q_len - a)
+        keys = context + a + n  # the tile's last query sees these
+        scores = torch.matmul(qs[:, :, a : a + n].reshape(kvh, group * n, d), kt[:, :, :keys])
+        scores = scores.view(kvh, group, n, keys)
+        scores[..., context + a :] += future[:n, :n]  # causal inside the tile
+        probs = scores.softmax(dim=-1).view(kvh, group * n, keys)
+        o = torch.matmul(probs, vt[:, :keys]).view(kvh, group, n, d)
+        out[a : a + n] = o.permute(2, 0, 1, 3).reshape(n, heads, d)
+    return out
 
 
 def _decode(query, pool: _Pool, block_tables, starts, lens, seqs, scale, out) -> None:
@@ -108,24 +171,41 @@ def _length_buckets(seqs: list[int], lens: list[int], elems_per_token: int) -> l
 def _decode_bucket(query, pool: _Pool, block_tables, starts, lens, part, scale, out) -> None:
     _, block_size, kvh, d = pool.key.shape
     n, heads = len(part), query.shape[1]
-    part_lens = torch.tensor([lens[s] for s in part], device=query.device)
-    nb = (int(part_lens.max()) + block_size - 1) // block_size
+    nb = (max(lens[s] for s in part) + block_size - 1) // block_size
     blocks = block_tables[part, :nb].reshape(-1).long()  # (S * nb,)
     length = nb * block_size
-    valid = torch.arange(length, device=query.device)[None, :] < part_lens[:, None]  # (S, L)
-    k, v = (t.view(n, length, kvh, d) for t in pool.gather(blocks, query.dtype))  # copies
+    # (S, L, kvh * d) copies, each token's KV heads side by side as the pool stores them.
+    k, v = (t.view(n, length, kvh * d) for t in pool.gather(blocks, query.dtype))
+    ends = [lens[s] for s in part]
     # Slots past a sequence's end hold whatever their last writer left; a masked score still
-    # multiplies its value (0 x NaN is NaN), so clear them in the copy.
-    k[~valid] = 0
-    v[~valid] = 0
+    # multiplies its value (0 x NaN is NaN), so clear them in the copy. K needs no clearing:
+    # its scores there are replaced by -inf. (A slice fill per sequence: a broadcast
+    # masked_fill_ over the copy costs as much as the attention.)
+    for i, end in enumerate(ends):
+        v[i, end:] = 0
     rows = torch.tensor([starts[s] for s in part], device=query.device)
-    q = query[rows].view(n, heads, 1, d)  # (S, h, 1, d)
-    o = F.scaled_dot_product_attention(
-        q,
-        k.permute(0, 2, 1, 3),  # (S, kvh, L, d), read strided without a copy
-        v.permute(0, 2, 1, 3),
-        attn_mask=valid[:, None, None, :],
-        scale=scale,
-        enable_gqa=True,
-    )  # (S, h, 1, d)
-    out[rows] = o.view(n, heads, d).to(out.dtype)
+    q = _spread_heads(query[rows], kvh, scale)  # (S, h, kvh * d)
+    scores = torch.matmul(q, k.transpose(1, 2)).float()  # (S, h, L)
+    for i, end in enumerate(ends):
+        scores[i, :, end:] = float("-inf")
+    probs = scores.softmax(dim=-1).to(v.dtype)
+    o = torch.matmul(probs, v).view(n, heads, kvh, d)  # (S, h, kvh, d): every KV head's mix
+    own = torch.arange(heads, device=query.device)
+    out[rows] = o[:, own, own // (heads // kvh)].to(out.dtype)  # (S, h, d): its own KV head's
+
+
+def _spread_heads(q: torch.Tensor, kvh: int, scale: float) -> torch.Tensor:
+    """(S, h, d) queries -> (S, h, kvh * d), query head i (times `scale`) in the columns of its
+    KV head i // (h / kvh) and zeros elsewhere.
+
+    A decode reads each sequence's K/V once from a gathered copy of shape (S, L, kvh * d), the
+    pool's own layout; against these spread queries, scores and outputs are two plain batched
+    matmuls over it, with no transposed copy of K/V per KV head. The zero columns cost kvh
+    times the (small) FLOPs of a memory-bound step. Fused SDPA over a padding mask was no
+    faster in float32 and several times slower in bfloat16 on CPU (benchmarks/RESULTS.md).
+    """
+    n, heads, d = q.shape
+    spread = q.new_zeros(n, heads, kvh, d)
+    own = torch.arange(heads, device=q.device)
+    spread[:, own, own // (heads // kvh)] = q * scale
+    return spread.view(n, heads, kvh * d)

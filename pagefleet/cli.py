@@ -185,6 +185,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     for name in _ENGINE_FLAGS:
         engine.add_argument(f"--{name.replace('_', '-')}", type=_positive_int)
     engine.add_argument(
+        "--dtype", choices=("auto", "float32", "bfloat16", "float16"),
+        help="weights and activations: auto (the default: bfloat16 on a CPU with bf16 units, "
+        "else float32 on CPU, else the checkpoint's dtype), or a float type",
+    )  # fmt: skip
+    engine.add_argument(
         "--kv-cache-dtype", choices=KV_CACHE_DTYPES,
         help="KV cache: auto (the model's dtype), a float type, or 8 bits with scales: int8, "
         "fp8 (fp8_e4m3); about twice the sequences per device",
@@ -201,7 +206,7 @@ def serve_config(args: argparse.Namespace):
             "role", "cluster")  # fmt: skip
     overrides = {k: getattr(args, k) for k in keys}
     config = load_config(args.config, overrides)
-    engine_keys = (*_ENGINE_FLAGS, "kv_cache_dtype")
+    engine_keys = (*_ENGINE_FLAGS, "dtype", "kv_cache_dtype")
     engine = {k: getattr(args, k) for k in engine_keys if getattr(args, k) is not None}
     config = replace(config, engine={**config.engine, **engine})
     if args.no_metrics:

@@ -49,12 +49,33 @@ def test_block_manager_benchmark():
 
 
 def test_engine_benchmark_quick_agrees_with_transformers():
-    lines = {c["system"]: c for c in run("benchmarks/engine.py", "--quick")}
+    lines = {c["system"]: c for c in run("benchmarks/engine.py", "--quick", "--dtype", "float32")}
     assert set(lines) == {"pagefleet", "generate_batch", "generate"}
     ours = lines["pagefleet"]
     assert ours["identical_tokens"] == {"generate_batch": 1.0, "generate": 1.0}
     assert ours["generated_tokens"] == lines["generate"]["generated_tokens"] > 0
     assert ours["ratio_vs_generate_batch"] > 0 and ours["prefix_hit_rate"] > 0
+    # FLOP/s against the run's matmul peak: prefix hits spare pagefleet some of the work
+    assert ours["matmul_peak_gflop_s"] > 0 and ours["dtype"] == "float32"
+    assert 0 < ours["model_gflop"] < lines["generate"]["model_gflop"]
+    for line in lines.values():
+        assert line["gflop_s"] == pytest.approx(line["model_gflop"] / line["wall_s"], rel=0.01)
+        assert line["peak_ratio"] == pytest.approx(
+            line["gflop_s"] / line["matmul_peak_gflop_s"], rel=0.01
+        )
+    assert ours["prefill_steps"] >= 1 and ours["prefill_peak_ratio"] > 0
+
+
+def test_cpu_attention_benchmark_smoke():
+    lines = run("benchmarks/cpu_attention.py", "--repeat", "1", "--batch", "2")
+    assert {(c["case"], c["dtype"]) for c in lines} == {
+        (case, dtype)
+        for case in ("decode_2x1000-1500", "prefill_1400", "prefill_600_after_800")
+        for dtype in ("float32", "bfloat16")
+    }
+    for c in lines:  # the same attention as fused SDPA, to the dtype's rounding
+        assert c["max_abs_diff"] < (1e-4 if c["dtype"] == "float32" else 5e-2), c
+        assert c["pagefleet_ms"] > 0 and c["ratio_vs_fused_sdpa"] > 0
 
 
 def test_kernels_benchmark_smoke():

@@ -247,3 +247,24 @@ def test_kv_cache_dtype_flag_and_yaml_reach_every_group(tmp_path):
         cluster.shutdown()
     done = pagefleet("serve", "--kv-cache-dtype", "fp8_e5m2", timeout=60)
     assert done.returncode == 2 and "--kv-cache-dtype" in done.stderr
+
+
+def test_dtype_flag_reaches_the_groups_model_and_the_routers_hashes():
+    """`--dtype` overrides "auto"; the router's block hashes name the dtype the groups run."""
+    import torch
+
+    from pagefleet.cli import build_parser, serve_config
+    from pagefleet.llm import engine_config
+    from router.serve import build_cluster
+
+    flags = ["serve", "--model", "builtin", "--dtype", "float32", "--num-blocks", "64"]
+    config = serve_config(build_parser().parse_args([*flags, "--max-model-len", "512"]))
+    assert config.engine["dtype"] == "float32"
+    cluster = build_cluster(replace(config, metrics_port=None), engine_config)
+    try:
+        (group,) = cluster.groups
+        assert group.engine.engine.executor.worker.model_dtype == torch.float32
+        assert cluster.router.hasher.fingerprint.dtype == "float32"
+        assert cluster.router.hasher.root() == group.hasher.root()
+    finally:
+        cluster.shutdown()

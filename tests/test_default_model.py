@@ -9,6 +9,7 @@ takes about a minute on a 2-core machine. The default suite runs 4 prompts x 16 
 
 from __future__ import annotations
 
+import copy
 import os
 import subprocess
 import sys
@@ -40,15 +41,22 @@ def conversations(questions: int, unrelated: int) -> list[list[dict]]:
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(num_blocks=256, max_model_len=2048)  # no model given: the default one
+    # no model given: the default one, in float32 as the reference runs
+    return LLM(num_blocks=256, max_model_len=2048, dtype="float32")
 
 
 @pytest.fixture(scope="module")
-def reference():
+def hf_model():
+    """transformers' reading of the same file, in float32."""
+    return load_transformers(default_model_path())
+
+
+@pytest.fixture(scope="module")
+def reference(hf_model):
     """transformers on the same file: its tokenizer renders the chat, its model generates."""
     path = default_model_path()
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    model = load_transformers(path)
+    model = hf_model
     cache: dict[tuple, list[int]] = {}
 
     def greedy(chat: list[dict], max_tokens: int) -> tuple[list[int], list[int]]:
@@ -129,3 +137,31 @@ def test_special_tokens_in_the_text_only_when_asked(llm):
     assert plain.outputs[0].text == "The capital of France is Paris."
     assert plain.outputs[0].finish_reason == "stop" and plain.outputs[0].stop_reason == 2
     assert raw.outputs[0].text == "The capital of France is Paris.<|im_end|>"
+
+
+def test_default_dtype_follows_transformers_up_to_near_ties(hf_model):
+    """With no dtype given (bfloat16 on a CPU with bf16 units, else float32), greedy answers
+    equal transformers' in that dtype on the same file wherever its top two logits are well
+    apart (teacher-forced on our tokens, so a near-tie that went the other way skips only
+    its own position), and still answer from the document."""
+    from worker.model.dtypes import resolve_dtype
+    from worker.model.model_loader import read_model_config
+
+    path = default_model_path()
+    dtype = resolve_dtype("auto", read_model_config(path), "cpu")
+    llm = LLM(num_blocks=160, max_model_len=2048)
+    assert llm.engine.executor.worker.model_dtype == dtype
+    outs = llm.chat(conversations(1, 1), SamplingParams(temperature=0.0, max_tokens=16))
+    hf = copy.deepcopy(hf_model).to(dtype)  # as transformers loads the file in `dtype`
+    compared = 0
+    for out in outs:
+        ids, got = out.prompt_token_ids, list(out.outputs[0].token_ids)
+        with torch.no_grad():
+            logits = hf(torch.tensor([ids + got])).logits[0, len(ids) - 1 : -1].float()
+        top2 = logits.topk(2).values
+        for i, tok in enumerate(got):
+            if top2[i, 0] - top2[i, 1] >= 0.5:
+                assert tok == int(logits[i].argmax()), (out.outputs[0].text, i)
+                compared += 1
+    assert compared >= 16  # of 32: real tokens were compared, not only near-ties
+    assert "Gustave Eiffel" in outs[0].outputs[0].text

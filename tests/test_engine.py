@@ -73,6 +73,7 @@ def prompts_of(lengths, seed=0, vocab=256):
 
 def make_llm(model_dir, **options):
     options.setdefault("max_model_len", 256)
+    options.setdefault("dtype", "float32")  # like with like: the reference runs in float32
     return LLM(str(model_dir), **options)
 
 
@@ -135,7 +136,12 @@ def test_preemption_in_a_tiny_pool_gives_the_same_answers(model_dirs, hf_models)
     params = SamplingParams(temperature=0.0, max_tokens=24)
     # 10 blocks of 8 tokens: one request fits whole (<= 57 tokens), five at once cannot
     llm = LLM(
-        str(model_dirs["mistral"]), num_blocks=10, block_size=8, max_model_len=80, watermark=0.0
+        str(model_dirs["mistral"]),
+        num_blocks=10,
+        block_size=8,
+        max_model_len=80,
+        watermark=0.0,
+        dtype="float32",
     )
     ours = [o.token_ids for o in llm.generate(prompts, params)]
     assert llm.stats()["preemptions"] > 0
@@ -223,7 +229,9 @@ def test_pool_agrees_with_the_planner(model_dirs):
 
     budget = 3 << 20
     for name in ("llama", "qwen3", "llama-tied-mqa"):
-        llm = LLM(str(model_dirs[name]), kv_cache_memory=budget, max_model_len=1024)
+        llm = LLM(
+            str(model_dirs[name]), kv_cache_memory=budget, max_model_len=1024, dtype="float32"
+        )
         shape = KVShape.from_hf_config(model_dirs[name], kv_dtype="float32", block_size=16)
         assert llm.engine.layout.bytes_per_token == shape.bytes_per_token()
         assert llm.stats()["blocks_total"] == shape.num_blocks(budget)

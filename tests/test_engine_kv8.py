@@ -41,6 +41,8 @@ from worker.sampling_params import SamplingParams
 
 DTYPES = ["int8", "fp8"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
+# Every engine here runs in float32 (dtype="float32"): the references do, and "auto" is
+# bfloat16 on a CPU with bf16 units.
 # a pool of 20 blocks of 8 tokens: the workload's six ~50-token requests cannot run at once
 TIGHT = dict(block_size=8, num_blocks=20, max_model_len=128, watermark=0.0, max_num_batched_tokens=24)  # fmt: skip
 
@@ -75,7 +77,9 @@ def test_logits_equal_transformers_on_the_same_quantized_kv(dtype, model_dir):
     """Teacher-forced, through the engine's own model, pool and attention, in two chunks (the
     second reads the first from the 8-bit cache): equal to the quantized reference to float32
     rounding, and a hundred times further from the float one, so the cache holds 8 bits."""
-    llm = LLM(str(model_dir), kv_cache_dtype=dtype, num_blocks=16, max_model_len=128)
+    llm = LLM(
+        str(model_dir), dtype="float32", kv_cache_dtype=dtype, num_blocks=16, max_model_len=128
+    )
     ids = prompts_of([70], seed=1)[0]
     ours = torch.cat([engine_chunk_logits(llm, ids, 0, 40), engine_chunk_logits(llm, ids, 40, 30)])
     hf = quantized_reference(model_dir, llm)
@@ -91,7 +95,9 @@ def test_logits_equal_transformers_on_the_same_quantized_kv(dtype, model_dir):
 def test_fp8_scales_place_the_calibration_absmax_at_448_over_the_headroom(model_dir):
     """Each layer's K and V scale: transformers' absmax of K and V over the calibration ids
     (the model's own forward pass, the same ids), x HEADROOM / 448."""
-    llm = LLM(str(model_dir), kv_cache_dtype="fp8", num_blocks=16, max_model_len=128)
+    llm = LLM(
+        str(model_dir), dtype="float32", kv_cache_dtype="fp8", num_blocks=16, max_model_len=128
+    )
     pool = llm.engine.executor.worker.pool
     vocab = llm.engine.model_config.vocab_size
     ids = torch.randint(0, vocab, (CALIBRATION_TOKENS,), generator=torch.Generator().manual_seed(CALIBRATION_SEED))  # fmt: skip
@@ -107,7 +113,7 @@ def test_fp8_scales_place_the_calibration_absmax_at_448_over_the_headroom(model_
 def test_greedy_equals_transformers_with_prefix_hits_preemption_and_chunks(dtype, model_dir):
     docs, questions = prompts_of([30, 25], seed=2), prompts_of([9, 14, 17], seed=3)
     prompts = [d + q for d in docs for q in questions]
-    llm = LLM(str(model_dir), kv_cache_dtype=dtype, **TIGHT)
+    llm = LLM(str(model_dir), dtype="float32", kv_cache_dtype=dtype, **TIGHT)
     rounds = [[o.token_ids for o in llm.generate(prompts, GREEDY)] for _ in range(2)]
     want = transformers_greedy(quantized_reference(model_dir, llm), prompts, GREEDY.max_tokens)
     assert rounds[0] == rounds[1] == want
@@ -126,7 +132,7 @@ def test_greedy_equals_transformers_with_prefix_hits_preemption_and_chunks(dtype
 def test_pool_agrees_with_the_planner_byte_for_byte(kv_cache_dtype, planner_dtype, kv_heads, tmp_path):  # fmt: skip
     model = make_model_dir(tmp_path, seed=1, head_dim=32, num_attention_heads=4, num_key_value_heads=kv_heads)  # fmt: skip
     budget = (3 << 20) + 12345
-    llm = LLM(str(model), kv_cache_dtype=kv_cache_dtype, kv_cache_memory=budget, max_model_len=256)  # fmt: skip
+    llm = LLM(str(model), dtype="float32", kv_cache_dtype=kv_cache_dtype, kv_cache_memory=budget, max_model_len=256)  # fmt: skip
     shape = KVShape.from_hf_config(model, kv_dtype=planner_dtype, block_size=16)
     pool = llm.engine.executor.worker.pool
     held = [t for t in (*pool.k_caches, *pool.v_caches, *pool.k_scales, *pool.v_scales) if t is not None]  # fmt: skip
@@ -142,7 +148,7 @@ def test_twice_the_8k_sequences_at_once_in_the_engine_and_the_planner(tmp_path):
     """At the bytes of three 8k-token sequences in a bfloat16 cache, the running engine holds
     as many whole sequences at once as the planner says fit: six with either 8-bit cache."""
     model = make_model_dir(tmp_path, seed=0, vocab_size=512, **CAPACITY_MODEL)
-    args = SimpleNamespace(capacity_len=8192, capacity_out=8, block_size=16)
+    args = SimpleNamespace(capacity_len=8192, capacity_out=8, block_size=16, dtype="float32")
     sequence = KVShape.from_hf_config(model, "bfloat16", 16).block_bytes() * (8192 // 16)
     budget = 3 * sequence + sequence // 2
     got = {d: capacity_case(str(model), d, budget, args) for d in ("bfloat16", "int8", "fp8_e4m3")}  # fmt: skip
@@ -177,7 +183,7 @@ def test_kv_dtypes_never_share_blocks_or_predictions(model_dir):
     finally:
         for g in groups.values():
             g.shutdown()
-    roots = {d: LLM(str(model_dir), kv_cache_dtype=d, **opts).engine.hasher.root() for d in ("fp8", "fp8_e4m3", "int8")}  # fmt: skip
+    roots = {d: LLM(str(model_dir), dtype="float32", kv_cache_dtype=d, **opts).engine.hasher.root() for d in ("fp8", "fp8_e4m3", "int8")}  # fmt: skip
     assert roots["fp8"] == roots["fp8_e4m3"] != roots["int8"]
 
 
@@ -190,10 +196,10 @@ async def _finish(group, prompt):
 def test_unsupported_kv_cache_dtype_is_refused_naming_the_field(model_dir):
     for bad in ("fp8_e5m2", "int4", ""):
         with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
-            LLM(str(model_dir), kv_cache_dtype=bad)
+            LLM(str(model_dir), dtype="float32", kv_cache_dtype=bad)
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         CacheConfig(kv_cache_dtype="float8")
-    assert LLM(str(model_dir), kv_cache_dtype="fp8", num_blocks=16, max_model_len=64).engine.layout.dtype == FP8_E4M3  # fmt: skip
+    assert LLM(str(model_dir), dtype="float32", kv_cache_dtype="fp8", num_blocks=16, max_model_len=64).engine.layout.dtype == FP8_E4M3  # fmt: skip
 
 
 def test_tensor_parallel_8bit_caches_equal_tp1(ray_runtime, model_dir):
@@ -202,10 +208,10 @@ def test_tensor_parallel_8bit_caches_equal_tp1(ray_runtime, model_dir):
     half the KV bytes per token, as the planner says."""
     prompts = [d + q for d in prompts_of([30, 25], seed=5) for q in prompts_of([9, 14], seed=6)]
     with concurrent.futures.ThreadPoolExecutor(len(DTYPES)) as pool:
-        starting = {d: pool.submit(LLM, str(model_dir), tensor_parallel_size=2, kv_cache_dtype=d, **TIGHT) for d in DTYPES}  # fmt: skip
+        starting = {d: pool.submit(LLM, str(model_dir), tensor_parallel_size=2, dtype="float32", kv_cache_dtype=d, **TIGHT) for d in DTYPES}  # fmt: skip
         want = {}
         for d in DTYPES:  # meanwhile, TP=1 here
-            tp1 = LLM(str(model_dir), kv_cache_dtype=d, **TIGHT)
+            tp1 = LLM(str(model_dir), dtype="float32", kv_cache_dtype=d, **TIGHT)
             want[d] = [o.token_ids for o in tp1.generate(prompts, GREEDY)]
             assert want[d] == transformers_greedy(quantized_reference(model_dir, tp1), prompts, 12)
         groups = {d: f.result() for d, f in starting.items()}

@@ -36,8 +36,13 @@ from worker.sampling_params import SamplingParams
 
 KV_HEADS = {"kv4": 4, "kv2": 2, "kv1": 1}
 # 12 blocks of 8 tokens (one max_model_len sequence): six requests of ~60 tokens cannot run at once
-OPTIONS = dict(
-    block_size=8, num_blocks=12, max_model_len=96, watermark=0.0, max_num_batched_tokens=32
+OPTIONS = dict(  # float32: the reference runs in it
+    block_size=8,
+    num_blocks=12,
+    max_model_len=96,
+    watermark=0.0,
+    max_num_batched_tokens=32,
+    dtype="float32",
 )
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
 HANG_TIMEOUT_S = 8.0  # collective timeout of the group used for the hang test

@@ -79,7 +79,7 @@ class EngineConfig:
     """Everything one engine needs; `pagefleet.LLM(model, **options)` fills it."""
 
     model: str
-    dtype: str = "auto"
+    dtype: str = "auto"  # "auto": worker/model/dtypes.py (bfloat16 on a CPU with bf16 units)
     device: str = "cpu"
     attention_backend: str | None = None  # None: Triton on CUDA, torch elsewhere
     max_model_len: int | None = None  # None: the model's context length

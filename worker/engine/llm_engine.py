@@ -19,6 +19,7 @@ from worker.exec.executor import Executor, LocalExecutor
 from worker.exec.kv_pool import check_pool_fits, kv_torch_dtype
 from worker.hashing import BlockHasher, ModelFingerprint
 from worker.kv_events import KVEvent
+from worker.model.dtypes import resolve_dtype
 from worker.model.model_config import ModelConfig
 from worker.model_source import is_gguf
 from worker.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprobs
@@ -268,7 +269,7 @@ def _output(
 def block_hasher(config: EngineConfig, mc: ModelConfig) -> BlockHasher:
     """The keyed hasher of this model and cache layout. The engine and the router both build
     theirs here, so that they name every block alike."""
-    model_dtype = mc.torch_dtype if config.dtype == "auto" else getattr(torch, config.dtype)
+    model_dtype = resolve_dtype(config.dtype, mc, config.device)
     kv_dtype = kv_torch_dtype(config.cache.kv_cache_dtype, model_dtype)
     fingerprint = ModelFingerprint(
         model_id=mc.model_id,

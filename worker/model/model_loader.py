@@ -23,6 +23,7 @@ from transformers import AutoConfig
 
 from kernels.registry import AttentionBackend, get_backend
 from worker.exec.distributed import Collectives
+from worker.model.dtypes import resolve_dtype
 from worker.model.layers.linear import default_weight_loader
 from worker.model.model_config import SUPPORTED_ARCHITECTURES, ModelConfig
 from worker.model.models import MODEL_REGISTRY
@@ -49,13 +50,13 @@ def load_model(
 ) -> tuple[nn.Module, ModelConfig]:
     """Build the model for `model_dir`'s config and load this rank's share of its weights.
 
-    `model_dir` is a model directory or a .gguf file. dtype "auto" keeps the checkpoint's dtype
-    (float32 when it names none, and for GGUF files, which are dequantized). Without an
+    `model_dir` is a model directory or a .gguf file. dtype "auto": bfloat16 on a CPU with bf16
+    units, else float32 on CPU, else the checkpoint's (worker/model/dtypes.py). Without an
     attention backend, the registry picks one for `device` (Triton on CUDA, torch elsewhere).
     """
     model_dir = Path(model_dir)
     config = read_model_config(model_dir)
-    torch_dtype = config.torch_dtype if dtype == "auto" else _to_dtype(dtype)
+    torch_dtype = resolve_dtype(dtype, config, device)
     attention_backend = attention_backend or get_backend(None, device)
     # Parameters start as torch.empty on CPU (untouched pages cost nothing), then move once.
     model = MODEL_REGISTRY[config.architecture](config, collectives, attention_backend)
@@ -193,11 +194,3 @@ def _generation_eos(model_dir: Path) -> tuple[int, ...]:
     if eos is None:
         return ()
     return (eos,) if isinstance(eos, int) else tuple(eos)
-
-
-def _to_dtype(dtype: torch.dtype | str) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if not isinstance(getattr(torch, dtype, None), torch.dtype):
-        raise ValueError(f"dtype {dtype!r} is not a torch dtype name (e.g. 'bfloat16') or 'auto'")
-    return getattr(torch, dtype)
