@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -50,14 +50,25 @@ class _RowKinds:
     random: list[int]  # rows that draw (temperature > 0)
     logprobs: list[int]  # rows that report logprobs
 
+    @property
+    def argmax_only(self) -> bool:
+        return not (self.penalized or self.suppressing or self.random or self.logprobs)
+
 
 @dataclass
 class SampleResult:
     """What one sampler call returns, one entry per row."""
 
-    token_ids: list[int]
+    ids: torch.Tensor  # (n,) int64 on the CPU: the sampled token ids
     logprobs: list[TokenLogprobs | None]  # None where params.logprobs is None
-    ids: torch.Tensor | None = None  # (n,) int64 on the CPU: token_ids as a tensor
+    _token_ids: list[int] | None = field(default=None, repr=False)
+
+    @property
+    def token_ids(self) -> list[int]:
+        """`ids` as a list (made when first asked: off the path between two forwards)."""
+        if self._token_ids is None:
+            self._token_ids = self.ids.tolist()
+        return self._token_ids
 
 
 class Sampler:
@@ -80,8 +91,10 @@ class Sampler:
         """Sample one token per row. logits: (n, vocab) float, row i belongs to rows[i]."""
         _check_inputs(logits, rows)
         if not rows:
-            return SampleResult(token_ids=[], logprobs=[])
+            return SampleResult(ids=torch.zeros(0, dtype=torch.long), logprobs=[])
         kinds = self._kinds(rows)
+        if kinds.argmax_only:  # the common all-greedy batch: one argmax
+            return SampleResult(ids=logits.argmax(dim=-1).cpu(), logprobs=[None] * len(rows))
         logits = logits.float()
         penalized = logits
         if kinds.penalized:
@@ -95,8 +108,7 @@ class Sampler:
         logprobs = [None] * len(rows)
         if kinds.logprobs:
             logprobs = self._logprobs(logits, penalized, rows, token_ids, kinds.logprobs)
-        ids = token_ids.cpu()
-        return SampleResult(token_ids=ids.tolist(), logprobs=logprobs, ids=ids)
+        return SampleResult(ids=token_ids.cpu(), logprobs=logprobs)
 
     def _kinds(self, rows: Sequence[SamplingRow]) -> _RowKinds:
         """Which rows need what, worked out once per rows list: the runner hands the same list
