@@ -112,6 +112,9 @@ class OverlapRunner:
 
     # ---- the forward thread ------------------------------------------------------------
     def _loop(self) -> None:
+        device = self.runner.device
+        if device.type == "cuda" and device.index is not None:  # (a thread starts on device 0)
+            torch.cuda.set_device(device)
         with torch.inference_mode():
             while True:
                 with self._cv:
