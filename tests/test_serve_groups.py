@@ -20,6 +20,7 @@ import time
 import grpc
 import pytest
 
+from router.door.server import HEALTH_INTERVAL_S
 from tests.process_tree import descendants, is_loopback, listening_sockets, process_state
 from tests.redis_server import free_port
 from tests.serve_process import start_serve
@@ -128,7 +129,11 @@ def test_killed_groups_are_replaced_and_health_follows(groups_server):
     while not all(g.alive for g in client.cluster_status()):
         assert time.monotonic() < deadline, f"not replaced: {client.cluster_status()}"
         time.sleep(0.5)
-    assert client.health(timeout=5) == "SERVING"
+    # health follows the groups on its own poll (router/door/server.py: HEALTH_INTERVAL_S)
+    deadline = time.monotonic() + 10 * HEALTH_INTERVAL_S
+    while client.health(timeout=5) != "SERVING":
+        assert time.monotonic() < deadline, "groups alive again, health still NOT_SERVING"
+        time.sleep(0.1)
     groups = client.cluster_status()
     assert [(g.alive, g.generation, g.restarts) for g in groups] == [(True, 2, 1)] * 2, groups
     done = client.generate(token_ids=[5, 6, 7], max_tokens=2, temperature=0.0, ignore_eos=True)
