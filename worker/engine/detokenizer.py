@@ -272,9 +272,10 @@ def _make_byte_table(tokenizer, skip_special: bool) -> list[bytes] | None:
     ):  # transformers would clean the decoded text up
         return None
     from tokenizers.pre_tokenizers import ByteLevel
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-    # the alphabet's characters stand for the 256 bytes, in byte order (GPT-2's bytes_to_unicode)
-    char_byte = {c: b for b, c in enumerate(_gpt2_byte_chars())}
+    # the alphabet's characters, each standing for one byte (GPT-2's scheme)
+    char_byte = {c: b for b, c in bytes_to_unicode().items()}
     assert set(char_byte) == set(ByteLevel.alphabet())
     size = backend.get_vocab_size(with_added_tokens=True)
     table = [b""] * size
@@ -293,17 +294,3 @@ def _make_byte_table(tokenizer, skip_special: bool) -> list[bytes] | None:
         if backend.decode([i], skip_special_tokens=skip_special) != text:
             return None
     return table
-
-
-@functools.cache
-def _gpt2_byte_chars() -> tuple[str, ...]:
-    """GPT-2's bytes_to_unicode: the printable character standing for each byte value."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]  # fmt: skip
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            chars[b] = chr(b)
-        else:
-            chars[b] = chr(256 + extra)
-            extra += 1
-    return tuple(chars[b] for b in range(256))
