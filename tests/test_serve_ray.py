@@ -345,6 +345,7 @@ def wait_serving(client: Client, head: RayHead, job_id: str, timeout_s: float) -
 
 
 LATE_RAYLET = """
+import sys
 import psutil
 import ray._private.node as node
 from cluster.ray.runtime import ensure_ray, ray
@@ -356,9 +357,11 @@ def late_once(self):
     start_ray_processes(self)
     if not first_attempt:  # the first start's raylet never registers, as seen on a busy host
         first_attempt.update(c.pid for c in psutil.Process().children(recursive=True))
-        raise Exception("The current node timed out during startup. This could happen ...")
+        raise ERROR
 
 node.Node.start_ray_processes = late_once
+ERROR = {"raylet": Exception("The current node timed out during startup. This could ..."),
+         "gcs": RuntimeError("Timed out waiting for file /tmp/ray/session_x/gcs_server_port_y")}[sys.argv[1]]
 ensure_ray(num_cpus=1)
 assert ray.get(ray.remote(lambda: 7).remote()) == 7
 alive = [p for p in first_attempt if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
@@ -368,13 +371,15 @@ ray.shutdown()
 """
 
 
-def test_a_local_ray_start_that_times_out_is_tried_again_without_its_processes(tmp_path):
-    """Ray's raylet has 30 s to register with the GCS; when a start misses it (its raylet made
-    late here, once), ensure_ray kills what that start left and starts again."""
+@pytest.mark.parametrize("late", ["raylet", "gcs"])
+def test_a_local_ray_start_that_times_out_is_tried_again_without_its_processes(tmp_path, late):
+    """Ray's raylet has 30 s to register with the GCS, and the GCS 30 s to write its port file;
+    when a start misses either (Ray's error raised here once, after the first start's
+    processes are up), ensure_ray kills what that start left and starts again."""
     env = _env(str(tmp_path))
     done = subprocess.run(
-        [sys.executable, "-c", LATE_RAYLET], env=env, cwd=REPO, capture_output=True, text=True,
-        timeout=180,
+        [sys.executable, "-c", LATE_RAYLET, late], env=env, cwd=REPO, capture_output=True,
+        text=True, timeout=180,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     assert "did not come up" in done.stderr and "attempt 2 of 3" in done.stderr, done.stderr

@@ -12,8 +12,9 @@ seconds after that thread ends, while the driver goes on as if nothing happened 
 needs the object store or the GCS. `ensure_ray` refuses to start one anywhere else.
 
 A local start that times out (Ray gives its raylet 30 s to register with the GCS, a limit it
-does not let anyone change, and a loaded two-core host was seen to miss it) is tried again, up
-to LOCAL_START_ATTEMPTS times, after the processes the failed attempt started are killed.
+does not let anyone change, and the GCS 30 s to write its port file; a loaded two-core host
+was seen to miss each) is tried again, up to LOCAL_START_ATTEMPTS times, after the processes
+the failed attempt started are killed.
 
 Joining a cluster that uses token authentication (what `ray start --head` does wherever a token
 exists): when the cluster refuses this process for want of a token, token mode is turned on and
@@ -36,7 +37,9 @@ LOCAL_OBJECT_STORE_BYTES = 200 << 20  # outputs are small; a CPU host needs its 
 LOOPBACK = "127.0.0.1"
 AUTH_MODE_ENV = "RAY_AUTH_MODE"
 LOCAL_START_ATTEMPTS = 3
-START_TIMED_OUT = "timed out during startup"  # the words of Ray's error when its raylet is late
+# the words of Ray's errors when a head process is late: its raylet registering with the GCS,
+# or a process writing the port file Ray waits for (the GCS's, 30 s by default)
+START_TIMED_OUT = ("timed out during startup", "Timed out waiting for file")
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +93,7 @@ def _start_local(num_cpus: int | None, resources: dict[str, float] | None, names
             )
             return
         except Exception as e:
-            if START_TIMED_OUT not in str(e) or attempt == LOCAL_START_ATTEMPTS:
+            if not any(m in str(e) for m in START_TIMED_OUT) or attempt == LOCAL_START_ATTEMPTS:
                 raise
             killed = _kill_children_except(before)
             logger.warning(
