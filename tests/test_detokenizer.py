@@ -90,10 +90,11 @@ def test_split_characters_never_emit_replacement_chars(tokenizer, text):
     ids = encode(tokenizer, text)
     # The test only means something if some character's bytes span several tokens.
     assert any(REPLACEMENT in tokenizer.decode([i]) for i in ids)
-    detok = IncrementalDetokenizer(tokenizer, [], SamplingParams())
-    deltas = [detok.step([i]) for i in ids]
-    assert all(REPLACEMENT not in d for d in deltas)
-    assert "".join(deltas) == text
+    for one_at_a_time in (False, True):
+        detok = IncrementalDetokenizer(tokenizer, [], SamplingParams())
+        deltas = [detok.step_one(i) if one_at_a_time else detok.step([i]) for i in ids]
+        assert all(REPLACEMENT not in d for d in deltas)
+        assert "".join(deltas) == text
 
 
 def test_incomplete_tail_is_flushed_as_decode_renders_it(tokenizer):
@@ -241,3 +242,6 @@ def test_any_ids_stream_to_the_tokenizers_decode(tokenizer, ids, skip):
     detok = IncrementalDetokenizer(tokenizer, [], SamplingParams(), skip_special_tokens=skip)
     streamed = "".join(detok.step([i]) for i in ids) + detok.flush()
     assert streamed == tokenizer.decode(ids, skip_special_tokens=skip) == detok.text
+    # the engine's call, one id at a time (on the byte table: whole tokens' texts as tabled)
+    one = IncrementalDetokenizer(tokenizer, [], SamplingParams(), skip_special_tokens=skip)
+    assert "".join(one.step_one(i) for i in ids) + one.flush() == streamed == one.text

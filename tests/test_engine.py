@@ -96,6 +96,31 @@ def test_greedy_equals_transformers(name, model_dirs, hf_models):
     assert_no_leaks(llm)
 
 
+def test_repetition_penalty_in_a_batch_equals_transformers(model_dirs, hf_models):
+    """Penalised rows read the output so far at every step: the batch decodes together (its
+    sampling rows kept from step to step while it continues) and each request still gets what
+    transformers' generate gives it alone with the same penalty. (On this model a row that saw
+    only its first tokens would pick differently.)"""
+    prompts = prompts_of([5, 12, 30, 47], seed=3)
+    name, n = "llama-tied-mqa", 16
+    llm = make_llm(model_dirs[name], num_blocks=64, block_size=16)
+    params = SamplingParams(temperature=0.0, max_tokens=n, repetition_penalty=1.5)
+    ours = [o.token_ids for o in llm.generate(prompts, params)]
+    want = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        with torch.no_grad():
+            gen = hf_models(name).generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                repetition_penalty=1.5, pad_token_id=0,
+            )  # fmt: skip
+        want.append(gen[0, len(p) :].tolist())
+    assert ours == want
+    plain = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    assert plain != [t[: len(q)] for t, q in zip(ours, plain, strict=True)]  # the penalty acts
+    assert_no_leaks(llm)
+
+
 @pytest.mark.parametrize(
     "options",
     [

@@ -79,13 +79,13 @@ class RequestMetrics:
         return None if self.finished_time is None else self.finished_time - self.arrival_time
 
 
-@dataclass
+@dataclass(slots=True)
 class CompletionOutput:
     """One completion of a request, in vLLM's shape."""
 
     index: int  # which of the request's n completions
     text: str  # detokenized output so far (empty without a tokenizer)
-    token_ids: list[int]  # every generated token so far
+    token_ids: list[int]  # every generated token so far (the engine's list: it grows on)
     cumulative_logprob: float | None  # sum of the chosen tokens' logprobs, when logprobs are asked
     logprobs: list[TokenLogprobs] | None  # per token: {token id: Logprob}, chosen and top-n
     finish_reason: str | None = None  # "stop", "length" or "abort" once finished
@@ -95,7 +95,7 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     """A request's state after a step, in vLLM's shape (`outputs`: its completions so far), plus
     what vLLM lacks: this step's delta and single-completion shortcuts (`text`, `token_ids`,

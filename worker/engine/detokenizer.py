@@ -51,6 +51,7 @@ class IncrementalDetokenizer:
         # byte-level tokenizers: each id's bytes, and a UTF-8 decoder fed with them
         self._bytes = None if tokenizer is None else byte_table(tokenizer, skip_special_tokens)
         self._utf8 = None if self._bytes is None else _UTF8(errors="replace")
+        self._texts = None if self._bytes is None else text_table(tokenizer, skip_special_tokens)
         self._params = params
         self._skip_special = skip_special_tokens
         # Ids of the decode window: a little prompt context, then the output.
@@ -96,6 +97,22 @@ class IncrementalDetokenizer:
         if self._stop_matched is not None:
             return self._take(hold=0)
         return self._take(hold=self._stop_prefix_len())
+
+    def step_one(self, token_id: int) -> str:
+        """`step([token_id])`: the engine's call for every request at every step, which a
+        byte-level tokenizer without stop strings answers from its table alone."""
+        texts = self._texts
+        if texts is None or self._params.stop or self._unsent or self._finished:
+            return self.step((token_id,))
+        self._num_output += 1
+        utf8 = self._utf8
+        # a whole token's text as it is, unless a character's first bytes wait in the decoder
+        text = texts[token_id] if 0 <= token_id < len(texts) and not utf8.buffer else None
+        if text is None:
+            text = utf8.decode(self._bytes[token_id] if 0 <= token_id < len(texts) else b"")
+        if text:
+            self._pieces.append(text)
+        return text
 
     def resume(self, token_ids: Sequence[int], text_sent: int) -> None:
         """Continue an output that another detokenizer started: `token_ids` were generated and
@@ -254,8 +271,31 @@ def byte_table(tokenizer, skip_special_tokens: bool) -> list[bytes] | None:
     except TypeError:  # (not weakly referenceable)
         per_flag = {}
     if skip_special_tokens not in per_flag:
-        per_flag[skip_special_tokens] = _make_byte_table(tokenizer, skip_special_tokens)
+        table = _make_byte_table(tokenizer, skip_special_tokens)
+        per_flag[skip_special_tokens] = table
+        per_flag["text", skip_special_tokens] = None if table is None else _whole_texts(table)
     return per_flag[skip_special_tokens]
+
+
+def text_table(tokenizer, skip_special_tokens: bool) -> list[str | None] | None:
+    """Alongside `byte_table`: each id's text where its bytes are whole UTF-8 on their own
+    (most ids), else None (a character split across ids, or invalid bytes)."""
+    if byte_table(tokenizer, skip_special_tokens) is None:
+        return None
+    try:
+        return _TABLES[tokenizer]["text", skip_special_tokens]
+    except TypeError:  # (not weakly referenceable: not kept)
+        return _whole_texts(_make_byte_table(tokenizer, skip_special_tokens))
+
+
+def _whole_texts(table: list[bytes]) -> list[str | None]:
+    texts: list[str | None] = []
+    for raw in table:
+        try:
+            texts.append(raw.decode())
+        except UnicodeDecodeError:
+            texts.append(None)
+    return texts
 
 
 def _make_byte_table(tokenizer, skip_special: bool) -> list[bytes] | None:

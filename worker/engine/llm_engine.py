@@ -122,7 +122,7 @@ class LLMEngine:
             text,
         )
         if resumed:  # as after a preemption: the output so far is recomputed with the prompt
-            req.all_token_ids.extend(resumed)
+            req.append_tokens(resumed)
             tracked.detok.resume(resumed, resume.text_sent)
             if tracked.logprobs is not None:
                 tracked.logprobs.extend(resume.logprobs)
@@ -162,45 +162,59 @@ class LLMEngine:
         out = self.scheduler.schedule()
         self._flush_events()
         now = time.monotonic()
-        for s in out.scheduled:
-            if s.is_new:  # (admitted, or back from preemption: scheduled before if so)
-                m = self._tracked[s.request.request_id].metrics
-                if m.first_scheduled_time is None:
-                    m.first_scheduled_time = now
+        tracked = self._tracked
+        for s in out.admitted:  # (or back from preemption: scheduled before if so)
+            m = tracked[s.request.request_id].metrics
+            if m.first_scheduled_time is None:
+                m.first_scheduled_time = now
         sampled = self.executor.execute(out)
-        finished = {r.request_id for r in self.scheduler.update_from_output(out, sampled)}
+        ended = self.scheduler.update_from_output(out, sampled)
+        finished = {r.request_id for r in ended} if ended else ()
+        now = time.monotonic()  # when this step's tokens were sampled
         outputs = []
         for s in out.scheduled:
-            req = s.request
-            entry = sampled.get(req.request_id)
+            rid = s.request.request_id
+            entry = sampled.get(rid)
             if entry is not None:
-                outputs.append(self._progress(req, *entry, req.request_id in finished))
+                outputs.append(self._progress(s.request, tracked[rid], *entry, rid in finished, now))  # fmt: skip
         self._flush_events()
         return outputs
 
     def _progress(
-        self, req: Request, token: int, lp: TokenLogprobs | None, finished: bool
-    ) -> RequestOutput:
-        rid = req.request_id
-        tracked = self._tracked[rid]
-        now = time.monotonic()
+        self, req: Request, tracked: _Tracked, token: int, lp: TokenLogprobs | None,
+        finished: bool, now: float,
+    ) -> RequestOutput:  # fmt: skip
+        """A sampled token's output (as `_output` makes it, written out here: this runs for
+        every request at every step)."""
         m = tracked.metrics
-        m.first_token_time = m.first_token_time or now
+        if m.first_token_time is None:
+            m.first_token_time = now
         m.token_times.append(now)
-        if tracked.logprobs is not None:
-            tracked.logprobs.append(lp)
+        lps = tracked.logprobs
+        if lps is not None:
+            lps.append(lp)
             tracked.cumulative_logprob += lp.logprob
-        delta = tracked.detok.step([token])
-        if tracked.detok.stop_matched is not None and not finished:
-            self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
-            req.stop_reason = tracked.detok.stop_matched
+        detok = tracked.detok
+        delta = detok.step_one(token)
+        if detok.stop_matched is not None and not finished:
+            self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
+            req.stop_reason = detok.stop_matched
             finished = True
         if finished:
-            delta += tracked.detok.flush()
+            delta += detok.flush()
             m.finished_time = now
-            del self._tracked[rid]
+            del self._tracked[req.request_id]
             self._flush_events()
-        return _output(req, tracked, [token], delta, finished, token_time=now)
+        completion = CompletionOutput(
+            0, detok.text, req.output_token_ids,
+            None if lps is None else tracked.cumulative_logprob, lps,
+            req.finish_reason if finished else None, req.stop_reason,
+        )  # fmt: skip
+        return RequestOutput(
+            req.request_id, req.prompt_token_ids, [completion], finished,
+            req.num_cached_tokens if req.num_cached_tokens > 0 else 0, m, [token], delta,
+            None if lps is None else [lp], now, tracked.prompt,
+        )  # fmt: skip
 
     def _flush_events(self) -> None:
         if self._events:
@@ -240,30 +254,22 @@ def _output(
     req: Request, tracked: _Tracked, new_token_ids: list[int], delta: str, finished: bool,
     token_time: float | None,
 ) -> RequestOutput:  # fmt: skip
-    """The request's output after a step (or an abort): everything so far and this delta."""
+    """The request's output after a step (or an abort): everything so far and this delta.
+    `token_ids` is the request's own output list, as `logprobs` and `metrics` are its own: they
+    grow as the engine runs on, and a consumer that reads later takes the `new_*` fields.
+    Made once per request per step: positional arguments, in the classes' field order."""
     lps = tracked.logprobs
     completion = CompletionOutput(
-        index=0,
-        text=tracked.detok.text,
-        token_ids=req.output_token_ids,
-        cumulative_logprob=tracked.cumulative_logprob if tracked.logprobs is not None else None,
-        logprobs=tracked.logprobs,
-        finish_reason=req.finish_reason if finished else None,
-        stop_reason=req.stop_reason,
-    )
+        0, tracked.detok.text, req.output_token_ids,
+        None if lps is None else tracked.cumulative_logprob, lps,
+        req.finish_reason if finished else None, req.stop_reason,
+    )  # fmt: skip
     return RequestOutput(
-        request_id=req.request_id,
-        prompt_token_ids=req.prompt_token_ids,
-        outputs=[completion],
-        finished=finished,
-        num_cached_tokens=max(0, req.num_cached_tokens),
-        metrics=tracked.metrics,
-        new_token_ids=new_token_ids,
-        new_text=delta,
-        prompt=tracked.prompt,
-        new_logprobs=None if lps is None else lps[len(lps) - len(new_token_ids) :],
-        token_time=token_time,
-    )
+        req.request_id, req.prompt_token_ids, [completion], finished,
+        req.num_cached_tokens if req.num_cached_tokens > 0 else 0, tracked.metrics,
+        new_token_ids, delta, None if lps is None else lps[len(lps) - len(new_token_ids) :],
+        token_time, tracked.prompt,
+    )  # fmt: skip
 
 
 def block_hasher(config: EngineConfig, mc: ModelConfig) -> BlockHasher:

@@ -1,4 +1,4 @@
-"""One request's state. Counters are stored; everything else is derived."""
+"""One request's state. Counters and token lists are stored; everything else is derived."""
 
 from __future__ import annotations
 
@@ -55,12 +55,16 @@ class Request:
         self.sampling_params = sampling_params
         self.max_tokens = max_tokens  # resolved: never None
         self.eos_token_ids = eos_token_ids
+        # the ids that end the output when sampled: EOS (unless ignored) and the stop tokens
+        eos = () if sampling_params.ignore_eos else eos_token_ids
+        self.ending_token_ids = frozenset((*eos, *sampling_params.stop_token_ids))
         self.priority = priority  # lower value runs first
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.hash_root = hash_root  # parent of block 0: model, adapter and tenant salt
         self.block_hashes: list[bytes] = list(block_hashes)
 
         self.all_token_ids = list(self.prompt_token_ids)
+        self.output_token_ids: list[int] = []  # the generated tail of all_token_ids, kept apart
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prompt tokens served from the prefix cache; -1 until admitted
@@ -77,11 +81,7 @@ class Request:
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.all_token_ids) - len(self.prompt_token_ids)
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.all_token_ids[len(self.prompt_token_ids) :]
+        return len(self.output_token_ids)
 
     @property
     def is_finished(self) -> bool:
@@ -97,6 +97,11 @@ class Request:
 
     def append_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)
+        self.output_token_ids.append(token_id)
+
+    def append_tokens(self, token_ids: Sequence[int]) -> None:
+        self.all_token_ids.extend(token_ids)
+        self.output_token_ids.extend(token_ids)
 
     def __repr__(self) -> str:
         return (

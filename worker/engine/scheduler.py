@@ -43,6 +43,7 @@ class SchedulerOutput:
     num_batched_tokens: int = 0
     preempted_ids: list[str] = field(default_factory=list)
     finished_ids: list[str] = field(default_factory=list)  # left since the previous step
+    admitted: list[ScheduledRequest] = field(default_factory=list)  # the `is_new` entries
 
     @property
     def is_empty(self) -> bool:
@@ -160,36 +161,52 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         budget = self._schedule_running(out, budget)
         if not out.preempted_ids:
-            self._schedule_waiting(out, budget)
-        out.num_batched_tokens = sum(s.num_tokens for s in out.scheduled)
+            budget = self._schedule_waiting(out, budget)
+        out.num_batched_tokens = self.config.max_num_batched_tokens - budget
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        scheduled_ids: set[str] = set()
-        # Decodes first, each kind in admission order.
-        decodes, others = [], []
-        for req in self.running:
-            (decodes if len(req.all_token_ids) - req.num_computed_tokens <= 1 else others).append(req)  # fmt: skip
-        for req in decodes + others if others else decodes:
+        """Running requests in admission order, decodes before the others (a recompute or an
+        unfinished prefill). A decode inside its last block that does not fill it needs nothing
+        of the block manager: the steady state's common case, kept to a few operations."""
+        bs, block_ids, scheduled = self.block_size, self.bm.block_ids, out.scheduled
+        others = []
+        for req in list(self.running):  # (a copy: preemption removes from the list)
             if budget == 0:
                 break
-            if req.status != RequestStatus.RUNNING:  # preempted earlier in this step
-                continue
-            n = min(len(req.all_token_ids) - req.num_computed_tokens, budget)
-            while not self.bm.can_append(req, n):
-                victim = self._pick_victim(exclude=scheduled_ids) or req
-                self._preempt(victim, out)
-                if victim is req:
-                    break
-            if req.status != RequestStatus.RUNNING:
-                continue
-            new_ids = self.bm.append_slots(req, n)
-            out.scheduled.append(self._record(req, n, new_ids, is_new=False))
-            scheduled_ids.add(req.request_id)
-            budget -= n
+            start = req.num_computed_tokens
+            if len(req.all_token_ids) - start > 1:
+                others.append(req)
+            elif req.status is RequestStatus.RUNNING:  # (not preempted earlier in this step)
+                ids = block_ids(req.request_id)
+                if start < len(ids) * bs and (start + 1) % bs:
+                    req.num_computed_tokens = start + 1
+                    scheduled.append(ScheduledRequest(req, start, 1, ids, [], False, True))
+                    budget -= 1
+                else:
+                    budget -= self._grow(req, 1, out)
+        for req in others:
+            if budget == 0:
+                break
+            if req.status is RequestStatus.RUNNING:
+                budget -= self._grow(req, min(req.num_tokens - req.num_computed_tokens, budget), out)  # fmt: skip
         return budget
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _grow(self, req: Request, n: int, out: SchedulerOutput) -> int:
+        """Schedule `n` more tokens of a running request, preempting the newest (or lowest
+        priority) request not yet scheduled while the blocks fall short, `req` itself last;
+        returns the tokens scheduled (0 when `req` was preempted)."""
+        while not self.bm.can_append(req, n):
+            victim = self._pick_victim(exclude={s.request.request_id for s in out.scheduled})
+            victim = victim or req
+            self._preempt(victim, out)
+            if victim is req:
+                return 0
+        new_ids = self.bm.append_slots(req, n)
+        out.scheduled.append(self._record(req, n, new_ids, is_new=False))
+        return n
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting.peek()
             match = self.bm.match_prefix(req)
@@ -205,7 +222,9 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.scheduled.append(self._record(req, n, list(block_ids), is_new=True))
+            out.admitted.append(out.scheduled[-1])
             budget -= n
+        return budget
 
     def _record(self, req: Request, n: int, new_ids: list[int], is_new: bool) -> ScheduledRequest:
         start = req.num_computed_tokens
@@ -245,7 +264,7 @@ class Scheduler:
     ) -> list[Request]:
         """Append each sampled token (request id -> token, or (token, its logprobs) as the
         executor returns them) and apply the stop conditions; returns finished requests."""
-        finished = []
+        finished, max_len = [], self.config.max_model_len
         for s in out.scheduled:
             req = s.request
             token = sampled.get(req.request_id)
@@ -253,23 +272,14 @@ class Scheduler:
                 continue  # a prefill chunk that does not sample, or aborted meanwhile
             if type(token) is tuple:
                 token = token[0]
-            req.append_token(token)
-            status = self._check_stop(req, token)
-            if status is not None:
-                finished.append(self.finish_request(req.request_id, status))
+            req.all_token_ids.append(token)
+            req.output_token_ids.append(token)
+            if token in req.ending_token_ids:  # EOS (unless ignored) or a stop token
+                req.stop_reason = token
+                finished.append(self.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED))  # fmt: skip
+            elif len(req.output_token_ids) >= req.max_tokens or len(req.all_token_ids) >= max_len:
+                finished.append(self.finish_request(req.request_id, RequestStatus.FINISHED_LENGTH))  # fmt: skip
         return finished
-
-    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
-        params = req.sampling_params
-        if token in req.eos_token_ids and not params.ignore_eos:
-            req.stop_reason = token
-            return RequestStatus.FINISHED_STOPPED
-        if token in params.stop_token_ids:
-            req.stop_reason = token
-            return RequestStatus.FINISHED_STOPPED
-        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.config.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
 
     # ---- load --------------------------------------------------------------------------
     @property

@@ -81,6 +81,10 @@ class ModelRunner:
         self._kept: _Kept | None = None  # the last decode batch, for a step that continues it
         self._kept_inputs: StepInputs | None = None  # its tensors
         self._sampled: np.ndarray | None = None  # (S,) int32 tokens of a step where all sample
+        # the last step's sampling rows, when no row changes with the output's length (nothing
+        # suppressed before min_tokens), keyed by its request-id list: a step that continues
+        # it carries that very list (RowPlanner) and samples with the same rows
+        self._rows: tuple[Sequence[str], list[SamplingRow]] | None = None
 
     def plan(self, out: SchedulerOutput) -> FlatStep:
         """Rank 0: the scheduler's step as flat arrays, for prepare here and on the other
@@ -249,11 +253,19 @@ class ModelRunner:
         return self.model(inputs.input_ids, inputs.positions, inputs.meta)
 
     def rows_of(self, step: FlatStep, out: SchedulerOutput) -> list[SamplingRow]:
-        """The sampling row of each sequence of `out` that samples in `step`, in order."""
+        """The sampling row of each sequence of `out` that samples in `step`, in order. A row
+        holds the request's own (growing) output list, so the rows of a decode batch serve
+        every step that continues it until a row's suppressed ids would change."""
+        cached = self._rows
+        if cached is not None and cached[0] is step.sample_ids:
+            return cached[1]
         entries = out.scheduled
         if step.samples is not None:
             entries = list(compress(entries, step.samples.tolist()))
-        return [self._row(s.request) for s in entries]
+        rows = [self._row(s.request) for s in entries]
+        lasting = not any(s.request.num_output_tokens < s.request.sampling_params.min_tokens for s in entries)  # fmt: skip
+        self._rows = (step.sample_ids, rows) if lasting else None
+        return rows
 
     def sample(
         self, step: FlatStep, inputs: StepInputs, hidden: torch.Tensor,
