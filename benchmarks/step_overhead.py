@@ -3,19 +3,26 @@
     python -m benchmarks.step_overhead
     python -m benchmarks.step_overhead --quick      # fewer steps (smoke)
 
-The built-in model's forward is replaced by one that does no work (`null`: zeros for the
-hidden states and the logits) or that only waits a fixed time (`fixed_5ms`, as a GPU's forward
-of a small model would take, the CPU free meanwhile), so that what remains of a step is the
-engine's: scheduling, block tables, input preparation, sampling and its bookkeeping,
-detokenizing, output processing. With 1, 64 and 256 requests decoding, after their prefill,
-each without and with overlap (worker/exec/overlap.py: the next decode step's forward runs
-while the engine processes the last one's tokens):
+The built-in model's forward is replaced by an emulated device that does no work (`null`:
+zeros for the hidden states and the logits) or that takes a fixed time (`fixed_5ms`, as a
+GPU's forward of a small model would), so that what remains of a step is the engine's:
+scheduling, block tables, input preparation, sampling and its bookkeeping, detokenizing,
+output processing. The emulated device behaves as a GPU does: the forward's launch returns at
+once, and the host waits when it first reads a result (the logits), until the device's time
+since the launch has passed; host work between the two runs while the device computes. The LM
+head and the sampler's argmax are device work on a GPU: the device's time runs from the
+launch to the sampled ids. With 1, 64 and 256 requests decoding, after their prefill, each
+without and with overlap (worker/exec/overlap.py: the next decode step's forward runs while the
+engine processes the last one's tokens):
 
 - step_ms: the wall time of one `engine.step()`, p50 and p99;
-- overhead_ms: a step's wall time less its forward's (without overlap, the engine's own time
-  per step; with overlap, what of it the forward did not hide), p50 and p99;
-- gap_ms: from the end of one forward to the start of the next, p50 and p99 (what a device
-  would idle between two forwards; without overlap it is the overhead);
+- overhead_ms: a step's wall time less the device's own work (the fixed time, and making the
+  logits): without overlap, the engine's own time per step, the argmax included; with overlap,
+  what of it the forward did not hide; p50 and p99;
+- gap_ms: from the sampled ids of one step to the launch of the next forward, p50 and p99 (what
+  a device would idle between two forwards);
+- gap_after_logits_ms: the same from the logits, as if the argmax were the host's work (on
+  this CPU the first torch call after the device's wait is slow: the caches are cold);
 - ahead_confirmed / ahead_discarded: forwards run ahead and adopted, or not (overlap only);
 - gap_vs_serial: this case's gap p50 over the same case's without overlap, same run.
 
@@ -44,38 +51,56 @@ LOGITS = 32  # the emulated device's logits per row (see TimedForward)
 
 
 class TimedForward:
-    """Stands for the model in the runner: no work (or a fixed wait), timed.
+    """Stands for the model in the runner: an emulated device, timed.
 
-    On a GPU the LM head and the sampler's argmax are device work, done within the forward's
-    time; here the argmax over the model's 1,024 logits per row would cost ~0.3 ms of CPU per
-    step at 256 rows, so the emulated device hands back LOGITS logits per row (valid token
-    ids all the same), whose argmax takes microseconds, and what remains is the engine's.
-    Their largest value moves from row to row and step to step over tokens of text, so that
-    the detokenizer sees output as a model's (a run of one special token, which decodes to
-    nothing, would be another workload). A span, the device's time, runs from the forward's
-    start to its logits (the LM head is the device's work too)."""
+    The forward's launch returns at once (as a GPU's does); `compute_logits`, the host's first
+    read of a result, waits until `wait_s` has passed since the launch. The argmax over the
+    model's 1,024 logits per row would cost ~0.3 ms of CPU per step at 256 rows where a GPU
+    takes microseconds, so the emulated device hands back LOGITS logits per row (valid token
+    ids all the same). Their largest value moves from row to row and step to step over tokens
+    of text, so that the detokenizer sees output as a model's (a run of one special token,
+    which decodes to nothing, would be another workload). Per sampling step it records the
+    launch, the logits, the sampled ids (`TimedSampler`) and the device's own time."""
 
     def __init__(self, hidden_size: int, vocab_size: int, wait_s: float) -> None:
         self.hidden_size, self.vocab, self.wait_s = hidden_size, min(vocab_size, LOGITS), wait_s
-        self.spans: list[tuple[float, float]] = []
+        self.steps: list[tuple[float, float, float, float]] = []  # launch, logits, ids, device s
         self.calls = 0
-        self._started = 0.0
+        self._launched = self._logits_at = self._made_s = 0.0
 
     def __call__(self, input_ids, positions, meta):
-        self._started = time.perf_counter()
-        if self.wait_s:
-            time.sleep(self.wait_s)
+        self._launched = time.perf_counter()
         return torch.zeros(len(input_ids), self.hidden_size)
 
     def compute_logits(self, hidden):
         """(n, LOGITS) logits whose argmax is a token of text (not one of the 3 special ids
         the built-in tokenizer skips), a different one per row and step."""
+        if self.wait_s:
+            time.sleep(max(0.0, self._launched + self.wait_s - time.perf_counter()))
+        start = time.perf_counter()
         n = hidden.shape[0]
         logits = torch.zeros(n, self.vocab)
         self.calls += 1
         logits[torch.arange(n), 3 + (torch.arange(n) + self.calls) % (self.vocab - 3)] = 1.0
-        self.spans.append((self._started, time.perf_counter()))
+        self._logits_at = time.perf_counter()
+        self._made_s = self._logits_at - start
         return logits
+
+    def sampled(self) -> None:
+        now = time.perf_counter()
+        self.steps.append((self._launched, self._logits_at, now, self.wait_s + self._made_s))
+
+
+class TimedSampler:
+    """The runner's sampler, telling the emulated device when the ids are sampled."""
+
+    def __init__(self, sampler, timed: TimedForward) -> None:
+        self.sampler, self.timed = sampler, timed
+
+    def __call__(self, logits, rows):
+        result = self.sampler(logits, rows)
+        self.timed.sampled()
+        return result
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -96,6 +121,7 @@ def run_case(forward: str, running: int, steps: int, overlap: bool) -> dict:
     wait_s = 0.005 if forward == "fixed_5ms" else 0.0
     timed = TimedForward(mc.hidden_size, mc.vocab_size, wait_s)
     runner.model = timed
+    runner.sampler = TimedSampler(runner.sampler, timed)
     params = SamplingParams(max_tokens=steps + 32, temperature=0.0, ignore_eos=True)
     for i in range(running):
         engine.add_request(
@@ -107,24 +133,26 @@ def run_case(forward: str, running: int, steps: int, overlap: bool) -> dict:
         engine.step()
     ahead = getattr(engine.executor, "overlap", None)  # (an engine without overlap: none)
     before = (ahead.confirmed, ahead.discarded) if ahead else (0, 0)
-    timed.spans.clear()
+    timed.steps.clear()
     walls = []
     for _ in range(steps):
         t = time.perf_counter()
         engine.step()
         walls.append(time.perf_counter() - t)
-    spans = list(timed.spans)  # (with overlap, also a forward running ahead of the last step)
-    assert len(spans) >= steps and all(len(r.output_token_ids) > 0 for r in engine.scheduler.running)  # fmt: skip
+    done = list(timed.steps)  # (with overlap, also a forward running ahead of the last step)
+    assert len(done) >= steps and all(len(r.output_token_ids) > 0 for r in engine.scheduler.running)  # fmt: skip
     engine.executor.shutdown()
-    forward_s = sorted(end - start for start, end in spans)[len(spans) // 2]
-    overhead = [w - forward_s for w in walls]
-    gaps = [b[0] - a[1] for a, b in zip(spans, spans[1:], strict=False)]
+    device_s = sorted(d[3] for d in done)[len(done) // 2]
+    overhead = [w - device_s for w in walls]
+    gaps = [b[0] - a[2] for a, b in zip(done, done[1:], strict=False)]
+    after_logits = [b[0] - a[1] for a, b in zip(done, done[1:], strict=False)]
     return {
         "bench": "step_overhead", "forward": forward, "running": running, "steps": steps,
         "overlap": overlap,
         "step_ms_p50": pct(walls, 0.5), "step_ms_p99": pct(walls, 0.99),
         "overhead_ms_p50": pct(overhead, 0.5), "overhead_ms_p99": pct(overhead, 0.99),
         "gap_ms_p50": pct(gaps, 0.5), "gap_ms_p99": pct(gaps, 0.99),
+        "gap_after_logits_ms_p50": pct(after_logits, 0.5),
         "ahead_confirmed": (ahead.confirmed - before[0]) if ahead else 0,
         "ahead_discarded": (ahead.discarded - before[1]) if ahead else 0,
     }  # fmt: skip

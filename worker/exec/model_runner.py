@@ -6,9 +6,9 @@ this step). Rank 0 (or a single device) plans it from the scheduler's entries; t
 of a tensor-parallel group decode it from rank 0's message and never build a request object.
 Input preparation is then the same handful of numpy operations on every rank, and a decode
 step that continues the one before only advances the kept arrays in place. That advance is made
-ahead, right after the forward (and sampling on rank 0) while the next step is being decided
-(`speculate`), so that a step that does continue only writes its tokens before its forward; a
-step that does not simply prepares afresh, leaving the advanced arrays unused.
+ahead, as soon as the forward has its inputs (`speculate`: on a GPU, while the device computes),
+so that a step that does continue only writes its tokens before its forward; a step that does
+not simply prepares afresh, leaving the advanced arrays unused.
 """
 
 from __future__ import annotations
@@ -141,9 +141,9 @@ class ModelRunner:
         return self._inputs(kept, step.sample_ids)
 
     def speculate(self) -> None:
-        """Between steps (after the forward, and sampling on rank 0): advance the kept decode
-        batch to the step that would continue it, so that such a step only brings its tokens.
-        A step that does not continue prepares afresh and never reads the advanced arrays."""
+        """Once a forward has its inputs (`forward` calls it): advance the kept decode batch to
+        the step that would continue it, so that such a step only brings its tokens. A step
+        that does not continue prepares afresh and never reads the advanced arrays."""
         kept = self._kept
         if kept is not None and not kept.ahead:
             self._step_ahead(kept)
@@ -248,9 +248,14 @@ class ModelRunner:
         return sampled
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:
-        """The model over a prepared step: (T, hidden)."""
+        """The model over a prepared step: (T, hidden). Once the forward has its inputs, the
+        kept decode batch advances to the step that would continue it (`speculate`): on a
+        GPU the forward's launch has copied them and returns before the device is done, so
+        this host work runs while the device computes; on a CPU the forward is over."""
         self.forward_started = time.perf_counter()
-        return self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        self.speculate()
+        return hidden
 
     def rows_of(self, step: FlatStep, out: SchedulerOutput) -> list[SamplingRow]:
         """The sampling row of each sequence of `out` that samples in `step`, in order. A row
@@ -293,14 +298,13 @@ class ModelRunner:
         result = self.sampler(logits, rows)
         tokens = None
         if step.samples is None and step.q_lens is None:  # the next step may continue this one
-            tokens = result.ids.numpy().astype(np.int32)  # (a CPU tensor's memory; copied)
+            tokens = result.ids.numpy()  # (S,) int32: the result's own memory
         return result, tokens
 
     def commit(self, tokens: np.ndarray | None) -> None:
-        """After a step's forward and sampling: keep its tokens for the next plan, advance the
-        kept decode batch and, when every sequence sampled, build the step that continues it."""
+        """After a step's forward and sampling: keep its tokens for the next plan and, when
+        every sequence sampled, build the step that continues it (its arrays are advanced)."""
         self._sampled = tokens
-        self.speculate()  # the forward is done with the kept arrays
         if tokens is not None:
             self.planner.plan_ahead(tokens)
 

@@ -59,7 +59,7 @@ class _RowKinds:
 class SampleResult:
     """What one sampler call returns, one entry per row."""
 
-    ids: torch.Tensor  # (n,) int64 on the CPU: the sampled token ids
+    ids: torch.Tensor  # (n,) int32 on the CPU: the sampled token ids (made so on the device)
     logprobs: list[TokenLogprobs | None]  # None where params.logprobs is None
     _token_ids: list[int] | None = field(default=None, repr=False)
 
@@ -91,10 +91,11 @@ class Sampler:
         """Sample one token per row. logits: (n, vocab) float, row i belongs to rows[i]."""
         _check_inputs(logits, rows)
         if not rows:
-            return SampleResult(ids=torch.zeros(0, dtype=torch.long), logprobs=[])
+            return SampleResult(ids=torch.zeros(0, dtype=torch.int32), logprobs=[])
         kinds = self._kinds(rows)
         if kinds.argmax_only:  # the common all-greedy batch: one argmax
-            return SampleResult(ids=logits.argmax(dim=-1).cpu(), logprobs=[None] * len(rows))
+            ids = logits.argmax(dim=-1).to(torch.int32).cpu()
+            return SampleResult(ids=ids, logprobs=[None] * len(rows))
         logits = logits.float()
         penalized = logits
         if kinds.penalized:
@@ -108,7 +109,7 @@ class Sampler:
         logprobs = [None] * len(rows)
         if kinds.logprobs:
             logprobs = self._logprobs(logits, penalized, rows, token_ids, kinds.logprobs)
-        return SampleResult(ids=token_ids.cpu(), logprobs=logprobs)
+        return SampleResult(ids=token_ids.to(torch.int32).cpu(), logprobs=logprobs)
 
     def _kinds(self, rows: Sequence[SamplingRow]) -> _RowKinds:
         """Which rows need what, worked out once per rows list: the runner hands the same list

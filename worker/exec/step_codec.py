@@ -124,8 +124,8 @@ class RowPlanner:
         self._free: list[int] = []
         self._next_row = 0
         # the last one-token step: (its requests, the step, their ids, steps until a start
-        # reaches a new block)
-        self._last: tuple[list, FlatStep, list[str], int] | None = None
+        # reaches a new block, the starts of the step that would continue it)
+        self._last: tuple[list, FlatStep, list[str], int, np.ndarray] | None = None
         # the step that would continue the last one with the tokens it sampled, built while
         # the forward's results go back to the scheduler (plan_ahead): (those tokens, the step)
         self._ahead: tuple[np.ndarray, FlatStep] | None = None
@@ -157,7 +157,7 @@ class RowPlanner:
                 step = ahead[1]  # built by plan_ahead: the same requests, each one further
                 assert scheduled[-1].start == step.starts[-1], "a step did not continue the last"
             else:
-                step = self._plan_decodes(scheduled, requests, *last[1:], sampled)
+                step = self._plan_decodes(scheduled, requests, *last[1:4], sampled)
         else:
             self.release(out.finished_ids)
             self.release(out.preempted_ids)
@@ -170,7 +170,8 @@ class RowPlanner:
             else:
                 rids = [r.request_id for r in requests]
                 until = int((self.block_size - step.starts % self.block_size).min())
-            self._last = (requests, step, rids, until)
+            # (the next step's starts, made here rather than between the forwards)
+            self._last = (requests, step, rids, until, step.starts + 1)
         return step
 
     def plan_ahead(self, sampled: np.ndarray) -> None:
@@ -181,11 +182,11 @@ class RowPlanner:
         last = self._last  # a one-token step (q_lens None)
         if last is None or last[3] <= 1 or last[1].samples is not None:
             return
-        rows, starts = last[1].rows, last[1].starts
+        rows = last[1].rows
         if len(sampled) != len(rows):
             return
         tokens = np.asarray(sampled, dtype=np.int32)  # (S,) what each request computes next
-        step = FlatStep(rows, starts + 1, tokens, sample_ids=last[2], continues=True)
+        step = FlatStep(rows, last[4], tokens, sample_ids=last[2], continues=True)
         self._ahead = (sampled, step)
 
     def ahead_of(self, sampled: np.ndarray) -> FlatStep | None:
