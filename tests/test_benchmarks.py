@@ -310,6 +310,8 @@ def test_step_overhead_benchmark_smoke():
         (f, n, o) for f in ("null", "fixed_5ms") for n in (1, 64) for o in (False, True)
     ]
     assert all(x["step_ms_p50"] > 0 and x["gap_ms_p50"] > 0 for x in lines)
+    # each step's gap from its logits holds its gap from its sampled ids (the argmax between)
+    assert all(x["gap_after_logits_ms_p50"] >= x["gap_ms_p50"] for x in lines)
     assert all((x["ahead_confirmed"] > 0) == x["overlap"] for x in lines)
     assert all("gap_vs_serial" in x for x in lines if x["overlap"])
 

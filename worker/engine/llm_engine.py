@@ -168,15 +168,16 @@ class LLMEngine:
             if m.first_scheduled_time is None:
                 m.first_scheduled_time = now
         sampled = self.executor.execute(out)
-        ended = self.scheduler.update_from_output(out, sampled)
-        finished = {r.request_id for r in ended} if ended else ()
         now = time.monotonic()  # when this step's tokens were sampled
+        append, running = self.scheduler.append_token, RequestStatus.RUNNING
         outputs = []
-        for s in out.scheduled:
-            rid = s.request.request_id
-            entry = sampled.get(rid)
-            if entry is not None:
-                outputs.append(self._progress(s.request, tracked[rid], *entry, rid in finished, now))  # fmt: skip
+        for s in out.scheduled:  # one walk: append (stop conditions), detokenize, output
+            req = s.request
+            entry = sampled.get(req.request_id)
+            if entry is not None and req.status is running:  # (sampled, not aborted meanwhile)
+                token, lp = entry
+                finished = append(req, token)
+                outputs.append(self._progress(req, tracked[req.request_id], token, lp, finished, now))  # fmt: skip
         self._flush_events()
         return outputs
 

@@ -264,22 +264,31 @@ class Scheduler:
     ) -> list[Request]:
         """Append each sampled token (request id -> token, or (token, its logprobs) as the
         executor returns them) and apply the stop conditions; returns finished requests."""
-        finished, max_len = [], self.config.max_model_len
+        finished = []
         for s in out.scheduled:
             req = s.request
             token = sampled.get(req.request_id)
-            if token is None or req.status != RequestStatus.RUNNING:
+            if token is None or req.status is not RequestStatus.RUNNING:
                 continue  # a prefill chunk that does not sample, or aborted meanwhile
-            if type(token) is tuple:
-                token = token[0]
-            req.all_token_ids.append(token)
-            req.output_token_ids.append(token)
-            if token in req.ending_token_ids:  # EOS (unless ignored) or a stop token
-                req.stop_reason = token
-                finished.append(self.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED))  # fmt: skip
-            elif len(req.output_token_ids) >= req.max_tokens or len(req.all_token_ids) >= max_len:
-                finished.append(self.finish_request(req.request_id, RequestStatus.FINISHED_LENGTH))  # fmt: skip
+            if self.append_token(req, token[0] if type(token) is tuple else token):
+                finished.append(req)
         return finished
+
+    def append_token(self, req: Request, token: int) -> bool:
+        """Append a running request's sampled token and apply the stop conditions (EOS unless
+        ignored, a stop token, max_tokens, the model's context): whether that ended it (its
+        blocks are then freed). The engine calls this for each request as it walks a step's
+        samples once."""
+        req.all_token_ids.append(token)
+        req.output_token_ids.append(token)
+        if token in req.ending_token_ids:
+            req.stop_reason = token
+            self.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
+            return True
+        if len(req.output_token_ids) >= req.max_tokens or len(req.all_token_ids) >= self.config.max_model_len:  # fmt: skip
+            self.finish_request(req.request_id, RequestStatus.FINISHED_LENGTH)
+            return True
+        return False
 
     # ---- load --------------------------------------------------------------------------
     @property

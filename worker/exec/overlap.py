@@ -32,6 +32,7 @@ starts the next. A single device only: a tensor-parallel group's ranks follow ra
 from __future__ import annotations
 
 import atexit
+import queue
 import threading
 import weakref
 from collections.abc import Sequence
@@ -47,21 +48,26 @@ _DISCARDED: Sampled = {}  # the result of a forward run ahead and not adopted
 
 
 class OverlapRunner:
-    """A ModelRunner driven by a forward thread that runs the predicted next step ahead."""
+    """A ModelRunner driven by a forward thread that runs the predicted next step ahead.
+
+    The two threads hand each other work through three queues (C-level, no Python lock or
+    waiter list on the path between two forwards): jobs and verdicts go to the forward thread,
+    results come back."""
 
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
         self.confirmed = 0  # forwards run ahead and adopted
         self.discarded = 0  # forwards run ahead whose step the scheduler did not make
-        self._cv = threading.Condition()
-        self._job: tuple[FlatStep, list[SamplingRow], int] | None = None
-        # what the forward thread hands back: a step's (sample ids, sampler result), a
-        # discarded forward's empty result, or an error
-        self._result: tuple[Sequence[str], SampleResult | None] | Sampled | BaseException | None = (
-            None
+        # a step to run: (step, its sampling rows, steps it may run ahead), None to stop
+        self._jobs: queue.SimpleQueue[tuple[FlatStep, list[SamplingRow], int] | None] = (
+            queue.SimpleQueue()
         )
+        # the engine's word on the forward running ahead (adopt it or not), None to stop
+        self._verdicts: queue.SimpleQueue[bool | None] = queue.SimpleQueue()
+        # what the forward thread hands back, with the step it started ahead (or None): a
+        # step's (sample ids, sampler result), a discarded forward's empty result, or an error
+        self._results: queue.SimpleQueue[tuple[_Result, FlatStep | None]] = queue.SimpleQueue()
         self._ahead: FlatStep | None = None  # running ahead, not yet confirmed
-        self._verdict: bool | None = None  # the engine's word on `_ahead`
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="pagefleet-forward", daemon=True)
         self._thread.start()
@@ -73,12 +79,9 @@ class OverlapRunner:
         returns the sampled token (and logprobs) of each sampling request."""
         runner = self.runner
         step = runner.plan(out)
-        with self._cv:
-            ahead, self._ahead = self._ahead, None
-            if ahead is not None:
-                self._verdict = step is ahead
-                self._cv.notify_all()
+        ahead, self._ahead = self._ahead, None
         if ahead is not None:
+            self._verdicts.put(step is ahead)
             if step is ahead:
                 self.confirmed += 1
                 return self._take()
@@ -90,22 +93,17 @@ class OverlapRunner:
         horizon = 0  # steps every request can still take after this one
         if step.samples is None and step.q_lens is None and _plain(rows):
             horizon = min(s.request.max_tokens - s.request.num_output_tokens for s in out.scheduled)
-        with self._cv:
-            self._job = (step, rows, horizon)
-            self._cv.notify_all()
+        self._jobs.put((step, rows, horizon))
         return self._take()
 
     def close(self, timeout: float = 10.0) -> None:
-        with self._cv:
-            self._closed = True
-            self._cv.notify_all()
+        self._closed = True
+        self._jobs.put(None)  # (whichever the forward thread waits on)
+        self._verdicts.put(None)
         self._thread.join(timeout)
 
     def _take(self) -> Sampled:
-        with self._cv:
-            while self._result is None:
-                self._cv.wait()
-            result, self._result = self._result, None
+        result, self._ahead = self._results.get()
         if isinstance(result, BaseException):
             raise result
         return result if isinstance(result, dict) else sampled_by_id(*result)
@@ -116,17 +114,11 @@ class OverlapRunner:
         if device.type == "cuda" and device.index is not None:  # (a thread starts on device 0)
             torch.cuda.set_device(device)
         with torch.inference_mode():
-            while True:
-                with self._cv:
-                    while self._job is None and not self._closed:
-                        self._cv.wait()
-                    if self._closed:
-                        return
-                    job, self._job = self._job, None
+            while (job := self._jobs.get()) is not None:
                 try:
                     self._chain(*job)
                 except BaseException as e:  # handed to the engine's thread, raised there
-                    self._publish(e, None)
+                    self._results.put((e, None))
 
     def _chain(self, step: FlatStep, rows: list[SamplingRow], horizon: int) -> None:
         """Run `step`, then, while the engine confirms each prediction, the steps after it."""
@@ -137,8 +129,8 @@ class OverlapRunner:
             hidden = runner.forward(inputs)
             result, tokens = runner.sample_tokens(step, inputs, hidden, rows)
             sampled = (inputs.sample_ids, result)  # keyed by id on the engine's thread
-            if predicted and not self._confirmed():
-                self._publish(_DISCARDED, None)
+            if predicted and not self._verdicts.get():  # (None: closing)
+                self._results.put((_DISCARDED, None))
                 return
             runner.commit(tokens)
             nxt = None
@@ -146,22 +138,13 @@ class OverlapRunner:
                 nxt = runner.planner.ahead_of(tokens)
             if nxt is not None:
                 inputs = runner.prepare(nxt)  # before the engine wakes: it plans from here
-            self._publish(sampled, nxt)
+            self._results.put((sampled, nxt))
             if nxt is None:
                 return
             step, predicted, horizon = nxt, True, horizon - 1
 
-    def _confirmed(self) -> bool:
-        with self._cv:
-            while self._verdict is None and not self._closed:
-                self._cv.wait()
-            verdict, self._verdict = bool(self._verdict), None
-        return verdict
 
-    def _publish(self, result, ahead: FlatStep | None) -> None:
-        with self._cv:
-            self._result, self._ahead = result, ahead
-            self._cv.notify_all()
+_Result = tuple[Sequence[str], SampleResult | None] | Sampled | BaseException
 
 
 _RUNNING: weakref.WeakSet[OverlapRunner] = weakref.WeakSet()
