@@ -23,7 +23,9 @@ from kernels.kv_quant import dequantize, gather_scale
 # Padded K/V of a decode batch is gathered in groups of at most this many elements, so that a
 # batch of long contexts does not double the memory of the pool it reads.
 _DECODE_GATHER_ELEMS = 1 << 24
-# Queries per tile of a 16-bit prefill: a tile's scores (kvh x g x tile x keys) stay in cache.
+# Queries per tile of a 16-bit prefill: larger tiles make fewer and larger matmuls, smaller
+# ones compute less of the masked triangle; 128 ran fastest of 32-256 on CPU
+# (benchmarks/RESULTS.md). A tile's scores (kvh x g x tile x keys) stay in the last-level cache.
 _PREFILL_TILE = 128
 
 
