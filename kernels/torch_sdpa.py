@@ -23,8 +23,10 @@ from kernels.kv_quant import dequantize, gather_scale
 # Padded K/V of a decode batch is gathered in groups of at most this many elements, so that a
 # batch of long contexts does not double the memory of the pool it reads.
 _DECODE_GATHER_ELEMS = 1 << 24
-# Queries per tile of a 16-bit prefill: a tile's scores (kvh x g x tile x keys) stay in cache.
-_PREFILL_TILE = 64
+# Queries per tile of a 16-bit prefill: larger tiles make fewer and larger matmuls, smaller
+# ones compute less of the masked triangle; 128 ran fastest of 32-256 on CPU
+# (benchmarks/RESULTS.md). A tile's scores (kvh x g x tile x keys) stay in the last-level cache.
+_PREFILL_TILE = 128
 
 
 class Workspace:
@@ -105,8 +107,10 @@ def _prefill(query, pool: _Pool, table, q_start, q_len, seq_len, scale, out) -> 
         t.reshape(-1, kvh, d)[:seq_len] for t in pool.gather(blocks, query.dtype)
     )  # (T, kvh, d)
     q = query[q_start : q_start + q_len]  # (q, h, d)
-    attend = _prefill_sdpa if query.dtype == torch.float32 else _prefill_tiled
-    out[q_start : q_start + q_len] = attend(q, k, v, scale)
+    if query.dtype == torch.float32:
+        out[q_start : q_start + q_len] = _prefill_sdpa(q, k, v, scale)
+    else:
+        _prefill_tiled(q, k, v, scale, pool.workspace, out[q_start : q_start + q_len])
 
 
 def _prefill_sdpa(q, k, v, scale: float) -> torch.Tensor:
@@ -122,28 +126,40 @@ def _prefill_sdpa(q, k, v, scale: float) -> torch.Tensor:
     return o[0].transpose(0, 1)
 
 
-def _prefill_tiled(q, k, v, scale: float) -> torch.Tensor:
+def _prefill_tiled(
+    q, k, v, scale: float, workspace: Workspace | None = None, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """Same as `_prefill_sdpa`, for 16-bit dtypes: tiles of _PREFILL_TILE queries, each a
     batched matmul per KV head over the keys it can see, a softmax (float inside) and a
     matmul with V. On CPU, fused SDPA runs 16-bit attention no faster than float32, while
-    16-bit matmuls run at several times the float32 rate (benchmarks/RESULTS.md)."""
+    16-bit matmuls run at several times the float32 rate (benchmarks/RESULTS.md).
+
+    A KV head's rows are its queries' heads in (query, head) order, so that a tile's rows are
+    one slice of the scaled queries, copied once; scores, softmax (in place) and outputs
+    reuse the workspace's buffers: fresh megabytes per tile cost page faults on CPU."""
+    ws = workspace or Workspace()
     q_len, heads, d = q.shape
     seq_len, kvh, _ = k.shape
     group, context, tile = heads // kvh, seq_len - q_len, _PREFILL_TILE
-    kt = k.permute(1, 2, 0).contiguous()  # (kvh, d, T)
-    vt = v.transpose(0, 1).contiguous()  # (kvh, T, d)
-    qs = (q * scale).view(q_len, kvh, group, d).permute(1, 2, 0, 3)  # (kvh, g, q, d)
+    kt = ws.take("kt", (kvh, d, seq_len), k)
+    kt.copy_(k.permute(1, 2, 0))  # (kvh, d, T)
+    vt = ws.take("vt", (kvh, seq_len, d), v)
+    vt.copy_(v.transpose(0, 1))  # (kvh, T, d)
+    qs = ws.take("q", (kvh, q_len, group, d), q)  # (kvh, q, g, d), times the scale
+    torch.mul(q.view(q_len, kvh, group, d).transpose(0, 1), scale, out=qs)
     future = torch.full((tile, tile), float("-inf"), dtype=q.dtype, device=q.device).triu_(1)
-    out = torch.empty_like(q)
+    future = future[:, None]  # (tile, 1, tile): query i masks the tile's keys after it
+    out = torch.empty_like(q) if out is None else out
     for a in range(0, q_len, tile):
         n = min(tile, q_len - a)
         keys = context + a + n  # the tile's last query sees these
-        scores = torch.matmul(qs[:, :, a : a + n].reshape(kvh, group * n, d), kt[:, :, :keys])
-        scores = scores.view(kvh, group, n, keys)
-        scores[..., context + a :] += future[:n, :n]  # causal inside the tile
-        probs = scores.softmax(dim=-1).view(kvh, group * n, keys)
-        o = torch.matmul(probs, vt[:, :keys]).view(kvh, group, n, d)
-        out[a : a + n] = o.permute(2, 0, 1, 3).reshape(n, heads, d)
+        scores = ws.take("scores", (kvh, n * group, keys), q)
+        torch.bmm(qs[:, a : a + n].view(kvh, n * group, d), kt[:, :, :keys], out=scores)
+        scores.view(kvh, n, group, keys)[..., context + a :] += future[:n, :, :n]
+        torch.softmax(scores, dim=-1, out=scores)
+        o = ws.take("o", (kvh, n * group, d), q)
+        torch.bmm(scores, vt[:, :keys], out=o)
+        out[a : a + n].view(n, kvh, group, d).copy_(o.view(kvh, n, group, d).transpose(0, 1))
     return out
 
 

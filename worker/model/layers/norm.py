@@ -15,7 +15,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        # transformers: w * (x.float() * rsqrt(mean(x.float() ** 2) + eps)).to(x.dtype). The
+        # same roundings in fewer passes: x times the float32 rsqrt is computed in float32
+        # and rounded once, into x's dtype, then scaled by the weight in place.
+        var = x.to(torch.float32, copy=True).square_().mean(-1, keepdim=True)
+        out = torch.mul(x, var.add_(self.eps).rsqrt_(), out=torch.empty_like(x))
+        if self.weight.dtype != x.dtype:
+            return self.weight * out
+        return out.mul_(self.weight)

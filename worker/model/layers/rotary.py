@@ -52,17 +52,20 @@ class RotaryEmbedding(nn.Module):
         return emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 def apply_rotary(
     x: torch.Tensor,  # (T, heads, head_dim)
-    cos: torch.Tensor,  # (T, head_dim) float32
-    sin: torch.Tensor,  # (T, head_dim) float32
+    cos: torch.Tensor,  # (T, head_dim), float32 or x's dtype
+    sin: torch.Tensor,  # (T, head_dim)
 ) -> torch.Tensor:
-    """Rotate each head's (first half, second half) pairs by its position's angle."""
+    """Rotate each head's (first half, second half) pairs by its position's angle:
+    x * cos + rotate_half(x) * sin in x's dtype, as transformers computes it (each product
+    rounded, then the sum), without building rotate_half(x): its halves are (-x2, x1), so
+    each half of x * cos takes its product with sin in place (negating is exact)."""
     cos = cos.to(x.dtype).unsqueeze(1)  # (T, 1, d): the model dtype, as transformers does
     sin = sin.to(x.dtype).unsqueeze(1)
-    return x * cos + _rotate_half(x) * sin
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    out = x * cos
+    out[..., :half] -= x2 * sin[..., :half]
+    out[..., half:] += x1 * sin[..., half:]
+    return out

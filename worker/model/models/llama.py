@@ -41,10 +41,16 @@ class LlamaAttention(nn.Module):
         self.attn = PagedAttention(heads, kv_heads, d, d**-0.5, backend)
 
     def forward(self, x, cos, sin, meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.qkv_proj.split(self.qkv_proj(x))  # (T, heads, d), (T, kv_heads, d) x2
+        qkv = self.qkv_proj(x)
+        q, k, v = self.qkv_proj.split(qkv)  # (T, heads, d), (T, kv_heads, d) x2
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        else:  # q and k lie side by side in qkv: one rotation for both
+            heads, kv_heads = q.shape[1], k.shape[1]
+            qk = qkv[:, : (heads + kv_heads) * q.shape[2]].view(-1, heads + kv_heads, q.shape[2])
+            qk = apply_rotary(qk, cos, sin)
+            q, k = qk[:, :heads], qk[:, heads:]
         o = self.attn(q, k, v, meta)  # (T, heads, d)
         return self.o_proj(o.flatten(1))  # (T, hidden)
 
@@ -60,7 +66,7 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (T, intermediate / tp) each
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(gate).mul_(up))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -72,8 +78,10 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(cfg, comm)
 
     def forward(self, x, cos, sin, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        """x (T, hidden) -> the next layer's input; the residual adds go into x itself."""
+        x += self.self_attn(self.input_layernorm(x), cos, sin, meta)
+        x += self.mlp(self.post_attention_layernorm(x))
+        return x
 
 
 class LlamaModel(nn.Module):
@@ -88,7 +96,8 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # (T, hidden)
-        cos, sin = self.rotary_emb(positions)  # (T, head_dim) each, shared by all layers
+        # (T, head_dim) each in the model's dtype (as transformers casts them), for all layers
+        cos, sin = (t.to(x.dtype) for t in self.rotary_emb(positions))
         for layer in self.layers:
             x = layer(x, cos, sin, meta)
         return self.norm(x)
