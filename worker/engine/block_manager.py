@@ -64,7 +64,10 @@ class BlockManager:
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[bytes, Block] = {}  # prefix cache: block hash -> the block holding it
         self.req_blocks: dict[str, list[Block]] = {}
-        self._req_block_ids: dict[str, list[int]] = {}  # the same tables as ids, kept in step
+        # the same tables as ids, kept in step (read through `block_ids` or `table_of`)
+        self._req_block_ids: dict[str, list[int]] = {}
+        # a running request's block table, or None: `block_ids` for the scheduler's every step
+        self.table_of = self._req_block_ids.get
         self._num_committed: dict[
             str, int
         ] = {}  # leading blocks of a request already offered to the cache

@@ -61,7 +61,8 @@ class IncrementalDetokenizer:
         self._read_offset = len(context)  # ids before this are already in `_pieces`
         self._pieces: list[str] = []  # decoded output text, in order
         self._unsent = ""  # tail of the text not yet returned by step(); bounded
-        self._stop_matched: str | None = None
+        # the stop string that ended the output, once it appears in the text
+        self.stop_matched: str | None = None
         self._finished = False
         self._num_output = 0  # output tokens seen: stop strings count after params.min_tokens
 
@@ -71,11 +72,6 @@ class IncrementalDetokenizer:
         if len(self._pieces) > 1:
             self._pieces = ["".join(self._pieces)]  # join once; later calls reuse it
         return self._pieces[0] if self._pieces else ""
-
-    @property
-    def stop_matched(self) -> str | None:
-        """The stop string that ended the output, once it appears in the text."""
-        return self._stop_matched
 
     def step(self, new_token_ids: Sequence[int]) -> str:
         """Add tokens; return the new text that is safe to emit (possibly "")."""
@@ -94,7 +90,7 @@ class IncrementalDetokenizer:
         else:
             self._ids.extend(new_token_ids)
             self._append(self._decode_new())
-        if self._stop_matched is not None:
+        if self.stop_matched is not None:
             return self._take(hold=0)
         return self._take(hold=self._stop_prefix_len())
 
@@ -123,7 +119,7 @@ class IncrementalDetokenizer:
         where the first one's did."""
         for token_id in token_ids:
             self.step([token_id])
-        if self._tokenizer is not None and self._stop_matched is None:
+        if self._tokenizer is not None and self.stop_matched is None:
             self._unsent = self.text[text_sent:]
 
     def flush(self) -> str:
@@ -181,7 +177,7 @@ class IncrementalDetokenizer:
         if cut is None:
             return
         stop, end = cut
-        self._stop_matched = stop
+        self.stop_matched = stop
         removed = len(self._unsent) - end
         self._unsent = self._unsent[:end]
         self._trim_pieces(removed)
@@ -232,7 +228,7 @@ class IncrementalDetokenizer:
         """Return the unsent text except its last `hold` characters."""
         cut = len(self._unsent) - hold
         delta, self._unsent = self._unsent[:cut], self._unsent[cut:]
-        if self._stop_matched is not None:
+        if self.stop_matched is not None:
             self._finished = True
         return delta
 

@@ -169,7 +169,7 @@ class Scheduler:
         """Running requests in admission order, decodes before the others (a recompute or an
         unfinished prefill). A decode inside its last block that does not fill it needs nothing
         of the block manager: the steady state's common case, kept to a few operations."""
-        bs, block_ids, scheduled = self.block_size, self.bm.block_ids, out.scheduled
+        bs, table_of, scheduled = self.block_size, self.bm.table_of, out.scheduled
         others = []
         for req in list(self.running):  # (a copy: preemption removes from the list)
             if budget == 0:
@@ -178,7 +178,7 @@ class Scheduler:
             if len(req.all_token_ids) - start > 1:
                 others.append(req)
             elif req.status is RequestStatus.RUNNING:  # (not preempted earlier in this step)
-                ids = block_ids(req.request_id)
+                ids = table_of(req.request_id)
                 if start < len(ids) * bs and (start + 1) % bs:
                     req.num_computed_tokens = start + 1
                     scheduled.append(ScheduledRequest(req, start, 1, ids, [], False, True))

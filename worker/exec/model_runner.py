@@ -339,7 +339,4 @@ def sampled_by_id(sample_ids: Sequence[str], result: SampleResult | None) -> Sam
     """A sampler's result keyed by the request id of each row."""
     if result is None:
         return {}
-    return {
-        rid: (tok, lp)
-        for rid, tok, lp in zip(sample_ids, result.token_ids, result.logprobs, strict=True)
-    }
+    return dict(zip(sample_ids, zip(result.token_ids, result.logprobs, strict=True), strict=True))
