@@ -48,10 +48,10 @@ class IncrementalDetokenizer:
     ) -> None:
         self._tokenizer = tokenizer
         self._decode_ids = None if tokenizer is None else _decoder(tokenizer)
-        # byte-level tokenizers: each id's bytes, and a UTF-8 decoder fed with them
-        self._bytes = None if tokenizer is None else byte_table(tokenizer, skip_special_tokens)
+        # byte-level tokenizers: each id's bytes and whole text, and a UTF-8 decoder for bytes
+        tables = (None, None) if tokenizer is None else _tables(tokenizer, skip_special_tokens)
+        self._bytes, self._texts = tables
         self._utf8 = None if self._bytes is None else _UTF8(errors="replace")
-        self._texts = None if self._bytes is None else text_table(tokenizer, skip_special_tokens)
         self._params = params
         self._skip_special = skip_special_tokens
         # Ids of the decode window: a little prompt context, then the output.
@@ -254,7 +254,7 @@ def _base_decode():
 
 
 _UTF8 = codecs.getincrementaldecoder("utf-8")
-_TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> {skip: table}
+_TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> {skip: tables}
 
 
 def byte_table(tokenizer, skip_special_tokens: bool) -> list[bytes] | None:
@@ -262,26 +262,20 @@ def byte_table(tokenizer, skip_special_tokens: bool) -> list[bytes] | None:
     such that `decode(ids)` is the lossy UTF-8 decoding of their concatenation; None for
     another kind of tokenizer, or one whose `decode` of some id says otherwise. Made once per
     tokenizer and flag."""
+    return _tables(tokenizer, skip_special_tokens)[0]
+
+
+def _tables(tokenizer, skip_special: bool) -> tuple[list[bytes] | None, list[str | None] | None]:
+    """(byte table, each id's text where its bytes are whole UTF-8 on their own, else None) of
+    a tokenizer and flag, made once (kept per tokenizer where it can be weakly referenced)."""
     try:
         per_flag = _TABLES.setdefault(tokenizer, {})
     except TypeError:  # (not weakly referenceable)
         per_flag = {}
-    if skip_special_tokens not in per_flag:
-        table = _make_byte_table(tokenizer, skip_special_tokens)
-        per_flag[skip_special_tokens] = table
-        per_flag["text", skip_special_tokens] = None if table is None else _whole_texts(table)
-    return per_flag[skip_special_tokens]
-
-
-def text_table(tokenizer, skip_special_tokens: bool) -> list[str | None] | None:
-    """Alongside `byte_table`: each id's text where its bytes are whole UTF-8 on their own
-    (most ids), else None (a character split across ids, or invalid bytes)."""
-    if byte_table(tokenizer, skip_special_tokens) is None:
-        return None
-    try:
-        return _TABLES[tokenizer]["text", skip_special_tokens]
-    except TypeError:  # (not weakly referenceable: not kept)
-        return _whole_texts(_make_byte_table(tokenizer, skip_special_tokens))
+    if skip_special not in per_flag:
+        table = _make_byte_table(tokenizer, skip_special)
+        per_flag[skip_special] = (table, None if table is None else _whole_texts(table))
+    return per_flag[skip_special]
 
 
 def _whole_texts(table: list[bytes]) -> list[str | None]:

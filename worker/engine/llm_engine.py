@@ -150,7 +150,8 @@ class LLMEngine:
                 continue
             delta = tracked.detok.flush()
             tracked.metrics.finished_time = time.monotonic()
-            outputs.append(_output(req, tracked, [], delta, finished=True, token_time=None))
+            no_lps = None if tracked.logprobs is None else []
+            outputs.append(_output(req, tracked, [], delta, True, None, no_lps))
         return outputs
 
     def has_unfinished(self) -> bool:
@@ -185,8 +186,7 @@ class LLMEngine:
         self, req: Request, tracked: _Tracked, token: int, lp: TokenLogprobs | None,
         finished: bool, now: float,
     ) -> RequestOutput:  # fmt: skip
-        """A sampled token's output (as `_output` makes it, written out here: this runs for
-        every request at every step)."""
+        """A sampled token's output: metrics, logprobs, text (a stop string ends it here)."""
         m = tracked.metrics
         if m.first_token_time is None:
             m.first_token_time = now
@@ -206,16 +206,7 @@ class LLMEngine:
             m.finished_time = now
             del self._tracked[req.request_id]
             self._flush_events()
-        completion = CompletionOutput(
-            0, detok.text, req.output_token_ids,
-            None if lps is None else tracked.cumulative_logprob, lps,
-            req.finish_reason if finished else None, req.stop_reason,
-        )  # fmt: skip
-        return RequestOutput(
-            req.request_id, req.prompt_token_ids, [completion], finished,
-            req.num_cached_tokens if req.num_cached_tokens > 0 else 0, m, [token], delta,
-            None if lps is None else [lp], now, tracked.prompt,
-        )  # fmt: skip
+        return _output(req, tracked, [token], delta, finished, now, None if lps is None else [lp])
 
     def _flush_events(self) -> None:
         if self._events:
@@ -253,7 +244,7 @@ class LLMEngine:
 
 def _output(
     req: Request, tracked: _Tracked, new_token_ids: list[int], delta: str, finished: bool,
-    token_time: float | None,
+    token_time: float | None, new_logprobs: list[TokenLogprobs] | None,
 ) -> RequestOutput:  # fmt: skip
     """The request's output after a step (or an abort): everything so far and this delta.
     `token_ids` is the request's own output list, as `logprobs` and `metrics` are its own: they
@@ -268,8 +259,7 @@ def _output(
     return RequestOutput(
         req.request_id, req.prompt_token_ids, [completion], finished,
         req.num_cached_tokens if req.num_cached_tokens > 0 else 0, tracked.metrics,
-        new_token_ids, delta, None if lps is None else lps[len(lps) - len(new_token_ids) :],
-        token_time, tracked.prompt,
+        new_token_ids, delta, new_logprobs, token_time, tracked.prompt,
     )  # fmt: skip
 
 

@@ -279,8 +279,7 @@ class Scheduler:
         ignored, a stop token, max_tokens, the model's context): whether that ended it (its
         blocks are then freed). The engine calls this for each request as it walks a step's
         samples once."""
-        req.all_token_ids.append(token)
-        req.output_token_ids.append(token)
+        req.append_token(token)
         if token in req.ending_token_ids:
             req.stop_reason = token
             self.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)

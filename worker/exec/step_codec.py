@@ -157,7 +157,7 @@ class RowPlanner:
                 step = ahead[1]  # built by plan_ahead: the same requests, each one further
                 assert scheduled[-1].start == step.starts[-1], "a step did not continue the last"
             else:
-                step = self._plan_decodes(scheduled, requests, *last[1:4], sampled)
+                step = self._plan_decodes(scheduled, requests, *last[1:], sampled)
         else:
             self.release(out.finished_ids)
             self.release(out.preempted_ids)
@@ -198,12 +198,12 @@ class RowPlanner:
 
     def _plan_decodes(
         self, scheduled: list, requests: list, last: FlatStep, rids: list[str], until: int,
-        sampled: np.ndarray | None,
+        next_starts: np.ndarray, sampled: np.ndarray | None,
     ) -> FlatStep:  # fmt: skip
         """The same requests one token further: each starts where its last step ended (no
         request is new: a preempted one leaves the list for at least one step). Rows lack
         blocks only when a start reaches a new block (`until` steps after the last step)."""
-        starts = last.starts + 1 if last.q_lens is None else last.starts + last.q_lens
+        starts = next_starts  # (the last step's starts + 1: it was a one-token step)
         assert scheduled[-1].start == starts[-1], "a step did not start where its last ended"
         if last.samples is None and _appended(requests, sampled):
             # the last step sampled every request, and the scheduler appended the tokens:
