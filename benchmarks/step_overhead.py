@@ -28,20 +28,36 @@ engine processes the last one's tokens):
 
 One JSON line per (forward, running, overlap) case. The goals: overhead <= 0.5 ms at 256
 running; gap <= 0.1 ms p50 at 256 with a 5 ms forward, with overlap.
+
+Then the served path at the largest running count (`path: served`): the engine behind
+`AsyncEngine` as a group's rank 0 runs it (cluster/ray/rank_actor.py), its outputs relayed on an
+asyncio loop in the same process (one `OutputDelta` per output, added to an outbox that a task
+takes a batch at a time and pickles, as Ray carries it). `relay` is rank 0's form (`submit`: a
+step's outputs reach the loop in one wake-up, a callback each); `streams` is a task per request
+streaming `generate`, the form rank 0 had before; each without and with overlap (on by default
+on CUDA). Both threads share the GIL, so the loop's work per output lengthens the engine's steps
+unless it runs while the device computes: `period_ms` is the time from one forward's launch to
+the next, `overhead_ms` that less the device's time; `relay_vs_streams`: the same run's ratio.
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
+import asyncio
 import json
+import pickle
 import sys
 import time
 
 import torch
 
+from cluster.ray.output_delta import OutputDelta
+from cluster.ray.rank_actor import ENGINE_SWITCH_INTERVAL_S
 from pagefleet.llm import engine_config
+from worker.engine.async_engine import AsyncEngine
 from worker.engine.llm_engine import LLMEngine
+from worker.heap import settle_heap
+from worker.protocol import GenerationRequest
 from worker.sampling_params import SamplingParams
 
 PROMPT = 16  # tokens: one block
@@ -108,25 +124,32 @@ def pct(xs: list[float], q: float) -> float:
     return round(xs[min(len(xs) - 1, int(q * len(xs)))] * 1e3, 3)
 
 
-def run_case(forward: str, running: int, steps: int, overlap: bool) -> dict:
+def timed_engine(forward: str, running: int, steps: int, overlap: bool) -> tuple[LLMEngine, TimedForward]:  # fmt: skip
+    """The built-in model's engine for `running` requests of `steps` tokens, its forward the
+    emulated device (`forward`)."""
     engine = LLMEngine(engine_config(
         "builtin", num_blocks=running * (2 + (PROMPT + steps) // 16) + 16, max_num_seqs=running,
         max_num_batched_tokens=max(2048, running * PROMPT), max_model_len=PROMPT + steps + 64,
         **({"overlap": True} if overlap else {}),
     ))  # fmt: skip
-    gc.collect()
-    gc.freeze()  # as a server does once loaded (router/serve.py: freeze_heap)
+    settle_heap()  # as a group's rank does once loaded (cluster/ray/rank_actor.py)
     runner = engine.executor.worker.runner
     mc = engine.model_config
-    wait_s = 0.005 if forward == "fixed_5ms" else 0.0
-    timed = TimedForward(mc.hidden_size, mc.vocab_size, wait_s)
+    timed = TimedForward(mc.hidden_size, mc.vocab_size, 0.005 if forward == "fixed_5ms" else 0.0)
     runner.model = timed
     runner.sampler = TimedSampler(runner.sampler, timed)
+    return engine, timed
+
+
+def prompt_of(i: int) -> list[int]:
+    return [(7 * i + j) % 200 + 1 for j in range(PROMPT)]
+
+
+def run_case(forward: str, running: int, steps: int, overlap: bool) -> dict:
+    engine, timed = timed_engine(forward, running, steps, overlap)
     params = SamplingParams(max_tokens=steps + 32, temperature=0.0, ignore_eos=True)
     for i in range(running):
-        engine.add_request(
-            [(7 * i + j) % 200 + 1 for j in range(PROMPT)], params, request_id=f"r{i}"
-        )
+        engine.add_request(prompt_of(i), params, request_id=f"r{i}")
     while engine.scheduler.waiting or any(  # until every request is past its prefill
         r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running
     ):
@@ -147,14 +170,81 @@ def run_case(forward: str, running: int, steps: int, overlap: bool) -> dict:
     gaps = [b[0] - a[2] for a, b in zip(done, done[1:], strict=False)]
     after_logits = [b[0] - a[1] for a, b in zip(done, done[1:], strict=False)]
     return {
-        "bench": "step_overhead", "forward": forward, "running": running, "steps": steps,
-        "overlap": overlap,
+        "bench": "step_overhead", "path": "engine", "forward": forward, "running": running,
+        "steps": steps, "overlap": overlap,
         "step_ms_p50": pct(walls, 0.5), "step_ms_p99": pct(walls, 0.99),
         "overhead_ms_p50": pct(overhead, 0.5), "overhead_ms_p99": pct(overhead, 0.99),
         "gap_ms_p50": pct(gaps, 0.5), "gap_ms_p99": pct(gaps, 0.99),
         "gap_after_logits_ms_p50": pct(after_logits, 0.5),
         "ahead_confirmed": (ahead.confirmed - before[0]) if ahead else 0,
         "ahead_discarded": (ahead.discarded - before[1]) if ahead else 0,
+    }  # fmt: skip
+
+
+def run_served(forward: str, running: int, steps: int, form: str, overlap: bool = False) -> dict:
+    """`running` requests of `steps` tokens through `AsyncEngine`, relayed as rank 0 does
+    (`relay`) or by a task per request (`streams`); the steps after every prefill are timed."""
+    engine, timed = timed_engine(forward, running, steps, overlap)
+    params = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(ENGINE_SWITCH_INTERVAL_S)  # as rank 0 sets it
+    served = AsyncEngine(engine)
+    batches = [0, 0]  # batches taken, bytes pickled
+
+    async def serve() -> int:
+        loop = asyncio.get_running_loop()
+        outbox: list[OutputDelta] = []
+        ready, ended = asyncio.Event(), loop.create_future()
+        left = [running]
+
+        def emit(out) -> None:  # rank 0's relay: a delta into the subscriber's outbox
+            outbox.append(OutputDelta.of(out, False))
+            ready.set()
+            if out.finished:
+                left[0] -= 1
+                if not left[0]:
+                    ended.set_result(None)
+
+        async def follow(rid: str) -> None:  # a task per request (the streams form)
+            async for out in served.generate(GenerationRequest(prompt_of(int(rid[1:])), params, request_id=rid)):  # fmt: skip
+                emit(out)
+
+        async def ship() -> None:  # the subscriber's output stream: a batch per wake-up
+            while True:
+                await ready.wait()
+                ready.clear()
+                batch, outbox[:] = list(outbox), []
+                batches[0] += 1
+                batches[1] += len(pickle.dumps(batch, protocol=5))
+
+        shipping = asyncio.create_task(ship())
+        for i in range(running):
+            if form == "relay":
+                served.submit(GenerationRequest(prompt_of(i), params, request_id=f"r{i}"), emit)
+            else:
+                loop.create_task(follow(f"r{i}"))
+        await ended
+        shipping.cancel()
+        return left[0]
+
+    try:
+        assert asyncio.run(serve()) == 0
+    finally:
+        served.shutdown()
+        engine.executor.shutdown()
+        sys.setswitchinterval(switch)
+    done = [d for d in timed.steps if d[0]]
+    decode = done[-(steps - 1) :]  # (the first step is the prefill's)
+    device_s = sorted(d[3] for d in decode)[len(decode) // 2]
+    periods = [b[0] - a[0] for a, b in zip(decode, decode[1:], strict=False)]
+    gaps = [b[0] - a[2] for a, b in zip(decode, decode[1:], strict=False)]
+    return {
+        "bench": "step_overhead", "path": "served", "form": form, "forward": forward,
+        "running": running, "steps": steps, "overlap": overlap,
+        "period_ms_p50": pct(periods, 0.5), "period_ms_p99": pct(periods, 0.99),
+        "overhead_ms_p50": pct([p - device_s for p in periods], 0.5),
+        "gap_ms_p50": pct(gaps, 0.5), "gap_ms_p99": pct(gaps, 0.99),
+        "batches": batches[0], "pickled_kb_per_step": round(batches[1] / max(len(decode), 1) / 1024, 1),
     }  # fmt: skip
 
 
@@ -175,6 +265,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     serial = line
                 else:
                     line["gap_vs_serial"] = round(line["gap_ms_p50"] / max(serial["gap_ms_p50"], 1e-9), 3)  # fmt: skip
+                print(json.dumps(line), flush=True)
+                lines.append(line)
+    for forward in ("null", "fixed_5ms"):  # the served path, at the largest count
+        for overlap in (False, True):
+            streams, relay = (
+                run_served(forward, runs[-1], 20 if args.quick else 200, form, overlap)
+                for form in ("streams", "relay")
+            )
+            relay["relay_vs_streams"] = round(relay["period_ms_p50"] / max(streams["period_ms_p50"], 1e-9), 3)  # fmt: skip
+            for line in (streams, relay):
                 print(json.dumps(line), flush=True)
                 lines.append(line)
     return lines

@@ -147,7 +147,7 @@ class _Stream:
                 logprobs=list(self.logprobs) if asked else None,
                 cumulative_logprob=sum(lp.logprob for lp in self.logprobs) if asked else None,
             )  # fmt: skip
-            out = replace(out, outputs=[whole, *out.outputs[1:]])
+            out = out.replace(outputs=[whole, *out.outputs[1:]])
         if self.metrics is None:
             self.metrics = out.metrics
         elif out.metrics is not self.metrics:
@@ -157,7 +157,7 @@ class _Stream:
                 first_token_time=first.first_token_time, finished_time=m.finished_time,
                 token_times=m.token_times,
             )  # fmt: skip
-            out = replace(out, metrics=merged)
+            out = out.replace(metrics=merged)
         return out
 
 

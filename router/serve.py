@@ -20,7 +20,6 @@ then report SERVING. SIGTERM or SIGINT: NOT_SERVING, drain in-flight calls for `
 from __future__ import annotations
 
 import asyncio
-import gc
 import importlib.util
 import logging
 import os
@@ -36,6 +35,7 @@ from typing import Any
 from router.door.doors import Doors, door_security
 from router.door.http import DEFAULT_HTTP_PORT
 from router.door.server import DEFAULT_PORT, MAX_MESSAGE_BYTES
+from worker.heap import settle_heap
 from worker.model_source import check_model_name
 
 log = logging.getLogger(__name__)
@@ -438,10 +438,9 @@ async def serve(config: ServeConfig, make_engine_config: Callable[..., Any]) -> 
 def freeze_heap() -> None:
     """Hide what is built by now (the model and groups, the tokenizer, the index as loaded) from
     the garbage collector: it lives as long as the server, and a full collection over it would
-    stall the router's event loop for a noticeable time at 64 groups.
-    Objects made later are collected as usual."""
-    gc.collect()
-    gc.freeze()
+    stall the router's event loop for a noticeable time at 64 groups. Objects made later are
+    collected as usual, the young ones less often (worker/heap.py)."""
+    settle_heap()
 
 
 def _in_daemon_thread(fn: Callable, *args) -> asyncio.Future:

@@ -88,3 +88,74 @@ def test_streaming_equals_generate_and_cancel_frees_blocks(llm):
         asyncio.run(main())
     finally:
         engine.shutdown()
+
+
+def test_submit_relays_what_generate_streams():
+    """`submit` (a callback per output on the caller's loop, a step's outputs in one wake-up)
+    passes the same outputs as `generate` streams, ends at the finished one, passes a bad
+    request's error instead, and an abort's final output ("abort") ends an aborted one."""
+    engine = AsyncEngine(LLMEngine(engine_config("builtin", num_blocks=128, max_model_len=512)))
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = {"a": DOC + "Who kept the light?", "b": "Another question", "c": DOC}
+
+    async def streamed(rid):
+        outs = []
+        async for out in engine.generate(GenerationRequest(prompts[rid], params, request_id=rid)):
+            outs.append((out.new_token_ids, out.new_text, out.finished, out.text))
+        return outs
+
+    async def relayed():
+        loop = asyncio.get_running_loop()
+        got: dict[str, list] = {"a": [], "b": [], "c": [], "bad": []}
+        ended = {rid: loop.create_future() for rid in got}
+
+        def relay_to(rid):
+            def relay(item):
+                assert asyncio.get_running_loop() is loop  # (on the caller's loop)
+                got[rid].append(item)
+                if isinstance(item, BaseException) or item.finished:
+                    ended[rid].set_result(None)
+
+            return relay
+
+        for rid in ("a", "b", "c"):
+            assert engine.submit(GenerationRequest(prompts[rid], params, request_id=rid), relay_to(rid)) == rid  # fmt: skip
+        with pytest.raises(ValueError, match="in use"):  # (until its last output, an id is held)
+            engine.submit(GenerationRequest("x", params, request_id="c"), relay_to("c"))
+        engine.submit(GenerationRequest([], params, request_id="bad"), relay_to("bad"))
+        await asyncio.gather(*ended.values())
+        return got
+
+    async def aborted():
+        loop = asyncio.get_running_loop()
+        long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+        outs, done = [], loop.create_future()
+
+        def relay(out):
+            outs.append(out)
+            if out.finished:
+                done.set_result(None)
+
+        engine.submit(GenerationRequest(DOC, long, request_id="long"), relay)
+        while not outs:
+            await asyncio.sleep(0.01)
+        engine.abort("long")
+        await done
+        return outs
+
+    async def main():
+        want = {rid: await streamed(rid) for rid in ("a", "b", "c")}
+        got = await relayed()
+        return want, got, await aborted()
+
+    try:
+        want, got, outs = asyncio.run(main())
+        assert engine.num_in_flight == 0  # (every entry ended with its last output)
+    finally:
+        engine.shutdown()
+    for rid in ("a", "b", "c"):
+        assert [(o.new_token_ids, o.new_text, o.finished, o.text) for o in got[rid]] == want[rid]
+        assert len(want[rid]) == 12 and want[rid][-1][2]
+    (error,) = got["bad"]
+    assert isinstance(error, ValueError) and "empty" in str(error)
+    assert outs[-1].finished and outs[-1].finish_reason == "abort" and len(outs) < 400

@@ -299,13 +299,25 @@ def test_the_failover_benchmark_counts_tokens_repeated_and_missing():
 def test_step_overhead_benchmark_smoke():
     """benchmarks/step_overhead.py: every case runs its steps with every request decoding
     (the benchmark asserts it) and reports a positive step time and gap; with overlap, forwards
-    ran ahead and were adopted."""
+    ran ahead and were adopted. The served cases relay every request to its end (asserted
+    there) and pickle a batch of deltas at least every few steps."""
     out = subprocess.run(
         [sys.executable, "-m", "benchmarks.step_overhead", "--quick", "--running", "1,64"],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
-    lines = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    every = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    lines = [x for x in every if x["path"] == "engine"]
+    served = [x for x in every if x["path"] == "served"]
+    assert [(x["forward"], x["overlap"], x["form"]) for x in served] == [
+        (f, o, form)
+        for f in ("null", "fixed_5ms")
+        for o in (False, True)
+        for form in ("streams", "relay")  # fmt: skip
+    ]
+    for x in served:
+        assert x["running"] == 64 and x["period_ms_p50"] > 0 and x["pickled_kb_per_step"] > 0
+        assert x["batches"] > 0 and ("relay_vs_streams" in x) == (x["form"] == "relay")
     assert [(x["forward"], x["running"], x["overlap"]) for x in lines] == [
         (f, n, o) for f in ("null", "fixed_5ms") for n in (1, 64) for o in (False, True)
     ]

@@ -5,6 +5,8 @@ blocks, `min_tokens`, and `chat` rendering the model's chat template."""
 from __future__ import annotations
 
 import math
+import pickle
+from dataclasses import replace
 
 import pytest
 
@@ -112,3 +114,41 @@ def test_new_sampling_fields_are_checked(options, field):
 def test_the_engine_runs_one_completion_per_request(llm):
     with pytest.raises(ValueError, match="SamplingParams.n=2"):
         llm.engine.add_request(TEXT, SamplingParams(n=2))
+
+
+def test_a_steps_outputs_keep_that_steps_text_and_reason(llm):
+    """The engine's per-step output is one object whose completion is made when first read:
+    read later, an output still says what that step said (text, finish_reason, cumulative
+    logprob), while `token_ids` and `logprobs` are the request's own growing lists (documented).
+    `replace`, equality and pickling see the same fields as `outputs`."""
+    engine = llm.engine
+    engine.add_request(TEXT, SamplingParams(temperature=0.0, max_tokens=5, logprobs=1), request_id="s")  # fmt: skip
+    steps = []
+    while engine.has_unfinished():
+        steps += engine.step()
+    assert len(steps) == 5 and [o.finished for o in steps] == [False] * 4 + [True]
+    texts = [o.text for o in steps]  # read after the last step
+    ids, checked = steps[-1].token_ids, 0
+    for i, text in enumerate(texts):  # each the text of that step's tokens, not the last's
+        want = llm.tokenizer.decode(ids[: i + 1], skip_special_tokens=True)
+        if "\ufffd" not in want:  # (a character still incomplete is held back)
+            assert text == want
+            checked += 1
+    assert checked >= 1 and len(set(texts)) > 1  # (live text would be the last, five times)
+    for i, out in enumerate(steps):
+        (c,) = out.outputs
+        assert c is out.outputs[0]  # made once
+        assert (c.text, c.finish_reason, c.stop_reason) == (texts[i], out.finish_reason, None)
+        assert out.finish_reason == ("length" if i == 4 else None)
+        assert c.token_ids is out.token_ids is steps[-1].token_ids  # the request's own list
+        assert math.isclose(c.cumulative_logprob, sum(lp.logprob for lp in out.logprobs[: i + 1]))
+        assert out.new_token_ids == [out.token_ids[i]] and out.new_logprobs[0].token_id == out.token_ids[i]  # fmt: skip
+    last = steps[-1]
+    assert pickle.loads(pickle.dumps(last)) == last
+    moved = last.replace(num_cached_tokens=7)
+    assert moved.num_cached_tokens == 7 and moved.outputs == last.outputs and moved != last
+    assert moved.text == last.text and moved.finish_reason == "length"
+    other = replace(last.outputs[0], text="other")
+    assert last.replace(outputs=[other]).text == "other"  # shortcuts read `outputs` when given
+    with pytest.raises(TypeError, match="no field"):
+        last.replace(texts="x")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import pickle
 from array import array
 
 from cluster.ray.output_delta import OutputAssembler, OutputDelta
@@ -22,7 +23,10 @@ def test_deltas_rebuild_every_output():
     async def run():
         first, steps = True, 0
         async for out in engine.generate(request):
-            rebuilt = assembler.apply(OutputDelta.of(out, with_prompt=first))
+            delta = OutputDelta.of(out, with_prompt=first)
+            sent = pickle.loads(pickle.dumps(delta))  # as Ray carries it (`__reduce__`)
+            assert sent == delta and sent is not delta
+            rebuilt = assembler.apply(sent)
             first, steps = False, steps + 1
             # compared as each step arrives: later steps extend the same request's state
             assert rebuilt.token_ids == out.token_ids

@@ -95,49 +95,120 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
-@dataclass(slots=True)
 class RequestOutput:
     """A request's state after a step, in vLLM's shape (`outputs`: its completions so far), plus
     what vLLM lacks: this step's delta and single-completion shortcuts (`text`, `token_ids`,
-    `finish_reason`, `stop_reason`, `logprobs`, `ttft`)."""
+    `finish_reason`, `stop_reason`, `logprobs`, `ttft`).
+
+    The engine makes one per running request per step, so it is one object: with `outputs`
+    None, `_one` holds a single completion's `CompletionOutput` fields after `index` (text,
+    token_ids, cumulative_logprob, logprobs, finish_reason, stop_reason), and `outputs` makes
+    the `CompletionOutput` when first read. Built with `outputs` (the n completions of
+    `merge_completions`, the ones a Ray group rebuilds), the shortcuts read `outputs[0]`.
+    `replace` gives a copy with some fields changed, as `dataclasses.replace` would."""
+
+    __slots__ = (
+        "request_id", "prompt_token_ids", "finished", "num_cached_tokens", "metrics",
+        "new_token_ids", "new_text", "new_logprobs", "token_time", "prompt", "_outputs", "_one",
+    )  # fmt: skip
+    _FIELDS = (
+        "request_id", "prompt_token_ids", "outputs", "finished", "num_cached_tokens", "metrics",
+        "new_token_ids", "new_text", "new_logprobs", "token_time", "prompt",
+    )  # fmt: skip
 
     request_id: str
     prompt_token_ids: Sequence[int]  # a list (a Ray group hands back the ids it was given)
-    outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int  # prompt tokens served from the prefix cache
     metrics: RequestMetrics
-    new_token_ids: list[int] = field(default_factory=list)  # generated in this step
-    new_text: str = ""  # text safe to show that appeared in this step
+    new_token_ids: list[int]  # generated in this step
+    new_text: str  # text safe to show that appeared in this step
     # This step's logprobs (when asked) and sampling time: the whole-output lists and the
     # metrics grow as the engine runs on, so a consumer that reads later takes these.
-    new_logprobs: list[TokenLogprobs] | None = None
-    token_time: float | None = None
-    prompt: str | None = None  # the prompt's text, when it was given as text
+    new_logprobs: list[TokenLogprobs] | None
+    token_time: float | None
+    prompt: str | None  # the prompt's text, when it was given as text
+
+    def __init__(
+        self, request_id: str, prompt_token_ids: Sequence[int],
+        outputs: list[CompletionOutput] | None, finished: bool, num_cached_tokens: int,
+        metrics: RequestMetrics, new_token_ids: list[int] | None = None, new_text: str = "",
+        new_logprobs: list[TokenLogprobs] | None = None, token_time: float | None = None,
+        prompt: str | None = None, _one: tuple | None = None,
+    ) -> None:  # fmt: skip
+        # (one store per line: the fastest form, this being made per request per step)
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.finished = finished
+        self.num_cached_tokens = num_cached_tokens
+        self.metrics = metrics
+        self.new_token_ids = [] if new_token_ids is None else new_token_ids
+        self.new_text = new_text
+        self.new_logprobs = new_logprobs
+        self.token_time = token_time
+        self.prompt = prompt
+        self._outputs = outputs
+        self._one = _one
+
+    @property
+    def outputs(self) -> list[CompletionOutput]:
+        if self._outputs is None:
+            self._outputs = [CompletionOutput(0, *self._one)]
+        return self._outputs
+
+    @outputs.setter
+    def outputs(self, outputs: list[CompletionOutput]) -> None:
+        self._outputs = outputs
 
     @property
     def text(self) -> str:
-        return self.outputs[0].text
+        return self._one[0] if self._outputs is None else self._outputs[0].text
 
     @property
     def token_ids(self) -> list[int]:
-        return self.outputs[0].token_ids
-
-    @property
-    def finish_reason(self) -> str | None:
-        return self.outputs[0].finish_reason
-
-    @property
-    def stop_reason(self) -> int | str | None:
-        return self.outputs[0].stop_reason
+        return self._one[1] if self._outputs is None else self._outputs[0].token_ids
 
     @property
     def logprobs(self) -> list[TokenLogprobs] | None:
-        return self.outputs[0].logprobs
+        return self._one[3] if self._outputs is None else self._outputs[0].logprobs
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self._one[4] if self._outputs is None else self._outputs[0].finish_reason
+
+    @property
+    def stop_reason(self) -> int | str | None:
+        return self._one[5] if self._outputs is None else self._outputs[0].stop_reason
 
     @property
     def ttft(self) -> float | None:
         return self.metrics.ttft
+
+    def replace(self, **changes) -> RequestOutput:
+        """A copy with `changes` (field names as the constructor's) applied."""
+        fields = {name: getattr(self, name) for name in self._FIELDS}
+        unknown = set(changes) - set(fields)
+        if unknown:
+            raise TypeError(f"RequestOutput has no field(s) {sorted(unknown)}")
+        fields.update(changes)
+        return RequestOutput(**fields)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, RequestOutput):
+            return NotImplemented
+        return all(getattr(self, f) == getattr(other, f) for f in self._FIELDS)
+
+    __hash__ = None  # mutable, as the dataclass it replaces
+
+    def __repr__(self) -> str:
+        inner = ", ".join(f"{f}={getattr(self, f)!r}" for f in self._FIELDS)
+        return f"RequestOutput({inner})"
+
+    def __getstate__(self) -> dict:
+        return {f: getattr(self, f) for f in self._FIELDS}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(**state)
 
 
 def merge_completions(completions: Sequence[RequestOutput]) -> RequestOutput:
@@ -146,4 +217,4 @@ def merge_completions(completions: Sequence[RequestOutput]) -> RequestOutput:
     first = completions[0]
     outputs = [replace(c.outputs[0], index=i) for i, c in enumerate(completions)]
     finished = all(c.finished for c in completions)
-    return replace(first, outputs=outputs, finished=finished)
+    return first.replace(outputs=outputs, finished=finished)

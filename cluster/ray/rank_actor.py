@@ -29,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import gc
 import os
 import queue
 import sys
@@ -38,6 +37,8 @@ from dataclasses import dataclass, replace
 from cluster.ray.output_delta import OutputDelta
 from cluster.ray.runtime import ray
 from worker.config import EngineConfig
+from worker.heap import settle_heap
+from worker.outputs import RequestOutput
 from worker.protocol import GenerationRequest
 
 OWNER = ""  # the subscriber of the process that placed the group (and of `submit` by default)
@@ -79,7 +80,7 @@ class RankActor:
         self.executor = None  # rank 0: TPExecutor
         self.worker = None  # rank > 0: TPWorker
         self._calls: queue.SimpleQueue = queue.SimpleQueue()  # work for rank 0's engine thread
-        self._streams: dict[str, tuple[str, asyncio.Task]] = {}  # id -> (subscriber, follower)
+        self._streams: dict[str, str] = {}  # rank 0: request id -> its subscriber
         self._subscribers: dict[str, _Outbox] = {}  # rank 0: outputs not yet streamed
         self._events_to: str | None = None  # the subscriber whose stream carries KV events
         self._publisher = None  # rank 0 publishing to Redis itself: a GroupPublisher
@@ -141,9 +142,8 @@ class RankActor:
             layout = self.worker.layout
         # What is built by now (model, pool, tokenizer) lives as long as the rank: hidden from
         # the garbage collector, a full collection no longer walks it (it would pause a step;
-        # benchmarks/RESULTS.md, "Engine time per step").
-        gc.collect()
-        gc.freeze()
+        # benchmarks/RESULTS.md, "Engine time per step"), and young collections are rarer.
+        settle_heap()
         ctx = ray.get_runtime_context()
         self._description = {
             "rank": rank,
@@ -174,21 +174,38 @@ class RankActor:
         self._publisher = GroupPublisher(redis, index.group_id, engine.scheduler.bm.cached_hashes)
 
     async def submit(self, request: GenerationRequest, subscriber: str = OWNER) -> None:
-        """Start a request; its outputs join `subscriber`'s output stream."""
-        task = asyncio.create_task(self._follow(request, subscriber))
-        self._streams[request.request_id] = (subscriber, task)
+        """Start a request; its outputs join `subscriber`'s output stream as deltas (only what
+        changed crosses Ray). The engine hands a step's outputs to this loop at once, each to
+        the request's relay (a callback, not a task woken per output: at 256 running the
+        difference is milliseconds a step, benchmarks/RESULTS.md)."""
+        rid = request.request_id
+        send_prompt = isinstance(request.prompt, str)  # ids given: the router has them
 
-    async def _follow(self, request: GenerationRequest, subscriber: str) -> None:
+        def relay(item: RequestOutput | BaseException) -> None:
+            nonlocal send_prompt
+            if rid not in self._streams:
+                return  # failed here before (the engine's final output of its abort)
+            try:
+                if isinstance(item, BaseException):  # bad input, a full queue, a dead engine
+                    raise item
+                delta = OutputDelta.of(item, send_prompt)
+            except Exception as e:  # the caller's error; the request ends here
+                del self._streams[rid]
+                if not isinstance(item, BaseException):
+                    self.engine.abort(rid)
+                self._emit(subscriber, RequestFailed(rid, e))
+                return
+            send_prompt = False
+            if item.finished:
+                del self._streams[rid]
+            self._emit(subscriber, delta)
+
+        self._streams[rid] = subscriber
         try:
-            send_prompt = isinstance(request.prompt, str)  # ids given: the router has them
-            async for out in self.engine.generate(request):
-                # only what changed crosses Ray
-                self._emit(subscriber, OutputDelta.of(out, send_prompt))
-                send_prompt = False
-        except Exception as e:  # bad input, a full queue, a dead engine: the caller's error
-            self._emit(subscriber, RequestFailed(request.request_id, e))
-        finally:
-            self._streams.pop(request.request_id, None)
+            self.engine.submit(request, relay)
+        except Exception as e:  # a dead engine, an id in use
+            self._streams.pop(rid, None)
+            self._emit(subscriber, RequestFailed(rid, e))
 
     def _emit(self, subscriber: str, item) -> None:
         box = self._subscribers.get(subscriber)
@@ -224,7 +241,7 @@ class RankActor:
         finally:
             if self._subscribers.get(subscriber) is box:
                 del self._subscribers[subscriber]
-            for rid, (owner, _) in list(self._streams.items()):
+            for rid, owner in list(self._streams.items()):
                 if owner == subscriber and self.engine is not None:
                     self.engine.abort(rid)
 

@@ -22,7 +22,7 @@ from worker.kv_events import KVEvent
 from worker.model.dtypes import resolve_dtype
 from worker.model.model_config import ModelConfig
 from worker.model_source import is_gguf
-from worker.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprobs
+from worker.outputs import RequestMetrics, RequestOutput, TokenLogprobs
 from worker.protocol import ModelFacts, Resume
 from worker.sampling_params import SamplingParams
 from worker.token_ids import token_list
@@ -251,15 +251,12 @@ def _output(
     grow as the engine runs on, and a consumer that reads later takes the `new_*` fields.
     Made once per request per step: positional arguments, in the classes' field order."""
     lps = tracked.logprobs
-    completion = CompletionOutput(
-        0, tracked.detok.text, req.output_token_ids,
-        None if lps is None else tracked.cumulative_logprob, lps,
-        req.finish_reason if finished else None, req.stop_reason,
-    )  # fmt: skip
     return RequestOutput(
-        req.request_id, req.prompt_token_ids, [completion], finished,
+        req.request_id, req.prompt_token_ids, None, finished,
         req.num_cached_tokens if req.num_cached_tokens > 0 else 0, tracked.metrics,
         new_token_ids, delta, new_logprobs, token_time, tracked.prompt,
+        (tracked.detok.text, req.output_token_ids, None if lps is None else tracked.cumulative_logprob,
+         lps, req.finish_reason if finished else None, req.stop_reason),
     )  # fmt: skip
 
 

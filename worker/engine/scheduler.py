@@ -5,7 +5,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import deque
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from worker.config import SchedulerConfig
@@ -22,7 +22,7 @@ class ScheduledRequest:
     start: int  # first position computed this step (num_computed_tokens before the step)
     num_tokens: int  # tokens computed this step: a prefill chunk or 1 decode token
     block_ids: list[int]  # the whole block table after this step's allocation (live list)
-    new_block_ids: list[int]  # the blocks added this step (a diff for other ranks)
+    new_block_ids: Sequence[int]  # the blocks added this step (none: a shared empty tuple)
     is_new: bool  # admitted (or resumed after preemption) in this step
     samples: bool  # the step reaches the last known token, so a new token is sampled
 
@@ -181,7 +181,7 @@ class Scheduler:
                 ids = table_of(req.request_id)
                 if start < len(ids) * bs and (start + 1) % bs:
                     req.num_computed_tokens = start + 1
-                    scheduled.append(ScheduledRequest(req, start, 1, ids, [], False, True))
+                    scheduled.append(ScheduledRequest(req, start, 1, ids, (), False, True))
                     budget -= 1
                 else:
                     budget -= self._grow(req, 1, out)
