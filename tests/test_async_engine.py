@@ -159,3 +159,35 @@ def test_submit_relays_what_generate_streams():
     (error,) = got["bad"]
     assert isinstance(error, ValueError) and "empty" in str(error)
     assert outs[-1].finished and outs[-1].finish_reason == "abort" and len(outs) < 400
+
+
+def test_a_failing_receiver_costs_only_its_own_outputs(caplog):
+    """A step's outputs reach a loop together; a receiver that raises is logged, and the others
+    of the same steps still get every output to their last."""
+    engine = AsyncEngine(LLMEngine(engine_config("builtin", num_blocks=64, max_model_len=256)))
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        got, done = [], loop.create_future()
+
+        def broken(out):
+            raise RuntimeError("receiver down")
+
+        def fine(out):
+            got.append(out)
+            if out.finished:
+                done.set_result(None)
+
+        engine.submit(GenerationRequest("same step", params, request_id="broken"), broken)
+        engine.submit(GenerationRequest("same step", params, request_id="fine"), fine)
+        await asyncio.wait_for(done, 60)
+        return got
+
+    try:
+        got = asyncio.run(main())
+        assert engine.num_in_flight == 0
+    finally:
+        engine.shutdown()
+    assert len(got) == 6 and got[-1].finished
+    assert "the receiver of broken's output failed" in caplog.text

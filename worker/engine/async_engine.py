@@ -183,5 +183,10 @@ class AsyncEngine:
 
 
 def _put_all(puts: list[tuple[Callable, RequestOutput]]) -> None:
+    """On a caller's loop: a step's outputs to their receivers, each on its own (one that
+    fails is logged; the others still get theirs)."""
     for put, item in puts:
-        put(item)
+        try:
+            put(item)
+        except Exception:
+            log.exception("the receiver of %s's output failed", item.request_id)
