@@ -190,4 +190,4 @@ def test_a_failing_receiver_costs_only_its_own_outputs(caplog):
     finally:
         engine.shutdown()
     assert len(got) == 6 and got[-1].finished
-    assert "the receiver of broken's output failed" in caplog.text
+    assert "the receiver of 'broken' failed" in caplog.text

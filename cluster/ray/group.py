@@ -51,6 +51,7 @@ from cluster.ray.rank_actor import OWNER, IndexTarget, KVEvents, RequestFailed, 
 from cluster.ray.ranks import RankSet
 from cluster.ray.runtime import ray
 from worker.config import EngineConfig
+from worker.engine.async_engine import hand_over
 from worker.outputs import RequestOutput
 from worker.protocol import EngineDeadError, GenerationRequest
 
@@ -195,14 +196,16 @@ class RayGroup(GroupHandle):
                 if stats.get("error"):
                     self._error = self._error or stats["error"]
                 self._publish(batch, stats)
+                routed = []  # handed to the callers' loops together (`hand_over`)
                 for item in batch:
                     if isinstance(item, KVEvents):
                         continue
                     if isinstance(item, RequestFailed):
                         self._assembler.drop(item.request_id)
-                        self._route(item.request_id, self._as_error(item.error))
+                        routed.append((item.request_id, self._as_error(item.error)))
                     elif (out := self._assembler.apply(item)) is not None:
-                        self._route(item.request_id, out)
+                        routed.append((item.request_id, out))
+                self._route_all(routed)
                 self._status_changed()  # new stats, and maybe an error
         except Exception as e:  # rank 0 died
             error = f"rank 0's output stream failed: {describe_error(e)}"
@@ -210,8 +213,7 @@ class RayGroup(GroupHandle):
             self._error = self._error or error or "rank 0's output stream ended"
         self._status_changed()
         reason = self._error or "shut down"
-        for rid in list(self._queues):
-            self._route(rid, EngineDeadError(f"group {self.group_id} is dead: {reason}"))
+        self._route_all([(rid, EngineDeadError(f"group {self.group_id} is dead: {reason}")) for rid in list(self._queues)])  # fmt: skip
         if self.publisher is not None:
             self.publisher.close()  # a dead or stopped group's blocks leave the index at once
 
@@ -227,12 +229,14 @@ class RayGroup(GroupHandle):
         except Exception:  # e.g. rank 0 gone while the publisher fetched the inventory
             log.exception("group %s: publishing to the prefix index failed", self.group_id)
 
-    def _route(self, rid: str, item) -> None:
-        target = self._queues.get(rid)
-        if target is not None:
-            loop, q = target
-            with contextlib.suppress(RuntimeError):  # the caller's loop is closed
-                loop.call_soon_threadsafe(q.put_nowait, item)
+    def _route_all(self, items: list[tuple[str, RequestOutput | BaseException]]) -> None:
+        """Each (request id, output or error) to its caller's queue, a loop's all at once."""
+        queues = self._queues
+        hand_over(
+            (target[0], target[1].put_nowait, item)
+            for rid, item in items
+            if (target := queues.get(rid)) is not None
+        )
 
     def _as_error(self, e: BaseException) -> BaseException:
         if isinstance(e, EngineDeadError):

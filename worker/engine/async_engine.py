@@ -13,11 +13,14 @@ import logging
 import queue
 import threading
 import traceback
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
-from worker.engine.llm_engine import LLMEngine
 from worker.outputs import RequestOutput
 from worker.protocol import EngineDeadError, GenerationRequest
+
+if TYPE_CHECKING:  # (the router process imports `hand_over` and must not load torch)
+    from worker.engine.llm_engine import LLMEngine
 
 log = logging.getLogger(__name__)
 
@@ -147,27 +150,19 @@ class AsyncEngine:
                 self._deliver(rid, e)
 
     def _deliver_step(self, outputs: list[RequestOutput]) -> None:
-        """A step's outputs, handed to each caller's event loop at once: one wake-up of a
-        loop per step, not one per request (each is a write to the loop's self-pipe, made
-        while the step's next forward waits)."""
-        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        """A step's outputs, handed to each caller's event loop at once (`hand_over`)."""
+        deliveries = []
         streams = self._streams
         for out in outputs:
             target = streams.get(out.request_id)
             if target is not None:
                 loop, put, ends = target
-                puts = by_loop.get(loop)
-                if puts is None:
-                    puts = by_loop[loop] = []
-                puts.append((put, out))
+                deliveries.append((loop, put, out))
                 if ends and out.finished:
                     del streams[out.request_id]
-        for loop, puts in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_put_all, puts)
-            except RuntimeError:  # the callers' loop is closed
-                for rid in [r for r, (lp, _, _) in list(streams.items()) if lp is loop]:
-                    streams.pop(rid, None)
+        for loop in hand_over(deliveries):  # (closed: their callers are gone)
+            for rid in [r for r, (lp, _, _) in list(streams.items()) if lp is loop]:
+                streams.pop(rid, None)
 
     def _deliver(self, rid: str, item: RequestOutput | BaseException) -> None:
         target = self._streams.get(rid)
@@ -182,11 +177,31 @@ class AsyncEngine:
             self._streams.pop(rid, None)
 
 
-def _put_all(puts: list[tuple[Callable, RequestOutput]]) -> None:
-    """On a caller's loop: a step's outputs to their receivers, each on its own (one that
-    fails is logged; the others still get theirs)."""
+def hand_over(
+    deliveries: Iterable[tuple[asyncio.AbstractEventLoop, Callable[[Any], None], Any]],
+) -> list[asyncio.AbstractEventLoop]:
+    """From another thread: `put(item)` on `loop` for each (loop, put, item), in order, with
+    one wake-up per loop rather than one per item (each `call_soon_threadsafe` writes to the
+    loop's self-pipe, and a step hands over an output per running request). A `put` that
+    raises is logged; the others still run. Returns the loops found closed."""
+    by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+    for loop, put, item in deliveries:
+        puts = by_loop.get(loop)
+        if puts is None:
+            puts = by_loop[loop] = []
+        puts.append((put, item))
+    closed = []
+    for loop, puts in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_put_all, puts)
+        except RuntimeError:  # the loop is closed
+            closed.append(loop)
+    return closed
+
+
+def _put_all(puts: list[tuple[Callable[[Any], None], Any]]) -> None:
     for put, item in puts:
         try:
             put(item)
         except Exception:
-            log.exception("the receiver of %s's output failed", item.request_id)
+            log.exception("the receiver of %r failed", getattr(item, "request_id", item))
