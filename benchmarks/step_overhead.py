@@ -27,7 +27,10 @@ engine processes the last one's tokens):
 - gap_vs_serial: this case's gap p50 over the same case's without overlap, same run.
 
 One JSON line per (forward, running, overlap) case. The goals: overhead <= 0.5 ms at 256
-running; gap <= 0.1 ms p50 at 256 with a 5 ms forward, with overlap.
+running; gap <= 0.1 ms p50 at 256 with a 5 ms forward, with overlap. Those requests' prompts
+are one block each (`prompts: aligned`): every 16 steps all their positions enter new blocks at
+once. Then the 5 ms forward at the largest count again with prompts of 16 to 31 tokens
+(`prompts: staggered`): positions enter new blocks in every step, as a server's requests do.
 
 Then the served path at the largest running count (`path: served`): the engine behind
 `AsyncEngine` as a group's rank 0 runs it (cluster/ray/rank_actor.py), its outputs relayed on an
@@ -128,8 +131,8 @@ def timed_engine(forward: str, running: int, steps: int, overlap: bool) -> tuple
     """The built-in model's engine for `running` requests of `steps` tokens, its forward the
     emulated device (`forward`)."""
     engine = LLMEngine(engine_config(
-        "builtin", num_blocks=running * (2 + (PROMPT + steps) // 16) + 16, max_num_seqs=running,
-        max_num_batched_tokens=max(2048, running * PROMPT), max_model_len=PROMPT + steps + 64,
+        "builtin", num_blocks=running * (3 + (PROMPT + steps) // 16) + 16, max_num_seqs=running,
+        max_num_batched_tokens=max(2048, running * 2 * PROMPT), max_model_len=2 * PROMPT + steps + 64,
         **({"overlap": True} if overlap else {}),
     ))  # fmt: skip
     settle_heap()  # as a group's rank does once loaded (cluster/ray/rank_actor.py)
@@ -141,15 +144,18 @@ def timed_engine(forward: str, running: int, steps: int, overlap: bool) -> tuple
     return engine, timed
 
 
-def prompt_of(i: int) -> list[int]:
-    return [(7 * i + j) % 200 + 1 for j in range(PROMPT)]
+def prompt_of(i: int, staggered: bool = False) -> list[int]:
+    """Request i's prompt: one block; `staggered`, 16 + i % 16 tokens, so that the requests'
+    positions enter new blocks at different steps (one or another in every step), as a
+    server's requests do, rather than all in the same step every 16."""
+    return [(7 * i + j) % 200 + 1 for j in range(PROMPT + (i % 16 if staggered else 0))]
 
 
-def run_case(forward: str, running: int, steps: int, overlap: bool) -> dict:
+def run_case(forward: str, running: int, steps: int, overlap: bool, staggered: bool = False) -> dict:  # fmt: skip
     engine, timed = timed_engine(forward, running, steps, overlap)
     params = SamplingParams(max_tokens=steps + 32, temperature=0.0, ignore_eos=True)
     for i in range(running):
-        engine.add_request(prompt_of(i), params, request_id=f"r{i}")
+        engine.add_request(prompt_of(i, staggered), params, request_id=f"r{i}")
     while engine.scheduler.waiting or any(  # until every request is past its prefill
         r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running
     ):
@@ -171,7 +177,7 @@ def run_case(forward: str, running: int, steps: int, overlap: bool) -> dict:
     after_logits = [b[0] - a[1] for a, b in zip(done, done[1:], strict=False)]
     return {
         "bench": "step_overhead", "path": "engine", "forward": forward, "running": running,
-        "steps": steps, "overlap": overlap,
+        "steps": steps, "overlap": overlap, "prompts": "staggered" if staggered else "aligned",
         "step_ms_p50": pct(walls, 0.5), "step_ms_p99": pct(walls, 0.99),
         "overhead_ms_p50": pct(overhead, 0.5), "overhead_ms_p99": pct(overhead, 0.99),
         "gap_ms_p50": pct(gaps, 0.5), "gap_ms_p99": pct(gaps, 0.99),
@@ -267,6 +273,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     line["gap_vs_serial"] = round(line["gap_ms_p50"] / max(serial["gap_ms_p50"], 1e-9), 3)  # fmt: skip
                 print(json.dumps(line), flush=True)
                 lines.append(line)
+    serial = None  # staggered prompts, 5 ms forward, at the largest count
+    for overlap in (False, True):
+        line = run_case("fixed_5ms", runs[-1], 20 if args.quick else 200, overlap, staggered=True)
+        if serial is None:
+            serial = line
+        else:
+            line["gap_vs_serial"] = round(line["gap_ms_p50"] / max(serial["gap_ms_p50"], 1e-9), 3)
+        print(json.dumps(line), flush=True)
+        lines.append(line)
     for forward in ("null", "fixed_5ms"):  # the served path, at the largest count
         for overlap in (False, True):
             streams, relay = (

@@ -307,7 +307,13 @@ def test_step_overhead_benchmark_smoke():
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
     every = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
-    lines = [x for x in every if x["path"] == "engine"]
+    lines = [x for x in every if x["path"] == "engine" and x["prompts"] == "aligned"]
+    staggered = [x for x in every if x["path"] == "engine" and x["prompts"] == "staggered"]
+    assert [(x["forward"], x["running"], x["overlap"]) for x in staggered] == [
+        ("fixed_5ms", 64, False), ("fixed_5ms", 64, True),
+    ]  # fmt: skip
+    # positions enter new blocks in every step, and forwards still run ahead (a block early)
+    assert staggered[1]["ahead_confirmed"] >= 15 and staggered[1]["ahead_discarded"] == 0
     served = [x for x in every if x["path"] == "served"]
     assert [(x["forward"], x["overlap"], x["form"]) for x in served] == [
         (f, o, form)

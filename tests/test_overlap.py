@@ -74,6 +74,26 @@ def test_overlapped_steps_give_the_tokens_of_serial_steps():
     assert ahead.discarded >= 1  # the late arrival, the abort or the stop
 
 
+def test_forwards_run_ahead_across_block_boundaries():
+    """Requests whose positions enter new blocks at different steps (one or another does in
+    almost every step): the scheduler allocates each next block a step early, so that nearly
+    every step's forward runs ahead and is adopted, and the tokens are the serial steps'."""
+
+    def script(steps: int, engine: LLMEngine) -> None:
+        if steps == 0:
+            params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+            for i in range(8):  # prompts of 17, 19, ... 31 tokens: eight phases of 16
+                engine.add_request(prompt(i, 17 + 2 * i), params, request_id=f"b{i}")
+
+    serial = drive(make_engine(False), script)
+    engine = make_engine(True)
+    assert drive(engine, script) == serial
+    assert engine.scheduler.lookahead == 1 and make_engine(False).scheduler.lookahead == 0
+    ahead = engine.executor.overlap
+    # 48 tokens: a prefill step, then 47 decodes, every one but the first two run ahead
+    assert ahead.confirmed >= 44 and ahead.discarded == 0, (ahead.confirmed, ahead.discarded)
+
+
 def test_preemption_and_seeded_sampling_give_the_same_tokens():
     """A pool that cannot hold every request (preemption, recompute) and seeded random rows
     (whose draw depends on the position: a batch holding one does not run ahead)."""

@@ -147,8 +147,9 @@ class BlockManager:
     def can_append(self, request: Request, num_new_tokens: int) -> bool:
         return self._blocks_to_grow(request, num_new_tokens) <= self.num_free_blocks
 
-    def append_slots(self, request: Request, num_new_tokens: int) -> list[int]:
-        """Room for `num_new_tokens` after the computed ones; returns the new block ids.
+    def append_slots(self, request: Request, num_new_tokens: int, lookahead: int = 0) -> list[int]:
+        """Room for `num_new_tokens` after the computed ones (and `lookahead` more, whose
+        blocks a forward running ahead will need); returns the new block ids.
 
         Full blocks among the tokens computed by the end of this step join the prefix cache
         now: every K/V write of a layer precedes its attention in the same forward, so another
@@ -157,7 +158,7 @@ class BlockManager:
         rid = request.request_id
         new_ids = []
         end = request.num_computed_tokens + num_new_tokens
-        if num := self._blocks_to_grow(request, num_new_tokens):
+        if num := self._blocks_to_grow(request, num_new_tokens + lookahead):
             new_blocks = self._take_free(num)
             self.req_blocks[rid].extend(new_blocks)
             new_ids = [b.block_id for b in new_blocks]

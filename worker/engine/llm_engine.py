@@ -73,7 +73,10 @@ class LLMEngine:
         self.on_kv_events = on_kv_events
         hasher = self.hasher if cache.enable_prefix_caching else None
         bm = BlockManager(num_blocks, cache.block_size, hasher, self._events.append)
-        self.scheduler = Scheduler(replace(config.scheduler, max_model_len=self.max_model_len), bm)
+        self.scheduler = Scheduler(
+            replace(config.scheduler, max_model_len=self.max_model_len), bm,
+            lookahead=1 if self.executor.runs_ahead else 0,
+        )  # fmt: skip
         self._tracked: dict[str, _Tracked] = {}
         self._ids = itertools.count()
 

@@ -44,6 +44,8 @@ class SchedulerOutput:
     preempted_ids: list[str] = field(default_factory=list)
     finished_ids: list[str] = field(default_factory=list)  # left since the previous step
     admitted: list[ScheduledRequest] = field(default_factory=list)  # the `is_new` entries
+    # indices in `scheduled` of running requests whose block tables grew in this step
+    grew: list[int] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -90,10 +92,17 @@ class WaitingQueue:
 class Scheduler:
     """Owns the waiting and running requests of one group and the group's block manager."""
 
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(
+        self, config: SchedulerConfig, block_manager: BlockManager, lookahead: int = 0
+    ) -> None:
         self.config = config
         self.bm = block_manager
         self.block_size = block_manager.block_size
+        # Tokens past each decode whose slots its table holds already: with a forward that
+        # runs ahead of the scheduler (worker/exec/overlap.py), 1, so that a position
+        # entering a new block finds it allocated one step early (when a block is free
+        # then; nothing is preempted for it).
+        self.lookahead = lookahead
         self.requests: dict[str, Request] = {}
         self.waiting = WaitingQueue(by_priority=config.policy == "priority")
         self.running: list[Request] = []  # in admission order
@@ -167,9 +176,11 @@ class Scheduler:
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         """Running requests in admission order, decodes before the others (a recompute or an
-        unfinished prefill). A decode inside its last block that does not fill it needs nothing
-        of the block manager: the steady state's common case, kept to a few operations."""
+        unfinished prefill). A decode whose table holds its slot (and its lookahead) and
+        that does not fill its block needs nothing of the block manager: the steady state's
+        common case, kept to a few operations."""
         bs, table_of, scheduled = self.block_size, self.bm.table_of, out.scheduled
+        reach = 1 + self.lookahead  # slots a decode needs in its table: its own and ahead
         others = []
         for req in list(self.running):  # (a copy: preemption removes from the list)
             if budget == 0:
@@ -179,12 +190,12 @@ class Scheduler:
                 others.append(req)
             elif req.status is RequestStatus.RUNNING:  # (not preempted earlier in this step)
                 ids = table_of(req.request_id)
-                if start < len(ids) * bs and (start + 1) % bs:
+                if start + reach <= len(ids) * bs and (start + 1) % bs:
                     req.num_computed_tokens = start + 1
                     scheduled.append(ScheduledRequest(req, start, 1, ids, (), False, True))
                     budget -= 1
                 else:
-                    budget -= self._grow(req, 1, out)
+                    budget -= self._grow(req, 1, out, self.lookahead)
         for req in others:
             if budget == 0:
                 break
@@ -192,17 +203,22 @@ class Scheduler:
                 budget -= self._grow(req, min(req.num_tokens - req.num_computed_tokens, budget), out)  # fmt: skip
         return budget
 
-    def _grow(self, req: Request, n: int, out: SchedulerOutput) -> int:
+    def _grow(self, req: Request, n: int, out: SchedulerOutput, lookahead: int = 0) -> int:
         """Schedule `n` more tokens of a running request, preempting the newest (or lowest
         priority) request not yet scheduled while the blocks fall short, `req` itself last;
-        returns the tokens scheduled (0 when `req` was preempted)."""
+        returns the tokens scheduled (0 when `req` was preempted). Room for `lookahead`
+        tokens more is taken only when free."""
+        if lookahead and not self.bm.can_append(req, n + lookahead):
+            lookahead = 0
         while not self.bm.can_append(req, n):
             victim = self._pick_victim(exclude={s.request.request_id for s in out.scheduled})
             victim = victim or req
             self._preempt(victim, out)
             if victim is req:
                 return 0
-        new_ids = self.bm.append_slots(req, n)
+        new_ids = self.bm.append_slots(req, n, lookahead)
+        if new_ids:
+            out.grew.append(len(out.scheduled))
         out.scheduled.append(self._record(req, n, new_ids, is_new=False))
         return n
 

@@ -93,6 +93,13 @@ class Executor(ABC):
         """Bytes of one device's pool."""
         return 0
 
+    @property
+    def runs_ahead(self) -> bool:
+        """Whether a decode step's forward may start before the scheduler makes that step
+        (worker/exec/overlap.py): the scheduler then allocates each decode's next block a step
+        early, so that a position entering a new block does not stop it."""
+        return False
+
     def shutdown(self) -> None:  # noqa: B027  (nothing to release by default)
         """Release the devices."""
 
@@ -123,6 +130,10 @@ class LocalExecutor(Executor):
     def shutdown(self) -> None:
         if self.overlap is not None:
             self.overlap.close()
+
+    @property
+    def runs_ahead(self) -> bool:
+        return self._wants_overlap
 
     @property
     def pool_bytes(self) -> int:

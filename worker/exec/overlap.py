@@ -18,7 +18,9 @@ vLLM's asynchronous scheduling overlaps the same way, its scheduler counting pla
 
 A forward runs ahead only when nothing it needs can change meanwhile: a one-token step in which
 every request sampled; no request reaching `max_tokens` in the step before; no position
-entering a block the table lacks (the scheduler allocates those); and sampling rows that do not
+entering a block the table lacks (the scheduler allocates each decode's next block a step
+early, `Scheduler.lookahead`, and its entries travel with the step built ahead next, so that
+only a pool without a free block stops a forward there); and sampling rows that do not
 read the output so far (no penalties, no suppressed EOS before `min_tokens`, no seeded random
 draw, which depends on the position), so that the same rows serve again. Greedy and seeded
 requests give the same tokens with and without overlap (tests/test_overlap.py); an unseeded

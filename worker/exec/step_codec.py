@@ -129,6 +129,10 @@ class RowPlanner:
         # the step that would continue the last one with the tokens it sampled, built while
         # the forward's results go back to the scheduler (plan_ahead): (those tokens, the step)
         self._ahead: tuple[np.ndarray, FlatStep] | None = None
+        # (rows, cols, ids): entries of tables the scheduler grew in a step that was built
+        # ahead (a block allocated a step early, for the forward after it): they travel with
+        # the step built next
+        self._late: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
 
     def __len__(self) -> int:
         return len(self._row_of)  # rows held by running requests
@@ -146,39 +150,64 @@ class RowPlanner:
         requests = [s.request for s in scheduled]
         last, self._last = self._last, None
         ahead, self._ahead = self._ahead, None
+        late, self._late = self._late, None
+        grew = out.grew
         if (
             last is not None
             and len(scheduled) == out.num_batched_tokens
             and not out.finished_ids
             and not out.preempted_ids
+            and late is None  # (else every row's entries are worked out afresh)
             and requests == last[0]  # the same objects (Request compares by identity)
         ):
             if ahead is not None and ahead[0] is sampled and _appended(requests, sampled):
                 step = ahead[1]  # built by plan_ahead: the same requests, each one further
                 assert scheduled[-1].start == step.starts[-1], "a step did not continue the last"
+                if out.grew:  # its forward has run: the new entries go with the next step
+                    self._late = self._grown_entries(scheduled, step.rows, out.grew)
             else:
-                step = self._plan_decodes(scheduled, requests, *last[1:], sampled)
+                step = self._plan_decodes(scheduled, requests, *last[1:], sampled, out.grew)
         else:
             self.release(out.finished_ids)
             self.release(out.preempted_ids)
             if not scheduled:
                 return FlatStep(_NONE, _NONE, _NONE)
             step = self._plan_any(out)
+            grew = range(len(scheduled))  # (rows may be new or reset: each one's table)
         if step.q_lens is None:  # the next step may be the same requests' next decodes
-            if last is not None and step.rows is last[1].rows and last[3] > 1:
-                rids, until = last[2], last[3] - 1
+            same = last is not None and step.rows is last[1].rows
+            rids = last[2] if same else [r.request_id for r in requests]
+            if same and last[3] > 2:  # (a row's table only grows: still true, one step on)
+                until = last[3] - 1
             else:
-                rids = [r.request_id for r in requests]
-                until = int((self.block_size - step.starts % self.block_size).min())
+                until = self._until(step, scheduled, grew)
             # (the next step's starts, made here rather than between the forwards)
             self._last = (requests, step, rids, until, step.starts + 1)
         return step
+
+    def _until(self, step: FlatStep, scheduled: list, grew: Sequence[int]) -> int:
+        """Steps from this one until a start reaches a block its row's table will lack: each
+        row holds its table's blocks after this step (`len(block_ids)` where the scheduler
+        grew it), whatever of them the runner's tables still wait for. Above 1, the next
+        step can run ahead (plan_ahead)."""
+        held = self.tables.count[step.rows]  # (S,) a copy
+        if len(grew):
+            held[list(grew)] = [len(scheduled[i].block_ids) for i in grew]
+        return int((held * self.block_size - step.starts).min())
+
+    def _grown_entries(self, scheduled: list, rows: np.ndarray, grew: list[int]) -> tuple:
+        """(rows, cols, ids) of the entries the tables of `grew` (indices in `scheduled`)
+        gained over what the runner's tables hold."""
+        rows = rows[grew]
+        lens = np.array([len(scheduled[i].block_ids) for i in grew], dtype=np.int32)
+        return self._entries([scheduled[i] for i in grew], rows, self.tables.count[rows], lens, [])
 
     def plan_ahead(self, sampled: np.ndarray) -> None:
         """Rank 0, after sampling every sequence of the last planned step (one token each):
         build the step that continues it with `sampled` (S,) int32, so that when the scheduler
         hands over the same requests `plan(out, sampled)` only checks that they are the same.
-        Not built when a start reaches a new block (its entries come from the scheduler)."""
+        Not built when a start reaches a block its table lacks (the scheduler allocates it).
+        It carries the entries of blocks allocated a step early in the step before."""
         last = self._last  # a one-token step (q_lens None)
         if last is None or last[3] <= 1 or last[1].samples is not None:
             return
@@ -187,6 +216,9 @@ class RowPlanner:
             return
         tokens = np.asarray(sampled, dtype=np.int32)  # (S,) what each request computes next
         step = FlatStep(rows, last[4], tokens, sample_ids=last[2], continues=True)
+        late, self._late = self._late, None
+        if late is not None:  # blocks the scheduler allocated a step early
+            step.table_rows, step.table_cols, step.table_ids = late
         self._ahead = (sampled, step)
 
     def ahead_of(self, sampled: np.ndarray) -> FlatStep | None:
@@ -198,11 +230,11 @@ class RowPlanner:
 
     def _plan_decodes(
         self, scheduled: list, requests: list, last: FlatStep, rids: list[str], until: int,
-        next_starts: np.ndarray, sampled: np.ndarray | None,
+        next_starts: np.ndarray, sampled: np.ndarray | None, grew: list[int],
     ) -> FlatStep:  # fmt: skip
         """The same requests one token further: each starts where its last step ended (no
         request is new: a preempted one leaves the list for at least one step). Rows lack
-        blocks only when a start reaches a new block (`until` steps after the last step)."""
+        blocks only where the scheduler grew their tables in this step (`grew`)."""
         starts = next_starts  # (the last step's starts + 1: it was a one-token step)
         assert scheduled[-1].start == starts[-1], "a step did not start where its last ended"
         if last.samples is None and _appended(requests, sampled):
@@ -216,10 +248,8 @@ class RowPlanner:
             else:
                 tokens = [s.request.all_token_ids[s.start] for s in scheduled]
         rows, entries = last.rows, (_NONE, _NONE, _NONE)
-        if until == 1:
-            have = self.tables.count[rows]  # (S,) blocks each row holds
-            need = starts // self.block_size + 1  # (S,) blocks through each start
-            entries = self._entries(scheduled, rows, have, np.maximum(have, need), [])
+        if grew:
+            entries = self._grown_entries(scheduled, rows, grew)
         step = self._step(rows, starts, tokens, None, samples, [], entries, rids)
         step.continues = step.samples is None and last.samples is None
         return step
