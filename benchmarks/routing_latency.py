@@ -27,10 +27,11 @@ from protos.pagefleet.v1 import pagefleet_pb2 as pb
 from router.door.api import route_request
 from router.placement import PrefixAware, PrefixAwareConfig
 from router.router import ModelInfo, Router, RouteRequest
-from router.serve import ROUTER_SWITCH_INTERVAL_S, freeze_heap
+from router.serve import ROUTER_SWITCH_INTERVAL_S
 from tests.redis_server import RedisServer
 from worker.config import SchedulerConfig
 from worker.hashing import BlockHasher, ModelFingerprint
+from worker.heap import settle_heap
 from worker.kv_events import BlockStored
 
 SECRET = b"routing-benchmark-secret"
@@ -157,7 +158,7 @@ def run_latency(
     else:
         routed = index
     router = Router(groups, routed, hasher, info, policy=policy)
-    freeze_heap()  # as `pagefleet serve` does once its cluster is up
+    settle_heap()  # as `pagefleet serve` does once its cluster is up
     out = {"latency_groups": n_groups, "index": index_kind, "blocks_per_group": args.blocks}
     out.update(decision_latency(router, doc, hasher))
     router.ledger.pending.flush()

@@ -409,7 +409,10 @@ async def serve(config: ServeConfig, make_engine_config: Callable[..., Any]) -> 
         if cluster is not None:
             await warm_up(cluster.groups)
             cluster.follow(asyncio.get_running_loop())
-            freeze_heap()
+            # what is built by now (the groups, the tokenizer, the index as loaded) lives as
+            # long as the server: frozen, a full collection no longer walks it, which would
+            # stall the event loop noticeably at 64 groups (worker/heap.py)
+            settle_heap()
             metrics_http = _serve_metrics(config, cluster.metrics)
             await doors.set_ready(cluster.router, cluster.metrics)
             metrics_where = "" if metrics_http is None else (
@@ -433,14 +436,6 @@ async def serve(config: ServeConfig, make_engine_config: Callable[..., Any]) -> 
             from cluster.ray.runtime import shutdown_ray
 
             shutdown_ray()
-
-
-def freeze_heap() -> None:
-    """Hide what is built by now (the model and groups, the tokenizer, the index as loaded) from
-    the garbage collector: it lives as long as the server, and a full collection over it would
-    stall the router's event loop for a noticeable time at 64 groups. Objects made later are
-    collected as usual, the young ones less often (worker/heap.py)."""
-    settle_heap()
 
 
 def _in_daemon_thread(fn: Callable, *args) -> asyncio.Future:

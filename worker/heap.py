@@ -3,11 +3,11 @@
 Once loaded, everything built so far (the model, the pool, the tokenizer, the groups) lives as
 long as the process: `gc.freeze` hides it from the collector, so that a full collection no
 longer walks it (it would pause a step). Then, a step makes a few objects per running request
-(its scheduled share, its output): at 256 running, the collector's default (a young collection
-every 700 net allocations) runs twice a step and promotes the outputs still held by the caller,
-about a tenth of the engine's own time per step (benchmarks/RESULTS.md, "One output object per
-request and step"). A young collection every 50,000 allocations, as servers commonly set it,
-runs once in tens of steps. Reference counting frees everything acyclic at once either way; only
+(its scheduled share, its output): with many running, the collector's default (a young
+collection every 700 net allocations) runs several times a step and promotes the outputs still
+held by the caller, a part of the engine's own time per step (benchmarks/RESULTS.md, "One
+output object per request and step"). A young collection every 50,000 allocations, as servers
+commonly set it, runs once in many steps. Reference counting frees everything acyclic at once either way; only
 cyclic garbage waits longer.
 """
 

@@ -20,8 +20,8 @@ from worker.outputs import CompletionOutput, RequestMetrics, RequestOutput, Toke
 class OutputDelta:
     """What one engine step added to one request's output. Made per running request and step
     on a group's rank 0, pickled there and unpickled by the group's handle: made positionally
-    and pickled as a plain tuple of its fields (`__reduce__`), about a third of the time of a
-    dataclass's default (benchmarks/RESULTS.md)."""
+    and pickled as a plain tuple of its fields (`__reduce__`), faster than a dataclass's
+    default (benchmarks/RESULTS.md)."""
 
     request_id: str
     prompt_token_ids: list[int] | None  # the first delta of a request whose ids were not given

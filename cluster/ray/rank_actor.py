@@ -176,8 +176,8 @@ class RankActor:
     async def submit(self, request: GenerationRequest, subscriber: str = OWNER) -> None:
         """Start a request; its outputs join `subscriber`'s output stream as deltas (only what
         changed crosses Ray). The engine hands a step's outputs to this loop at once, each to
-        the request's relay (a callback, not a task woken per output: at 256 running the
-        difference is milliseconds a step, benchmarks/RESULTS.md)."""
+        the request's relay (a callback, not a task woken per output, which lengthened the
+        engine's steps: benchmarks/RESULTS.md)."""
         rid = request.request_id
         send_prompt = isinstance(request.prompt, str)  # ids given: the router has them
 

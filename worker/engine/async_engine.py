@@ -47,14 +47,8 @@ class AsyncEngine:
     # ---- caller side (any thread / event loop) -----------------------------------------
     async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
         """Stream the request's outputs; the last one has `finished=True`."""
-        if self.dead is not None:
-            raise EngineDeadError(f"engine is dead: {self.dead}")
-        rid = request.request_id or f"req-{id(request):x}"
-        if rid in self._streams:
-            raise ValueError(f"request_id {rid!r} is already in use")
         q: asyncio.Queue = asyncio.Queue()
-        self._streams[rid] = (asyncio.get_running_loop(), q.put_nowait, False)
-        self._send(("add", rid, request))
+        rid = self._start(request, q.put_nowait, ends=False)  # (the stream ends its entry)
         finished = False
         try:
             while True:
@@ -79,12 +73,17 @@ class AsyncEngine:
         outputs reach a loop in one wake-up, and a callback costs far less than a stream's
         task waking per output: the form for a caller that relays many requests (a group's
         rank 0). `abort` ends it early (its final output follows). Returns the request id."""
+        return self._start(request, on_output, ends=True)
+
+    def _start(self, request: GenerationRequest, put: Callable, ends: bool) -> str:
+        """Open the request's entry (its outputs go to `put` on this thread's loop) and queue
+        it for the engine; refuses a dead engine or an id in use."""
         if self.dead is not None:
             raise EngineDeadError(f"engine is dead: {self.dead}")
         rid = request.request_id or f"req-{id(request):x}"
         if rid in self._streams:
             raise ValueError(f"request_id {rid!r} is already in use")
-        self._streams[rid] = (asyncio.get_running_loop(), on_output, True)
+        self._streams[rid] = (asyncio.get_running_loop(), put, ends)
         self._send(("add", rid, request))
         return rid
 
@@ -116,7 +115,7 @@ class AsyncEngine:
             while not self._stopped:
                 self._drain_commands()
                 if self.engine.has_unfinished():
-                    self._deliver_step(self.engine.step())
+                    self._deliver([(out.request_id, out) for out in self.engine.step()])
                 else:
                     self._wake.wait(0.05)
                     self._wake.clear()
@@ -127,8 +126,7 @@ class AsyncEngine:
             log.error("engine loop died:\n%s", traceback.format_exc())
             self.dead = e
             err = EngineDeadError(f"engine failed: {type(e).__name__}: {e}")
-            for rid in list(self._streams):
-                self._deliver(rid, err)
+            self._deliver([(rid, err) for rid in list(self._streams)])
 
     def _drain_commands(self) -> None:
         while True:
@@ -137,8 +135,7 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if kind == "abort":  # a stream still open gets its final output ("abort")
-                for out in self.engine.abort(rid):
-                    self._deliver(out.request_id, out)
+                self._deliver([(out.request_id, out) for out in self.engine.abort(rid)])
                 continue
             try:
                 self.engine.add_request(
@@ -147,34 +144,24 @@ class AsyncEngine:
                     resume=request.resume,
                 )  # fmt: skip
             except Exception as e:  # bad input or a full queue: that caller's error only
-                self._deliver(rid, e)
+                self._deliver([(rid, e)])
 
-    def _deliver_step(self, outputs: list[RequestOutput]) -> None:
-        """A step's outputs, handed to each caller's event loop at once (`hand_over`)."""
+    def _deliver(self, items: list[tuple[str, RequestOutput | BaseException]]) -> None:
+        """Each (request id, output or error) to its caller, a loop's all at once (a step's
+        outputs in one wake-up: `hand_over`); a `submit` entry ends with its last output or
+        its error."""
         deliveries = []
         streams = self._streams
-        for out in outputs:
-            target = streams.get(out.request_id)
+        for rid, item in items:
+            target = streams.get(rid)
             if target is not None:
                 loop, put, ends = target
-                deliveries.append((loop, put, out))
-                if ends and out.finished:
-                    del streams[out.request_id]
+                deliveries.append((loop, put, item))
+                if ends and (isinstance(item, BaseException) or item.finished):
+                    del streams[rid]
         for loop in hand_over(deliveries):  # (closed: their callers are gone)
             for rid in [r for r, (lp, _, _) in list(streams.items()) if lp is loop]:
                 streams.pop(rid, None)
-
-    def _deliver(self, rid: str, item: RequestOutput | BaseException) -> None:
-        target = self._streams.get(rid)
-        if target is None:
-            return
-        loop, put, ends = target
-        if ends and (isinstance(item, BaseException) or item.finished):
-            self._streams.pop(rid, None)
-        try:
-            loop.call_soon_threadsafe(put, item)
-        except RuntimeError:  # the caller's loop is closed
-            self._streams.pop(rid, None)
 
 
 def hand_over(

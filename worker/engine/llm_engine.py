@@ -252,7 +252,7 @@ def _output(
     """The request's output after a step (or an abort): everything so far and this delta.
     `token_ids` is the request's own output list, as `logprobs` and `metrics` are its own: they
     grow as the engine runs on, and a consumer that reads later takes the `new_*` fields.
-    Made once per request per step: positional arguments, in the classes' field order."""
+    Made once per request per step: one object, its arguments positional."""
     lps = tracked.logprobs
     return RequestOutput(
         req.request_id, req.prompt_token_ids, None, finished,

@@ -163,10 +163,10 @@ class RowPlanner:
             if ahead is not None and ahead[0] is sampled and _appended(requests, sampled):
                 step = ahead[1]  # built by plan_ahead: the same requests, each one further
                 assert scheduled[-1].start == step.starts[-1], "a step did not continue the last"
-                if out.grew:  # its forward has run: the new entries go with the next step
-                    self._late = self._grown_entries(scheduled, step.rows, out.grew)
+                if grew:  # its forward has run: the new entries go with the next step
+                    self._late = self._grown_entries(scheduled, step.rows, grew)
             else:
-                step = self._plan_decodes(scheduled, requests, *last[1:], sampled, out.grew)
+                step = self._plan_decodes(scheduled, requests, last[1], last[2], last[4], sampled, grew)  # fmt: skip
         else:
             self.release(out.finished_ids)
             self.release(out.preempted_ids)
@@ -229,7 +229,7 @@ class RowPlanner:
         return ahead[1] if ahead is not None and ahead[0] is sampled else None
 
     def _plan_decodes(
-        self, scheduled: list, requests: list, last: FlatStep, rids: list[str], until: int,
+        self, scheduled: list, requests: list, last: FlatStep, rids: list[str],
         next_starts: np.ndarray, sampled: np.ndarray | None, grew: list[int],
     ) -> FlatStep:  # fmt: skip
         """The same requests one token further: each starts where its last step ended (no
