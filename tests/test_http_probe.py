@@ -128,6 +128,37 @@ def test_chat_fields_are_checked_by_name(probed):
     assert error_of(response, 400)["param"] == "top_logprobs"
 
 
+LONE = "\\ud800"  # JSON's escape of a lone surrogate, as the body's bytes carry it
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/completions", '{"model": M, "prompt": "a%s"}', "prompt"),
+        ("/v1/completions", '{"model": M, "prompt": ["x", "%s"]}', "prompt"),
+        ("/v1/completions", '{"model": "m%s", "prompt": "x"}', "model"),
+        ("/v1/completions", '{"model": M, "prompt": "x", "stop": ["%s"]}', "stop"),
+        ("/v1/chat/completions", '{"model": M, "messages": [{"role": "user", "content": "%s"}]}',
+         "messages[0].content"),
+        ("/v1/chat/completions", '{"model": M, "messages": [{"role": "%s", "content": "x"}]}',
+         "messages[0].role"),
+        ("/v1/chat/completions",
+         '{"model": M, "messages": [{"role": "user", "content": [{"type": "text", "text": "%s"}]}]}',
+         "messages[0].content"),
+        ("/tokenize", '{"prompt": "%s"}', "prompt"),
+        ("/v1/completions", '{"model": M, "prompt": "x", "%s": 1}', None),
+    ],
+    ids=["prompt", "prompt list", "model", "stop", "content", "role", "text part", "tokenize",
+         "field name"],
+)  # fmt: skip
+def test_a_lone_surrogate_is_400_naming_the_field(probed, path, body, param):
+    _, _, http, model = probed
+    data = body.replace("M", json.dumps(model)).replace("%s", LONE).encode()
+    response = http.post(path, content=data, headers={"content-type": "application/json"})
+    error = error_of(response, 400)
+    assert error["param"] == param and "not valid Unicode" in error["message"], error
+
+
 # ---- prompts that cannot fit; health answers meanwhile -----------------------------------------
 
 
