@@ -42,6 +42,7 @@ from starlette.exceptions import HTTPException
 
 from router.door.auth import ApiKeys, TlsFiles
 from router.door.choices import ClientGone, Merged, until_disconnected
+from router.door.http_limits import BoundedHttpToolsProtocol, HeaderLimits
 from router.door.openai_format import Choice, Formatter
 from router.door.openai_protocol import (
     HTTP_STATUS,
@@ -89,10 +90,12 @@ class HttpDoor:
         max_body_bytes: int = 4 * 1024 * 1024,
         keys: ApiKeys | None = None,
         tls: TlsFiles | None = None,
+        header_limits: HeaderLimits | None = None,
     ) -> None:
         if not 0 <= port < 65536:
             raise ValueError(f"http_port must be in [0, 65535], got {port}")
         self.host, self.port, self.keys, self.tls = host, port, keys, tls
+        self.header_limits = header_limits or HeaderLimits()
         self.router: Router | None = None
         self.metrics: ServerMetrics | None = None
         self.in_flight = InFlight()
@@ -105,8 +108,11 @@ class HttpDoor:
     async def start(self) -> int:
         """Bind and start answering (503 until `set_ready`); returns the bound port."""
         sock = _bind(self.host, self.port)
+        protocol = functools.partial(
+            BoundedHttpToolsProtocol, limits=self.header_limits, observe=self.observe_error
+        )
         config = uvicorn.Config(
-            self.app, log_config=None, log_level="warning", access_log=False, lifespan="off",
+            self.app, http=protocol, log_config=None, log_level="warning", access_log=False, lifespan="off",
             timeout_graceful_shutdown=None, **(self.tls.uvicorn_options() if self.tls else {}),
         )  # fmt: skip
         try:
