@@ -34,6 +34,7 @@ from typing import Any
 
 from router.door.doors import Doors, door_security
 from router.door.http import DEFAULT_HTTP_PORT
+from router.door.http_limits import HeaderLimits
 from router.door.server import DEFAULT_PORT, MAX_MESSAGE_BYTES
 from worker.heap import settle_heap
 from worker.model_source import check_model_name
@@ -83,6 +84,9 @@ class ServeConfig:
     role: str = "all"
     grace_s: float = 30.0  # SIGTERM: how long in-flight calls may finish
     max_message_bytes: int = MAX_MESSAGE_BYTES
+    # the HTTP door's bounds on a request's headers: HeaderLimits' fields, e.g.
+    # {"max_bytes": 65536, "max_count": 100, "timeout_s": 10}; YAML only
+    http_headers: Mapping[str, Any] = field(default_factory=dict, hash=False)
     engine: Mapping[str, Any] = field(default_factory=dict, hash=False)  # num_blocks, ...
 
     def __post_init__(self) -> None:
@@ -99,6 +103,9 @@ class ServeConfig:
         check_model_name(self.model)
         if not isinstance(self.engine, Mapping):
             raise ValueError(f"engine must be a mapping of engine options, got {self.engine!r}")
+        if not isinstance(self.http_headers, Mapping):
+            raise ValueError(f"http_headers must be a mapping, got {self.http_headers!r}")
+        _ = self.header_limits  # (its ValueError names the field)
         if not isinstance(self.policy_options, Mapping):
             raise ValueError(f"policy_options must be a mapping, got {self.policy_options!r}")
         if self.role not in ("all", "router"):
@@ -109,6 +116,13 @@ class ServeConfig:
             raise ValueError("tls_cert and tls_key go together: give both or neither")
         if self.tls_client_ca is not None and self.tls_cert is None:
             raise ValueError("tls_client_ca (mutual TLS) needs tls_cert and tls_key")
+
+    @property
+    def header_limits(self) -> HeaderLimits:
+        try:
+            return HeaderLimits(**self.http_headers)
+        except TypeError:
+            raise ValueError(f"http_headers: known fields are max_bytes, max_count, timeout_s; got {sorted(self.http_headers)}") from None  # fmt: skip
 
     @property
     def uses_ray(self) -> bool:
@@ -388,7 +402,8 @@ async def serve(config: ServeConfig, make_engine_config: Callable[..., Any]) -> 
     check_deployment(config)
     keys, tls = door_security(config)
     sys.setswitchinterval(ROUTER_SWITCH_INTERVAL_S)
-    doors = Doors(config.host, config.port, config.http_port, config.max_message_bytes, keys, tls)
+    doors = Doors(config.host, config.port, config.http_port, config.max_message_bytes, keys, tls,
+                  config.header_limits)  # fmt: skip
     doors_at = await doors.start()
     _say(f"{doors_at}: loading {config.groups} group(s)")
     stop = asyncio.Event()

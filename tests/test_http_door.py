@@ -9,10 +9,15 @@ waiting requests per group (so that a full queue is cheap to reach).
 from __future__ import annotations
 
 import asyncio
+import json
 import re
+import socket
+import threading
+import time
 import urllib.request
 
 import grpc
+import httpx
 import openai
 import pytest
 
@@ -328,6 +333,84 @@ def test_both_doors_count_in_the_same_metrics(served):
                                ("generation_tokens_total", {}, 6),
                                ("request_errors_total", {"code": "UNAUTHENTICATED"}, 1)):  # fmt: skip
         assert counter(after, name, **labels) - counter(before, name, **labels) == grew, name
+
+
+# ---- what is refused before the body is read; large bodies off the event loop ----------------
+
+HEALTH_BOUND_S = 0.5  # /health while large bodies are parsed (one at a time, off the loop)
+
+
+def head_only(port: int, key: str, length: int) -> socket.socket:
+    """A POST /v1/completions whose headers declare `length` body bytes, of which none is sent."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+    sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\n"
+                 f"Content-Type: application/json\r\nContent-Length: {length}\r\n\r\n".encode())  # fmt: skip
+    return sock
+
+
+def status_of(sock: socket.socket) -> int:
+    """The status of the response on `sock` (socket.timeout if none comes)."""
+    head = b""
+    while b"\r\n" not in head:
+        chunk = sock.recv(4096)
+        assert chunk, head
+        head += chunk
+    return int(head.split(b" ", 2)[1])
+
+
+def test_a_bad_key_is_refused_before_the_body_is_read(served):
+    _, _, url, _ = served
+    port = httpx.URL(url).port
+    for key in ("not-a-key", ""):
+        with head_only(port, key, 3_000_000) as sock:
+            assert status_of(sock) == 401  # at once: the door waits for no body
+
+
+def test_health_answers_while_large_token_id_bodies_are_posted(served):
+    _, _, url, model = served
+    base = url.removesuffix("/v1")
+    ids = [100 + i % 100 for i in range(760_000)]  # a 3.8 MB body
+    body = json.dumps({"model": model, "prompt": ids, "max_tokens": 1}).encode()
+    assert 3.5e6 < len(body) < 4 * 1024 * 1024
+    latencies, done = [], threading.Event()
+
+    def probe() -> None:
+        with httpx.Client(base_url=base, timeout=10) as h:
+            while not done.is_set():
+                start = time.monotonic()
+                assert h.get("/health").status_code == 200
+                latencies.append(time.monotonic() - start)
+                time.sleep(0.01)
+
+    async def post_all() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=url, timeout=60) as h:
+            posts = [h.post("/completions", content=body, headers={
+                "Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+                for key in (KEYS["acme"], "wrong-key") * 3]  # fmt: skip
+            return await asyncio.gather(*posts)
+
+    thread = threading.Thread(target=probe)
+    thread.start()
+    try:
+        assert wait_for(lambda: latencies)
+        responses = asyncio.run(post_all())
+    finally:
+        done.set()
+        thread.join()
+    assert [r.status_code for r in responses] == [400, 401] * 3
+    assert responses[0].json()["error"]["code"] == "context_length_exceeded"
+    assert max(latencies) < HEALTH_BOUND_S, sorted(latencies)[-5:]
+
+
+def test_a_declared_body_over_the_limit_is_counted(served):
+    _, _, url, _ = served
+    before = scrape()
+    for _ in range(3):
+        with head_only(httpx.URL(url).port, KEYS["acme"], 5 * 1024 * 1024) as sock:
+            assert status_of(sock) == 413
+    after = scrape()
+    name = "request_errors_total"
+    assert counter(after, name, code="HTTP_413") - counter(before, name, code="HTTP_413") == 3
 
 
 def test_a_door_before_its_router_answers_503_with_retry_after():

@@ -6,7 +6,7 @@ still running. Every answer is OpenAI's error body with a status a client can ac
 leaks; health keeps answering.
 
 One server for the module (a 512-token context, a 1 s grace period, a 1 MiB body limit); the
-shutdown test comes last and stops it.
+shutdown test comes last and stops it. Its request heads may take HEAD_TIMEOUT_S to arrive.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import select
 import signal
 import socket
 import threading
@@ -34,6 +35,7 @@ from tests.serve_process import (
 CONTEXT = 512
 START_TIMEOUT_S = 240
 BODY_LIMIT = 1 << 20
+HEAD_TIMEOUT_S = 1.5
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +46,8 @@ def probed(tmp_path_factory):
     flags = [*builtin_model_flags(), f"--http-port={port}", "--no-metrics", "--grace=1",
              f"--max-model-len={CONTEXT}", "--num-blocks=256", "--max-num-seqs=4",
              "--max-waiting=64"]  # fmt: skip
-    (tmp / "serve.yaml").write_text(f"max_message_bytes: {BODY_LIMIT}\n")
+    (tmp / "serve.yaml").write_text(f"max_message_bytes: {BODY_LIMIT}\n"
+                                    f"http_headers: {{timeout_s: {HEAD_TIMEOUT_S}}}\n")  # fmt: skip
     flags.append(f"--config={tmp / 'serve.yaml'}")
     proc, client = start_serve(flags, free_port(), tmp / "serve.log", START_TIMEOUT_S)
     http = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60)
@@ -126,6 +129,116 @@ def test_chat_fields_are_checked_by_name(probed):
     response = http.post("/v1/chat/completions", json={
         "model": model, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2})  # fmt: skip
     assert error_of(response, 400)["param"] == "top_logprobs"
+
+
+LONE = "\\ud800"  # JSON's escape of a lone surrogate, as the body's bytes carry it
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/completions", '{"model": M, "prompt": "a%s"}', "prompt"),
+        ("/v1/completions", '{"model": M, "prompt": ["x", "%s"]}', "prompt"),
+        ("/v1/completions", '{"model": "m%s", "prompt": "x"}', "model"),
+        ("/v1/completions", '{"model": M, "prompt": "x", "stop": ["%s"]}', "stop"),
+        ("/v1/chat/completions", '{"model": M, "messages": [{"role": "user", "content": "%s"}]}',
+         "messages[0].content"),
+        ("/v1/chat/completions", '{"model": M, "messages": [{"role": "%s", "content": "x"}]}',
+         "messages[0].role"),
+        ("/v1/chat/completions",
+         '{"model": M, "messages": [{"role": "user", "content": [{"type": "text", "text": "%s"}]}]}',
+         "messages[0].content"),
+        ("/tokenize", '{"prompt": "%s"}', "prompt"),
+        ("/v1/completions", '{"model": M, "prompt": "x", "%s": 1}', None),
+    ],
+    ids=["prompt", "prompt list", "model", "stop", "content", "role", "text part", "tokenize",
+         "field name"],
+)  # fmt: skip
+def test_a_lone_surrogate_is_400_naming_the_field(probed, path, body, param):
+    _, _, http, model = probed
+    data = body.replace("M", json.dumps(model)).replace("%s", LONE).encode()
+    response = http.post(path, content=data, headers={"content-type": "application/json"})
+    error = error_of(response, 400)
+    assert error["param"] == param and "not valid Unicode" in error["message"], error
+
+
+# ---- request heads: bounded in size, count and time ----------------------------------------
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def answer_to_head(port: int, head: bytes, piece: int = 16384) -> bytes:
+    """What the server answers to `head`, sent piece by piece until it answers, and read until
+    it closes the connection (socket.timeout if it does not)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=HEAD_TIMEOUT_S + 5) as sock:
+        for i in range(0, len(head), piece):
+            if select.select([sock], [], [], 0)[0]:
+                break  # answered (or closed): stop sending
+            try:
+                sock.sendall(head[i : i + piece])
+            except OSError:
+                break
+        received = b""
+        try:
+            while chunk := sock.recv(65536):
+                received += chunk
+        except ConnectionResetError:  # (the server closed with our bytes unread: after its answer)
+            pass
+        return received
+
+
+def status_and_error(answer: bytes) -> tuple[int, str]:
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert b"connection: close" in head.lower(), answer[:300]
+    return int(head.split(b" ", 2)[1]), json.loads(body)["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("head", "words"),
+    [
+        (b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 1_000_000 + b"\r\n\r\n", "over 65536 bytes"),
+        (b"GET /health HTTP/1.1\r\n" + b"X-A: b\r\n" * 20_000 + b"\r\n", "over 100 headers"),
+        (b"GET /" + b"a" * 1_000_000 + b" HTTP/1.1\r\n\r\n", "over 65536 bytes"),
+    ],
+    ids=["a 1 MB header line", "20,000 header lines", "a 1 MB path"],
+)  # fmt: skip
+def test_a_head_over_the_limits_is_431_and_closed(probed, head, words):
+    _, _, http, _ = probed
+    status, message = status_and_error(answer_to_head(http.base_url.port, head))
+    assert status == 431 and words in message, message
+    assert http.get("/health").status_code == 200
+
+
+def test_unterminated_huge_headers_hold_no_memory(probed):
+    proc, _, http, _ = probed
+    head = b"GET /health HTTP/1.1\r\nX-Big: " + b"a" * (32 << 20)  # never ends
+    before = rss_bytes(proc.pid)
+    threads = [threading.Thread(target=lambda: answers.append(answer_to_head(http.base_url.port, head)))
+               for _ in range(4)]  # fmt: skip
+    answers: list[bytes] = []
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [status_and_error(a)[0] for a in answers] == [431] * 4
+    assert rss_bytes(proc.pid) - before < 16 << 20, (before, rss_bytes(proc.pid))
+
+
+def test_a_head_that_does_not_arrive_in_time_is_408_and_an_idle_connection_closed(probed):
+    _, _, http, _ = probed
+    port = http.base_url.port
+    start = time.monotonic()
+    with socket.create_connection(("127.0.0.1", port), timeout=HEAD_TIMEOUT_S + 5) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # and the rest never comes
+        status, message = status_and_error(sock.recv(65536))
+    assert status == 408 and "did not arrive" in message
+    assert HEAD_TIMEOUT_S - 0.1 < time.monotonic() - start < HEAD_TIMEOUT_S + 2
+    with socket.create_connection(("127.0.0.1", port), timeout=HEAD_TIMEOUT_S + 5) as sock:
+        assert sock.recv(1) == b""  # nothing sent: closed without an answer
+    assert time.monotonic() - start < 2 * HEAD_TIMEOUT_S + 3
 
 
 # ---- prompts that cannot fit; health answers meanwhile -----------------------------------------

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from router.door.auth import ApiKeys, TlsFiles, is_loopback
 from router.door.http import HttpDoor
+from router.door.http_limits import HeaderLimits
 from router.door.server import FrontDoor
 
 if TYPE_CHECKING:
@@ -16,7 +17,8 @@ if TYPE_CHECKING:
 
 
 class Doors:
-    """`FrontDoor` and, with `http_port`, `HttpDoor`, on one host."""
+    """`FrontDoor` and, with `http_port`, `HttpDoor` (its heads bounded by `header_limits`), on
+    one host."""
 
     def __init__(
         self,
@@ -26,12 +28,13 @@ class Doors:
         max_message_bytes: int,
         keys: ApiKeys | None = None,
         tls: TlsFiles | None = None,
+        header_limits: HeaderLimits | None = None,
     ) -> None:
         self.host = host
         self.grpc = FrontDoor(host, port, max_message_bytes, keys, tls)
         self.http = None
         if http_port is not None:
-            self.http = HttpDoor(host, http_port, max_message_bytes, keys, tls)
+            self.http = HttpDoor(host, http_port, max_message_bytes, keys, tls, header_limits)
 
     async def start(self) -> str:
         """Bind both (health NOT_SERVING, the APIs UNAVAILABLE / 503); returns where, as

@@ -10,8 +10,13 @@ until `set_ready`), takes a bearer key per tenant (`keys`, router/door/auth.py) 
 (`tls`). A streamed response's headers go out with the first token of every choice, so that
 a refusal (a full queue, no live group) is an HTTP status, not an error event; an error after
 that is an `error` event before `data: [DONE]`. A client that disconnects, mid-stream or while
-waiting for a whole response, aborts its requests: their blocks are freed at once. Bodies over
-`max_body_bytes` are refused with 413 (FastAPI's body limit) before they are read whole.
+waiting for a whole response, aborts its requests: their blocks are freed at once.
+
+Before a byte of a body is read, `Gate` refuses a request without a valid key (401) and one that
+declares a body over `max_body_bytes` (413; FastAPI's limit refuses a chunked one as it grows).
+Bodies are parsed by `parse_body` (router/door/openai_protocol.py), a large one on a thread of
+its own: parsing holds the GIL throughout, and one thread for all large bodies keeps the event
+loop (health, streams) from waiting on more than one at a time.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import socket
 import ssl
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import grpc
@@ -31,10 +37,12 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
 from router.door.auth import ApiKeys, TlsFiles
 from router.door.choices import ClientGone, Merged, until_disconnected
+from router.door.http_limits import BoundedHttpToolsProtocol, HeaderLimits
 from router.door.openai_format import Choice, Formatter
 from router.door.openai_protocol import (
     HTTP_STATUS,
@@ -43,6 +51,7 @@ from router.door.openai_protocol import (
     DetokenizeRequest,
     TokenizeRequest,
     error_body,
+    parse_body,
     validation_message,
 )
 from router.door.openai_routes import chat_messages, chat_routes, completion_routes
@@ -56,6 +65,7 @@ from router.door.serving import (
     status_for,
     tokenize,
 )
+from worker.token_ids import first_outside
 
 if TYPE_CHECKING:
     from router.door.metrics import ServerMetrics
@@ -65,6 +75,9 @@ log = logging.getLogger(__name__)
 
 DEFAULT_HTTP_PORT = 8000  # vLLM's; `pagefleet serve --http-port`
 ABORT_FLUSH_S = 5.0  # after the grace period, how long aborted streams have to send their end
+# Bodies up to this are parsed on the event loop (well under a millisecond); larger ones on the
+# door's parser thread.
+INLINE_BODY_BYTES = 64 * 1024
 
 
 class HttpDoor:
@@ -77,23 +90,29 @@ class HttpDoor:
         max_body_bytes: int = 4 * 1024 * 1024,
         keys: ApiKeys | None = None,
         tls: TlsFiles | None = None,
+        header_limits: HeaderLimits | None = None,
     ) -> None:
         if not 0 <= port < 65536:
             raise ValueError(f"http_port must be in [0, 65535], got {port}")
         self.host, self.port, self.keys, self.tls = host, port, keys, tls
+        self.header_limits = header_limits or HeaderLimits()
         self.router: Router | None = None
         self.metrics: ServerMetrics | None = None
         self.in_flight = InFlight()
         self.stopping = False
-        self.app = DeclaredBodyLimit(build_app(self, max_body_bytes), max_body_bytes)
+        self.app = Gate(build_app(self, max_body_bytes), self, max_body_bytes)
+        self.parser = ThreadPoolExecutor(1, thread_name_prefix="http-body")
         self._server: uvicorn.Server | None = None
         self._main: asyncio.Future | None = None
 
     async def start(self) -> int:
         """Bind and start answering (503 until `set_ready`); returns the bound port."""
         sock = _bind(self.host, self.port)
+        protocol = functools.partial(
+            BoundedHttpToolsProtocol, limits=self.header_limits, observe=self.observe_error
+        )
         config = uvicorn.Config(
-            self.app, log_config=None, log_level="warning", access_log=False, lifespan="off",
+            self.app, http=protocol, log_config=None, log_level="warning", access_log=False, lifespan="off",
             timeout_graceful_shutdown=None, **(self.tls.uvicorn_options() if self.tls else {}),
         )  # fmt: skip
         try:
@@ -126,13 +145,18 @@ class HttpDoor:
         closed = asyncio.ensure_future(self._server.shutdown())
         await self.in_flight.finish_or_abort(self.router, grace)
         await closed
+        self.parser.shutdown(wait=False)
 
     # ---- the request path ---------------------------------------------------------------
     def caller(self, request: Request) -> str | None:
-        """The tenant of the request's key (None without keys); 401 without a valid one."""
+        """The tenant of the request's key, as `Gate` found it (None without keys)."""
         if self.keys is None:
             return None
-        given = request.headers.get("authorization")
+        tenant = request.scope.get("state", {}).get("tenant")
+        return tenant if tenant is not None else self.tenant(request.headers.get("authorization"))
+
+    def tenant(self, given: str | None) -> str:
+        """The tenant of an `Authorization` header's value; 401 unless it names a key."""
         tenant = self.keys.tenant(given)
         if tenant is None:
             what = "no API key" if given is None else "an API key that is not valid"
@@ -156,10 +180,23 @@ class HttpDoor:
             )
         return self.router
 
-    async def generate(self, request: Request, body, chat: bool) -> Response:
+    async def body(self, request: Request, model: type[BaseModel]) -> BaseModel:
+        """The request's body as `model` (a 400 naming the field if it is not one); a large body
+        is parsed on the parser thread (module docstring)."""
+        raw = await request.body()
+        try:
+            if len(raw) <= INLINE_BODY_BYTES:
+                return parse_body(model, raw)
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self.parser, parse_body, model, raw)
+        except ValidationError as e:
+            raise RequestValidationError(e.errors()) from None
+
+    async def generate(self, request: Request, chat: bool) -> Response:
         """A completion or chat completion, whole or streamed."""
         t0 = time.perf_counter()
         tenant = self.caller(request)
+        body = await self.body(request, ChatCompletionRequest if chat else CompletionRequest)
         router = self.ready(body.model)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         make = chat_routes if chat else completion_routes
@@ -254,27 +291,66 @@ def _bind(host: str, port: int) -> socket.socket:
 # ---- the app --------------------------------------------------------------------------------
 
 
-class DeclaredBodyLimit:
-    """413 with OpenAI's error body for a Content-Length over the limit, before a byte of the
-    body is read. (FastAPI's limit, inside, answers such a request in plain text; a chunked
-    body that grows past the limit is refused by it through the error handlers.)"""
+class ErrorResponse(JSONResponse):
+    """An error body in ASCII JSON: a message may echo what the client sent (a model's name, a
+    field's), and what Python's strings can hold (a lone surrogate) UTF-8 cannot encode."""
 
-    def __init__(self, app, max_bytes: int) -> None:
+    def render(self, content) -> bytes:
+        return json.dumps(content, separators=(",", ":")).encode()
+
+
+def error_response(code: grpc.StatusCode, message: str, param: str | None = None) -> Response:
+    """OpenAI's error body for a door status, with its HTTP status (and Retry-After)."""
+    status = HTTP_STATUS.get(code, HTTP_STATUS[grpc.StatusCode.INTERNAL])[0]
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if status in (429, 503) else None
+    return ErrorResponse(error_body(code, message, param), status, headers=headers)
+
+
+def _plain_error(status: int, message: str) -> Response:
+    """An error body for an HTTP status that no door status stands for (404, 405, 413)."""
+    body = {"error": {"message": message, "type": "invalid_request_error", "param": None,
+                      "code": None}}  # fmt: skip
+    return ErrorResponse(body, status)
+
+
+class Gate:
+    """What the door refuses before a byte of the body is read, counted in the metrics like its
+    other errors: a request without a valid key (401; every path but /health, which load
+    balancers probe without one: a client without a key makes the door read nothing), and a
+    Content-Length over the limit (413) or not a number (400). FastAPI's limit, inside, would
+    answer the latter in plain text; a chunked body that grows past it is refused by it through
+    the error handlers. The key's tenant goes on in the scope's state (`HttpDoor.caller`)."""
+
+    def __init__(self, app, door: HttpDoor, max_bytes: int) -> None:
         self.app = app
+        self.door = door
         self.max_bytes = max_bytes
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http":
-            declared = dict(scope["headers"]).get(b"content-length", b"0")
-            if not declared.isdigit() or int(declared) > self.max_bytes:
-                message = f"the request body is over {self.max_bytes} bytes"
-                if not declared.isdigit():
-                    message = "the Content-Length header is not a number"
-                status = 413 if declared.isdigit() else 400
-                body = {"error": {"message": message, "type": "invalid_request_error",
-                                  "param": None, "code": None}}  # fmt: skip
-                return await JSONResponse(body, status)(scope, receive, send)
+            refusal = self.refusal(scope)
+            if refusal is not None:
+                return await refusal(scope, receive, send)
         await self.app(scope, receive, send)
+
+    def refusal(self, scope) -> Response | None:
+        headers = dict(scope["headers"])
+        if self.door.keys is not None and scope["path"] != "/health":
+            given = headers.get(b"authorization")
+            try:
+                tenant = self.door.tenant(None if given is None else given.decode("latin-1"))
+            except Reject as r:
+                self.door.observe_error(r.code.name)
+                return error_response(r.code, r.message, r.param)
+            scope.setdefault("state", {})["tenant"] = tenant
+        declared = headers.get(b"content-length", b"0")
+        if not declared.isdigit():
+            self.door.observe_error(grpc.StatusCode.INVALID_ARGUMENT.name)
+            return _plain_error(400, "the Content-Length header is not a number")
+        if int(declared) > self.max_bytes:
+            self.door.observe_error("HTTP_413")  # (as the handlers count FastAPI's 413)
+            return _plain_error(413, f"the request body is over {self.max_bytes} bytes")
+        return None
 
 
 def build_app(door: HttpDoor, max_body_bytes: int) -> FastAPI:
@@ -283,12 +359,12 @@ def build_app(door: HttpDoor, max_body_bytes: int) -> FastAPI:
                   max_body_size=max_body_bytes)  # fmt: skip
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request) -> Response:
-        return await door.generate(request, body, chat=False)
+    async def completions(request: Request) -> Response:
+        return await door.generate(request, chat=False)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        return await door.generate(request, body, chat=True)
+    async def chat_completions(request: Request) -> Response:
+        return await door.generate(request, chat=True)
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict:
@@ -309,8 +385,9 @@ def build_app(door: HttpDoor, max_body_bytes: int) -> FastAPI:
         return Response(status_code=200 if alive else 503)
 
     @app.post("/tokenize")
-    async def tokenize_(body: TokenizeRequest, request: Request) -> dict:
+    async def tokenize_(request: Request) -> dict:
         door.caller(request)
+        body = await door.body(request, TokenizeRequest)
         router = door.ready(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise invalid("give exactly one of prompt or messages", "prompt")
@@ -321,14 +398,14 @@ def build_app(door: HttpDoor, max_body_bytes: int) -> FastAPI:
                 "tokens": ids.tolist()}  # fmt: skip
 
     @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest, request: Request) -> dict:
+    async def detokenize(request: Request) -> dict:
         door.caller(request)
+        body = await door.body(request, DetokenizeRequest)
         router = door.ready(body.model)
-        vocab = router.model_info.vocab_size
-        for i, t in enumerate(body.tokens):
-            if not 0 <= t < vocab:
-                raise invalid(f"tokens[{i}] = {t} is outside the vocabulary [0, {vocab})", "tokens")  # fmt: skip
-        return {"prompt": await asyncio.to_thread(router.tokenizer.decode, body.tokens)}
+        vocab, tokens = router.model_info.vocab_size, body.tokens  # (n,) int64
+        if (i := first_outside(tokens, vocab)) is not None:
+            raise invalid(f"tokens[{i}] = {tokens[i]} is outside the vocabulary [0, {vocab})", "tokens")  # fmt: skip
+        return {"prompt": await asyncio.to_thread(router.tokenizer.decode, tokens.tolist())}
 
     _add_error_handlers(app, door, max_body_bytes)
     return app
@@ -337,33 +414,28 @@ def build_app(door: HttpDoor, max_body_bytes: int) -> FastAPI:
 def _add_error_handlers(app: FastAPI, door: HttpDoor, max_body_bytes: int) -> None:
     def respond(
         code: grpc.StatusCode, message: str, param: str | None, counted: bool = False
-    ) -> JSONResponse:
+    ) -> Response:
         if not counted:
             door.observe_error(code.name)
-        status = HTTP_STATUS.get(code, HTTP_STATUS[grpc.StatusCode.INTERNAL])[0]
-        headers = {"Retry-After": str(RETRY_AFTER_S)} if status in (429, 503) else None
-        return JSONResponse(error_body(code, message, param), status, headers=headers)
+        return error_response(code, message, param)
 
     @app.exception_handler(Reject)
-    async def rejected(request: Request, r: Reject) -> JSONResponse:
+    async def rejected(request: Request, r: Reject) -> Response:
         return respond(r.code, r.message, r.param, r.counted)
 
     @app.exception_handler(RequestValidationError)
-    async def malformed(request: Request, e: RequestValidationError) -> JSONResponse:
-        message, param = validation_message(e.errors()[0])
+    async def malformed(request: Request, e: RequestValidationError) -> Response:
+        message, param = validation_message(e.errors())
         return respond(grpc.StatusCode.INVALID_ARGUMENT, message, param)
 
     @app.exception_handler(HTTPException)
-    async def http_error(request: Request, e: HTTPException) -> JSONResponse:
+    async def http_error(request: Request, e: HTTPException) -> Response:
         message = {413: f"the request body is over {max_body_bytes} bytes", 404: f"no route {request.url.path}",
                    405: f"method {request.method} is not allowed here"}.get(e.status_code, str(e.detail))  # fmt: skip
-        if door.metrics is not None:
-            door.metrics.observe_error(f"HTTP_{e.status_code}")
-        body = {"error": {"message": message, "type": "invalid_request_error", "param": None,
-                          "code": None}}  # fmt: skip
-        return JSONResponse(body, e.status_code)
+        door.observe_error(f"HTTP_{e.status_code}")
+        return _plain_error(e.status_code, message)
 
     @app.exception_handler(Exception)
-    async def internal(request: Request, e: Exception) -> JSONResponse:
+    async def internal(request: Request, e: Exception) -> Response:
         code, message, param = _http_status(e, "?")
         return respond(code, message, param)

@@ -9,6 +9,11 @@ take vLLM's names (`top_k`, `min_p`, `repetition_penalty`, `stop_token_ids`, `ig
 `include_stop_str_in_output`, `cache_salt`, `priority`, `return_token_ids`), for clients that
 send them through the SDK's `extra_body`.
 
+`parse_body` reads a body in one pass of pydantic's JSON parser: token ids arrive as numpy
+arrays, a union's members are told apart without validating a long list once per member, and a
+string that is not valid Unicode (a lone surrogate, which JSON's `\ud800` can carry) is a 400
+naming its field rather than a tokenizer's TypeError later.
+
 Errors are `{"error": {"message", "type", "param", "code"}}` with the status a client of
 OpenAI's API expects: the door's gRPC status vocabulary (router/door/serving.py) maps to HTTP
 in `HTTP_STATUS`.
@@ -17,10 +22,12 @@ in `HTTP_STATUS`.
 from __future__ import annotations
 
 import itertools
-from typing import Annotated, Any, Literal
+import json
+from typing import Annotated, Any, Literal, TypeVar
 
 import grpc
-from pydantic import BaseModel, ConfigDict, Field
+import numpy as np
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
 INT64 = Field(ge=-(2**63), le=2**63 - 1)
 INT32 = Field(ge=-(2**31), le=2**31 - 1)
@@ -53,13 +60,17 @@ def error_body(code: grpc.StatusCode, message: str, param: str | None = None) ->
     return {"error": {"message": message, "type": kind, "param": param, "code": error_code}}
 
 
-def validation_message(error: dict) -> tuple[str, str | None]:
-    """(message, param) for one of pydantic's errors on a request body; `param` is the
-    field's path as a client wrote it (`messages[1].content`)."""
+def validation_message(errors: list[dict]) -> tuple[str, str | None]:
+    """(message, param) for pydantic's errors on a request body, told by the first (or, for a
+    field of several forms, the one a check of ours raised: `prompt` is a string but not valid
+    Unicode); `param` is the field's path as a client wrote it (`messages[1].content`)."""
+    error = next((e for e in errors if e.get("type") == "value_error"), errors[0])
     loc = [p for p in error.get("loc", ()) if p != "body"]
     kind = error.get("type", "")
     if kind == "json_invalid":
         return f"the request body is not valid JSON ({error.get('ctx', {}).get('error')})", None
+    if kind == "string_unicode":  # (pydantic's own check, of a field's name)
+        return "a field name of the request body is not valid Unicode (a lone surrogate)", None
     if not loc:
         return "the request body must be a JSON object", None
     # Up to the first union member's type tag (`prompt.list[int].3` is about `prompt`).
@@ -69,6 +80,8 @@ def validation_message(error: dict) -> tuple[str, str | None]:
         return f"Unrecognized request argument supplied: {param}", param
     if kind == "missing":
         return f"{param} is required", param
+    if kind == "value_error":
+        return f"{param} {error.get('ctx', {}).get('error', 'is not valid')}", param
     if len(names) < len(loc) and isinstance(names[-1], str) and names[-1] in FORMS:
         return f"{param} must be {FORMS[names[-1]]}", param
     return f"{param}: {error.get('msg', 'invalid value')}", param
@@ -80,6 +93,46 @@ def _is_field_name(p: Any) -> bool:
 
 
 _TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "function"}
+
+Body = TypeVar("Body", bound=BaseModel)
+
+
+def parse_body(model: type[Body], raw: bytes) -> Body:
+    """`raw` as a `model`; pydantic's ValidationError for what does not fit it. A body whose
+    JSON escapes a lone surrogate, which pydantic's parser refuses without naming the field, is
+    read again by Python's (which keeps it) so that the field's own check can name it."""
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as e:
+        first = e.errors()[0]
+        if first["type"] != "json_invalid" or "hex escape" not in first["msg"]:
+            raise
+        refused = e
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        raise refused from None
+    return model.model_validate(value)
+
+
+def _unicode(text: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"is not valid Unicode: a lone surrogate at character {e.start}") from None
+    return text
+
+
+def _token_array(ids: list[int]) -> np.ndarray:
+    return np.array(ids, dtype=np.int64)  # (n,); each id is in int64's range (INT64)
+
+
+# A string of a body: valid Unicode (encodable as UTF-8), as the tokenizer and every reply need.
+Text = Annotated[str, AfterValidator(_unicode)]
+# Token ids: a numpy array, built while the body is parsed (off the event loop when it is large).
+# fail_fast: a long list that is not of ids fails at its first item, once per union member.
+TokenIds = Annotated[list[Annotated[int, INT64]], Field(fail_fast=True), AfterValidator(_token_array)]  # fmt: skip
+Texts = Annotated[list[Text], Field(fail_fast=True)]
 
 
 class _Body(BaseModel):
@@ -93,19 +146,19 @@ class StreamOptions(_Body):
 class _Generation(_Body):
     """What completions and chat completions share."""
 
-    model: str
+    model: Text
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: float | None = None
     top_p: float | None = None
     n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
+    stop: Text | Texts | None = None
     seed: Annotated[int, INT64] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None  # refused unless empty
-    user: str | None = None  # accepted and unused, as OpenAI's "end-user id"
+    user: Text | None = None  # accepted and unused, as OpenAI's "end-user id"
     # extensions, by vLLM's names
     top_k: Annotated[int, INT32] | None = None
     min_p: float | None = None
@@ -113,7 +166,7 @@ class _Generation(_Body):
     stop_token_ids: list[Annotated[int, INT64]] | None = None
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
-    cache_salt: str | None = None
+    cache_salt: Text | None = None
     priority: Annotated[int, INT32] = 0
     return_token_ids: bool = False  # each choice's token ids, as `token_ids`
 
@@ -121,22 +174,22 @@ class _Generation(_Body):
 class CompletionRequest(_Generation):
     """`POST /v1/completions`."""
 
-    prompt: str | list[str] | list[Annotated[int, INT64]] | list[list[Annotated[int, INT64]]]
+    prompt: Text | Texts | TokenIds | Annotated[list[TokenIds], Field(fail_fast=True)]
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     echo: bool = False  # refused when true
     best_of: int | None = None  # refused above 1
-    suffix: str | None = None  # refused
+    suffix: Text | None = None  # refused
 
 
 class TextPart(_Body):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(_Body):
-    role: str
-    content: str | list[TextPart]
-    name: str | None = None  # accepted and unused
+    role: Text
+    content: Text | list[TextPart]
+    name: Text | None = None  # accepted and unused
 
 
 class ChatCompletionRequest(_Generation):
@@ -153,13 +206,13 @@ class ChatCompletionRequest(_Generation):
 class TokenizeRequest(_Body):
     """`POST /tokenize` (vLLM's shape): a prompt or chat messages."""
 
-    model: str | None = None
-    prompt: str | None = None
+    model: Text | None = None
+    prompt: Text | None = None
     messages: list[ChatMessage] | None = None
 
 
 class DetokenizeRequest(_Body):
     """`POST /detokenize`."""
 
-    model: str | None = None
-    tokens: list[Annotated[int, INT64]]
+    model: Text | None = None
+    tokens: TokenIds

@@ -13,8 +13,6 @@ import re
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 from router.door.openai_protocol import (
     MAX_CHOICES,
     ChatCompletionRequest,
@@ -27,6 +25,8 @@ from worker.sampling_params import SamplingParams
 from worker.token_ids import CheckedIds, first_outside
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from router.router import Router
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for completions (chat's: up to the context)
@@ -145,15 +145,13 @@ def _is_batch(prompt) -> bool:
     return isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
 
 
-async def _prompt_ids(prompt: str | list[int], router: Router, where: str) -> CheckedIds:
-    if isinstance(prompt, str):
-        if not prompt:
-            raise invalid(f"{where} is empty", where)
-        return await tokenize(router, text=prompt)
-    if not prompt:
+async def _prompt_ids(prompt: str | np.ndarray, router: Router, where: str) -> CheckedIds:
+    """A prompt's checked token ids; token ids came as an int64 array (openai_protocol.py)."""
+    if len(prompt) == 0:
         raise invalid(f"{where} is empty", where)
-    ids = np.array(prompt, dtype=np.int64)  # (n,); in int64 range (INT64 in the body's model)
+    if isinstance(prompt, str):
+        return await tokenize(router, text=prompt)
     vocab = router.model_info.vocab_size
-    if (i := first_outside(ids, vocab)) is not None:
-        raise invalid(f"{where}[{i}] = {ids[i]} is outside the vocabulary [0, {vocab})", where)
-    return CheckedIds.trusted(ids, vocab)
+    if (i := first_outside(prompt, vocab)) is not None:
+        raise invalid(f"{where}[{i}] = {prompt[i]} is outside the vocabulary [0, {vocab})", where)
+    return CheckedIds.trusted(prompt, vocab)
