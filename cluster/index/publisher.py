@@ -11,7 +11,10 @@ When the index is out of reach the publisher logs one warning, marks itself disc
 drops its queue: events are not kept, because on reconnect (tried on later ticks, with
 exponential backoff) the publisher registers a new epoch and republishes the group's whole
 inventory, which supersedes every event it missed. The same resync happens when the index
-refuses the epoch (the heartbeat lapsed, or someone else registered the group).
+refuses the epoch because the heartbeat lapsed. A re-registration names the epoch it held, and
+the index refuses it once a newer process of the group has registered (a replacement placed
+while this one was cut off): the publisher is then fenced off for good. It stops, never takes
+the group back, and tells its owner (`on_fenced`), whose process should end.
 """
 
 from __future__ import annotations
@@ -69,16 +72,21 @@ class IndexPublisher:
         inventory: Callable[[], Iterable[bytes]],
         config: PublisherConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
+        on_fenced: Callable[[], None] | None = None,
     ) -> None:
-        """`inventory` returns the hashes of every block the group's prefix cache holds now."""
+        """`inventory` returns the hashes of every block the group's prefix cache holds now
+        (called on the publishing thread; its owner may replace it); `on_fenced` is called once
+        when a newer registration of the group fences this publisher off."""
         self.index = index
         self.group_id = group_id
         self.config = config or PublisherConfig()
-        self._inventory = inventory
+        self.inventory = inventory
         self._clock = clock
+        self._on_fenced = on_fenced
         self._queue: list[KVEvent] = []
         self._epoch: int | None = None
         self._connected = False
+        self._fenced = False
         cfg = self.config
         self._outage = Outage(
             logger, f"prefix index for {group_id}", cfg.retry_initial_s, cfg.retry_max_s, clock
@@ -94,6 +102,12 @@ class IndexPublisher:
     def epoch(self) -> int | None:
         """The live registration's epoch; None before the first successful registration."""
         return self._epoch
+
+    @property
+    def fenced(self) -> bool:
+        """True once a newer registration of the group fenced this one off: it publishes no
+        more."""
+        return self._fenced
 
     def sink(self, event: KVEvent) -> None:
         """The block manager's KV-event sink; events wait for the next `flush`/`tick`."""
@@ -130,7 +144,7 @@ class IndexPublisher:
         engine's step. It only refreshes the live registration; a failure is left for the
         step thread's next call to find (and resync), so this thread never races it."""
         epoch, now = self._epoch, self._clock()
-        if not self._connected or epoch is None or now - self._last_beat < self.config.heartbeat_interval_s:  # fmt: skip
+        if not self._connected or self._fenced or epoch is None or now - self._last_beat < self.config.heartbeat_interval_s:  # fmt: skip
             return
         try:
             self.index.heartbeat(self.group_id, epoch)
@@ -140,7 +154,7 @@ class IndexPublisher:
 
     def close(self) -> None:
         """Deregister (best effort): the group's entries leave the index at once."""
-        if self._connected and self._epoch is not None:
+        if self._connected and not self._fenced and self._epoch is not None:
             try:
                 self.index.deregister(self.group_id, self._epoch)
             except PrefixIndexError as e:
@@ -164,29 +178,49 @@ class IndexPublisher:
             return True
         except StaleEpochError as e:
             logger.warning("prefix index: %s; registering %s again", e, self.group_id)
-            self._resync()
+            self._resync()  # refused (fenced) when a newer process registered the group
         except IndexUnavailableError as e:
             self._disconnect(e)
         return False
 
     def _ensure_connected(self) -> bool:
+        if self._fenced:
+            return False
         return self._connected or (self._outage.may_retry() and self._resync())
 
     def _resync(self) -> bool:
-        """Register a new epoch and republish the whole inventory; False if the index is out."""
+        """Register a new epoch (naming the one held, if any) and republish the whole
+        inventory; False if the index is out or a newer registration fenced this one off."""
         self._queue.clear()  # the inventory snapshot below already reflects these events
         try:
-            epoch = self.index.register_group(self.group_id)
-            blocks = republish(
-                self.index, self.group_id, epoch, self._inventory(), self.config.republish_chunk
-            )
-        except PrefixIndexError as e:  # a stale epoch here means a racing registration: retry
+            hashes = tuple(self.inventory())
+            epoch = self.index.register_group(self.group_id, self._epoch)
+        except StaleEpochError as e:
+            self._fence(e)
+            return False
+        except (PrefixIndexError, TimeoutError) as e:
+            self._disconnect(e)
+            return False
+        self._epoch = epoch  # held from now on, even if the republish below fails
+        try:
+            blocks = republish(self.index, self.group_id, epoch, hashes, self.config.republish_chunk)  # fmt: skip
+        except PrefixIndexError as e:  # a stale epoch: a racing registration
             self._disconnect(e)
             return False
         self._outage.recovered(f"registered as epoch {epoch}, republished {blocks} blocks")
-        self._epoch, self._connected = epoch, True
+        self._connected = True
         self._last_beat = self._clock()
         return True
+
+    def _fence(self, error: Exception) -> None:
+        logger.error(
+            "prefix index: %s; a newer process serves group %s: this one stops publishing",
+            error, self.group_id,
+        )  # fmt: skip
+        self._fenced, self._connected = True, False
+        self._queue.clear()
+        if self._on_fenced is not None:
+            self._on_fenced()
 
     def _disconnect(self, error: Exception) -> None:
         self._outage.failed(
@@ -206,10 +240,15 @@ class GroupPublisher:
         group_id: str,
         inventory: Callable[[], Iterable[bytes]],
         config: PublisherConfig | None = None,
+        on_fenced: Callable[[], None] | None = None,
     ) -> None:
+        """`on_fenced`: called when a newer registration of the group fences one of them off:
+        this process no longer serves the group."""
         if isinstance(indexes, IndexWriter):
             indexes = (indexes,)
-        self.publishers = [IndexPublisher(ix, group_id, inventory, config) for ix in indexes]
+        self.publishers = [
+            IndexPublisher(ix, group_id, inventory, config, on_fenced=on_fenced) for ix in indexes
+        ]
         self._stop = threading.Event()
         self._beats = threading.Thread(target=self._beat, name=f"{group_id}-beat", daemon=True)
         self._beats.start()
