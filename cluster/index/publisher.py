@@ -1,11 +1,11 @@
 """The group side of the prefix index: KV events, heartbeats and load, never failing the engine.
 
-A group hands each engine step's KV events and load to `publisher.publish_step(events, load)`
-(from the thread that steps the engine, or the one that receives a remote engine's steps; the
-publisher is not thread-safe). A step publishes its events as one batch, in order, then sends a
-load report or a heartbeat when one is due. A `GroupPublisher` also beats from a thread of its
-own, so that a step longer than the index's TTL (a long prefill of a real model on a CPU) does
-not make the group look dead and cost it a re-registration and a republish of its inventory.
+An `IndexPublisher` is fed each engine step's KV events and load (`publish_step(events,
+load)`) from one thread (it is not thread-safe): a step's events go out as one batch, in order,
+then a load report or a heartbeat when one is due. A group owns its publishers through a
+`GroupPublisher` (cluster/index/group_publisher.py), which feeds an index in this process from
+the engine's thread and one across the network from a thread of its own
+(cluster/index/publish_thread.py), so that the engine never waits on Redis.
 
 When the index is out of reach the publisher logs one warning, marks itself disconnected and
 drops its queue: events are not kept, because on reconnect (tried on later ticks, with
@@ -20,9 +20,8 @@ the group back, and tells its owner (`on_fenced`), whose process should end.
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from cluster.index.base import IndexWriter
@@ -50,6 +49,10 @@ class PublisherConfig:
     retry_max_s: float = 10.0
     # Blocks per publish when republishing the inventory: bounds one script's run time.
     republish_chunk: int = 4096
+    # Events a publisher thread holds for an index out of reach (publish_thread.py); beyond,
+    # the engine's thread replaces them with a snapshot of the inventory. 64k events are a few
+    # MB and tens of seconds of a busy group's steps.
+    max_queued_events: int = 65536
 
     def __post_init__(self) -> None:
         for name in ("heartbeat_interval_s", "load_interval_s", "retry_initial_s"):
@@ -59,6 +62,8 @@ class PublisherConfig:
             raise ValueError(f"retry_max_s must be >= retry_initial_s, got {self.retry_max_s}")
         if self.republish_chunk < 1:
             raise ValueError(f"republish_chunk must be >= 1, got {self.republish_chunk}")
+        if self.max_queued_events < 1:
+            raise ValueError(f"max_queued_events must be >= 1, got {self.max_queued_events}")
 
 
 class IndexPublisher:
@@ -193,6 +198,8 @@ class IndexPublisher:
         inventory; False if the index is out or a newer registration fenced this one off."""
         self._queue.clear()  # the inventory snapshot below already reflects these events
         try:
+            # The snapshot first: taking it may wait for the engine's step (publish_thread.py),
+            # which must not eat into the new registration's first TTL.
             hashes = tuple(self.inventory())
             epoch = self.index.register_group(self.group_id, self._epoch)
         except StaleEpochError as e:
@@ -228,54 +235,6 @@ class IndexPublisher:
         )
         self._connected = False
         self._queue.clear()
-
-
-class GroupPublisher:
-    """A group's publishers, one per index it writes to (e.g. this process's index and Redis),
-    fed each engine step at once: the one way a group, whatever runs its engine, publishes."""
-
-    def __init__(
-        self,
-        indexes: IndexWriter | Sequence[IndexWriter],
-        group_id: str,
-        inventory: Callable[[], Iterable[bytes]],
-        config: PublisherConfig | None = None,
-        on_fenced: Callable[[], None] | None = None,
-    ) -> None:
-        """`on_fenced`: called when a newer registration of the group fences one of them off:
-        this process no longer serves the group."""
-        if isinstance(indexes, IndexWriter):
-            indexes = (indexes,)
-        self.publishers = [
-            IndexPublisher(ix, group_id, inventory, config, on_fenced=on_fenced) for ix in indexes
-        ]
-        self._stop = threading.Event()
-        self._beats = threading.Thread(target=self._beat, name=f"{group_id}-beat", daemon=True)
-        self._beats.start()
-
-    def _beat(self) -> None:
-        while not self._stop.wait(self.config.heartbeat_interval_s / 2):
-            for p in self.publishers:
-                p.beat()
-
-    @property
-    def config(self) -> PublisherConfig:
-        return self.publishers[0].config
-
-    @property
-    def epoch(self) -> int | None:
-        """The first index's registration epoch (None before its first registration)."""
-        return self.publishers[0].epoch
-
-    def publish_step(self, events: Sequence[KVEvent], load: GroupLoad | None) -> None:
-        for p in self.publishers:
-            p.publish_step(events, load)
-
-    def close(self) -> None:
-        self._stop.set()
-        self._beats.join(timeout=5)
-        for p in self.publishers:
-            p.close()
 
 
 def republish(

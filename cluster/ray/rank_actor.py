@@ -16,8 +16,9 @@ an empty batch every `idle_s`. A subscriber whose stream ends (its router left o
 requests aborted.
 
 The group's KV events reach the prefix index by the ways its `IndexTarget` names (`start(...,
-index=)`): with a Redis URL rank 0 publishes them itself, from its engine thread, as an
-in-process group does; with a subscriber they also go into that subscriber's stream (`KVEvents`,
+index=)`): with a Redis URL rank 0 publishes them itself, handing each step from its engine
+thread to a publisher thread (cluster/index/publish_thread.py), so that a hung Redis never
+pauses the engine; with a subscriber they also go into that subscriber's stream (`KVEvents`,
 ahead of the outputs of the step that made them), for a router that keeps an index in its own
 process. Calls that read engine state (`cached_hashes`, `probe_broadcast`) run
 on the engine thread between steps. `set_draining` marks the group as draining in its stats:
