@@ -4,6 +4,7 @@
         client = redis.Redis.from_url(server.url)
         server.stop()   # Redis goes down...
         server.start()  # ...and comes back, empty, on the same port
+        server.pause()  # SIGSTOP: hung, until server.resume()
 
 No persistence (`--save '' --appendonly no`), so a restart loses every key, like a crash.
 """
@@ -11,6 +12,7 @@ No persistence (`--save '' --appendonly no`), so a restart loses every key, like
 from __future__ import annotations
 
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -85,6 +87,17 @@ class RedisServer:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+    def pause(self) -> None:
+        """SIGSTOP the server: it keeps its port and connections but answers nothing (a hung
+        Redis), until `resume`."""
+        if self._proc is not None:
+            self._proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """SIGCONT a paused server."""
+        if self._proc is not None:
+            self._proc.send_signal(signal.SIGCONT)
 
     def close(self) -> None:
         """Stop and remove the temporary directory."""

@@ -176,6 +176,54 @@ def test_reregistered_group_never_matches_its_old_epoch(make_index):
     assert index.match(c) == {}
 
 
+def test_a_fenced_off_epoch_cannot_take_its_group_back(make_index):
+    """An old process of a group, re-registering after its registration lapsed, is refused
+    once a newer process registered (it would take over, be taken over, and so on); the live
+    process re-registers after a lapse as before, and a new start always takes over."""
+    index = make_index()
+    c = chain(3)
+    old = index.register_group("g0")
+    new = index.register_group("g0")  # the replacement: a new start takes over
+    index.publish("g0", new, [stored(c)])
+    with pytest.raises(StaleEpochError):
+        index.register_group("g0", previous=old)
+    assert {g: (m.epoch, m.blocks) for g, m in index.match(c).items()} == {"g0": (new, 3)}
+    again = index.register_group("g0", previous=new)  # the live one, after a lapse
+    assert again > new and {g: m.epoch for g, m in index.match(c).items()} == {"g0": again}
+    with pytest.raises(StaleEpochError):
+        index.register_group("g0", previous=new)
+
+
+def test_a_fenced_off_publisher_stops_and_leaves_its_replacement_alone(redis_server):
+    """The old rank of a group whose node was cut off publishes again after its replacement
+    registered: it is fenced off for good (once told), the replacement keeps one registration,
+    and once the replacement leaves no row of the group is left. Before, the old publisher
+    registered again unconditionally and the two took the group from each other at every
+    step (20-39 new epochs a second)."""
+    group_side = RedisPrefixIndex.from_url(redis_server.url, "fence", "m1")
+    router = RedisPrefixIndex.from_url(redis_server.url, "fence", "m1")
+    admin = redis.Redis.from_url(redis_server.url)
+    c = chain(4)
+    told = []
+    config = PublisherConfig(heartbeat_interval_s=0.05, load_interval_s=0.01)
+    old = IndexPublisher(group_side, "g0", lambda: set(c[:2]), config, on_fenced=lambda: told.append(1))  # fmt: skip
+    new = IndexPublisher(group_side, "g0", lambda: set(c), config)
+    assert new.epoch > old.epoch
+    for _ in range(20):  # both keep stepping, as the two ranks did
+        old.publish_step([stored(c[:1])], load())
+        new.publish_step([], load())
+        time.sleep(0.01)
+    assert old.fenced and not new.fenced and told == [1]
+    assert int(admin.hget("pf:fence:m1:epochs", "g0")) == new.epoch  # no epoch handed out since
+    assert {g: (m.epoch, m.blocks) for g, m in router.match(c).items()} == {"g0": (new.epoch, 4)}
+    old.close()  # fenced: deregisters nothing
+    assert router.match(c)["g0"].epoch == new.epoch
+    new.close()
+    old.publish_step([stored(c)], load())
+    assert router.match(c) == {} and not list(admin.scan_iter("pf:fence:m1:hb:*"))
+    assert not list(admin.scan_iter("pf:fence:m1:inv:*"))
+
+
 def test_pending_placements_show_up_for_other_routers_and_expire(make_index):
     router_a, router_b = make_index(), make_index()
     c = chain(5)

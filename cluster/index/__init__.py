@@ -8,9 +8,11 @@ reads Redis through `MirroredPrefixIndex` (a local copy fed by Redis's change lo
 
 from cluster.index.base import IndexReader, IndexWriter, PrefixIndex
 from cluster.index.failover import FailoverReader
+from cluster.index.group_publisher import GroupPublisher
 from cluster.index.memory import InMemoryPrefixIndex
 from cluster.index.mirror import MirroredPrefixIndex
-from cluster.index.publisher import GroupPublisher, IndexPublisher, PublisherConfig, republish
+from cluster.index.publish_thread import PublisherThread
+from cluster.index.publisher import IndexPublisher, PublisherConfig, republish
 from cluster.index.redis_index import RedisPrefixIndex
 from cluster.index.types import (
     GroupLoad,
@@ -46,6 +48,7 @@ __all__ = [
     "PrefixIndexConfig",
     "PrefixIndexError",
     "PublisherConfig",
+    "PublisherThread",
     "RedisPrefixIndex",
     "StaleEpochError",
     "check_name",

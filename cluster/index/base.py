@@ -9,7 +9,8 @@ on it (placements routers just made), and its latest load report.
 
 Liveness and fencing: `register_group` hands out a new, larger epoch each time; every write
 names its (group, epoch) and is refused with `StaleEpochError` unless that pair is the group's
-live registration. A group is live while its heartbeat is younger than `heartbeat_ttl_s`; once
+live registration. A process that registers again names the epoch it held, and is refused once
+a newer one took over: a fenced-off process stops, it never takes the group back. A group is live while its heartbeat is younger than `heartbeat_ttl_s`; once
 it lapses the registration is dead for good (the group must register again and republish its
 inventory), so entries of dead groups and old epochs never match and may be dropped at any time.
 All block hashes are the 16-byte chain hashes of worker/hashing.py.
@@ -36,10 +37,13 @@ class IndexWriter(ABC):
     """A group's side: its registration, its KV events, its load and its liveness."""
 
     @abstractmethod
-    def register_group(self, group_id: str) -> int:
+    def register_group(self, group_id: str, previous: int | None = None) -> int:
         """Start a new registration of `group_id`; returns its epoch, larger than any before.
 
-        Entries of the group's older epochs never match again.
+        Entries of the group's older epochs never match again. `previous`: the epoch the caller
+        held, when it registers again (its heartbeat lapsed, or the index was out of reach);
+        StaleEpochError if a later epoch was handed out since, for a newer process of the group
+        fenced this one off. None (a new start) always takes over.
         """
 
     @abstractmethod

@@ -46,12 +46,15 @@ class InMemoryPrefixIndex(PrefixIndex):
         self._epochs: dict[str, int] = {}  # group -> last epoch handed out; never shrinks
         self._copy = IndexCopy(self.config.heartbeat_ttl_s)
 
-    def register_group(self, group_id: str) -> int:
+    def register_group(self, group_id: str, previous: int | None = None) -> int:
         check_name("group_id", group_id)
         with self._lock:
             now = self._clock()
             self._sweep_dead(now)
-            epoch = self._epochs.get(group_id, 0) + 1
+            last = self._epochs.get(group_id, 0)
+            if previous and last > previous:
+                raise StaleEpochError(f"register: group {group_id!r} epoch {previous} was fenced off")  # fmt: skip
+            epoch = max(last, previous or 0) + 1
             self._epochs[group_id] = epoch
             self._copy.register(group_id, epoch, now)  # replaces an older registration
             return epoch

@@ -1,25 +1,27 @@
 """The group side of the prefix index: KV events, heartbeats and load, never failing the engine.
 
-A group hands each engine step's KV events and load to `publisher.publish_step(events, load)`
-(from the thread that steps the engine, or the one that receives a remote engine's steps; the
-publisher is not thread-safe). A step publishes its events as one batch, in order, then sends a
-load report or a heartbeat when one is due. A `GroupPublisher` also beats from a thread of its
-own, so that a step longer than the index's TTL (a long prefill of a real model on a CPU) does
-not make the group look dead and cost it a re-registration and a republish of its inventory.
+An `IndexPublisher` is fed each engine step's KV events and load (`publish_step(events,
+load)`) from one thread (it is not thread-safe): a step's events go out as one batch, in order,
+then a load report or a heartbeat when one is due. A group owns its publishers through a
+`GroupPublisher` (cluster/index/group_publisher.py), which feeds an index in this process from
+the engine's thread and one across the network from a thread of its own
+(cluster/index/publish_thread.py), so that the engine never waits on Redis.
 
 When the index is out of reach the publisher logs one warning, marks itself disconnected and
 drops its queue: events are not kept, because on reconnect (tried on later ticks, with
 exponential backoff) the publisher registers a new epoch and republishes the group's whole
 inventory, which supersedes every event it missed. The same resync happens when the index
-refuses the epoch (the heartbeat lapsed, or someone else registered the group).
+refuses the epoch because the heartbeat lapsed. A re-registration names the epoch it held, and
+the index refuses it once a newer process of the group has registered (a replacement placed
+while this one was cut off): the publisher is then fenced off for good. It stops, never takes
+the group back, and tells its owner (`on_fenced`), whose process should end.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from cluster.index.base import IndexWriter
@@ -47,6 +49,10 @@ class PublisherConfig:
     retry_max_s: float = 10.0
     # Blocks per publish when republishing the inventory: bounds one script's run time.
     republish_chunk: int = 4096
+    # Events a publisher thread holds for an index out of reach (publish_thread.py); beyond,
+    # the engine's thread replaces them with a snapshot of the inventory. 64k events are a few
+    # MB and tens of seconds of a busy group's steps.
+    max_queued_events: int = 65536
 
     def __post_init__(self) -> None:
         for name in ("heartbeat_interval_s", "load_interval_s", "retry_initial_s"):
@@ -56,6 +62,8 @@ class PublisherConfig:
             raise ValueError(f"retry_max_s must be >= retry_initial_s, got {self.retry_max_s}")
         if self.republish_chunk < 1:
             raise ValueError(f"republish_chunk must be >= 1, got {self.republish_chunk}")
+        if self.max_queued_events < 1:
+            raise ValueError(f"max_queued_events must be >= 1, got {self.max_queued_events}")
 
 
 class IndexPublisher:
@@ -69,16 +77,21 @@ class IndexPublisher:
         inventory: Callable[[], Iterable[bytes]],
         config: PublisherConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
+        on_fenced: Callable[[], None] | None = None,
     ) -> None:
-        """`inventory` returns the hashes of every block the group's prefix cache holds now."""
+        """`inventory` returns the hashes of every block the group's prefix cache holds now
+        (called on the publishing thread; its owner may replace it); `on_fenced` is called once
+        when a newer registration of the group fences this publisher off."""
         self.index = index
         self.group_id = group_id
         self.config = config or PublisherConfig()
-        self._inventory = inventory
+        self.inventory = inventory
         self._clock = clock
+        self._on_fenced = on_fenced
         self._queue: list[KVEvent] = []
         self._epoch: int | None = None
         self._connected = False
+        self._fenced = False
         cfg = self.config
         self._outage = Outage(
             logger, f"prefix index for {group_id}", cfg.retry_initial_s, cfg.retry_max_s, clock
@@ -94,6 +107,12 @@ class IndexPublisher:
     def epoch(self) -> int | None:
         """The live registration's epoch; None before the first successful registration."""
         return self._epoch
+
+    @property
+    def fenced(self) -> bool:
+        """True once a newer registration of the group fenced this one off: it publishes no
+        more."""
+        return self._fenced
 
     def sink(self, event: KVEvent) -> None:
         """The block manager's KV-event sink; events wait for the next `flush`/`tick`."""
@@ -130,7 +149,7 @@ class IndexPublisher:
         engine's step. It only refreshes the live registration; a failure is left for the
         step thread's next call to find (and resync), so this thread never races it."""
         epoch, now = self._epoch, self._clock()
-        if not self._connected or epoch is None or now - self._last_beat < self.config.heartbeat_interval_s:  # fmt: skip
+        if not self._connected or self._fenced or epoch is None or now - self._last_beat < self.config.heartbeat_interval_s:  # fmt: skip
             return
         try:
             self.index.heartbeat(self.group_id, epoch)
@@ -140,7 +159,7 @@ class IndexPublisher:
 
     def close(self) -> None:
         """Deregister (best effort): the group's entries leave the index at once."""
-        if self._connected and self._epoch is not None:
+        if self._connected and not self._fenced and self._epoch is not None:
             try:
                 self.index.deregister(self.group_id, self._epoch)
             except PrefixIndexError as e:
@@ -164,29 +183,51 @@ class IndexPublisher:
             return True
         except StaleEpochError as e:
             logger.warning("prefix index: %s; registering %s again", e, self.group_id)
-            self._resync()
+            self._resync()  # refused (fenced) when a newer process registered the group
         except IndexUnavailableError as e:
             self._disconnect(e)
         return False
 
     def _ensure_connected(self) -> bool:
+        if self._fenced:
+            return False
         return self._connected or (self._outage.may_retry() and self._resync())
 
     def _resync(self) -> bool:
-        """Register a new epoch and republish the whole inventory; False if the index is out."""
+        """Register a new epoch (naming the one held, if any) and republish the whole
+        inventory; False if the index is out or a newer registration fenced this one off."""
         self._queue.clear()  # the inventory snapshot below already reflects these events
         try:
-            epoch = self.index.register_group(self.group_id)
-            blocks = republish(
-                self.index, self.group_id, epoch, self._inventory(), self.config.republish_chunk
-            )
-        except PrefixIndexError as e:  # a stale epoch here means a racing registration: retry
+            # The snapshot first: taking it may wait for the engine's step (publish_thread.py),
+            # which must not eat into the new registration's first TTL.
+            hashes = tuple(self.inventory())
+            epoch = self.index.register_group(self.group_id, self._epoch)
+        except StaleEpochError as e:
+            self._fence(e)
+            return False
+        except (PrefixIndexError, TimeoutError) as e:
+            self._disconnect(e)
+            return False
+        self._epoch = epoch  # held from now on, even if the republish below fails
+        try:
+            blocks = republish(self.index, self.group_id, epoch, hashes, self.config.republish_chunk)  # fmt: skip
+        except PrefixIndexError as e:  # a stale epoch: a racing registration
             self._disconnect(e)
             return False
         self._outage.recovered(f"registered as epoch {epoch}, republished {blocks} blocks")
-        self._epoch, self._connected = epoch, True
+        self._connected = True
         self._last_beat = self._clock()
         return True
+
+    def _fence(self, error: Exception) -> None:
+        logger.error(
+            "prefix index: %s; a newer process serves group %s: this one stops publishing",
+            error, self.group_id,
+        )  # fmt: skip
+        self._fenced, self._connected = True, False
+        self._queue.clear()
+        if self._on_fenced is not None:
+            self._on_fenced()
 
     def _disconnect(self, error: Exception) -> None:
         self._outage.failed(
@@ -194,49 +235,6 @@ class IndexPublisher:
         )
         self._connected = False
         self._queue.clear()
-
-
-class GroupPublisher:
-    """A group's publishers, one per index it writes to (e.g. this process's index and Redis),
-    fed each engine step at once: the one way a group, whatever runs its engine, publishes."""
-
-    def __init__(
-        self,
-        indexes: IndexWriter | Sequence[IndexWriter],
-        group_id: str,
-        inventory: Callable[[], Iterable[bytes]],
-        config: PublisherConfig | None = None,
-    ) -> None:
-        if isinstance(indexes, IndexWriter):
-            indexes = (indexes,)
-        self.publishers = [IndexPublisher(ix, group_id, inventory, config) for ix in indexes]
-        self._stop = threading.Event()
-        self._beats = threading.Thread(target=self._beat, name=f"{group_id}-beat", daemon=True)
-        self._beats.start()
-
-    def _beat(self) -> None:
-        while not self._stop.wait(self.config.heartbeat_interval_s / 2):
-            for p in self.publishers:
-                p.beat()
-
-    @property
-    def config(self) -> PublisherConfig:
-        return self.publishers[0].config
-
-    @property
-    def epoch(self) -> int | None:
-        """The first index's registration epoch (None before its first registration)."""
-        return self.publishers[0].epoch
-
-    def publish_step(self, events: Sequence[KVEvent], load: GroupLoad | None) -> None:
-        for p in self.publishers:
-            p.publish_step(events, load)
-
-    def close(self) -> None:
-        self._stop.set()
-        self._beats.join(timeout=5)
-        for p in self.publishers:
-            p.close()
 
 
 def republish(

@@ -110,9 +110,12 @@ class RedisPrefixIndex(PrefixIndex):
         with _unavailable_as_index_error():
             self.client.ping()
 
-    def register_group(self, group_id: str) -> int:
+    def register_group(self, group_id: str, previous: int | None = None) -> int:
         check_name("group_id", group_id)
-        return int(self._run("register", group_id, self._ttl_ms))
+        epoch = int(self._run("register", group_id, self._ttl_ms, previous or 0))
+        if epoch == 0:
+            raise StaleEpochError(f"register: group {group_id!r} epoch {previous} was fenced off")
+        return epoch
 
     def publish(self, group_id: str, epoch: int, events: Sequence[KVEvent]) -> None:
         result = self._run("publish", group_id, epoch, self._ttl_ms, *_encode_events(events))

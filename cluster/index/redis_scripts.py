@@ -160,9 +160,17 @@ end
     .replace("LOG_TTL_MS", str(LOG_TTL_MS))
 )
 
-# ARGV: P, group, ttl_ms -> the new epoch.
+# ARGV: P, group, ttl_ms [, previous] -> the new epoch, or 0 when refused. `previous` is the
+# epoch the caller held (0 or absent: a new start, which takes over unconditionally). A caller
+# re-registering after its registration lapsed is refused once a later epoch was handed out: a
+# newer process fenced it off, and it must not take the group back (an old epoch's takeover,
+# answered by the new one's, would hand out epochs without end). A `previous` beyond the counter
+# (Redis lost its keys) raises the counter first, so epochs keep growing.
 REGISTER = """
-local g, ttl = ARGV[2], ARGV[3]
+local g, ttl, prev = ARGV[2], ARGV[3], tonumber(ARGV[4] or 0)
+local last = tonumber(redis.call('HGET', P .. 'epochs', g) or 0)
+if prev > 0 and last > prev then return 0 end
+if prev > last then redis.call('HSET', P .. 'epochs', g, prev) end
 drop_registration(g)
 local e = redis.call('HINCRBY', P .. 'epochs', g, 1)
 redis.call('HSET', P .. 'groups', g, e)

@@ -16,12 +16,17 @@ an empty batch every `idle_s`. A subscriber whose stream ends (its router left o
 requests aborted.
 
 The group's KV events reach the prefix index by the ways its `IndexTarget` names (`start(...,
-index=)`): with a Redis URL rank 0 publishes them itself, from its engine thread, as an
-in-process group does; with a subscriber they also go into that subscriber's stream (`KVEvents`,
+index=)`): with a Redis URL rank 0 publishes them itself, handing each step from its engine
+thread to a publisher thread (cluster/index/publish_thread.py), so that a hung Redis never
+pauses the engine; with a subscriber they also go into that subscriber's stream (`KVEvents`,
 ahead of the outputs of the step that made them), for a router that keeps an index in its own
 process. Calls that read engine state (`cached_hashes`, `probe_broadcast`) run
 on the engine thread between steps. `set_draining` marks the group as draining in its stats:
 routers place nothing new there.
+
+A rank ends its own process when it no longer serves: when its node is gone (its raylet died, or
+the GCS declared the node dead: cluster/ray/node_watch.py), Ray can no longer kill it; when a
+newer registration of its group fenced rank 0 off in the index, a replacement serves instead.
 """
 
 from __future__ import annotations
@@ -29,17 +34,21 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import logging
 import os
 import queue
 import sys
 from dataclasses import dataclass, replace
 
+from cluster.ray.node_watch import NodeWatch
 from cluster.ray.output_delta import OutputDelta
 from cluster.ray.runtime import ray
 from worker.config import EngineConfig
 from worker.heap import settle_heap
 from worker.outputs import RequestOutput
 from worker.protocol import GenerationRequest
+
+log = logging.getLogger(__name__)
 
 OWNER = ""  # the subscriber of the process that placed the group (and of `submit` by default)
 
@@ -89,6 +98,7 @@ class RankActor:
         self._closing = False
         self._description: dict = {}
         self._loop: asyncio.AbstractEventLoop | None = None  # the actor's event loop
+        self._node_watch: NodeWatch | None = None
 
     def store_path(self) -> str:
         """A fresh store file on this node for the group's rendezvous (worker/exec/distributed.py:
@@ -104,6 +114,8 @@ class RankActor:
         """Join the group; rank 0 builds the engine, its KV events going to `index` (None:
         nowhere). `cores`: bind this rank's process to them first."""
         self._loop = asyncio.get_running_loop()
+        node_id = ray.get_runtime_context().get_node_id()
+        self._node_watch = NodeWatch(node_id, lambda why: end_process(f"its node is gone: {why}"))
         if cores is not None:
             bind_process(cores)
         return await asyncio.to_thread(self._start, config, rank, rendezvous, heartbeat_s, index)
@@ -171,7 +183,11 @@ class RankActor:
         from cluster.index import GroupPublisher, RedisPrefixIndex
 
         redis = RedisPrefixIndex.from_url(index.redis_url, index.cluster, index.model)
-        self._publisher = GroupPublisher(redis, index.group_id, engine.scheduler.bm.cached_hashes)
+        fenced = f"a newer registration of group {index.group_id} fenced rank 0 off"
+        self._publisher = GroupPublisher(
+            redis, index.group_id, engine.scheduler.bm.cached_hashes,
+            on_fenced=lambda: end_process(fenced),
+        )  # fmt: skip
 
     async def submit(self, request: GenerationRequest, subscriber: str = OWNER) -> None:
         """Start a request; its outputs join `subscriber`'s output stream as deltas (only what
@@ -291,6 +307,8 @@ class RankActor:
 
     async def shutdown(self) -> None:
         self._closing = True
+        if self._node_watch is not None:
+            self._node_watch.stop()
         for box in self._subscribers.values():
             box.ready.set()  # ends the output streams
         if self.engine is not None:
@@ -340,6 +358,16 @@ class RequestFailed:
 
     request_id: str
     error: BaseException
+
+
+def end_process(reason: str) -> None:
+    """End this rank's process now (any thread): it no longer serves its group, and nothing
+    else will end it. No cleanup: its node or its registration is gone already."""
+    log.error("rank %d ending its process: %s", os.getpid(), reason)
+    for handler in logging.getLogger().handlers:
+        with contextlib.suppress(Exception):
+            handler.flush()
+    os._exit(1)
 
 
 def describe_error(e: BaseException) -> str:
