@@ -133,5 +133,6 @@ class StepClock:
         return {
             "prefill_steps": len(mine),
             "prefill_s": round(secs, 3),
-            "prefill_gflop_s": round(work / secs / 1e9, 1) if secs else None,
+            # three significant figures: a tiny model on a loaded machine is well under 0.1 GFLOP/s
+            "prefill_gflop_s": float(f"{work / secs / 1e9:.3g}") if secs else None,
         }
