@@ -4,7 +4,7 @@ with `pagefleet serve --role router --cluster NAME`.
 
     pagefleet groups start  --cluster NAME --address HOST:PORT --redis URL [--groups N --tp T ...]
     pagefleet groups status --cluster NAME --address HOST:PORT [--json]
-    pagefleet groups drain GROUP --cluster NAME --address HOST:PORT
+    pagefleet groups drain  --cluster NAME --address HOST:PORT GROUP   (GROUP anywhere after drain)
     pagefleet groups stop   --cluster NAME --address HOST:PORT
 """
 
@@ -16,35 +16,70 @@ import sys
 
 
 def add_groups_arguments(parser: argparse.ArgumentParser) -> None:
+    """One subparser per action, each with the flags it reads, so that a drain's GROUP parses
+    before, between or after the options (one parser with an optional GROUP positional after
+    ACTION took both positionals at ACTION, and a GROUP after the options was left over).
+    --cluster and --address parse before the action too: they are on this parser as well,
+    and the actions' copies only overwrite them when given (their default is SUPPRESS)."""
+    _add_cluster_arguments(parser, on_action=False)
+    actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
+    start = _action(actions, "start", "place the groups and leave a supervisor keeping them")
+    _add_start_arguments(start)
+    _add_output_arguments(_action(actions, "status", "show the groups"), timeout=False)
+    drain = _action(actions, "drain", "finish a group's streams and retire it")
+    drain.add_argument("group", help="the group to drain (e.g. group-0)")
+    _add_output_arguments(drain, timeout=True)
+    _action(actions, "stop", "stop every group and the supervisor")
+
+
+def _action(actions, name: str, help: str) -> argparse.ArgumentParser:
+    parser = actions.add_parser(name, help=help, description=help)
+    _add_cluster_arguments(parser, on_action=True)
+    parser.set_defaults(_parser=parser)  # (a ValueError's usage line is this action's)
+    return parser
+
+
+def _add_cluster_arguments(parser: argparse.ArgumentParser, on_action: bool) -> None:
+    # (an action's flag, not given, leaves what the groups parser took: SUPPRESS adds nothing)
+    cluster, address = (argparse.SUPPRESS,) * 2 if on_action else ("pagefleet", None)
+    parser.add_argument("--cluster", default=cluster, help="the cluster's name (default pagefleet)")  # fmt: skip
+    parser.add_argument("--address", default=address, help="the Ray cluster's address (HOST:PORT or auto); required")  # fmt: skip
+
+
+def _add_output_arguments(parser: argparse.ArgumentParser, timeout: bool) -> None:
+    if timeout:
+        parser.add_argument("--timeout", type=float, default=600.0, help="seconds to wait")
+    parser.add_argument("--json", action="store_true", help="print the groups as JSON")
+
+
+def _add_start_arguments(parser: argparse.ArgumentParser) -> None:
     from pagefleet.cli import _ENGINE_FLAGS, _positive_int
 
-    parser.add_argument("action", choices=("start", "status", "drain", "stop"))
-    parser.add_argument("group", nargs="?", help="the group to drain (e.g. group-0)")
-    parser.add_argument("--cluster", default="pagefleet", help="the cluster's name (default pagefleet)")  # fmt: skip
-    parser.add_argument("--address", required=True, help="the Ray cluster's address (HOST:PORT or auto)")  # fmt: skip
-    parser.add_argument("--redis", metavar="URL", help="the shared prefix index (start: required)")
-    parser.add_argument("--model", help="start: a model directory, a .gguf file, 'builtin' or 'default'")  # fmt: skip
-    parser.add_argument("--groups", type=_positive_int, default=1, help="start: how many groups")
-    parser.add_argument("--tp", type=_positive_int, default=1, help="start: devices per group")
-    parser.add_argument("--device", default="cpu", help="start: cpu (default) or cuda")
+    parser.add_argument(
+        "--redis",
+        metavar="URL",
+        required=True,
+        help="the shared prefix index: routers of other processes find the blocks there",
+    )
+    parser.add_argument("--model", help="a model directory, a .gguf file, 'builtin' or 'default'")  # fmt: skip
+    parser.add_argument("--groups", type=_positive_int, default=1, help="how many groups")
+    parser.add_argument("--tp", type=_positive_int, default=1, help="devices per group")
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     parser.add_argument(
         "--group-resource", action="append", default=[], metavar="NAME=AMOUNT",
-        help="start: a custom Ray resource every rank's bundle takes (repeatable), e.g. "
+        help="a custom Ray resource every rank's bundle takes (repeatable), e.g. "
         "pf_group=1 on nodes that declare one each to place one group per node",
     )  # fmt: skip
-    parser.add_argument("--timeout", type=float, default=600.0, help="start/drain: seconds to wait")  # fmt: skip
-    parser.add_argument("--json", action="store_true", help="print the groups as JSON")
-    engine = parser.add_argument_group("engine of each group (start)")
+    _add_output_arguments(parser, timeout=True)
+    engine = parser.add_argument_group("engine of each group")
     for name in _ENGINE_FLAGS:
         engine.add_argument(f"--{name.replace('_', '-')}", type=_positive_int)
 
 
 def run_groups(args: argparse.Namespace) -> int:
     """Start, show, drain or stop the cluster's groups."""
-    if args.action == "start" and not args.redis:
-        raise ValueError("groups start needs --redis: routers of other processes find the blocks there")  # fmt: skip
-    if args.action == "drain" and not args.group:
-        raise ValueError("groups drain needs the group to drain, e.g. group-0")
+    if not args.address:
+        raise ValueError(f"groups {args.action} needs --address: the Ray cluster's (HOST:PORT or auto)")  # fmt: skip
     # Ray's driver prints the cluster's events (a node marked dead, ...) to stdout from a thread
     # of its own, at any moment: they go to stderr, and stdout carries only this command's
     # output (`--json` stays one JSON document for a script to read).

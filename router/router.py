@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 STATUS_REFRESH_S = 1.0  # every group's status is read at least this often (see live_statuses)
 MAX_RESUMES = 3  # a stream moves to another group at most this often
 RESUME_WAIT_S = 30.0  # a stream to resume waits this long for a live group (a replacement)
+MAX_RECORDS = 10_000  # route records kept (Router.records): those of the newest requests
 
 
 class NoGroupAvailableError(RuntimeError):
@@ -193,7 +194,10 @@ class Router:
             )
         self.policy = policy
         self.max_attempts = max_attempts
-        self.records: dict[str, RouteRecord] = {}  # recent decisions, for predicted vs actual
+        # Recent decisions, for predicted vs actual and a stream's group: the newest
+        # `max_records`, so that what a long-running router keeps per request is bounded.
+        self.records: dict[str, RouteRecord] = {}
+        self.max_records = MAX_RECORDS
         self._ids = itertools.count()
         self.ledger = Ledger(index, model_info.block_size, policy.placed_window())
         self._live: dict[str, GroupStatus] = {}
@@ -398,10 +402,12 @@ class Router:
         absent = self.absent_statuses() if self.absent_statuses is not None else []
         return [g.status() for g in self.groups.values()] + absent
 
-    def _trim_records(self, keep: int = 10_000) -> None:
-        if len(self.records) > keep:
-            for rid in list(self.records)[: len(self.records) - keep]:
-                del self.records[rid]
+    def _trim_records(self) -> None:
+        # Oldest first, one at a time: once full, each request drops one record rather than
+        # copying the table's keys (benchmarks/RESULTS.md, "Soak").
+        records = self.records
+        while len(records) > self.max_records:
+            del records[next(iter(records))]
 
 
 def max_prompt_chars(tokenizer, max_model_len: int) -> int:

@@ -1,4 +1,6 @@
-"""`pagefleet plan` run the way a user runs it, checked against seed 000's worked numbers."""
+"""`pagefleet plan` run the way a user runs it, checked against seed 000's worked numbers; the
+positionals of every command (a drain's group, a prompt) parse before, between or after its
+options."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from pagefleet.cli import main
+from pagefleet.cli import build_parser, main
 
 ROOT = Path(__file__).resolve().parents[1]
 KiB, MiB, GiB = 2**10, 2**20, 2**30
@@ -156,3 +158,58 @@ def test_plan_8bit_caches_fit_twice_the_8k_sequences():
     assert fits["int8"] == 253 and fits["fp8_e4m3"] == 261
     assert min(fits["int8"], fits["fp8_e4m3"]) >= 1.9 * fits["bfloat16"]
     assert plan_json(*shape, "--kv-cache-dtype", "int8")["bytes_per_token"] == 2 * 30 * 3 * 66
+
+
+DRAIN = ["--cluster", "C", "--address", "A"]
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["groups", "drain", "group-1", *DRAIN],
+        ["groups", "drain", *DRAIN, "group-1"],  # issue 31: "unrecognized arguments: group-1"
+        ["groups", "drain", *DRAIN[:2], "group-1", *DRAIN[2:]],
+        ["groups", *DRAIN, "drain", "group-1"],
+        ["groups", *DRAIN[:2], "drain", *DRAIN[2:], "group-1"],
+    ],
+)  # fmt: skip
+def test_groups_drain_takes_its_group_anywhere_after_drain(argv):
+    args = build_parser().parse_args(argv)
+    assert (args.action, args.group, args.cluster, args.address) == ("drain", "group-1", "C", "A")
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["groups", "start", "--address", "A", "--redis", "redis://r", "--num-blocks", "64"],
+        ["groups", "--address", "A", "start", "--num-blocks", "64", "--redis", "redis://r"],
+        ["groups", "status", "--json", "--address", "A"],
+        ["groups", "stop", "--address", "A"],
+        ["generate", "--max-tokens", "2", "hello", "--json"],
+        ["generate", "hello", "--max-tokens", "2"],
+    ],
+)  # fmt: skip
+def test_every_command_parses_options_around_its_positionals(argv):
+    args = build_parser().parse_args(argv)
+    assert args.address == "A" if argv[0] == "groups" else args.prompt == "hello"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["groups", "drain", *DRAIN], "required: group"),
+        (["groups", "start", "--address", "A"], "required: --redis"),
+        (["groups", "status"], "needs --address"),
+        (["groups", "status", "--address", "A", "--num-blocks", "8"], "unrecognized"),
+    ],
+)  # fmt: skip
+def test_groups_bad_input_exits_2_with_a_message(argv, message, capsys):
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_groups_drain_with_its_group_last_reaches_a_real_cluster(ray_runtime):
+    """The real command on a real Ray cluster: past the parser, it finds no supervisor there."""
+    done = pagefleet("groups", "drain", "--cluster", "none", "--address", ray_runtime.address, "group-1")  # fmt: skip
+    assert done.returncode == 1, done.stderr
+    assert "no pagefleet groups run in Ray namespace 'pagefleet-none'" in done.stderr
