@@ -71,7 +71,7 @@ class Load:
         self.grpc, self.http, self.model, self.args = grpc_client, http, model, args
         self.rng = random.Random(args.seed)
         self.forms = cycle(FORMS)
-        self.done = self.errors = 0
+        self.started = self.done = self.errors = 0
 
     def prompt(self) -> list[int]:
         return [self.rng.randrange(3, VOCAB) for _ in range(self.args.prompt_tokens)]
@@ -103,7 +103,8 @@ class Load:
         self.done += 1
 
     async def worker(self, until: float) -> None:
-        while time.monotonic() < until and self.done < self.args.max_requests:
+        while time.monotonic() < until and self.started < self.args.max_requests:
+            self.started += 1  # (counted when started: the workers stop at the bound exactly)
             await self.one()
 
 
