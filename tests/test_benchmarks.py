@@ -183,6 +183,14 @@ def test_serving_benchmark_smoke():
     assert set(lines[1]["vs_grpc"]) >= {"ttft_ms_p50", "door_ms_p50", "output_tok_s"}
 
 
+def test_soak_benchmark_smoke():
+    """Bounded by its request count, over every form of both doors, with an RSS per window."""
+    lines = run("-m", "benchmarks.soak", "--duration", "60", "--max-requests", "8", "--window",
+                "1", "--concurrency", "2", "--max-tokens", "2", timeout=300)  # fmt: skip
+    assert lines[-1]["requests"] == 8 and sum(line["errors"] for line in lines) == 0, lines
+    assert all(line["rss_mb"] > 0 for line in lines)
+
+
 def test_the_routing_sweep_reports_load_and_warns_past_capacity(tmp_path):
     """--rates replays one trace at each rate: a line per rate and policy with its load, and
     a warning where the trace brings more work than the groups can do; --plot draws hit rate
