@@ -1,6 +1,6 @@
 """Soak: does a long-running `pagefleet serve` hold its memory under a steady load?
 
-    python -m benchmarks.soak --duration 600            # the issue-31 soak
+    python -m benchmarks.soak --duration 600            # ten minutes, as in RESULTS.md
     python -m benchmarks.soak --duration 60 --window 5  # a quick look
 
 Starts `pagefleet serve` on loopback (the built-in model unless --model; a small pool, so that

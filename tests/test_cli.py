@@ -167,7 +167,7 @@ DRAIN = ["--cluster", "C", "--address", "A"]
     "argv",
     [
         ["groups", "drain", "group-1", *DRAIN],
-        ["groups", "drain", *DRAIN, "group-1"],  # issue 31: "unrecognized arguments: group-1"
+        ["groups", "drain", *DRAIN, "group-1"],  # once "unrecognized arguments: group-1"
         ["groups", "drain", *DRAIN[:2], "group-1", *DRAIN[2:]],
         ["groups", *DRAIN, "drain", "group-1"],
         ["groups", *DRAIN[:2], "drain", *DRAIN[2:], "group-1"],

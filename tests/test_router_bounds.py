@@ -1,4 +1,4 @@
-"""What a router keeps per request is bounded (issue 31's soak): each request leaves a route
+"""What a router keeps per request is bounded (benchmarks/soak.py): each request leaves a route
 record and, for a new prompt, a segment in the hash-chain cache; past their caps, what the
 router's own modules hold stays flat however many requests follow."""
 
