@@ -4,7 +4,7 @@ with `pagefleet serve --role router --cluster NAME`.
 
     pagefleet groups start  --cluster NAME --address HOST:PORT --redis URL [--groups N --tp T ...]
     pagefleet groups status --cluster NAME --address HOST:PORT [--json]
-    pagefleet groups drain  --cluster NAME --address HOST:PORT GROUP   (GROUP anywhere after drain)
+    pagefleet groups drain --cluster NAME --address HOST:PORT GROUP   (GROUP anywhere after drain)
     pagefleet groups stop   --cluster NAME --address HOST:PORT
 """
 

@@ -10,9 +10,10 @@ on it (placements routers just made), and its latest load report.
 Liveness and fencing: `register_group` hands out a new, larger epoch each time; every write
 names its (group, epoch) and is refused with `StaleEpochError` unless that pair is the group's
 live registration. A process that registers again names the epoch it held, and is refused once
-a newer one took over: a fenced-off process stops, it never takes the group back. A group is live while its heartbeat is younger than `heartbeat_ttl_s`; once
-it lapses the registration is dead for good (the group must register again and republish its
-inventory), so entries of dead groups and old epochs never match and may be dropped at any time.
+a newer one took over: a fenced-off process stops, it never takes the group back. A group is
+live while its heartbeat is younger than `heartbeat_ttl_s`; once it lapses the registration is
+dead for good (the group must register again and republish its inventory), so entries of dead
+groups and old epochs never match and may be dropped at any time.
 All block hashes are the 16-byte chain hashes of worker/hashing.py.
 """
 

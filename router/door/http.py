@@ -307,10 +307,9 @@ def error_response(code: grpc.StatusCode, message: str, param: str | None = None
 
 
 def _plain_error(status: int, message: str) -> Response:
-    """An error body for an HTTP status that no door status stands for (404, 405, 413)."""
-    body = {"error": {"message": message, "type": "invalid_request_error", "param": None,
-                      "code": None}}  # fmt: skip
-    return ErrorResponse(body, status)
+    """An error body for an HTTP status that no door status stands for (404, 405, 413): the
+    body of an invalid argument."""
+    return ErrorResponse(error_body(grpc.StatusCode.INVALID_ARGUMENT, message), status)
 
 
 class Gate:

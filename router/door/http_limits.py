@@ -16,7 +16,10 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import grpc
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from router.door.openai_protocol import error_body
 
 
 @dataclass(frozen=True)
@@ -106,8 +109,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         if self.transport.is_closing():
             return
         self.observe(f"HTTP_{status}")
-        body = json.dumps({"error": {"message": message, "type": "invalid_request_error",
-                                     "param": None, "code": None}}).encode()  # fmt: skip
+        body = json.dumps(error_body(grpc.StatusCode.INVALID_ARGUMENT, message)).encode()
         reason = {400: b"Bad Request", 408: b"Request Timeout",
                   431: b"Request Header Fields Too Large"}[status]  # fmt: skip
         self.transport.write(
