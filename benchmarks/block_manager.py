@@ -44,9 +44,7 @@ def bench_hashing(hasher: BlockHasher, n_tokens: int, repeat: int) -> dict:
 
         parent, bs = root, hasher.block_size
         for i in range(0, n_tokens - bs + 1, bs):
-            parent = hashlib.sha256(
-                pickle.dumps((parent, tuple(tokens[i : i + bs]), None))
-            ).digest()
+            parent = hashlib.sha256(pickle.dumps((parent, tuple(tokens[i : i + bs]), None))).digest()
 
     peer = best_of(sha256_pickle_peer, repeat)
     return {
@@ -63,9 +61,7 @@ def bench_hashing(hasher: BlockHasher, n_tokens: int, repeat: int) -> dict:
 
 def make_request(hasher: BlockHasher, rid: str, n: int) -> Request:
     tokens = [random.randrange(150_000) for _ in range(n)]
-    return Request(
-        rid, tokens, SamplingParams(max_tokens=16), max_tokens=16, hash_root=hasher.root()
-    )
+    return Request(rid, tokens, SamplingParams(max_tokens=16), max_tokens=16, hash_root=hasher.root())
 
 
 def bench_admit_free(hasher: BlockHasher, repeat: int) -> dict:
@@ -100,9 +96,7 @@ def bench_admit_free(hasher: BlockHasher, repeat: int) -> dict:
 
 def bench_schedule(hasher: BlockHasher, n_running: int, repeat: int) -> dict:
     bm = BlockManager(n_running * 64, hasher.block_size, hasher)
-    cfg = SchedulerConfig(
-        max_num_seqs=n_running, max_num_batched_tokens=1 << 20, max_model_len=4096
-    )
+    cfg = SchedulerConfig(max_num_seqs=n_running, max_num_batched_tokens=1 << 20, max_model_len=4096)
     sched = Scheduler(cfg, bm)
     for i in range(n_running):
         req = make_request(hasher, f"r{i}", 512)
@@ -120,9 +114,7 @@ def bench_schedule(hasher: BlockHasher, n_running: int, repeat: int) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeat", type=int, default=20)
     args = p.parse_args()
     random.seed(0)

@@ -72,7 +72,7 @@ def fused(query, k_pool, v_pool, tables, qsl, lens) -> torch.Tensor:
     if q_len == 1:  # a decode batch: (n, h, 1, d) queries
         mask = torch.arange(k.shape[2])[None, :] < lens[:, None]
         q = query.view(n, -1, 1, d)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :], enable_gqa=True)  # fmt: skip
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :], enable_gqa=True)
         return o[:, :, 0]
     q = query.transpose(0, 1)[None]  # one prefill: (1, h, q, d)
     if q_len == seq_lens[0]:
@@ -118,11 +118,19 @@ def main(argv: list[str] | None = None) -> list[dict]:
             ours_ms = time_ms(ours, args.repeat)
             peer_ms = time_ms(lambda batch=batch: fused(*batch), args.repeat)
             diff = (ours().float() - fused(*batch).float()).abs().max()
-            line = {"bench": "cpu_attention", "case": case, "dtype": dtype_name,
-                    "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim,
-                    "torch_threads": torch.get_num_threads(), "pagefleet_ms": round(ours_ms, 3),
-                    "fused_sdpa_ms": round(peer_ms, 3), "ratio_vs_fused_sdpa": round(peer_ms / ours_ms, 2),
-                    "max_abs_diff": float(f"{float(diff):.3g}")}  # fmt: skip
+            line = {
+                "bench": "cpu_attention",
+                "case": case,
+                "dtype": dtype_name,
+                "heads": args.heads,
+                "kv_heads": args.kv_heads,
+                "head_dim": args.head_dim,
+                "torch_threads": torch.get_num_threads(),
+                "pagefleet_ms": round(ours_ms, 3),
+                "fused_sdpa_ms": round(peer_ms, 3),
+                "ratio_vs_fused_sdpa": round(peer_ms / ours_ms, 2),
+                "max_abs_diff": float(f"{float(diff):.3g}"),
+            }
             print(json.dumps(line), flush=True)
             lines.append(line)
     return lines

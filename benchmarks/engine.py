@@ -89,9 +89,7 @@ def percentile(values: list[float], q: float) -> float | None:
 def make_bench_model(path: Path, vocab_size: int, seed: int) -> Path:
     from worker.model.builtin_model import make_model_dir
 
-    return make_model_dir(
-        path, "llama", seed=seed, output_scale=OUTPUT_SCALE, vocab_size=vocab_size, **MODEL_SHAPE
-    )
+    return make_model_dir(path, "llama", seed=seed, output_scale=OUTPUT_SCALE, vocab_size=vocab_size, **MODEL_SHAPE)
 
 
 # ---- the systems (benchmarks/engine_runners.py) -------------------------------------------
@@ -131,9 +129,7 @@ def report(
     for peer in ("generate_batch", "generate"):
         other = runs.get(peer)
         ok = other is not None and other.error is None
-        line[f"ratio_vs_{peer}"] = (
-            round(tok_s / (sum(map(len, other.tokens)) / other.wall_s), 3) if ok else None
-        )
+        line[f"ratio_vs_{peer}"] = round(tok_s / (sum(map(len, other.tokens)) / other.wall_s), 3) if ok else None
     if flops is not None:
         line.update(flop_figures(run, reqs, flops, meta["matmul_peak_gflop_s"]))
     line["identical_tokens"] = {
@@ -149,12 +145,14 @@ def flop_figures(run: SystemRun, reqs: list[BenchRequest], flops: ModelFlops, pe
     """The model FLOPs the system computed (benchmarks/flops.py says what counts), its
     GFLOP/s over the whole trace and over its prefill steps, and their ratios to the peak."""
     cached = run.cached_tokens or [0] * len(reqs)
-    work = sum(
-        flops.request(r.prompt_len, r.max_tokens, c) for r, c in zip(reqs, cached, strict=True)
-    )
+    work = sum(flops.request(r.prompt_len, r.max_tokens, c) for r, c in zip(reqs, cached, strict=True))
     rate = work / run.wall_s / 1e9
-    out = {"model_gflop": round(work / 1e9, 3), "gflop_s": round(rate, 1),
-           "peak_ratio": round(rate / peak, 3), **run.figures}  # fmt: skip
+    out = {
+        "model_gflop": round(work / 1e9, 3),
+        "gflop_s": round(rate, 1),
+        "peak_ratio": round(rate / peak, 3),
+        **run.figures,
+    }
     if run.figures.get("prefill_gflop_s") is not None:
         out["prefill_peak_ratio"] = round(run.figures["prefill_gflop_s"] / peak, 3)
     return out
@@ -181,27 +179,38 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--vocab", type=int, default=2048, help="vocabulary of the default model")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument(
-        "--kv-tokens", type=int, help="KV capacity of each engine in tokens (of the 16-bit cache "
+        "--kv-tokens",
+        type=int,
+        help="KV capacity of each engine in tokens (of the 16-bit cache "
         "with --kv-cache-dtype; default 32768, or 4096 with --kv-cache-dtype: a full cache)",
-    )  # fmt: skip
+    )
     p.add_argument("--max-batch-tokens", type=int, default=2048, help="token budget per step")
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--hf-page-size", type=int, default=0, help="0: same as --block-size")
     p.add_argument("--hf-batch-size", type=int, default=8, help="static generate batch size")
     p.add_argument(
-        "--threads", type=int, default=1,
+        "--threads",
+        type=int,
+        default=1,
         help="torch threads for every system (0: torch's default); 1 by default because on a "
         "shared machine multi-threaded kernels measure the neighbours' load, not the engine",
-    )  # fmt: skip
+    )
     p.add_argument("--device", default="cpu", help="cpu or cuda: every system runs there")
-    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
-                   help="the weights' and activations' dtype, for every system; auto: "
-                   "pagefleet's default for the model and device")  # fmt: skip
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=("auto", "float32", "bfloat16", "float16"),
+        help="the weights' and activations' dtype, for every system; auto: "
+        "pagefleet's default for the model and device",
+    )
     p.add_argument("--quick", action="store_true", help="tiny trace: a smoke run")
     p.add_argument("--profile", action="store_true", help="pagefleet only, under cProfile")
     kv = p.add_argument_group("8-bit KV caches (benchmarks/kv_cache.py)")
-    kv.add_argument("--kv-cache-dtype", type=lambda t: [d for d in t.split(",") if d],
-                    help="KV dtypes to run beside the 16-bit cache: int8,fp8_e4m3")  # fmt: skip
+    kv.add_argument(
+        "--kv-cache-dtype",
+        type=lambda t: [d for d in t.split(",") if d],
+        help="KV dtypes to run beside the 16-bit cache: int8,fp8_e4m3",
+    )
     kv.add_argument("--kv-baseline", default="bfloat16", help="the 16-bit cache compared with")
     kv.add_argument("--capacity-len", type=int, default=8192, help="tokens of a capacity sequence")
     kv.add_argument("--capacity-out", type=int, default=16, help="of them, generated")
@@ -245,10 +254,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
         args.dtype = str(resolve_dtype(args.dtype, mc, args.device)).removeprefix("torch.")
         args.model_flops = ModelFlops.of(mc)
         workload = ResearchWorkload(
-            num_docs=args.docs, doc_len=tuple(args.doc_len), questions_per_doc=args.questions,
-            num_chats=args.chats, output_len=tuple(args.output_len), vocab_size=vocab,
+            num_docs=args.docs,
+            doc_len=tuple(args.doc_len),
+            questions_per_doc=args.questions,
+            num_chats=args.chats,
+            output_len=tuple(args.output_len),
+            vocab_size=vocab,
             seed=args.seed,
-        )  # fmt: skip
+        )
         reqs = research_requests(workload)
         if args.kv_cache_dtype:
             args.tmp = Path(tmp)
@@ -264,16 +277,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
     meta = _meta(args, reqs, vocab, model_dir)
     meta.update(
         matmul_peak_gflop_s=max(p["gflop_s"] for p in peak),
-        matmul_peak={"before": peak[0]["gflop_s"], "after": peak[1]["gflop_s"],
-                     "tokens": peak[0]["tokens"], "op": "torch.mm on the model's linear shapes"},
-    )  # fmt: skip
+        matmul_peak={
+            "before": peak[0]["gflop_s"],
+            "after": peak[1]["gflop_s"],
+            "tokens": peak[0]["tokens"],
+            "op": "torch.mm on the model's linear shapes",
+        },
+    )
     return _print([report(run, runs, reqs, meta, args.model_flops) for run in runs.values()], {})
 
 
 def _peak(args) -> dict:
-    return matmul_peak(
-        args.model_flops, args.max_batch_tokens, getattr(torch, args.dtype), args.device
-    )
+    return matmul_peak(args.model_flops, args.max_batch_tokens, getattr(torch, args.dtype), args.device)
 
 
 def _meta(args, reqs: list[BenchRequest], vocab: int, model_dir: str) -> dict:
@@ -282,8 +297,7 @@ def _meta(args, reqs: list[BenchRequest], vocab: int, model_dir: str) -> dict:
         "workload": {**describe(reqs), "seed": args.seed, "quick": args.quick},
         "model": Path(model_dir).name
         if args.model
-        else f"random llama {MODEL_SHAPE['hidden_size']}h "
-        f"{MODEL_SHAPE['num_hidden_layers']}L vocab {vocab}",
+        else f"random llama {MODEL_SHAPE['hidden_size']}h {MODEL_SHAPE['num_hidden_layers']}L vocab {vocab}",
         "device": args.device,
         "dtype": args.dtype,
         "torch_threads": torch.get_num_threads(),

@@ -105,9 +105,7 @@ def run_pagefleet(model_dir: str, reqs: list[BenchRequest], args, vocab: int) ->
         llm = LLM(model_dir, **options)
         llm.generate([_warmup_prompt(vocab)], SamplingParams(temperature=0, max_tokens=4))
         before = llm.stats()
-        params = [
-            SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True) for r in reqs
-        ]
+        params = [SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True) for r in reqs]
         prompts = [list(r.prompt) for r in reqs]
         clock = StepClock(args.model_flops)
         clock.wrap(llm.engine.executor)
@@ -131,13 +129,17 @@ def run_pagefleet(model_dir: str, reqs: list[BenchRequest], args, vocab: int) ->
         wall,
         mem.bytes,
         hits / queries if queries else None,
-        {**options, "max_model_len": llm.engine.max_model_len,
-         "attention_backend": "triton" if args.device.startswith("cuda") else "torch",
-         "preemptions": after["preemptions"],
-         "kv_pool_mb": round(after["kv_pool_bytes"] / 2**20, 1), "profiled": bool(profiler)},
+        {
+            **options,
+            "max_model_len": llm.engine.max_model_len,
+            "attention_backend": "triton" if args.device.startswith("cuda") else "torch",
+            "preemptions": after["preemptions"],
+            "kv_pool_mb": round(after["kv_pool_bytes"] / 2**20, 1),
+            "profiled": bool(profiler),
+        },
         cached_tokens=[o.num_cached_tokens for o in outs],
         figures=clock.prefill_figures(),
-    )  # fmt: skip
+    )
 
 
 # ---- the profile --------------------------------------------------------------------------
@@ -177,10 +179,9 @@ def profile_breakdown(stats: pstats.Stats) -> dict[str, float]:
     result = {}
     for label, (file, func) in BREAKDOWN.items():
         result[label] = max(
-            (cum for (f, _, fn), (_, _, _, cum, _) in stats.stats.items()
-             if fn == func and Path(f).name == file),
+            (cum for (f, _, fn), (_, _, _, cum, _) in stats.stats.items() if fn == func and Path(f).name == file),
             default=0.0,
-        )  # fmt: skip
+        )
     return result
 
 
@@ -223,9 +224,11 @@ def run_generate_batch(model_dir: str, reqs: list[BenchRequest], args, vocab: in
         auto_switch_to_flash=False,  # no flash attention on CPU: keep sdpa
     )
     gen_config = GenerationConfig(
-        do_sample=False, max_new_tokens=max(r.max_tokens for r in reqs), eos_token_id=-1,
+        do_sample=False,
+        max_new_tokens=max(r.max_tokens for r in reqs),
+        eos_token_id=-1,
         pad_token_id=0,
-    )  # fmt: skip
+    )
     # generate_batch takes one max_new_tokens for all requests; the trace needs one per
     # request, so this drives the same manager the way generate_batch does (its context
     # manager, its workload hints, its prefix-friendly submission order), with per-request
@@ -241,16 +244,25 @@ def run_generate_batch(model_dir: str, reqs: list[BenchRequest], args, vocab: in
         model.generate_batch([_warmup_prompt(vocab)], gen_config, cb_config, max_new_tokens=4)
         prefix.matched.clear()
         results = {}
-        with torch.no_grad(), model.continuous_batching_context_manager(
-            generation_config=gen_config, continuous_batching_config=cb_config, block=True,
-            timeout=60, workload_hints=hints,
-        ) as manager:  # fmt: skip
+        with (
+            torch.no_grad(),
+            model.continuous_batching_context_manager(
+                generation_config=gen_config,
+                continuous_batching_config=cb_config,
+                block=True,
+                timeout=60,
+                workload_hints=hints,
+            ) as manager,
+        ):
             t0 = time.perf_counter()
             for i in order:
                 manager.add_request(
-                    list(reqs[i].prompt), request_id=f"r{i}", max_new_tokens=reqs[i].max_tokens,
-                    record_timestamps=True, eos_token_id=-1,
-                )  # fmt: skip
+                    list(reqs[i].prompt),
+                    request_id=f"r{i}",
+                    max_new_tokens=reqs[i].max_tokens,
+                    record_timestamps=True,
+                    eos_token_id=-1,
+                )
             while len(results) < len(reqs):
                 res = manager.get_result(timeout=1)
                 if res is not None and res.is_finished():
@@ -271,12 +283,16 @@ def run_generate_batch(model_dir: str, reqs: list[BenchRequest], args, vocab: in
         wall,
         mem.bytes,
         sum(prefix.matched.values()) / prompt_tokens,
-        {"attn_implementation": model.config._attn_implementation, "page_size": page,
-         "num_blocks": resolved.num_blocks, "max_batch_tokens": resolved.max_batch_tokens,
-         "max_requests_per_batch": resolved.max_requests_per_batch,
-         "api": "continuous_batching_context_manager + add_request(max_new_tokens=n)"},
+        {
+            "attn_implementation": model.config._attn_implementation,
+            "page_size": page,
+            "num_blocks": resolved.num_blocks,
+            "max_batch_tokens": resolved.max_batch_tokens,
+            "max_requests_per_batch": resolved.max_requests_per_batch,
+            "api": "continuous_batching_context_manager + add_request(max_new_tokens=n)",
+        },
         cached_tokens=[prefix.matched.get(f"r{i}", 0) for i in range(len(reqs))],
-    )  # fmt: skip
+    )
 
 
 # ---- transformers static generate ---------------------------------------------------------
@@ -309,25 +325,36 @@ def run_generate(model_dir: str, reqs: list[BenchRequest], args, vocab: int) -> 
         model.generate(warm, max_new_tokens=4, do_sample=False)
         t0 = time.perf_counter()
         for batch in batches:
-            ids, mask = (
-                t.to(args.device) for t in _left_pad([list(reqs[i].prompt) for i in batch])
-            )
+            ids, mask = (t.to(args.device) for t in _left_pad([list(reqs[i].prompt) for i in batch]))
             n = max(reqs[i].max_tokens for i in batch)
             clock = _FirstTokenClock()
             out = model.generate(
-                ids, attention_mask=mask, max_new_tokens=n, do_sample=False, eos_token_id=-1,
-                pad_token_id=0, streamer=clock,
-            )  # fmt: skip
+                ids,
+                attention_mask=mask,
+                max_new_tokens=n,
+                do_sample=False,
+                eos_token_id=-1,
+                pad_token_id=0,
+                streamer=clock,
+            )
             for row, i in enumerate(batch):
                 tokens[i] = out[row, ids.shape[1] : ids.shape[1] + reqs[i].max_tokens].tolist()
                 ttft[i] = clock.first_token - t0
         wall = time.perf_counter() - t0
     return SystemRun(
-        "generate", tokens, ttft, wall, mem.bytes, None,
-        {"attn_implementation": model.config._attn_implementation, "batch_size": args.hf_batch_size,
-         "batching": "static, grouped by output length, left padding"},
+        "generate",
+        tokens,
+        ttft,
+        wall,
+        mem.bytes,
+        None,
+        {
+            "attn_implementation": model.config._attn_implementation,
+            "batch_size": args.hf_batch_size,
+            "batching": "static, grouped by output length, left padding",
+        },
         cached_tokens=[0] * len(reqs),  # no prefix cache
-    )  # fmt: skip
+    )
 
 
 def _left_pad(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:

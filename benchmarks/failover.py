@@ -94,9 +94,7 @@ async def one(client: AsyncClient, req, i: int, t0: float, streams: dict, salt: 
     return s
 
 
-async def run_trace(
-    targets: list[str], trace, rate: float, seed: int, at: float | None, kill, salt: str
-):
+async def run_trace(targets: list[str], trace, rate: float, seed: int, at: float | None, kill, salt: str):
     """The trace at `rate` requests/s (Poisson) through two clients (each router first in
     one); `kill(streams)` at `at` seconds, in a thread. `salt`: the run's cache salt (each run
     starts with none of the trace's documents cached). Returns (streams, kill's result)."""
@@ -146,8 +144,13 @@ def compare(streams: list[Stream], reference: list[Stream]) -> dict:
 
 def line(case: str, streams: list[Stream], reference: list[Stream] | None, extra: dict) -> dict:
     ok = [s for s in streams if s.error is None]
-    out = {"bench": "failover", "case": case, "sent": len(streams), "completed": len(ok),
-           "failed": len(streams) - len(ok)}  # fmt: skip
+    out = {
+        "bench": "failover",
+        "case": case,
+        "sent": len(streams),
+        "completed": len(ok),
+        "failed": len(streams) - len(ok),
+    }
     if reference is not None:
         out.update(compare(streams, reference))
     resumed = [s.stall for s in ok if s.resumes]
@@ -174,7 +177,7 @@ class Deployment:
 
         self.redis = RedisServer().__enter__()
         node = dict(num_cpus=2, object_store_memory=80 << 20, node_ip_address="127.0.0.1")
-        self.cluster = Cluster(initialize_head=True, head_node_args={**node, "include_dashboard": False})  # fmt: skip
+        self.cluster = Cluster(initialize_head=True, head_node_args={**node, "include_dashboard": False})
         for _ in range(2):
             self.cluster.add_node(**node, resources={SLOT: 1})
         self.cluster.wait_for_nodes()
@@ -182,23 +185,50 @@ class Deployment:
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
         self.env.update(PYTHONPATH=str(ROOT), PAGEFLEET_CLUSTER_SECRET="failover-benchmark")
         started = self.pagefleet(
-            "groups", "start", "--redis", self.redis.url, "--model", str(builtin_model_path()),
-            "--groups", "2", "--group-resource", f"{SLOT}=1", "--num-blocks", "512",
-            "--max-model-len", "2048", "--timeout", str(ready_s),
-        )  # fmt: skip
+            "groups",
+            "start",
+            "--redis",
+            self.redis.url,
+            "--model",
+            str(builtin_model_path()),
+            "--groups",
+            "2",
+            "--group-resource",
+            f"{SLOT}=1",
+            "--num-blocks",
+            "512",
+            "--max-model-len",
+            "2048",
+            "--timeout",
+            str(ready_s),
+        )
         if started.returncode != 0:
             raise RuntimeError(started.stderr)
         self.routers = []
         for i in range(2):
-            flags = ["--role", "router", "--cluster", CLUSTER, "--address", self.address,
-                     "--redis", self.redis.url, "--no-metrics", "--grace", "2"]  # fmt: skip
-            self.routers.append(start_serve(flags, free_port(), tmp / f"router{i}.log", ready_s, self.env))  # fmt: skip
+            flags = [
+                "--role",
+                "router",
+                "--cluster",
+                CLUSTER,
+                "--address",
+                self.address,
+                "--redis",
+                self.redis.url,
+                "--no-metrics",
+                "--grace",
+                "2",
+            ]
+            self.routers.append(start_serve(flags, free_port(), tmp / f"router{i}.log", ready_s, self.env))
 
     def pagefleet(self, *args: str) -> subprocess.CompletedProcess:
         return subprocess.run(
-            [sys.executable, "-m", "pagefleet", *args[:2], "--cluster", CLUSTER, "--address",
-             self.address, *args[2:]], cwd=ROOT, env=self.env, capture_output=True, text=True,
-        )  # fmt: skip
+            [sys.executable, "-m", "pagefleet", *args[:2], "--cluster", CLUSTER, "--address", self.address, *args[2:]],
+            cwd=ROOT,
+            env=self.env,
+            capture_output=True,
+            text=True,
+        )
 
     def groups(self) -> dict[str, dict]:
         from cluster.ray.runtime import ray
@@ -226,8 +256,11 @@ class Deployment:
                 if sum(g.alive for g in client.cluster_status()) == 2:
                     break
             time.sleep(0.2)
-        return {"killed_at_s": round(now, 2), "streams_on_group": in_flight.count(victim),
-                "replacement_serving_s": round(time.perf_counter() - t, 2)}  # fmt: skip
+        return {
+            "killed_at_s": round(now, 2),
+            "streams_on_group": in_flight.count(victim),
+            "replacement_serving_s": round(time.perf_counter() - t, 2),
+        }
 
     def kill_router(self, streams: dict[int, Stream], now: float) -> dict:
         """SIGKILL the first router; returns the streams in flight then."""
@@ -264,27 +297,37 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     workload = ResearchWorkload(
-        num_docs=3, doc_len=(300, 500), questions_per_doc=4 if args.quick else 8,
-        num_chats=4 if args.quick else 8, output_len=(32, 96) if args.quick else (96, 192),
-        vocab_size=1000, seed=args.seed,
-    )  # fmt: skip
+        num_docs=3,
+        doc_len=(300, 500),
+        questions_per_doc=4 if args.quick else 8,
+        num_chats=4 if args.quick else 8,
+        output_len=(32, 96) if args.quick else (96, 192),
+        vocab_size=1000,
+        seed=args.seed,
+    )
     trace = research_requests(workload)
     lines = []
     with tempfile.TemporaryDirectory() as tmp:
         cluster = Deployment(Path(tmp))
         try:
-            run = lambda kill: asyncio.run(run_trace(cluster.targets, trace, args.rate, args.seed, args.kill_at, kill, f"run-{time.time_ns()}"))  # noqa: E731  # fmt: skip
+
+            def run(kill):
+                run_id = f"run-{time.time_ns()}"
+                return asyncio.run(run_trace(cluster.targets, trace, args.rate, args.seed, args.kill_at, kill, run_id))
+
             reference, _ = run(None)
             ok = [s for s in reference if s.error is None]
-            peer = {"undisturbed_stall_ms_p50": pct([s.stall for s in ok], 0.5),
-                    "undisturbed_stall_ms_p99": pct([s.stall for s in ok], 0.99)}  # fmt: skip
+            peer = {
+                "undisturbed_stall_ms_p50": pct([s.stall for s in ok], 0.5),
+                "undisturbed_stall_ms_p99": pct([s.stall for s in ok], 0.99),
+            }
             lines.append(line("undisturbed", reference, None, peer))
             print(json.dumps(lines[0]), flush=True)
-            for case, kill in (("group_killed", cluster.kill_group), ("router_killed", cluster.kill_router)):  # fmt: skip
+            for case, kill in (("group_killed", cluster.kill_group), ("router_killed", cluster.kill_router)):
                 streams, killed = run(kill)
                 out = line(case, streams, reference, {**killed, **peer})
                 if out["e2e_ms_p50"] and lines[0]["e2e_ms_p50"]:
-                    out["e2e_p50_vs_undisturbed"] = round(out["e2e_ms_p50"] / lines[0]["e2e_ms_p50"], 3)  # fmt: skip
+                    out["e2e_p50_vs_undisturbed"] = round(out["e2e_ms_p50"] / lines[0]["e2e_ms_p50"], 3)
                 lines.append(out)
                 print(json.dumps(out), flush=True)
         finally:

@@ -63,9 +63,7 @@ class ModelFlops:
         return self.positions(start, prompt_len + max_tokens - 1) + self.lm_head * max_tokens
 
 
-def matmul_peak(
-    flops: ModelFlops, tokens: int, dtype: torch.dtype, device: str, seconds: float = 1.0
-) -> dict:
+def matmul_peak(flops: ModelFlops, tokens: int, dtype: torch.dtype, device: str, seconds: float = 1.0) -> dict:
     """GFLOP/s of torch.mm over the model's linear shapes at `tokens` rows, in a layer's
     proportions (each shape once per round); the best of several rounds."""
     dev = torch.device(device)
@@ -73,7 +71,7 @@ def matmul_peak(
     pairs = [
         (torch.randn(tokens, i, generator=g).to(dev, dtype), torch.randn(i, o, generator=g).to(dev, dtype))
         for i, o in flops.linear_shapes
-    ]  # fmt: skip
+    ]
     work = 2 * tokens * sum(i * o for i, o in flops.linear_shapes)
 
     def one_round() -> float:

@@ -106,7 +106,7 @@ def to_8bit(paged, kv_dtype: str) -> tuple[tuple, dict]:
     nb, page, kvh, d = key_cache.shape
     codes = [torch.empty(key_cache.shape, dtype=dtype, device=key_cache.device) for _ in "kv"]
     if dtype == torch.int8:  # per token and head, written with the codes
-        scales = [torch.empty(nb, page, kvh, dtype=torch.float16, device=key_cache.device) for _ in "kv"]  # fmt: skip
+        scales = [torch.empty(nb, page, kvh, dtype=torch.float16, device=key_cache.device) for _ in "kv"]
     else:  # per tensor: K and V are N(0, 1) here, so absmax ~5, placed at 448 / 16
         scales = [torch.full((1,), 5 * 16 / 448, device=key_cache.device) for _ in "kv"]
     slots = torch.arange(nb * page, device=key_cache.device)
@@ -145,9 +145,7 @@ def sdpa_fn(dense, q_len: int, seq_len: int, scale: float) -> Callable[[], torch
     kvh = k.shape[1]
     if q_len == 1:
         qg = q.reshape(batch, kvh, heads // kvh, d)  # head h = kv_head * group + g
-        return lambda: F.scaled_dot_product_attention(qg, k, v, scale=scale).reshape(
-            batch, 1, heads, d
-        )
+        return lambda: F.scaled_dot_product_attention(qg, k, v, scale=scale).reshape(batch, 1, heads, d)
     mask = None
     if q_len != seq_len:
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
@@ -240,9 +238,11 @@ def main() -> None:
     parser.add_argument("--page", type=int, default=16, help="KV block size in tokens")
     parser.add_argument("--dtype", choices=DTYPES, default="bfloat16")
     parser.add_argument(
-        "--kv-cache-dtype", default="auto", type=lambda t: t.split(","),
+        "--kv-cache-dtype",
+        default="auto",
+        type=lambda t: t.split(","),
         help="KV caches to run each case on: auto (--dtype), int8, fp8_e4m3 (comma-separated)",
-    )  # fmt: skip
+    )
     args = parser.parse_args()
     unknown = set(args.kv_cache_dtype) - {"auto", *KV_8BIT}
     if unknown:

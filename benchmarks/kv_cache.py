@@ -55,19 +55,21 @@ def run_engine(model_dir: str, reqs: list[BenchRequest], dtype: str, budget: int
     from worker.sampling_params import SamplingParams
 
     llm = LLM(
-        model_dir, dtype=args.dtype, kv_cache_dtype=dtype, kv_cache_memory=budget,
-        block_size=args.block_size, max_num_batched_tokens=args.max_batch_tokens,
+        model_dir,
+        dtype=args.dtype,
+        kv_cache_dtype=dtype,
+        kv_cache_memory=budget,
+        block_size=args.block_size,
+        max_num_batched_tokens=args.max_batch_tokens,
         max_num_seqs=args.max_num_seqs,
         max_model_len=max(r.prompt_len + r.max_tokens for r in reqs),
-    )  # fmt: skip
+    )
     engine = llm.engine
     llm.generate([list(reqs[0].prompt[:64])], SamplingParams(temperature=0, max_tokens=4))
     before = engine.stats()
     t0 = time.perf_counter()
     ids = [
-        engine.add_request(
-            list(r.prompt), SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True)
-        )  # fmt: skip
+        engine.add_request(list(r.prompt), SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True))
         for r in reqs
     ]
     done, max_running = {}, 0
@@ -84,7 +86,7 @@ def run_engine(model_dir: str, reqs: list[BenchRequest], dtype: str, budget: int
         "kv_pool_bytes": after["kv_pool_bytes"],
         "kv_bytes_per_token": after["kv_bytes_per_token"],
     }
-    return KVRun(dtype, [o.token_ids for o in outs], [o.metrics.ttft for o in outs], wall, max_running, stats)  # fmt: skip
+    return KVRun(dtype, [o.token_ids for o in outs], [o.metrics.ttft for o in outs], wall, max_running, stats)
 
 
 def admitted_at_once(llm, num_requests: int, prompt_len: int, max_tokens: int) -> dict:
@@ -119,16 +121,27 @@ def capacity_case(model_dir: str, dtype: str, budget: int, args) -> dict:
     planned = plan(shape, max_len=seq, device_memory=budget)
     # A step may prefill every queued sequence, so that only the memory limits admission.
     llm = LLM(
-        model_dir, dtype=args.dtype, kv_cache_dtype=dtype, kv_cache_memory=budget,
-        block_size=args.block_size, max_model_len=seq, watermark=0.0, max_num_batched_tokens=seq * (planned.max_sequences + 1),
-    )  # fmt: skip
+        model_dir,
+        dtype=args.dtype,
+        kv_cache_dtype=dtype,
+        kv_cache_memory=budget,
+        block_size=args.block_size,
+        max_model_len=seq,
+        watermark=0.0,
+        max_num_batched_tokens=seq * (planned.max_sequences + 1),
+    )
     t0 = time.perf_counter()
     got = admitted_at_once(llm, planned.max_sequences + 1, prompt, args.capacity_out)
     return {
-        "case": "capacity", "kv_cache_dtype": dtype, "budget_bytes": budget,
-        "sequence_tokens": seq, "planned_sequences": planned.max_sequences, **got,
-        "blocks_total": llm.stats()["blocks_total"], "wall_s": round(time.perf_counter() - t0, 2),
-    }  # fmt: skip
+        "case": "capacity",
+        "kv_cache_dtype": dtype,
+        "budget_bytes": budget,
+        "sequence_tokens": seq,
+        "planned_sequences": planned.max_sequences,
+        **got,
+        "blocks_total": llm.stats()["blocks_total"],
+        "wall_s": round(time.perf_counter() - t0, 2),
+    }
 
 
 def throughput_line(run: KVRun, base: KVRun, reqs: list[BenchRequest]) -> dict:
@@ -138,12 +151,18 @@ def throughput_line(run: KVRun, base: KVRun, reqs: list[BenchRequest]) -> dict:
     base_tok_s = sum(map(len, base.tokens)) / base.wall_s
     same = sum(a == b for a, b in zip(run.tokens, base.tokens, strict=True)) / len(reqs)
     return {
-        "case": "throughput", "kv_cache_dtype": run.kv_cache_dtype, "requests": len(reqs),
-        "generated_tokens": generated, "wall_s": round(run.wall_s, 3), "gen_tok_s": round(tok_s, 2),
-        "ratio_vs_16bit": round(tok_s / base_tok_s, 3), "max_running": run.max_running,
+        "case": "throughput",
+        "kv_cache_dtype": run.kv_cache_dtype,
+        "requests": len(reqs),
+        "generated_tokens": generated,
+        "wall_s": round(run.wall_s, 3),
+        "gen_tok_s": round(tok_s, 2),
+        "ratio_vs_16bit": round(tok_s / base_tok_s, 3),
+        "max_running": run.max_running,
         "max_running_ratio_vs_16bit": round(run.max_running / base.max_running, 3),
-        "identical_tokens_vs_16bit": round(same, 4), **run.stats,
-    }  # fmt: skip
+        "identical_tokens_vs_16bit": round(same, 4),
+        **run.stats,
+    }
 
 
 def kv_lines(model_dir: str, reqs: list[BenchRequest], args) -> list[dict]:
@@ -157,10 +176,12 @@ def kv_lines(model_dir: str, reqs: list[BenchRequest], args) -> list[dict]:
     for line in lines:
         line["budget_bytes"] = budget
     capacity_dir = make_model_dir(
-        args.tmp / "capacity", seed=args.seed, vocab_size=512,
+        args.tmp / "capacity",
+        seed=args.seed,
+        vocab_size=512,
         **{**CAPACITY_MODEL, "max_position_embeddings": args.capacity_len},
-    )  # fmt: skip
-    seq_bytes = budget_bytes(str(capacity_dir), args.capacity_len, args.block_size, args.kv_baseline)  # fmt: skip
+    )
+    seq_bytes = budget_bytes(str(capacity_dir), args.capacity_len, args.block_size, args.kv_baseline)
     cap_budget = args.capacity_seqs * seq_bytes + seq_bytes // 2
     caps = [capacity_case(str(capacity_dir), d, cap_budget, args) for d in dtypes]
     for cap in caps:
@@ -185,10 +206,15 @@ def _accuracy(dtypes: list[str], args) -> dict[str, dict]:
         name = "built-in (random weights)" if args.quick else "SmolLM2-135M-Instruct"
     options = SimpleNamespace(tokens=args.accuracy_tokens, chunk=512)
     lines, _ = run_engine_cases(model, dtypes, options)
-    keep = ("ppl_ratio", "kl_mean", "argmax_agreement", "greedy_prefix_fraction",
-            "greedy_identical_prompts", "greedy_prompts")  # fmt: skip
+    keep = (
+        "ppl_ratio",
+        "kl_mean",
+        "argmax_agreement",
+        "greedy_prefix_fraction",
+        "greedy_identical_prompts",
+        "greedy_prompts",
+    )
     return {
-        line["kv_cache_dtype"]: {"model": name, "text_tokens": args.accuracy_tokens}
-        | {k: line[k] for k in keep}
+        line["kv_cache_dtype"]: {"model": name, "text_tokens": args.accuracy_tokens} | {k: line[k] for k in keep}
         for line in lines
     }

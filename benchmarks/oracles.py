@@ -79,7 +79,7 @@ class BalancedOracle(Oracle):
 
     name = "oracle_balanced"
 
-    def __init__(self, homes: dict[str, list[str]], groups: Sequence[str], block_size: int = 16) -> None:  # fmt: skip
+    def __init__(self, homes: dict[str, list[str]], groups: Sequence[str], block_size: int = 16) -> None:
         super().__init__(block_size)
         if not groups:
             raise ValueError("groups must not be empty")
@@ -87,7 +87,9 @@ class BalancedOracle(Oracle):
         self.placed = Counter(dict.fromkeys(groups, 0))
 
     @classmethod
-    def plan(cls, requests: Iterable[TraceRequest], groups: Sequence[str], cap: float = 1.15, block_size: int = 16) -> BalancedOracle:  # fmt: skip
+    def plan(
+        cls, requests: Iterable[TraceRequest], groups: Sequence[str], cap: float = 1.15, block_size: int = 16
+    ) -> BalancedOracle:
         """The placement of a trace's documents over `groups`, bounded at `cap` x the mean."""
         if not cap >= 1.0:
             raise ValueError(f"cap must be >= 1, got {cap}")
@@ -125,7 +127,7 @@ class BalancedOracle(Oracle):
         return Placement(gid, self.name, cached_blocks(matches, gid))
 
 
-def with_documents(requests: Callable[[], Iterable[TraceRequest]], block_size: int = 16) -> Iterator[TraceRequest]:  # fmt: skip
+def with_documents(requests: Callable[[], Iterable[TraceRequest]], block_size: int = 16) -> Iterator[TraceRequest]:
     """The requests `requests()` yields (read twice), each one that names no document given one
     derived from shared leading blocks: its longest block-aligned prefix (of one tenant) that
     another request of the trace starts with, named by that prefix's hash. A request that shares
@@ -134,7 +136,7 @@ def with_documents(requests: Callable[[], Iterable[TraceRequest]], block_size: i
     for r in requests():
         chain = _block_chain(r, block_size) if r.doc is None else []
         shared = next((k for k in range(len(chain), 0, -1) if seen[chain[k - 1]] > 1), 0)
-        yield replace(r, doc=f"~{chain[shared - 1].hex()}", doc_tokens=shared * block_size) if shared else r  # fmt: skip
+        yield replace(r, doc=f"~{chain[shared - 1].hex()}", doc_tokens=shared * block_size) if shared else r
 
 
 def _block_chain(r: TraceRequest, block_size: int) -> list[bytes]:
@@ -168,13 +170,15 @@ class CacheAwareThreshold(Policy):
 
     name = "cache_aware_threshold"
 
-    def __init__(self, block_size: int = 16, cache_threshold: float = 0.3, balance_abs: int = 64, balance_rel: float = 1.5) -> None:  # fmt: skip
+    def __init__(
+        self, block_size: int = 16, cache_threshold: float = 0.3, balance_abs: int = 64, balance_rel: float = 1.5
+    ) -> None:
         super().__init__(block_size)
         if not 0 <= cache_threshold <= 1:
             raise ValueError(f"cache_threshold must be in [0, 1], got {cache_threshold}")
         if balance_abs < 0 or not balance_rel >= 1:
-            raise ValueError(f"balance_abs must be >= 0 and balance_rel >= 1, got {balance_abs}, {balance_rel}")  # fmt: skip
-        self.cache_threshold, self.balance_abs, self.balance_rel = cache_threshold, balance_abs, balance_rel  # fmt: skip
+            raise ValueError(f"balance_abs must be >= 0 and balance_rel >= 1, got {balance_abs}, {balance_rel}")
+        self.cache_threshold, self.balance_abs, self.balance_rel = cache_threshold, balance_abs, balance_rel
 
     def choose(self, block_hashes, statuses, matches, placed) -> Placement:
         load = {g: s.running + s.waiting for g, s in statuses.items()}

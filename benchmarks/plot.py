@@ -28,7 +28,7 @@ def routing_svg(results: list[dict]) -> str:
         f'font-family="sans-serif" font-size="12">',
         f'<rect width="{width}" height="{height}" fill="white"/>',
     ]
-    tops = {field: max((max(r[field]["per_group"], default=0) for r in results), default=0) for field, _, _ in SERIES}  # fmt: skip
+    tops = {field: max((max(r[field]["per_group"], default=0) for r in results), default=0) for field, _, _ in SERIES}
     for i, r in enumerate(results):
         y0 = PAD + i * (PANEL_H + TITLE_H + PAD)
         out.append(f'<text x="{PAD}" y="{y0 + 14}" font-weight="bold">{escape(_title(r))}</text>')
@@ -54,7 +54,7 @@ def _bars(spread: dict, name: str, colour: str, x0: float, y0: float, top: float
     values, scale = spread["per_group"], (PANEL_H - 16) / top if top else 0.0
     base, step = y0 + PANEL_H, PANEL_W / max(1, len(values))
     out = [
-        f'<text x="{x0}" y="{y0 + 10}" fill="#555">{escape(name)} (max/mean {spread["max_over_mean"]})</text>',  # fmt: skip
+        f'<text x="{x0}" y="{y0 + 10}" fill="#555">{escape(name)} (max/mean {spread["max_over_mean"]})</text>',
         f'<line x1="{x0}" y1="{base}" x2="{x0 + PANEL_W}" y2="{base}" stroke="#999"/>',
     ]
     for k, v in enumerate(values):
@@ -62,10 +62,12 @@ def _bars(spread: dict, name: str, colour: str, x0: float, y0: float, top: float
         out.append(
             f'<rect class="bar" x="{x0 + k * step + 1:.1f}" y="{base - h:.1f}" width="{max(1.0, step - 2):.1f}" '
             f'height="{h:.1f}" fill="{colour}"><title>group {k}: {v}</title></rect>'
-        )  # fmt: skip
+        )
     if values:
         y = base - sum(values) / len(values) * scale
-        out.append(f'<line class="mean" x1="{x0}" y1="{y:.1f}" x2="{x0 + PANEL_W}" y2="{y:.1f}" stroke="black" stroke-dasharray="4 3"/>')  # fmt: skip
+        out.append(
+            f'<line class="mean" x1="{x0}" y1="{y:.1f}" x2="{x0 + PANEL_W}" y2="{y:.1f}" stroke="black" stroke-dasharray="4 3"/>'
+        )
     return out
 
 
@@ -100,13 +102,15 @@ def sweep_svg(results: list[dict]) -> str:
                 (_x(r["rate"], rates, x0), y0 + PANEL_H - scale(r[field]), r)
                 for r in results
                 if r["policy"] == policy and r.get(field) is not None
-            ]  # fmt: skip
+            ]
             colour = COLOURS[k % len(COLOURS)]
             path = " ".join(f"{x:.1f},{y:.1f}" for x, y, _ in points)
-            out.append(f'<polyline class="curve" points="{path}" fill="none" stroke="{colour}" stroke-width="2"/>')  # fmt: skip
+            out.append(f'<polyline class="curve" points="{path}" fill="none" stroke="{colour}" stroke-width="2"/>')
             for x, y, r in points:
-                tip = f"{policy} at {r['rate']:g}/s: {field} {r[field]}, utilisation {r.get('utilisation')}"  # fmt: skip
-                out.append(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="3" fill="{colour}"><title>{escape(tip)}</title></circle>')  # fmt: skip
+                tip = f"{policy} at {r['rate']:g}/s: {field} {r[field]}, utilisation {r.get('utilisation')}"
+                out.append(
+                    f'<circle cx="{x:.1f}" cy="{y:.1f}" r="3" fill="{colour}"><title>{escape(tip)}</title></circle>'
+                )
     y = PAD + TITLE_H + PANEL_H + PAD
     for k, policy in enumerate(policies):
         colour = COLOURS[k % len(COLOURS)]
@@ -134,15 +138,17 @@ def _scale(low: float, high: float, log: bool):
     return f
 
 
-def _axes(name: str, x0: float, y0: float, rates: list[float], low: float, high: float, log: bool) -> list[str]:  # fmt: skip
+def _axes(name: str, x0: float, y0: float, rates: list[float], low: float, high: float, log: bool) -> list[str]:
     base, scale = y0 + PANEL_H, _scale(low, high, log)
     out = [
-        f'<text x="{x0}" y="{y0 - 8}" font-weight="bold">{escape(name)} against arrival rate (requests/s)</text>',  # fmt: skip
+        f'<text x="{x0}" y="{y0 - 8}" font-weight="bold">{escape(name)} against arrival rate (requests/s)</text>',
         f'<line x1="{x0}" y1="{base}" x2="{x0 + PANEL_W}" y2="{base}" stroke="#999"/>',
         f'<line x1="{x0}" y1="{y0}" x2="{x0}" y2="{base}" stroke="#999"/>',
     ]
     for rate in rates:
-        out.append(f'<text x="{_x(rate, rates, x0):.1f}" y="{base + 14}" text-anchor="middle" fill="#555">{rate:g}</text>')  # fmt: skip
+        out.append(
+            f'<text x="{_x(rate, rates, x0):.1f}" y="{base + 14}" text-anchor="middle" fill="#555">{rate:g}</text>'
+        )
     for v in (low, high):
-        out.append(f'<text x="{x0 - 4}" y="{base - scale(v) + 4:.1f}" text-anchor="end" fill="#555">{v:.3g}</text>')  # fmt: skip
+        out.append(f'<text x="{x0 - 4}" y="{base - scale(v) + 4:.1f}" text-anchor="end" fill="#555">{v:.3g}</text>')
     return out

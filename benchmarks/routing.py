@@ -101,18 +101,28 @@ def spread(counts: Counter, groups: list[str]) -> dict:
     return {"per_group": values, "max_over_mean": round(max(values) / mean, 3) if mean else None}
 
 
-def make_router(groups, index, hasher, block_size: int, policy_name: str, cost: CostModel, tuning: dict | None = None, requests: Requests | None = None, batch_tokens: int = 2048):  # fmt: skip
+def make_router(
+    groups,
+    index,
+    hasher,
+    block_size: int,
+    policy_name: str,
+    cost: CostModel,
+    tuning: dict | None = None,
+    requests: Requests | None = None,
+    batch_tokens: int = 2048,
+):
     if policy_name == "prefix_aware":
-        policy = PrefixAware(PrefixAwareConfig(cost=cost, **(tuning or {})), block_size, batch_tokens)  # fmt: skip
+        policy = PrefixAware(PrefixAwareConfig(cost=cost, **(tuning or {})), block_size, batch_tokens)
     elif policy_name == BalancedOracle.name:  # plans over the whole trace first
-        policy = BalancedOracle.plan(requests(), [g.group_id for g in groups], block_size=block_size)  # fmt: skip
+        policy = BalancedOracle.plan(requests(), [g.group_id for g in groups], block_size=block_size)
     elif policy_name == CacheAwareThreshold.name:
         policy = CacheAwareThreshold(block_size)
     elif policy_name == Oracle.name:
         policy = Oracle(block_size)
     else:
         policy = make_policy(policy_name, block_size, batch_tokens)
-    info = ModelInfo("bench", max_model_len=1 << 20, block_size=block_size, kv_cache_dtype="auto", vocab_size=1 << 20)  # fmt: skip
+    info = ModelInfo("bench", max_model_len=1 << 20, block_size=block_size, kv_cache_dtype="auto", vocab_size=1 << 20)
     return Router(groups, index, hasher, info, policy=policy)
 
 
@@ -145,9 +155,7 @@ def summarize(name, rows: list[Row], groups, decisions, extra) -> dict:
         "prompt_tokens": prompt,
         "computed_tokens": prompt - actual,
         "requests_per_group": spread(Counter(r.group for r in rows), groups),
-        "prefill_tokens_per_group": spread(
-            Counter({g: v for g, v in extra.pop("prefill").items()}), groups
-        ),  # fmt: skip
+        "prefill_tokens_per_group": spread(Counter({g: v for g, v in extra.pop("prefill").items()}), groups),
         "ttft_s_p50": round(pct(ttfts, 0.5), 4) if ttfts else None,
         "ttft_s_p99": round(pct(ttfts, 0.99), 4) if ttfts else None,
         "decision_ms_p50_trace": round(1e3 * pct(decisions, 0.5), 3),
@@ -162,7 +170,7 @@ def summarize(name, rows: list[Row], groups, decisions, extra) -> dict:
 
 
 # ---- simulated groups ----------------------------------------------------------------------
-def run_sim(args, policy_name: str, server: RedisServer | None, cost: CostModel, rate: float | None = None) -> dict:  # fmt: skip
+def run_sim(args, policy_name: str, server: RedisServer | None, cost: CostModel, rate: float | None = None) -> dict:
     """One policy over the trace (replayed at `rate` requests per second, if given)."""
     hasher = BlockHasher(SECRET, ModelFingerprint("bench", block_size=args.block_size))
     requests = trace_requests(args.trace, args.block_size, rate)
@@ -173,8 +181,10 @@ def run_sim(args, policy_name: str, server: RedisServer | None, cost: CostModel,
         index = RedisPrefixIndex.from_url(server.url, f"sim{uuid.uuid4().hex[:8]}", "bench")
     sched = SchedulerConfig(max_model_len=1 << 20, max_num_batched_tokens=args.batch_tokens)
     cfg = SimGroupConfig(args.blocks, args.block_size, sched, cost)
-    groups = [SimGroup(f"g{i:02d}", cfg, hasher, index, clock or time.monotonic) for i in range(args.groups)]  # fmt: skip
-    router = make_router(groups, index, hasher, args.block_size, policy_name, cost, args.tuning, requests, args.batch_tokens)  # fmt: skip
+    groups = [SimGroup(f"g{i:02d}", cfg, hasher, index, clock or time.monotonic) for i in range(args.groups)]
+    router = make_router(
+        groups, index, hasher, args.block_size, policy_name, cost, args.tuning, requests, args.batch_tokens
+    )
     placed, decisions, last_doc = {}, [], [[]]  # placed: request id -> (predicted, doc, spill)
     doc_hashes: dict[tuple, list[bytes]] = {}
     span = [0.0]  # the last arrival
@@ -185,16 +195,16 @@ def run_sim(args, policy_name: str, server: RedisServer | None, cost: CostModel,
             if r.doc is not None:  # the document's blocks are hashed once per tenant
                 key = (r.doc, r.tenant)
                 if key not in doc_hashes:
-                    doc_hashes[key] = hasher.hash_prompt(r.prompt_token_ids[: r.doc_tokens], cache_salt=r.tenant)  # fmt: skip
+                    doc_hashes[key] = hasher.hash_prompt(r.prompt_token_ids[: r.doc_tokens], cache_salt=r.tenant)
                 head = doc_hashes[key]
                 parent = head[-1] if head else hasher.root(None, r.tenant)
                 hashes = head + hasher.hash_blocks(r.prompt_token_ids, parent, len(head))
                 last_doc[0] = r.prompt_token_ids[: r.doc_tokens]
             span[0] = r.arrival_s
-            yield Arrival(r.id, r.arrival_s, r.prompt_token_ids, r.max_tokens, r.tenant, r.doc, hashes)  # fmt: skip
+            yield Arrival(r.id, r.arrival_s, r.prompt_token_ids, r.max_tokens, r.tenant, r.doc, hashes)
 
     def place(a: Arrival, hashes: list[bytes]) -> SimGroup:
-        best = max((m.expected_blocks for m in router.ledger.matches(hashes).values()), default=0)  # fmt: skip
+        best = max((m.expected_blocks for m in router.ledger.matches(hashes).values()), default=0)
         if isinstance(router.policy, Oracle):
             router.policy.expect(a.key, len(a.prompt))
         t0 = time.perf_counter()
@@ -213,8 +223,17 @@ def run_sim(args, policy_name: str, server: RedisServer | None, cost: CostModel,
     wall = time.perf_counter()
     done = Simulation(groups, hasher, clock=clock).run(arrivals(), place, first_token)
     wall = time.perf_counter() - wall
-    rows = [Row(d.group_id, d.prompt_tokens, placed[d.request_id][0], d.cached_tokens, d.ttft_s, *placed[d.request_id][1:]) for d in done]  # fmt: skip
-    extra = {"prefill": {g.group_id: g.prefill_tokens for g in groups}, "mode": "sim", "index": args.index, "groups": args.groups, "blocks": args.blocks}  # fmt: skip
+    rows = [
+        Row(d.group_id, d.prompt_tokens, placed[d.request_id][0], d.cached_tokens, d.ttft_s, *placed[d.request_id][1:])
+        for d in done
+    ]
+    extra = {
+        "prefill": {g.group_id: g.prefill_tokens for g in groups},
+        "mode": "sim",
+        "index": args.index,
+        "groups": args.groups,
+        "blocks": args.blocks,
+    }
     extra.update(load(groups, span[0], max((d.finished_s for d in done), default=0.0), rate))
     extra["wall_s"] = round(wall, 1)
     if server is not None:
@@ -228,14 +247,14 @@ def run_sim(args, policy_name: str, server: RedisServer | None, cost: CostModel,
     return summarize(policy_name, rows, [g.group_id for g in groups], decisions, extra)
 
 
-def load(groups: list[SimGroup], last_arrival: float, last_finish: float, rate: float | None) -> dict:  # fmt: skip
+def load(groups: list[SimGroup], last_arrival: float, last_finish: float, rate: float | None) -> dict:
     """How busy the groups were: `utilisation`, their steps' seconds over the run's (first
     arrival to last finish, all groups); `offered_load`, the same seconds over the arrivals'
     span: above 1 the trace brought more work than the groups could do while it arrived
     (queues grew to its end), and a warning says so."""
     busy = sum(g.busy_s for g in groups)
-    out = {"rate": rate, "utilisation": round(busy / (len(groups) * last_finish), 3) if last_finish > 0 else None}  # fmt: skip
-    out["offered_load"] = round(busy / (len(groups) * last_arrival), 3) if last_arrival > 0 else None  # fmt: skip
+    out = {"rate": rate, "utilisation": round(busy / (len(groups) * last_finish), 3) if last_finish > 0 else None}
+    out["offered_load"] = round(busy / (len(groups) * last_arrival), 3) if last_arrival > 0 else None
     if out["offered_load"] is not None and out["offered_load"] > 1:
         out["warning"] = "offered load exceeds the groups' capacity: queues grew through the trace"
     return out
@@ -248,11 +267,20 @@ def run_real(args, policy_name: str, server: RedisServer, cost: CostModel) -> di
     ns = f"real{uuid.uuid4().hex[:8]}"
     index = RedisPrefixIndex.from_url(server.url, ns, "bench")  # the groups'
     routed = MirroredPrefixIndex(RedisPrefixIndex.from_url(server.url, ns, "bench"))  # the router's
-    config = engine_config("builtin", num_blocks=args.blocks, block_size=args.block_size, cluster_secret=SECRET, max_num_batched_tokens=args.batch_tokens, max_model_len=min(4096, args.blocks * args.block_size))  # fmt: skip
+    config = engine_config(
+        "builtin",
+        num_blocks=args.blocks,
+        block_size=args.block_size,
+        cluster_secret=SECRET,
+        max_num_batched_tokens=args.batch_tokens,
+        max_model_len=min(4096, args.blocks * args.block_size),
+    )
     groups = [LocalGroup(config, index, group_id=f"g{i}") for i in range(args.groups)]
     hasher = groups[0].hasher
     requests = trace_requests(args.trace, args.block_size)
-    router = make_router(groups, routed, hasher, args.block_size, policy_name, cost, requests=requests, batch_tokens=args.batch_tokens)  # fmt: skip
+    router = make_router(
+        groups, routed, hasher, args.block_size, policy_name, cost, requests=requests, batch_tokens=args.batch_tokens
+    )
     reqs = list(requests())
     rows: list = []
     decisions: list[float] = []
@@ -262,20 +290,34 @@ def run_real(args, policy_name: str, server: RedisServer, cost: CostModel) -> di
         if isinstance(router.policy, Oracle):
             router.policy.expect(r.doc, len(r.prompt_token_ids))
         start = time.perf_counter()
-        req = RouteRequest(prompt_token_ids=r.prompt_token_ids, params=SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True), request_id=r.id, cache_salt=r.tenant)  # fmt: skip
+        req = RouteRequest(
+            prompt_token_ids=r.prompt_token_ids,
+            params=SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True),
+            request_id=r.id,
+            cache_salt=r.tenant,
+        )
         ttft = None
         async for _out in router.generate(req):
             ttft = ttft if ttft is not None else time.perf_counter() - start
         rec = router.records[r.id]
         decisions.append(rec.decision_seconds)
-        rows.append(Row(rec.group_id, len(r.prompt_token_ids), rec.predicted_cached_tokens, rec.actual_cached_tokens, ttft, r.doc))  # fmt: skip
+        rows.append(
+            Row(
+                rec.group_id,
+                len(r.prompt_token_ids),
+                rec.predicted_cached_tokens,
+                rec.actual_cached_tokens,
+                ttft,
+                r.doc,
+            )
+        )
 
     async def replay() -> None:
         t0 = time.perf_counter()
         await asyncio.gather(*(one(r, t0) for r in reqs))
 
     asyncio.run(replay())
-    prefill = {g.group_id: g.status().prefix_cache_queries - g.status().prefix_cache_hits for g in groups}  # fmt: skip
+    prefill = {g.group_id: g.status().prefix_cache_queries - g.status().prefix_cache_hits for g in groups}
     extra = {"prefill": prefill, "mode": "real", "groups": args.groups}
     docs = [r.prompt_token_ids[: r.doc_tokens] for r in reqs if r.doc]
     extra.update(decision_latency(router, docs[-1] if docs else [], hasher, n=20))
@@ -293,16 +335,23 @@ def calibrate(block_size: int = 16) -> CostModel:
     from pagefleet.llm import engine_config
     from worker.engine.llm_engine import LLMEngine
 
-    engine = LLMEngine(engine_config("builtin", num_blocks=1024, block_size=block_size, enable_prefix_caching=False))  # fmt: skip
+    engine = LLMEngine(engine_config("builtin", num_blocks=1024, block_size=block_size, enable_prefix_caching=False))
     rng, samples = random.Random(0), []
     for prefill, decodes in [(0, 1), (0, 8), (0, 32), (256, 0), (1024, 0), (2048, 0), (512, 16)]:
         for _ in range(3):
             for _ in range(decodes):  # decoding sequences: admitted, prefilled, one token out
-                engine.add_request([rng.randrange(1000) for _ in range(8)], SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))  # fmt: skip
-            while engine.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running):  # fmt: skip
+                engine.add_request(
+                    [rng.randrange(1000) for _ in range(8)],
+                    SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True),
+                )
+            while engine.scheduler.waiting or any(
+                r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running
+            ):
                 engine.step()
             if prefill:
-                engine.add_request([rng.randrange(1000) for _ in range(prefill)], SamplingParams(max_tokens=1, temperature=0.0))  # fmt: skip
+                engine.add_request(
+                    [rng.randrange(1000) for _ in range(prefill)], SamplingParams(max_tokens=1, temperature=0.0)
+                )
             t0 = time.perf_counter()
             engine.step()
             samples.append((prefill, decodes, time.perf_counter() - t0))
@@ -317,12 +366,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--policy", default="all", help=f"of {NAMES}: one, several (a,b) or 'all'")
     p.add_argument("--mode", choices=("sim", "real"), default="sim")
     p.add_argument("--blocks", type=int, default=2048, help="KV blocks per group")
-    p.add_argument("--capacity", type=float, help="instead of --blocks: all groups' blocks over the trace's documents' (e.g. 1.25)")  # fmt: skip
+    p.add_argument(
+        "--capacity", type=float, help="instead of --blocks: all groups' blocks over the trace's documents' (e.g. 1.25)"
+    )
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--batch-tokens", type=int, default=2048)
     p.add_argument("--time-scale", type=float, default=1.0, help="real mode: wall s per trace s")
     p.add_argument("--cost", help="cost model JSON (from --calibrate); default: built in")
-    p.add_argument("--index", choices=("memory", "redis"), default="memory", help="sim mode's index")  # fmt: skip
+    p.add_argument("--index", choices=("memory", "redis"), default="memory", help="sim mode's index")
     p.add_argument("--tuning", type=json.loads, default={}, help="PrefixAwareConfig fields, JSON")
     p.add_argument("--latency", help="comma-separated group counts: decision latency over Redis")
     p.add_argument("--calibrate", action="store_true")
@@ -372,7 +423,7 @@ def replay(args, names: list[str], rates: list[float | None], cost: CostModel) -
     """Every policy at every rate (None: the trace's own), printing each line as it comes."""
     results = []
     with contextlib.ExitStack() as stack:
-        server = None if args.mode == "sim" and args.index == "memory" else stack.enter_context(RedisServer())  # fmt: skip
+        server = None if args.mode == "sim" and args.index == "memory" else stack.enter_context(RedisServer())
         for rate in rates:
             for name in names:
                 if args.mode == "sim":

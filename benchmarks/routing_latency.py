@@ -72,7 +72,7 @@ def decision_latency(router: Router, doc: list[int], hasher: BlockHasher, n: int
         base = (doc + filler)[: size - QUESTION_TOKENS]
         router.hash_cache.hash_prompt(base)  # the document's first request hashed it
         prompts = [base + rng.choices(range(1000), k=QUESTION_TOKENS) for _ in range(n)]
-        timed = {k: [] for k in ("validate", "hash", "decision", "overhead", "hash_uncached", "grpc_door")}  # fmt: skip
+        timed = {k: [] for k in ("validate", "hash", "decision", "overhead", "hash_uncached", "grpc_door")}
         cpu0 = _background_cpu_s()
         for tokens in prompts:
             t0 = time.perf_counter()
@@ -119,9 +119,7 @@ def _background_cpu_s() -> float:
     return time.process_time() - time.thread_time()
 
 
-def run_latency(
-    args, server: RedisServer, n_groups: int, cost: CostModel, index_kind: str = "mirror"
-) -> dict:
+def run_latency(args, server: RedisServer, n_groups: int, cost: CostModel, index_kind: str = "mirror") -> dict:
     """Decision latency over Redis with `n_groups` groups: each holds `args.blocks` blocks of
     its own documents; group 0 and one other also hold the document that every timed prompt
     extends (a hit on two groups, a miss on the rest). `index_kind`: "redis" (one round trip
@@ -149,7 +147,9 @@ def run_latency(
         index.publish(g.group_id, epoch, [BlockStored(tuple(held), None)])
         index.report_load(g.group_id, epoch, g.status().load())
     policy = PrefixAware(PrefixAwareConfig(cost=cost), args.block_size, args.batch_tokens)
-    info = ModelInfo("bench", max_model_len=1 << 20, block_size=args.block_size, kv_cache_dtype="auto", vocab_size=1 << 20)  # fmt: skip
+    info = ModelInfo(
+        "bench", max_model_len=1 << 20, block_size=args.block_size, kv_cache_dtype="auto", vocab_size=1 << 20
+    )
     sys.setswitchinterval(ROUTER_SWITCH_INTERVAL_S)  # as `pagefleet serve` runs the router
     if index_kind == "mirror":  # the router's own client, as `pagefleet serve` builds it
         routed = MirroredPrefixIndex(RedisPrefixIndex.from_url(server.url, ns, "bench", config))

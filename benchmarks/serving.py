@@ -57,8 +57,9 @@ class Sample:
 async def one_grpc(client: AsyncClient, req, salt: str) -> Sample:
     s, t0 = Sample(), time.perf_counter()
     try:
-        async for r in client.generate_stream(token_ids=list(req.prompt), max_tokens=req.max_tokens,
-                                              temperature=0.0, ignore_eos=True, cache_salt=salt):  # fmt: skip
+        async for r in client.generate_stream(
+            token_ids=list(req.prompt), max_tokens=req.max_tokens, temperature=0.0, ignore_eos=True, cache_salt=salt
+        ):
             if r.token_ids:
                 s.times.append(time.perf_counter() - t0)
                 s.output_tokens += len(r.token_ids)
@@ -72,9 +73,17 @@ async def one_grpc(client: AsyncClient, req, salt: str) -> Sample:
 
 async def one_http(client: httpx.AsyncClient, model: str, req, salt: str) -> Sample:
     s, t0 = Sample(), time.perf_counter()
-    body = {"model": model, "prompt": list(req.prompt), "max_tokens": req.max_tokens,
-            "temperature": 0.0, "ignore_eos": True, "cache_salt": salt, "stream": True,
-            "stream_options": {"include_usage": True}, "return_token_ids": True}  # fmt: skip
+    body = {
+        "model": model,
+        "prompt": list(req.prompt),
+        "max_tokens": req.max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "cache_salt": salt,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "return_token_ids": True,
+    }
     try:
         async with client.stream("POST", "/v1/completions", json=body) as response:
             response.raise_for_status()
@@ -132,8 +141,7 @@ def summarize(door: str, rate: float, samples: list[Sample], makespan: float) ->
     tpot = [(s.e2e - s.times[0]) / (s.output_tokens - 1) for s in ok if s.output_tokens > 1]
     e2e = [s.e2e for s in ok]
     door_ms = [s.times[0] - s.group_ttft for s in ok if s.group_ttft is not None]
-    line = {"bench": "serving", "door": door, "rate": rate, "requests": len(samples),
-            "errors": len(samples) - len(ok)}  # fmt: skip
+    line = {"bench": "serving", "door": door, "rate": rate, "requests": len(samples), "errors": len(samples) - len(ok)}
     for name, xs in (("ttft", ttft), ("tpot", tpot), ("e2e", e2e), ("door", door_ms)):
         line[f"{name}_ms_p50"], line[f"{name}_ms_p99"] = pct(xs, 0.5), pct(xs, 0.99)
     line["output_tok_s"] = round(sum(s.output_tokens for s in ok) / makespan, 1)
@@ -158,27 +166,53 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     rates = [1.0] if args.quick else [float(r) for r in args.rates.split(",")]
-    workload = ResearchWorkload(num_docs=2, doc_len=(200, 300), questions_per_doc=2, num_chats=2,
-                                output_len=(4, 8), vocab_size=1000, seed=args.seed) if args.quick \
-        else ResearchWorkload(num_docs=3, doc_len=(300, 500), questions_per_doc=4, num_chats=6,
-                              output_len=(16, 48), vocab_size=1000, seed=args.seed)  # fmt: skip
+    workload = (
+        ResearchWorkload(
+            num_docs=2,
+            doc_len=(200, 300),
+            questions_per_doc=2,
+            num_chats=2,
+            output_len=(4, 8),
+            vocab_size=1000,
+            seed=args.seed,
+        )
+        if args.quick
+        else ResearchWorkload(
+            num_docs=3,
+            doc_len=(300, 500),
+            questions_per_doc=4,
+            num_chats=6,
+            output_len=(16, 48),
+            vocab_size=1000,
+            seed=args.seed,
+        )
+    )
     trace = research_requests(workload)
     http_port = free_port()
     model = ["--model", args.model] if args.model else builtin_model_flags()
-    flags = [*model, f"--http-port={http_port}", "--no-metrics", "--grace=1",
-             "--num-blocks=2048", "--max-model-len=2048"]  # fmt: skip
+    flags = [
+        *model,
+        f"--http-port={http_port}",
+        "--no-metrics",
+        "--grace=1",
+        "--num-blocks=2048",
+        "--max-model-len=2048",
+    ]
     lines = []
     with tempfile.TemporaryDirectory() as tmp:
         proc, client = start_serve(flags, free_port(), Path(tmp) / "serve.log", 300)
         try:
-            target = {"grpc": client.target, "http": f"http://127.0.0.1:{http_port}",
-                      "model": client.model_info().model}  # fmt: skip
+            target = {
+                "grpc": client.target,
+                "http": f"http://127.0.0.1:{http_port}",
+                "model": client.model_info().model,
+            }
             asyncio.run(run_load("grpc", target, trace[:2], 100.0, 0, "warm-up"))
             for rate in rates:
                 by_door = {}
                 for door in DOORS:
                     salt = f"{door}-{rate}-{time.time_ns()}"
-                    by_door[door] = asyncio.run(run_load(door, target, trace, rate, args.seed, salt))  # fmt: skip
+                    by_door[door] = asyncio.run(run_load(door, target, trace, rate, args.seed, salt))
                 by_door["http"]["vs_grpc"] = compare(by_door["http"], by_door["grpc"])
                 for line in by_door.values():
                     print(json.dumps(line), flush=True)

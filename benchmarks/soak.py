@@ -81,20 +81,30 @@ class Load:
         text = " ".join(f"w{i}" for i in ids[: self.args.prompt_tokens // 2])
         try:
             if form == "grpc_stream":
-                async for _ in self.grpc.generate_stream(token_ids=ids, max_tokens=n, ignore_eos=True):  # fmt: skip
+                async for _ in self.grpc.generate_stream(token_ids=ids, max_tokens=n, ignore_eos=True):
                     pass
             elif form == "grpc_unary":
                 await self.grpc.generate(text, max_tokens=n, ignore_eos=True)
             elif form == "http_stream":
-                body = {"model": self.model, "prompt": ids, "max_tokens": n, "stream": True,
-                        "ignore_eos": True, "stream_options": {"include_usage": True}}  # fmt: skip
+                body = {
+                    "model": self.model,
+                    "prompt": ids,
+                    "max_tokens": n,
+                    "stream": True,
+                    "ignore_eos": True,
+                    "stream_options": {"include_usage": True},
+                }
                 async with self.http.stream("POST", "/v1/completions", json=body) as r:
                     r.raise_for_status()
                     async for _ in r.aiter_lines():
                         pass
             else:
-                body = {"model": self.model, "max_tokens": n, "ignore_eos": True,
-                        "messages": [{"role": "user", "content": text}]}  # fmt: skip
+                body = {
+                    "model": self.model,
+                    "max_tokens": n,
+                    "ignore_eos": True,
+                    "messages": [{"role": "user", "content": text}],
+                }
                 (await self.http.post("/v1/chat/completions", json=body)).raise_for_status()
         except Exception as e:  # counted, not fatal: the soak reports what failed
             self.errors += 1
@@ -126,10 +136,16 @@ async def soak(args, pid: int, grpc_target: str, http_base: str, metrics_url: st
             rss, children = tree_rss_mb(pid)
             first = first or (load.done, rss)
             slope = (rss - first[1]) / max(load.done - first[0], 1) * 1000
-            line = {"bench": "soak", "t_s": round(time.monotonic() - start, 1),
-                    "requests": load.done, "errors": load.errors, "rss_mb": round(rss, 1),
-                    "children_rss_mb": round(children, 1),
-                    "mb_per_1k_requests": round(slope, 2), "model": model}  # fmt: skip
+            line = {
+                "bench": "soak",
+                "t_s": round(time.monotonic() - start, 1),
+                "requests": load.done,
+                "errors": load.errors,
+                "rss_mb": round(rss, 1),
+                "children_rss_mb": round(children, 1),
+                "mb_per_1k_requests": round(slope, 2),
+                "model": model,
+            }
             print(json.dumps(line), flush=True)
         for w in workers:
             w.result()
@@ -140,16 +156,30 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     port, http_port, metrics_port = free_port(), free_port(), free_port()
     model = ["--model", args.model] if args.model else builtin_model_flags()
-    flags = [*model, "--http-port", str(http_port), "--metrics-port", str(metrics_port),
-             "--num-blocks", str(args.num_blocks), "--grace", "2"]  # fmt: skip
+    flags = [
+        *model,
+        "--http-port",
+        str(http_port),
+        "--metrics-port",
+        str(metrics_port),
+        "--num-blocks",
+        str(args.num_blocks),
+        "--grace",
+        "2",
+    ]
     log = Path(tempfile.mkdtemp(prefix="soak-")) / "serve.log"
     proc, client = start_serve(flags, port, log, 300)
     client.close()
     try:
         asyncio.run(
-            soak(args, proc.pid, f"127.0.0.1:{port}", f"http://127.0.0.1:{http_port}",
-                 f"http://127.0.0.1:{metrics_port}/metrics")
-        )  # fmt: skip
+            soak(
+                args,
+                proc.pid,
+                f"127.0.0.1:{port}",
+                f"http://127.0.0.1:{http_port}",
+                f"http://127.0.0.1:{metrics_port}/metrics",
+            )
+        )
     finally:
         proc.terminate()
         proc.wait(60)

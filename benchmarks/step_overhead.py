@@ -127,14 +127,19 @@ def pct(xs: list[float], q: float) -> float:
     return round(xs[min(len(xs) - 1, int(q * len(xs)))] * 1e3, 3)
 
 
-def timed_engine(forward: str, running: int, steps: int, overlap: bool) -> tuple[LLMEngine, TimedForward]:  # fmt: skip
+def timed_engine(forward: str, running: int, steps: int, overlap: bool) -> tuple[LLMEngine, TimedForward]:
     """The built-in model's engine for `running` requests of `steps` tokens, its forward the
     emulated device (`forward`)."""
-    engine = LLMEngine(engine_config(
-        "builtin", num_blocks=running * (3 + (PROMPT + steps) // 16) + 16, max_num_seqs=running,
-        max_num_batched_tokens=max(2048, running * 2 * PROMPT), max_model_len=2 * PROMPT + steps + 64,
-        **({"overlap": True} if overlap else {}),
-    ))  # fmt: skip
+    engine = LLMEngine(
+        engine_config(
+            "builtin",
+            num_blocks=running * (3 + (PROMPT + steps) // 16) + 16,
+            max_num_seqs=running,
+            max_num_batched_tokens=max(2048, running * 2 * PROMPT),
+            max_model_len=2 * PROMPT + steps + 64,
+            **({"overlap": True} if overlap else {}),
+        )
+    )
     settle_heap()  # as a group's rank does once loaded (cluster/ray/rank_actor.py)
     runner = engine.executor.worker.runner
     mc = engine.model_config
@@ -151,7 +156,7 @@ def prompt_of(i: int, staggered: bool = False) -> list[int]:
     return [(7 * i + j) % 200 + 1 for j in range(PROMPT + (i % 16 if staggered else 0))]
 
 
-def run_case(forward: str, running: int, steps: int, overlap: bool, staggered: bool = False) -> dict:  # fmt: skip
+def run_case(forward: str, running: int, steps: int, overlap: bool, staggered: bool = False) -> dict:
     engine, timed = timed_engine(forward, running, steps, overlap)
     params = SamplingParams(max_tokens=steps + 32, temperature=0.0, ignore_eos=True)
     for i in range(running):
@@ -169,22 +174,30 @@ def run_case(forward: str, running: int, steps: int, overlap: bool, staggered: b
         engine.step()
         walls.append(time.perf_counter() - t)
     done = list(timed.steps)  # (with overlap, also a forward running ahead of the last step)
-    assert len(done) >= steps and all(len(r.output_token_ids) > 0 for r in engine.scheduler.running)  # fmt: skip
+    assert len(done) >= steps and all(len(r.output_token_ids) > 0 for r in engine.scheduler.running)
     engine.executor.shutdown()
     device_s = sorted(d[3] for d in done)[len(done) // 2]
     overhead = [w - device_s for w in walls]
     gaps = [b[0] - a[2] for a, b in zip(done, done[1:], strict=False)]
     after_logits = [b[0] - a[1] for a, b in zip(done, done[1:], strict=False)]
     return {
-        "bench": "step_overhead", "path": "engine", "forward": forward, "running": running,
-        "steps": steps, "overlap": overlap, "prompts": "staggered" if staggered else "aligned",
-        "step_ms_p50": pct(walls, 0.5), "step_ms_p99": pct(walls, 0.99),
-        "overhead_ms_p50": pct(overhead, 0.5), "overhead_ms_p99": pct(overhead, 0.99),
-        "gap_ms_p50": pct(gaps, 0.5), "gap_ms_p99": pct(gaps, 0.99),
+        "bench": "step_overhead",
+        "path": "engine",
+        "forward": forward,
+        "running": running,
+        "steps": steps,
+        "overlap": overlap,
+        "prompts": "staggered" if staggered else "aligned",
+        "step_ms_p50": pct(walls, 0.5),
+        "step_ms_p99": pct(walls, 0.99),
+        "overhead_ms_p50": pct(overhead, 0.5),
+        "overhead_ms_p99": pct(overhead, 0.99),
+        "gap_ms_p50": pct(gaps, 0.5),
+        "gap_ms_p99": pct(gaps, 0.99),
         "gap_after_logits_ms_p50": pct(after_logits, 0.5),
         "ahead_confirmed": (ahead.confirmed - before[0]) if ahead else 0,
         "ahead_discarded": (ahead.discarded - before[1]) if ahead else 0,
-    }  # fmt: skip
+    }
 
 
 def run_served(forward: str, running: int, steps: int, form: str, overlap: bool = False) -> dict:
@@ -212,7 +225,7 @@ def run_served(forward: str, running: int, steps: int, form: str, overlap: bool 
                     ended.set_result(None)
 
         async def follow(rid: str) -> None:  # a task per request (the streams form)
-            async for out in served.generate(GenerationRequest(prompt_of(int(rid[1:])), params, request_id=rid)):  # fmt: skip
+            async for out in served.generate(GenerationRequest(prompt_of(int(rid[1:])), params, request_id=rid)):
                 emit(out)
 
         async def ship() -> None:  # the subscriber's output stream: a batch per wake-up
@@ -245,13 +258,21 @@ def run_served(forward: str, running: int, steps: int, form: str, overlap: bool 
     periods = [b[0] - a[0] for a, b in zip(decode, decode[1:], strict=False)]
     gaps = [b[0] - a[2] for a, b in zip(decode, decode[1:], strict=False)]
     return {
-        "bench": "step_overhead", "path": "served", "form": form, "forward": forward,
-        "running": running, "steps": steps, "overlap": overlap,
-        "period_ms_p50": pct(periods, 0.5), "period_ms_p99": pct(periods, 0.99),
+        "bench": "step_overhead",
+        "path": "served",
+        "form": form,
+        "forward": forward,
+        "running": running,
+        "steps": steps,
+        "overlap": overlap,
+        "period_ms_p50": pct(periods, 0.5),
+        "period_ms_p99": pct(periods, 0.99),
         "overhead_ms_p50": pct([p - device_s for p in periods], 0.5),
-        "gap_ms_p50": pct(gaps, 0.5), "gap_ms_p99": pct(gaps, 0.99),
-        "batches": batches[0], "pickled_kb_per_step": round(batches[1] / max(len(decode), 1) / 1024, 1),
-    }  # fmt: skip
+        "gap_ms_p50": pct(gaps, 0.5),
+        "gap_ms_p99": pct(gaps, 0.99),
+        "batches": batches[0],
+        "pickled_kb_per_step": round(batches[1] / max(len(decode), 1) / 1024, 1),
+    }
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -270,7 +291,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 if serial is None:
                     serial = line
                 else:
-                    line["gap_vs_serial"] = round(line["gap_ms_p50"] / max(serial["gap_ms_p50"], 1e-9), 3)  # fmt: skip
+                    line["gap_vs_serial"] = round(line["gap_ms_p50"] / max(serial["gap_ms_p50"], 1e-9), 3)
                 print(json.dumps(line), flush=True)
                 lines.append(line)
     serial = None  # staggered prompts, 5 ms forward, at the largest count
@@ -285,10 +306,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for forward in ("null", "fixed_5ms"):  # the served path, at the largest count
         for overlap in (False, True):
             streams, relay = (
-                run_served(forward, runs[-1], 20 if args.quick else 200, form, overlap)
-                for form in ("streams", "relay")
+                run_served(forward, runs[-1], 20 if args.quick else 200, form, overlap) for form in ("streams", "relay")
             )
-            relay["relay_vs_streams"] = round(relay["period_ms_p50"] / max(streams["period_ms_p50"], 1e-9), 3)  # fmt: skip
+            relay["relay_vs_streams"] = round(relay["period_ms_p50"] / max(streams["period_ms_p50"], 1e-9), 3)
             for line in (streams, relay):
                 print(json.dumps(line), flush=True)
                 lines.append(line)

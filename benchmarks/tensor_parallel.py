@@ -59,9 +59,13 @@ GOAL_SLACK_MS = 0.2
 def make_group(model: str, tp: int, max_tokens: int, cpu_binding: str | None = None) -> RayGroup:
     max_len = PROMPT_LEN + max_tokens
     config = engine_config(
-        model, num_blocks=max(RUNNING) * (max_len // 16 + 2), block_size=16,
-        max_model_len=max_len, max_num_seqs=max(RUNNING), max_num_batched_tokens=8192,
-    )  # fmt: skip
+        model,
+        num_blocks=max(RUNNING) * (max_len // 16 + 2),
+        block_size=16,
+        max_model_len=max_len,
+        max_num_seqs=max(RUNNING),
+        max_num_batched_tokens=8192,
+    )
     binding = "|".join(cpu_binding.split("|")[:tp]) if cpu_binding else None
     return RayGroup(config, RayGroupConfig(tensor_parallel_size=tp, cpu_binding=binding))
 
@@ -147,9 +151,7 @@ def bench_overhead(group: RayGroup, n: int, max_tokens: int, rounds: int) -> dic
     samples = sorted(max(total for total, _ in step) for step in per_step)
     p50 = statistics.median(samples)
     ranks = list(zip(*per_step, strict=True))  # per rank: (total, parts) of each step
-    parts = [
-        [ms(statistics.median(p)) for p in zip(*(pt for _, pt in r), strict=True)] for r in ranks
-    ]
+    parts = [[ms(statistics.median(p)) for p in zip(*(pt for _, pt in r), strict=True)] for r in ranks]
     return {
         "case": "control_overhead",
         "tp": group.tp,
@@ -192,7 +194,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--probe-rounds", type=int, default=200)
     ap.add_argument("--address", default=None, help="Ray cluster address (default: local)")
-    ap.add_argument("--cpu-binding", default=None, help='cores per rank, e.g. "0|1" (RayGroupConfig.cpu_binding)')  # fmt: skip
+    ap.add_argument("--cpu-binding", default=None, help='cores per rank, e.g. "0|1" (RayGroupConfig.cpu_binding)')
     args = ap.parse_args()
     model = str(args.model or builtin_model_path())
     ensure_ray(args.address, num_cpus=4)

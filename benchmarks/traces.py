@@ -60,7 +60,7 @@ class TraceConfig:
         if not 0 < self.doc_min_frac <= self.doc_max_frac <= 1:
             raise ValueError(f"doc_max_frac must be in [doc_min_frac, 1], got {self.doc_max_frac}")
         if not 1 <= self.questions_min <= self.questions_max:
-            raise ValueError(f"questions_max must be >= questions_min >= 1, got {self.questions_max}")  # fmt: skip
+            raise ValueError(f"questions_max must be >= questions_min >= 1, got {self.questions_max}")
         if not 0 <= self.chat_share < 1:
             raise ValueError(f"chat_share must be in [0, 1), got {self.chat_share}")
         if not self.fill > 0 or not self.rate > 0:
@@ -86,9 +86,9 @@ def generate(cfg: TraceConfig) -> Iterator[dict]:
         else:
             d = rng.choices(range(len(docs)), weights)[0]
             at = t
-            for _ in range(min(rng.randint(cfg.questions_min, cfg.questions_max), cfg.requests - made)):  # fmt: skip
-                q = _rand(rng, rng.randint(cfg.question_tokens // 2, cfg.question_tokens * 3 // 2), cfg.vocab)  # fmt: skip
-                pending.append({"arrival_s": at, "doc": f"d{d}", "suffix_token_ids": q, "tenant": tenant_of[d]})  # fmt: skip
+            for _ in range(min(rng.randint(cfg.questions_min, cfg.questions_max), cfg.requests - made)):
+                q = _rand(rng, rng.randint(cfg.question_tokens // 2, cfg.question_tokens * 3 // 2), cfg.vocab)
+                pending.append({"arrival_s": at, "doc": f"d{d}", "suffix_token_ids": q, "tenant": tenant_of[d]})
                 at += rng.expovariate(1 / cfg.burst_gap_s)
                 made += 1
         pending.sort(key=lambda r: r["arrival_s"])
@@ -156,9 +156,15 @@ def read(path: str) -> Iterator[TraceRequest]:
             if (ids is None) == (prompt is None):
                 raise ValueError(f"{path}:{lineno}: give prompt_token_ids or prompt")
             yield TraceRequest(
-                str(line["id"]), float(line["arrival_s"]), ids, prompt, int(line["max_tokens"]),
-                line.get("tenant"), doc, len(docs[doc]) if doc else 0,
-            )  # fmt: skip
+                str(line["id"]),
+                float(line["arrival_s"]),
+                ids,
+                prompt,
+                int(line["max_tokens"]),
+                line.get("tenant"),
+                doc,
+                len(docs[doc]) if doc else 0,
+            )
 
 
 def main(argv: list[str] | None = None) -> None:

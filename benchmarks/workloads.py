@@ -36,15 +36,11 @@ class ResearchWorkload:
         for name in ("doc_len", "question_len", "chat_len", "output_len"):
             low, high = getattr(self, name)
             if not 1 <= low <= high:
-                raise ValueError(
-                    f"{name} must be (low, high) with 1 <= low <= high, got {(low, high)}"
-                )
+                raise ValueError(f"{name} must be (low, high) with 1 <= low <= high, got {(low, high)}")
         if self.vocab_size < 2:
             raise ValueError(f"vocab_size must be >= 2, got {self.vocab_size}")
         if self.num_docs * self.questions_per_doc + self.num_chats == 0:
-            raise ValueError(
-                "the workload has no requests: raise num_docs/questions_per_doc or num_chats"
-            )
+            raise ValueError("the workload has no requests: raise num_docs/questions_per_doc or num_chats")
 
 
 @dataclass(frozen=True)

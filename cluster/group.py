@@ -64,14 +64,22 @@ def status_from_stats(
     error: str | None = None,
 ) -> GroupStatus:
     return GroupStatus(
-        group_id=group_id, alive=alive, tensor_parallel_size=tp, devices=devices,
-        blocks_total=stats.get("blocks_total", 0), blocks_free=stats.get("blocks_free", 0),
-        blocks_cached=stats.get("blocks_cached", 0), running=stats.get("running", 0),
-        waiting=stats.get("waiting", 0), pending_prefill_tokens=stats.get("pending_prefill_tokens", 0),
+        group_id=group_id,
+        alive=alive,
+        tensor_parallel_size=tp,
+        devices=devices,
+        blocks_total=stats.get("blocks_total", 0),
+        blocks_free=stats.get("blocks_free", 0),
+        blocks_cached=stats.get("blocks_cached", 0),
+        running=stats.get("running", 0),
+        waiting=stats.get("waiting", 0),
+        pending_prefill_tokens=stats.get("pending_prefill_tokens", 0),
         prefix_cache_queries=stats.get("prefix_cache_queries", 0),
-        prefix_cache_hits=stats.get("prefix_cache_hits", 0), preemptions=stats.get("preemptions", 0),
-        error=error, draining=bool(stats.get("draining", False)),
-    )  # fmt: skip
+        prefix_cache_hits=stats.get("prefix_cache_hits", 0),
+        preemptions=stats.get("preemptions", 0),
+        error=error,
+        draining=bool(stats.get("draining", False)),
+    )
 
 
 class GroupHandle(ABC):

@@ -60,9 +60,13 @@ class LocalGroup(GroupHandle):
     def status(self) -> GroupStatus:
         dead = self.engine.dead
         return status_from_stats(
-            self.group_id, self.engine.stats(), alive=dead is None, tp=1, devices=(self.config.device,),
+            self.group_id,
+            self.engine.stats(),
+            alive=dead is None,
+            tp=1,
+            devices=(self.config.device,),
             error=None if dead is None else f"{type(dead).__name__}: {dead}",
-        )  # fmt: skip
+        )
 
     def shutdown(self) -> None:
         self.engine.shutdown()

@@ -99,9 +99,7 @@ def local_kv_heads(kv_heads: int, tp: int) -> int:
             raise ValueError(f"kv_heads={kv_heads} is not divisible by tp={tp}")
         return kv_heads // tp
     if tp % kv_heads:
-        raise ValueError(
-            f"tp={tp} is not a multiple of kv_heads={kv_heads} (needed to replicate KV heads)"
-        )
+        raise ValueError(f"tp={tp} is not a multiple of kv_heads={kv_heads} (needed to replicate KV heads)")
     return 1
 
 
@@ -115,9 +113,7 @@ def bytes_per_token(layers: int, kv_heads: int, head_dim: int, kv_dtype: str, tp
     return 2 * layers * heads * per_head
 
 
-def block_bytes(
-    layers: int, kv_heads: int, head_dim: int, kv_dtype: str, block_size: int, tp: int = 1
-) -> int:
+def block_bytes(layers: int, kv_heads: int, head_dim: int, kv_dtype: str, block_size: int, tp: int = 1) -> int:
     """Bytes of one block of `block_size` tokens; per device when tp > 1."""
     _check_positive("block_size", block_size)
     return block_size * bytes_per_token(layers, kv_heads, head_dim, kv_dtype, tp)

@@ -117,15 +117,25 @@ class SimGroup(GroupHandle):
 
     # ---- the driver's side -------------------------------------------------------------
     def submit(
-        self, request_id: str, prompt: Sequence[int], max_tokens: int, now: float,
-        block_hashes: Sequence[bytes] = (), cache_salt: str | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        request_id: str,
+        prompt: Sequence[int],
+        max_tokens: int,
+        now: float,
+        block_hashes: Sequence[bytes] = (),
+        cache_salt: str | None = None,
+    ) -> None:
         """Queue a request that arrived at simulated time `now`."""
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
         req = Request(
-            request_id, prompt, params, max_tokens=max_tokens, arrival_time=now,
-            hash_root=self.hasher.root(None, cache_salt), block_hashes=block_hashes,
-        )  # fmt: skip
+            request_id,
+            prompt,
+            params,
+            max_tokens=max_tokens,
+            arrival_time=now,
+            hash_root=self.hasher.root(None, cache_salt),
+            block_hashes=block_hashes,
+        )
         self.scheduler.add_request(req)
         self._stale()
         self.records[request_id] = SimRecord(request_id, self.group_id, now, len(prompt))
@@ -208,13 +218,20 @@ class SimGroup(GroupHandle):
     def _make_status(self) -> GroupStatus:
         bm, sched = self.scheduler.bm, self.scheduler
         return GroupStatus(
-            group_id=self.group_id, alive=self.alive, tensor_parallel_size=1, devices=("sim",),
-            blocks_total=bm.num_blocks, blocks_free=bm.num_free_blocks,
-            blocks_cached=bm.num_cached_blocks, running=sched.num_running,
-            waiting=sched.num_waiting, pending_prefill_tokens=sched.pending_prefill_tokens(),
-            prefix_cache_queries=bm.prefix_queries, prefix_cache_hits=bm.prefix_hits,
+            group_id=self.group_id,
+            alive=self.alive,
+            tensor_parallel_size=1,
+            devices=("sim",),
+            blocks_total=bm.num_blocks,
+            blocks_free=bm.num_free_blocks,
+            blocks_cached=bm.num_cached_blocks,
+            running=sched.num_running,
+            waiting=sched.num_waiting,
+            pending_prefill_tokens=sched.pending_prefill_tokens(),
+            prefix_cache_queries=bm.prefix_queries,
+            prefix_cache_hits=bm.prefix_hits,
             preemptions=sched.num_preemptions,
-        )  # fmt: skip
+        )
 
     def shutdown(self) -> None:
         self.alive = False
@@ -266,7 +283,9 @@ class Simulation:
         self._heap: list[tuple[float, int, object]] = []
         self._seq = itertools.count()
 
-    def run(self, arrivals: Iterable[Arrival], place: PlaceFn, first_token: FirstTokenFn | None = None) -> list[SimRecord]:  # fmt: skip
+    def run(
+        self, arrivals: Iterable[Arrival], place: PlaceFn, first_token: FirstTokenFn | None = None
+    ) -> list[SimRecord]:
         """Replay `arrivals` (in arrival order; read lazily) to the end; returns every finished
         record. `first_token` hears of each request's first token when its step ends."""
         pending = iter(arrivals)

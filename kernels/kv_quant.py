@@ -60,9 +60,7 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.
     return y.to(dtype)
 
 
-def dequantize(
-    codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32
-) -> torch.Tensor:
+def dequantize(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """codes (..., head_dim) x scale, in `dtype`; `scale` is (...) per token and head or (1,)."""
     s = scale.to(dtype)
     if s.dim() == codes.dim() - 1:
@@ -101,9 +99,7 @@ def write_quantized(
     flat.index_copy_(0, slots, codes.view(torch.uint8))
 
 
-def check_scales(
-    key_cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None
-) -> None:
+def check_scales(key_cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> None:
     """Raise ValueError naming k_scale / v_scale when they do not fit the cache: None for a
     float cache; for an 8-bit one, float16/float32 of shape (num_blocks, block_size,
     num_kv_heads), contiguous in its last dimension, or a single value."""

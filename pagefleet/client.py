@@ -34,8 +34,7 @@ DEFAULT_TARGET = "127.0.0.1:50151"
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 _SAMPLING = set(pb.SamplingParams.DESCRIPTOR.fields_by_name)
 _REQUEST = {"request_id", "cache_salt", "tenant", "priority", "output_kind"}
-_FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length",
-           pb.FINISH_REASON_ABORT: "abort"}  # fmt: skip
+_FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_ABORT: "abort"}
 
 
 @dataclass
@@ -103,9 +102,7 @@ def _add(done: Completion, r: pb.GenerateResponse) -> None:
         u = r.usage
         done.finish_reason = _FINISH.get(r.finish_reason)
         done.prompt_tokens, done.completion_tokens = u.prompt_tokens, u.completion_tokens
-        done.cached_tokens, done.ttft_seconds, done.e2e_seconds = (
-            u.cached_tokens, u.ttft_seconds, u.e2e_seconds
-        )  # fmt: skip
+        done.cached_tokens, done.ttft_seconds, done.e2e_seconds = (u.cached_tokens, u.ttft_seconds, u.e2e_seconds)
 
 
 def _options(max_message_bytes: int) -> list[tuple[str, int]]:
@@ -133,9 +130,7 @@ class Security:
         """A channel from `grpc` or `grpc.aio`: secure with TLS, else insecure."""
         if not (self.tls or self.root_certificates or self.certificate_chain):
             return grpc_module.insecure_channel(target, options=options)
-        credentials = grpc.ssl_channel_credentials(
-            self.root_certificates, self.private_key, self.certificate_chain
-        )
+        credentials = grpc.ssl_channel_credentials(self.root_certificates, self.private_key, self.certificate_chain)
         return grpc_module.secure_channel(target, credentials, options=options)
 
 
@@ -363,7 +358,7 @@ class AsyncClient:
         for attempt in itertools.count():
             try:
                 target, stub = self.routers.stub()
-                return await getattr(stub, method)(request, timeout=self.timeout, metadata=self._md)  # fmt: skip
+                return await getattr(stub, method)(request, timeout=self.timeout, metadata=self._md)
             except grpc.RpcError as e:
                 if not self.routers.move_on(e, attempt, target):
                     raise

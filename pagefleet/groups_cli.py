@@ -42,8 +42,8 @@ def _action(actions, name: str, help: str) -> argparse.ArgumentParser:
 def _add_cluster_arguments(parser: argparse.ArgumentParser, on_action: bool) -> None:
     # (an action's flag, not given, leaves what the groups parser took: SUPPRESS adds nothing)
     cluster, address = (argparse.SUPPRESS,) * 2 if on_action else ("pagefleet", None)
-    parser.add_argument("--cluster", default=cluster, help="the cluster's name (default pagefleet)")  # fmt: skip
-    parser.add_argument("--address", default=address, help="the Ray cluster's address (HOST:PORT or auto); required")  # fmt: skip
+    parser.add_argument("--cluster", default=cluster, help="the cluster's name (default pagefleet)")
+    parser.add_argument("--address", default=address, help="the Ray cluster's address (HOST:PORT or auto); required")
 
 
 def _add_output_arguments(parser: argparse.ArgumentParser, timeout: bool) -> None:
@@ -61,15 +61,18 @@ def _add_start_arguments(parser: argparse.ArgumentParser) -> None:
         required=True,
         help="the shared prefix index: routers of other processes find the blocks there",
     )
-    parser.add_argument("--model", help="a model directory, a .gguf file, 'builtin' or 'default'")  # fmt: skip
+    parser.add_argument("--model", help="a model directory, a .gguf file, 'builtin' or 'default'")
     parser.add_argument("--groups", type=_positive_int, default=1, help="how many groups")
     parser.add_argument("--tp", type=_positive_int, default=1, help="devices per group")
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     parser.add_argument(
-        "--group-resource", action="append", default=[], metavar="NAME=AMOUNT",
+        "--group-resource",
+        action="append",
+        default=[],
+        metavar="NAME=AMOUNT",
         help="a custom Ray resource every rank's bundle takes (repeatable), e.g. "
         "pf_group=1 on nodes that declare one each to place one group per node",
-    )  # fmt: skip
+    )
     _add_output_arguments(parser, timeout=True)
     engine = parser.add_argument_group("engine of each group")
     for name in _ENGINE_FLAGS:
@@ -79,7 +82,7 @@ def _add_start_arguments(parser: argparse.ArgumentParser) -> None:
 def run_groups(args: argparse.Namespace) -> int:
     """Start, show, drain or stop the cluster's groups."""
     if not args.address:
-        raise ValueError(f"groups {args.action} needs --address: the Ray cluster's (HOST:PORT or auto)")  # fmt: skip
+        raise ValueError(f"groups {args.action} needs --address: the Ray cluster's (HOST:PORT or auto)")
     # Ray's driver prints the cluster's events (a node marked dead, ...) to stdout from a thread
     # of its own, at any moment: they go to stderr, and stdout carries only this command's
     # output (`--json` stays one JSON document for a script to read).
@@ -133,31 +136,38 @@ def _spec(args: argparse.Namespace):
     from router.serve import model_name, take_cluster_secret
 
     options = {k: getattr(args, k) for k in _ENGINE_FLAGS if getattr(args, k) is not None}
-    config = engine_config(args.model, device=args.device, cluster_secret=take_cluster_secret(), **options)  # fmt: skip
+    config = engine_config(args.model, device=args.device, cluster_secret=take_cluster_secret(), **options)
     resources = {}
     for item in args.group_resource:
         name, _, amount = item.partition("=")
         try:
             resources[name] = float(amount)
         except ValueError:
-            raise ValueError(f"--group-resource {item!r}: give NAME=AMOUNT, e.g. pf_group=1") from None  # fmt: skip
+            raise ValueError(f"--group-resource {item!r}: give NAME=AMOUNT, e.g. pf_group=1") from None
     group_config = RayGroupConfig(tensor_parallel_size=args.tp, bundle_resources=resources)
-    return GroupsSpec(
-        config, group_config, args.groups, args.cluster, model_name(config.model), args.redis
-    )  # fmt: skip
+    return GroupsSpec(config, group_config, args.groups, args.cluster, model_name(config.model), args.redis)
 
 
 def _print(infos, as_json: bool, out) -> None:
     rows = [
-        {"group": i.group_id, "state": i.state, "generation": i.generation,
-         "restarts": i.restarts, "nodes": [r.get("node_id", "") for r in i.ranks],
-         "pids": [r.get("pid") for r in i.ranks], "error": i.error}
+        {
+            "group": i.group_id,
+            "state": i.state,
+            "generation": i.generation,
+            "restarts": i.restarts,
+            "nodes": [r.get("node_id", "") for r in i.ranks],
+            "pids": [r.get("pid") for r in i.ranks],
+            "error": i.error,
+        }
         for i in infos
-    ]  # fmt: skip
+    ]
     if as_json:
         print(json.dumps(rows), file=out)
         return
     for r in rows:
         error = f"  ({r['error']})" if r["error"] else ""
         nodes = ",".join(sorted({n[:8] for n in r["nodes"]}))
-        print(f"{r['group']}: {r['state']}, generation {r['generation']}, {r['restarts']} restart(s), nodes {nodes}{error}", file=out)  # fmt: skip
+        print(
+            f"{r['group']}: {r['state']}, generation {r['generation']}, {r['restarts']} restart(s), nodes {nodes}{error}",
+            file=out,
+        )

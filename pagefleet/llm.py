@@ -84,15 +84,9 @@ class LLM:
         `SamplingParams.n > 1` runs n requests of the same prompt: the later ones reuse the
         first one's cached prompt blocks, and the output holds the n completions."""
         prompts = _prompt_list(prompts)
-        params = (
-            list(sampling_params)
-            if isinstance(sampling_params, Sequence)
-            else [sampling_params] * len(prompts)
-        )
+        params = list(sampling_params) if isinstance(sampling_params, Sequence) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
-            raise ValueError(
-                f"sampling_params has {len(params)} entries for {len(prompts)} prompts"
-            )
+            raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts")
         params = [sp or SamplingParams() for sp in params]
         # one request per completion: (index of its prompt, its parameters)
         requests = [(i, sp.for_completion(j)) for i, sp in enumerate(params) for j in range(sp.n)]
@@ -141,9 +135,7 @@ class LLM:
 
     async def _generate_on_group(self, runs, cache_salt) -> list[RequestOutput]:
         async def one(prompt, sp) -> RequestOutput:
-            async for out in self.group.generate(
-                GenerationRequest(prompt, sp, cache_salt=cache_salt)
-            ):
+            async for out in self.group.generate(GenerationRequest(prompt, sp, cache_salt=cache_salt)):
                 last = out
             return last
 
@@ -168,9 +160,7 @@ def _prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[str | Sequence[int]
     for p in [prompts] if one else prompts:
         if isinstance(p, Mapping):
             if ("prompt" in p) == ("prompt_token_ids" in p):
-                raise ValueError(
-                    "a prompt dict needs exactly one of 'prompt' or 'prompt_token_ids'"
-                )
+                raise ValueError("a prompt dict needs exactly one of 'prompt' or 'prompt_token_ids'")
             p = p["prompt"] if "prompt" in p else p["prompt_token_ids"]
         out.append(p)
     return out

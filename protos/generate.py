@@ -52,9 +52,7 @@ def generate(out_dir: Path, root: Path = PROTOS) -> list[Path]:
     ]
     if protoc.main(args) != 0:
         raise RuntimeError(f"protoc failed on {protos}")
-    written = sorted(
-        p.relative_to(out_dir) for p in out_dir.rglob("*") if p.name.endswith(SUFFIXES)
-    )
+    written = sorted(p.relative_to(out_dir) for p in out_dir.rglob("*") if p.name.endswith(SUFFIXES))
     for rel in written:
         path = out_dir / rel
         path.write_text(_IMPORT.sub(r"\1 protos.\2", path.read_text()))

@@ -100,9 +100,7 @@ class _Segment:
 
 
 # what an evicted segment listed in a run still holds: the object and its parent hash
-_PINNED_BYTES = sys.getsizeof(_Segment(b"", b"", bytes(DIGEST_SIZE))) + sys.getsizeof(
-    bytes(DIGEST_SIZE)
-)
+_PINNED_BYTES = sys.getsizeof(_Segment(b"", b"", bytes(DIGEST_SIZE))) + sys.getsizeof(bytes(DIGEST_SIZE))
 
 
 class _Run:
@@ -255,9 +253,7 @@ class PrefixHashCache:
             self._run_bytes -= node.run.size
             node.run = None
 
-    def _store(
-        self, raw: bytes, chain: bytes, a: int, parent: bytes, node: _Segment | None, k: int
-    ) -> list[_Segment]:
+    def _store(self, raw: bytes, chain: bytes, a: int, parent: bytes, node: _Segment | None, k: int) -> list[_Segment]:
         """Stores the blocks from raw[a:] on (hashes in `chain`), after the walk's last segment
         `node`: cut `node` where the prompt diverges from it, or grow it if it is a short leaf (a
         chat's previous turn), then new segments. Returns the new segments, oldest block first."""
@@ -361,8 +357,6 @@ def _entry_bytes(segment_bytes: int, segment_blocks: int) -> int:
     its parent's and last hash, plus its LRU slot and link node and its entry in its siblings'
     dict."""
     digest = sys.getsizeof(bytes(DIGEST_SIZE))
-    node = sys.getsizeof(_Segment(b"", b"", bytes(DIGEST_SIZE))) + sys.getsizeof(
-        bytes(segment_bytes)
-    )
+    node = sys.getsizeof(_Segment(b"", b"", bytes(DIGEST_SIZE))) + sys.getsizeof(bytes(segment_bytes))
     hashes = sys.getsizeof(bytes(segment_blocks * DIGEST_SIZE)) + 2 * digest  # blob, parent, last
     return node + hashes + 160

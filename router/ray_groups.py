@@ -44,7 +44,7 @@ class RayGroups:
     owned: bool  # this process started the supervisor: it stops it
 
     @classmethod
-    def embedded(cls, spec: GroupsSpec, index: Sequence[IndexWriter], timeout_s: float) -> RayGroups:  # fmt: skip
+    def embedded(cls, spec: GroupsSpec, index: Sequence[IndexWriter], timeout_s: float) -> RayGroups:
         """Start this server's own groups (`spec`; without Redis their KV events stream to
         this router, for `index`) and wait until every one serves."""
         subscriber = new_subscriber()
@@ -97,10 +97,10 @@ class RayGroups:
             if (every and len(serving) == len(infos)) or (not every and serving):
                 return
             if broken and (every or not serving):
-                raise GroupsFailedError(f"group {broken[0].group_id} did not start: {broken[0].error}")  # fmt: skip
+                raise GroupsFailedError(f"group {broken[0].group_id} did not start: {broken[0].error}")
             if time.monotonic() > deadline:
                 states = {i.group_id: i.state for i in infos}
-                raise GroupsFailedError(f"the groups did not all serve within {timeout_s} s: {states}")  # fmt: skip
+                raise GroupsFailedError(f"the groups did not all serve within {timeout_s} s: {states}")
             time.sleep(0.2)
 
     def model_facts(self, timeout_s: float = 60.0):
@@ -113,7 +113,7 @@ class RayGroups:
 
     def follow(self, router, loop: asyncio.AbstractEventLoop) -> None:
         """From now on hand the router every change of the groups, on its event loop."""
-        self.directory.on_change = lambda handles: loop.call_soon_threadsafe(router.set_groups, handles)  # fmt: skip
+        self.directory.on_change = lambda handles: loop.call_soon_threadsafe(router.set_groups, handles)
         router.absent_statuses = self.absent_statuses
         self.directory.start()
 
@@ -134,7 +134,18 @@ class RayGroups:
 
 def _status(info: GroupInfo) -> GroupStatus:
     return GroupStatus(
-        group_id=info.group_id, alive=False, tensor_parallel_size=0, devices=(), blocks_total=0,
-        blocks_free=0, blocks_cached=0, running=0, waiting=0, pending_prefill_tokens=0,
-        error=info.error, state=info.state, generation=info.generation, restarts=info.restarts,
-    )  # fmt: skip
+        group_id=info.group_id,
+        alive=False,
+        tensor_parallel_size=0,
+        devices=(),
+        blocks_total=0,
+        blocks_free=0,
+        blocks_cached=0,
+        running=0,
+        waiting=0,
+        pending_prefill_tokens=0,
+        error=info.error,
+        state=info.state,
+        generation=info.generation,
+        restarts=info.restarts,
+    )

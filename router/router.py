@@ -70,10 +70,13 @@ class ModelInfo:
     @classmethod
     def of(cls, name: str, facts: ModelFacts) -> ModelInfo:
         return cls(
-            model=name, max_model_len=facts.max_model_len, block_size=facts.fingerprint.block_size,
-            kv_cache_dtype=facts.fingerprint.kv_cache_dtype, vocab_size=facts.vocab_size,
+            model=name,
+            max_model_len=facts.max_model_len,
+            block_size=facts.fingerprint.block_size,
+            kv_cache_dtype=facts.fingerprint.kv_cache_dtype,
+            vocab_size=facts.vocab_size,
             eos_token_ids=facts.eos_token_ids,
-        )  # fmt: skip
+        )
 
 
 @dataclass
@@ -144,20 +147,24 @@ class _Stream:
             c = out.outputs[0]
             asked = c.logprobs is not None
             whole = replace(
-                c, token_ids=list(self.tokens), text="".join(self.texts),
+                c,
+                token_ids=list(self.tokens),
+                text="".join(self.texts),
                 logprobs=list(self.logprobs) if asked else None,
                 cumulative_logprob=sum(lp.logprob for lp in self.logprobs) if asked else None,
-            )  # fmt: skip
+            )
             out = out.replace(outputs=[whole, *out.outputs[1:]])
         if self.metrics is None:
             self.metrics = out.metrics
         elif out.metrics is not self.metrics:
             first, m = self.metrics, out.metrics
             merged = RequestMetrics(
-                arrival_time=first.arrival_time, first_scheduled_time=first.first_scheduled_time,
-                first_token_time=first.first_token_time, finished_time=m.finished_time,
+                arrival_time=first.arrival_time,
+                first_scheduled_time=first.first_scheduled_time,
+                first_token_time=first.first_token_time,
+                finished_time=m.finished_time,
                 token_times=m.token_times,
-            )  # fmt: skip
+            )
             out = out.replace(metrics=merged)
         return out
 
@@ -182,15 +189,12 @@ class Router:
         self.tokenizer = tokenizer
         # Text beyond this many characters cannot fit the context, whatever its tokens: it is
         # refused before the tokenizer spends seconds on it.
-        self.max_prompt_chars = (
-            None if tokenizer is None else max_prompt_chars(tokenizer, model_info.max_model_len)
-        )
+        self.max_prompt_chars = None if tokenizer is None else max_prompt_chars(tokenizer, model_info.max_model_len)
         if isinstance(policy, str):
             policy = make_policy(policy, model_info.block_size)
         if policy.block_size != model_info.block_size:
             raise ValueError(
-                f"the policy counts blocks of {policy.block_size} tokens; the model's are "
-                f"{model_info.block_size}"
+                f"the policy counts blocks of {policy.block_size} tokens; the model's are {model_info.block_size}"
             )
         self.policy = policy
         self.max_attempts = max_attempts
@@ -227,9 +231,7 @@ class Router:
     def checked_prompt(self, request: RouteRequest) -> tuple[list[int] | array, array]:
         """The prompt's ids, checked, and as the uint32 array the hash cache reads; ids given as
         an array stay that array (see worker/token_ids.py)."""
-        given = [
-            x is not None for x in (request.prompt, request.prompt_token_ids, request.messages)
-        ]
+        given = [x is not None for x in (request.prompt, request.prompt_token_ids, request.messages)]
         if sum(given) != 1:
             raise ValueError("give exactly one of prompt, prompt_token_ids or messages")
         if request.prompt_token_ids is not None:
@@ -324,15 +326,27 @@ class Router:
             predicted = placement.cached_tokens(len(ids), self.model_info.block_size)
             decided = time.perf_counter() - t0
             if state.record is None:  # one record per request, updated when it moves
-                state.record = RouteRecord(rid, placement.group_id, placement.reason, predicted, decision_seconds=decided, resumes=state.resumes)  # fmt: skip
+                state.record = RouteRecord(
+                    rid,
+                    placement.group_id,
+                    placement.reason,
+                    predicted,
+                    decision_seconds=decided,
+                    resumes=state.resumes,
+                )
             else:
                 state.record.moved(placement, predicted, decided, state.resumes)
             record = self.records[rid] = state.record
             group = self.groups[placement.group_id]
             forwarded = GenerationRequest(
-                ids, request.params, request_id=rid, priority=request.priority,
-                cache_salt=request.cache_salt, block_hashes=hashes, resume=state.resume(),
-            )  # fmt: skip
+                ids,
+                request.params,
+                request_id=rid,
+                priority=request.priority,
+                cache_salt=request.cache_salt,
+                block_hashes=hashes,
+                resume=state.resume(),
+            )
             hits = record.predicted_cached_tokens
             sent = len(ids) - hits
             self.ledger.add_in_flight(placement.group_id, sent, hits)
@@ -358,15 +372,20 @@ class Router:
                     state.resumes += 1
                     log.warning(
                         "group %s died after %d tokens of %s (%s); resuming it elsewhere",
-                        placement.group_id, len(state.tokens), rid, e,
-                    )  # fmt: skip
+                        placement.group_id,
+                        len(state.tokens),
+                        rid,
+                        e,
+                    )
                 elif len(state.tried) >= self.max_attempts:
                     raise
                 else:
                     log.warning(
                         "group %s failed before the first token of %s (%s); retrying elsewhere",
-                        placement.group_id, rid, e,
-                    )  # fmt: skip
+                        placement.group_id,
+                        rid,
+                        e,
+                    )
             finally:
                 if not started:
                     self.ledger.add_in_flight(placement.group_id, -sent, -hits)
@@ -383,9 +402,7 @@ class Router:
                 return self.place(hashes, exclude=exclude)
             except NoGroupAvailableError:
                 if state.tried and state.tried <= state.full:
-                    raise QueueFullError(
-                        f"every live group's queue is full ({len(state.tried)} tried)"
-                    ) from None
+                    raise QueueFullError(f"every live group's queue is full ({len(state.tried)} tried)") from None
                 if not state.tokens or time.monotonic() > deadline:
                     raise
             await asyncio.sleep(0.2)

@@ -122,7 +122,9 @@ class ServeConfig:
         try:
             return HeaderLimits(**self.http_headers)
         except TypeError:
-            raise ValueError(f"http_headers: known fields are max_bytes, max_count, timeout_s; got {sorted(self.http_headers)}") from None  # fmt: skip
+            raise ValueError(
+                f"http_headers: known fields are max_bytes, max_count, timeout_s; got {sorted(self.http_headers)}"
+            ) from None
 
     @property
     def uses_ray(self) -> bool:
@@ -200,9 +202,7 @@ class Cluster:
         self.index.close()
 
 
-def build_cluster(
-    config: ServeConfig, make_engine_config: Callable[..., Any], secret: str | None = None
-) -> Cluster:
+def build_cluster(config: ServeConfig, make_engine_config: Callable[..., Any], secret: str | None = None) -> Cluster:
     """Load the groups and build the router (blocking: minutes for a large model).
 
     `make_engine_config(model, **options)` is `pagefleet.llm.engine_config`: the face owns
@@ -224,14 +224,20 @@ def build_cluster(
         probe = make_engine_config(config.model, **engine_options)  # resolves the default
     name = model_name(probe.model)
     policy = make_policy(  # before groups start: bad options fail at once
-        config.policy, probe.cache.block_size, probe.scheduler.max_num_batched_tokens,
+        config.policy,
+        probe.cache.block_size,
+        probe.scheduler.max_num_batched_tokens,
         config.policy_options,
-    )  # fmt: skip
+    )
     index = make_index(config, name)
     try:
         if ray_groups is None and config.uses_ray:
             ray_groups = _embedded_groups(config, make_engine_config, engine_options, name, index)
-        groups = ray_groups.handles if ray_groups is not None else _local_groups(config, make_engine_config, engine_options, index.writers)  # fmt: skip
+        groups = (
+            ray_groups.handles
+            if ray_groups is not None
+            else _local_groups(config, make_engine_config, engine_options, index.writers)
+        )
     except BaseException:
         index.close()
         raise
@@ -310,9 +316,12 @@ def router_side(engine_config, name: str):
     hasher = block_hasher(engine_config, mc)
     max_len = mc.max_position_embeddings
     facts = ModelFacts(
-        hasher.fingerprint, min(engine_config.max_model_len or max_len, max_len), mc.vocab_size,
-        tuple(mc.eos_token_ids), tokenizer_files=None,
-    )  # fmt: skip
+        hasher.fingerprint,
+        min(engine_config.max_model_len or max_len, max_len),
+        mc.vocab_size,
+        tuple(mc.eos_token_ids),
+        tokenizer_files=None,
+    )
     return hasher, load_tokenizer(engine_config.model), ModelInfo.of(name, facts)
 
 
@@ -360,9 +369,7 @@ def _embedded_groups(config, make_engine_config, options, name: str, index: Inde
     start_ray(config)  # (connected already when `serve` started it on the main thread)
     engine_config = make_engine_config(config.model, **{"device": config.device, **options})
     group_config = RayGroupConfig(tensor_parallel_size=config.tp)
-    spec = GroupsSpec(
-        engine_config, group_config, config.groups, config.cluster, name, config.redis
-    )  # fmt: skip
+    spec = GroupsSpec(engine_config, group_config, config.groups, config.cluster, name, config.redis)
     try:
         return RayGroups.embedded(spec, (index.local,), group_config.start_timeout_s)
     except GroupsFailedError as e:
@@ -402,8 +409,7 @@ async def serve(config: ServeConfig, make_engine_config: Callable[..., Any]) -> 
     check_deployment(config)
     keys, tls = door_security(config)
     sys.setswitchinterval(ROUTER_SWITCH_INTERVAL_S)
-    doors = Doors(config.host, config.port, config.http_port, config.max_message_bytes, keys, tls,
-                  config.header_limits)  # fmt: skip
+    doors = Doors(config.host, config.port, config.http_port, config.max_message_bytes, keys, tls, config.header_limits)
     doors_at = await doors.start()
     _say(f"{doors_at}: loading {config.groups} group(s)")
     stop = asyncio.Event()
@@ -418,9 +424,7 @@ async def serve(config: ServeConfig, make_engine_config: Callable[..., Any]) -> 
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        cluster = await _until_stopped(
-            _in_daemon_thread(build_cluster, config, make_engine_config, secret), stop
-        )
+        cluster = await _until_stopped(_in_daemon_thread(build_cluster, config, make_engine_config, secret), stop)
         if cluster is not None:
             await warm_up(cluster.groups)
             cluster.follow(asyncio.get_running_loop())
@@ -430,9 +434,11 @@ async def serve(config: ServeConfig, make_engine_config: Callable[..., Any]) -> 
             settle_heap()
             metrics_http = _serve_metrics(config, cluster.metrics)
             await doors.set_ready(cluster.router, cluster.metrics)
-            metrics_where = "" if metrics_http is None else (
-                f", metrics on http://{config.metrics_host}:{metrics_http.server_port}/metrics"
-            )  # fmt: skip
+            metrics_where = (
+                ""
+                if metrics_http is None
+                else (f", metrics on http://{config.metrics_host}:{metrics_http.server_port}/metrics")
+            )
             _say(f"ready: {doors_at}{metrics_where}")
             await stop.wait()
         _say(f"stopping: draining in-flight requests for up to {config.grace_s:g} s")

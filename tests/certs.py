@@ -34,10 +34,13 @@ def make_certs(directory: Path) -> Certs:
     )
     paths = {"ca": _write(directory / "ca.pem", ca)}
     for who, usage, names in (
-        ("server", ExtendedKeyUsageOID.SERVER_AUTH,
-         [x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]),
+        (
+            "server",
+            ExtendedKeyUsageOID.SERVER_AUTH,
+            [x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")],
+        ),
         ("client", ExtendedKeyUsageOID.CLIENT_AUTH, [x509.DNSName("client.test")]),
-    ):  # fmt: skip
+    ):
         key = ec.generate_private_key(ec.SECP256R1())
         cert = (
             _builder(_name(f"pagefleet test {who}"), ca_name, key.public_key())
@@ -47,9 +50,11 @@ def make_certs(directory: Path) -> Certs:
         )
         paths[f"{who}_cert"] = _write(directory / f"{who}.pem", cert)
         key_path = directory / f"{who}-key.pem"
-        key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM,
-                                               serialization.PrivateFormat.PKCS8,
-                                               serialization.NoEncryption()))  # fmt: skip
+        key_path.write_bytes(
+            key.private_bytes(
+                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+            )
+        )
         paths[f"{who}_key"] = key_path
     return Certs(**paths)
 

@@ -61,9 +61,7 @@ def ray_runtime():
     # file run alone may import nothing else that does).
     from ray.cluster_utils import Cluster
 
-    cluster = Cluster(
-        initialize_head=True, head_node_args={**node_args(*HEAD_NODE), "include_dashboard": False}
-    )
+    cluster = Cluster(initialize_head=True, head_node_args={**node_args(*HEAD_NODE), "include_dashboard": False})
     cluster.add_node(**node_args(*OTHER_NODE))
     address = ensure_ray(cluster.address)
     cluster.wait_for_nodes()

@@ -69,9 +69,7 @@ def make_requests(n: int, prompt_len: int = 8, max_tokens: int = 4, **kw) -> lis
     return [make_request(prompt_len, max_tokens, **kw) for _ in range(n)]
 
 
-def run_to_completion(
-    scheduler: Scheduler, next_token=lambda req: 7, max_steps: int = 10_000, on_step=None
-) -> list:
+def run_to_completion(scheduler: Scheduler, next_token=lambda req: 7, max_steps: int = 10_000, on_step=None) -> list:
     """Drive the scheduler with a fake runner that samples `next_token(req)`; returns outputs.
     `on_step(out)` sees each step after scheduling, before the tokens come back."""
     outputs = []
@@ -128,8 +126,11 @@ def transformers_greedy(model, prompts: list[list[int]], max_new_tokens: int) ->
         ids = torch.tensor([p])
         with torch.no_grad():
             gen = model.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                do_sample=False, pad_token_id=0,
-            )  # fmt: skip
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                pad_token_id=0,
+            )
         outs.append(gen[0, len(p) :].tolist())
     return outs

@@ -87,11 +87,7 @@ def _permuted(hf_name: str, data: np.ndarray, c: dict, arch: str) -> np.ndarray:
     if ".k_proj." in hf_name:
         heads = c.get("num_key_value_heads") or heads
     rows = data.shape[0]
-    return (
-        data.reshape(heads, 2, rows // heads // 2, *data.shape[1:])
-        .swapaxes(1, 2)
-        .reshape(data.shape)
-    )
+    return data.reshape(heads, 2, rows // heads // 2, *data.shape[1:]).swapaxes(1, 2).reshape(data.shape)
 
 
 def _add_tensor(writer: gguf.GGUFWriter, name: str, data: np.ndarray, kind: str) -> None:
@@ -116,7 +112,5 @@ def load_transformers(path: Path):
     from transformers import AutoModelForCausalLM
 
     path = Path(path)
-    model = AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.float32
-    )
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     return model.eval()

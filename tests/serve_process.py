@@ -32,8 +32,11 @@ def start_serve(
     with open(log, "w") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "pagefleet", "serve", "--port", str(port), *flags],
-            cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
-        )  # fmt: skip
+            cwd=ROOT,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     client = Client(f"127.0.0.1:{port}", timeout=120, **security)
     deadline = time.monotonic() + ready_within_s
     try:
@@ -64,10 +67,7 @@ def builtin_model_flags() -> list[str]:
 def all_blocks_free(client: Client) -> bool:
     """Whether every group of the server has all its blocks free and nothing running or
     waiting."""
-    return all(
-        g.blocks_free == g.blocks_total and g.running == 0 and g.waiting == 0
-        for g in client.cluster_status()
-    )
+    return all(g.blocks_free == g.blocks_total and g.running == 0 and g.waiting == 0 for g in client.cluster_status())
 
 
 def wait_for(predicate, timeout: float = 15.0) -> bool:

@@ -26,9 +26,7 @@ def test_text_prompts_and_stop_strings(llm):
     assert full.text and full.text == llm.tokenizer.decode(full.token_ids, skip_special_tokens=True)
     stop = full.text[len(full.text) // 2 : len(full.text) // 2 + 3]
     assert stop.strip(), "pick a visible stop string"
-    cut = llm.generate(
-        DOC, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop])
-    )[0]
+    cut = llm.generate(DOC, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop]))[0]
     assert cut.finish_reason == "stop" and cut.stop_reason == stop
     assert cut.text == full.text[: full.text.index(stop)]
     kept = llm.generate(
@@ -119,7 +117,7 @@ def test_submit_relays_what_generate_streams():
             return relay
 
         for rid in ("a", "b", "c"):
-            assert engine.submit(GenerationRequest(prompts[rid], params, request_id=rid), relay_to(rid)) == rid  # fmt: skip
+            assert engine.submit(GenerationRequest(prompts[rid], params, request_id=rid), relay_to(rid)) == rid
         with pytest.raises(ValueError, match="in use"):  # (until its last output, an id is held)
             engine.submit(GenerationRequest("x", params, request_id="c"), relay_to("c"))
         engine.submit(GenerationRequest([], params, request_id="bad"), relay_to("bad"))

@@ -19,16 +19,12 @@ def test_counts_equal_torchs_flop_counter_on_transformers(tmp_path):
     and n x n attention; ours counts the causal n (n + 1) / 2 and agrees on the rest."""
     model_dir = make_model_dir(tmp_path, seed=1, num_key_value_heads=2)
     flops = ModelFlops.of(read_model_config(model_dir))
-    hf = AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=torch.float32, attn_implementation="eager"
-    ).eval()
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
     n = 40
     with torch.no_grad(), FlopCounterMode(display=False) as counter:
         hf(torch.arange(3, 3 + n)[None], logits_to_keep=1)
     masked_keys = n * n - n * (n + 1) // 2  # computed by eager attention, then masked
-    assert counter.get_total_flops() == (
-        flops.positions(0, n) + flops.lm_head + flops.attention_per_key * masked_keys
-    )
+    assert counter.get_total_flops() == (flops.positions(0, n) + flops.lm_head + flops.attention_per_key * masked_keys)
 
 
 def test_engine_steps_add_up_to_the_requests_flops(tmp_path):
@@ -43,9 +39,7 @@ def test_engine_steps_add_up_to_the_requests_flops(tmp_path):
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     outs = [llm.generate([p], params)[0] for p in prompts]  # one after the other: a prefix hit
     assert [o.num_cached_tokens for o in outs] == [0, 48]
-    want = sum(
-        flops.request(len(p), 6, o.num_cached_tokens) for p, o in zip(prompts, outs, strict=True)
-    )
+    want = sum(flops.request(len(p), 6, o.num_cached_tokens) for p, o in zip(prompts, outs, strict=True))
     assert sum(work for _, work, _ in clock.steps) == want
     prefill = clock.prefill_figures()
     # 32 + 32 + 6 tokens of the first prompt, then the second's 4 uncached ones

@@ -60,9 +60,7 @@ def test_engine_benchmark_quick_agrees_with_transformers():
     assert 0 < ours["model_gflop"] < lines["generate"]["model_gflop"]
     for line in lines.values():
         assert line["gflop_s"] == pytest.approx(line["model_gflop"] / line["wall_s"], rel=0.01)
-        assert line["peak_ratio"] == pytest.approx(
-            line["gflop_s"] / line["matmul_peak_gflop_s"], rel=0.01
-        )
+        assert line["peak_ratio"] == pytest.approx(line["gflop_s"] / line["matmul_peak_gflop_s"], rel=0.01)
     assert ours["prefill_steps"] >= 1 and ours["prefill_peak_ratio"] > 0
 
 
@@ -84,18 +82,23 @@ def test_kernels_benchmark_smoke():
     decode = {c["kv_cache_dtype"]: c for c in lines if c["case"] == "decode"}
     assert set(decode) == {"float32", "int8", "fp8_e4m3"}  # without CUDA: float32 queries
     assert decode["fp8_e4m3"]["kv_bytes"] * 4 == decode["float32"]["kv_bytes"]
-    assert (
-        decode["int8"]["kv_bytes"] * 4 > decode["float32"]["kv_bytes"]
-        and "speedup_vs_16bit" in decode["int8"]
-    )
+    assert decode["int8"]["kv_bytes"] * 4 > decode["float32"]["kv_bytes"] and "speedup_vs_16bit" in decode["int8"]
 
 
 def test_routing_benchmark_smoke(tmp_path):
     trace = tmp_path / "trace.jsonl"
-    run("-m", "benchmarks.traces", "--out", str(trace), "--groups", "2", "--blocks", "256", "--requests", "30")  # fmt: skip
+    run("-m", "benchmarks.traces", "--out", str(trace), "--groups", "2", "--blocks", "256", "--requests", "30")
     common = ("-m", "benchmarks.routing", "--trace", str(trace), "--groups", "2", "--blocks", "256")
-    sim = {c["policy"]: c for c in run(*common, "--policy", "all", "--plot", str(tmp_path / "r.svg"))}  # fmt: skip
-    assert list(sim) == ["least_loaded", "oracle", "prefix_aware", "prefix_hash", "round_robin", "oracle_balanced", "cache_aware_threshold"]  # fmt: skip
+    sim = {c["policy"]: c for c in run(*common, "--policy", "all", "--plot", str(tmp_path / "r.svg"))}
+    assert list(sim) == [
+        "least_loaded",
+        "oracle",
+        "prefix_aware",
+        "prefix_hash",
+        "round_robin",
+        "oracle_balanced",
+        "cache_aware_threshold",
+    ]
     for case in sim.values():
         assert case["requests"] == 30 and 0 <= case["hit_rate"] <= 1
     # The plot: per policy (in the order printed), a bar per group for requests, then for
@@ -127,7 +130,7 @@ def test_the_balanced_oracle_splits_a_hot_document_and_keeps_the_bound():
     """A document asked by half the requests of 4 groups gets two copies; every document's
     requests go to its copies; no group ends above the bound; a bad cap names the field."""
     docs = ["hot"] * 50 + ["a"] * 12 + ["b"] * 10 + ["c"] * 8 + [None] * 20
-    trace = [trace_request(i, d, {"hot": 4000, "a": 3000}.get(d, 1000)) for i, d in enumerate(docs)]  # fmt: skip
+    trace = [trace_request(i, d, {"hot": 4000, "a": 3000}.get(d, 1000)) for i, d in enumerate(docs)]
     random.Random(0).shuffle(trace)
     groups = ["g0", "g1", "g2", "g3"]
     oracle = BalancedOracle.plan(trace, groups, cap=1.15)
@@ -150,22 +153,24 @@ def test_engine_benchmark_kv_cache_dtypes_quick():
     """8-bit caches beside the 16-bit one at the same bytes: about twice the sequences."""
     lines = run("benchmarks/engine.py", "--quick", "--kv-cache-dtype", "int8,fp8_e4m3")
     by = {(c["case"], c["kv_cache_dtype"]): c for c in lines}
-    assert set(by) == {(case, d) for case in ("throughput", "capacity") for d in ("bfloat16", "int8", "fp8_e4m3")}  # fmt: skip
+    assert set(by) == {(case, d) for case in ("throughput", "capacity") for d in ("bfloat16", "int8", "fp8_e4m3")}
     for d in ("int8", "fp8_e4m3"):
         run_, cap = by[("throughput", d)], by[("capacity", d)]
         assert run_["budget_bytes"] == by[("throughput", "bfloat16")]["budget_bytes"]
-        assert (
-            by[("throughput", "bfloat16")]["kv_bytes_per_token"] >= 1.9 * run_["kv_bytes_per_token"]
-        )
+        assert by[("throughput", "bfloat16")]["kv_bytes_per_token"] >= 1.9 * run_["kv_bytes_per_token"]
         assert run_["gen_tok_s"] > 0 and run_["accuracy"]["greedy_prompts"] == 12
-        assert cap["admitted_at_once"] == cap["planned_sequences"] >= 1.9 * by[("capacity", "bfloat16")]["admitted_at_once"]  # fmt: skip
+        assert (
+            cap["admitted_at_once"]
+            == cap["planned_sequences"]
+            >= 1.9 * by[("capacity", "bfloat16")]["admitted_at_once"]
+        )
 
 
 def test_kv_accuracy_benchmark_smoke():
     from worker.model.builtin_model import builtin_model_path
 
     model = str(builtin_model_path())
-    lines = run("benchmarks/kv_accuracy.py", "--model", model, "--tokens", "64", "--kv-cache-dtype", "int8")  # fmt: skip
+    lines = run("benchmarks/kv_accuracy.py", "--model", model, "--tokens", "64", "--kv-cache-dtype", "int8")
     engine = {c["kv_cache_dtype"]: c for c in lines if c["case"] == "engine"}
     study = {c["granularity"]: c for c in lines if c["case"] == "granularity"}
     assert set(engine) == {"int8"} and len(study) == 6  # no fp8 engine: none of its scales
@@ -185,8 +190,21 @@ def test_serving_benchmark_smoke():
 
 def test_soak_benchmark_smoke():
     """Bounded by its request count, over every form of both doors, with an RSS per window."""
-    lines = run("-m", "benchmarks.soak", "--duration", "60", "--max-requests", "8", "--window",
-                "1", "--concurrency", "2", "--max-tokens", "2", timeout=300)  # fmt: skip
+    lines = run(
+        "-m",
+        "benchmarks.soak",
+        "--duration",
+        "60",
+        "--max-requests",
+        "8",
+        "--window",
+        "1",
+        "--concurrency",
+        "2",
+        "--max-tokens",
+        "2",
+        timeout=300,
+    )
     assert lines[-1]["requests"] == 8 and sum(line["errors"] for line in lines) == 0, lines
     assert all(line["rss_mb"] > 0 for line in lines)
 
@@ -196,15 +214,31 @@ def test_the_routing_sweep_reports_load_and_warns_past_capacity(tmp_path):
     a warning where the trace brings more work than the groups can do; --plot draws hit rate
     and TTFT p99 against the rate, a line per policy."""
     trace = tmp_path / "trace.jsonl"
-    run("-m", "benchmarks.traces", "--out", str(trace), "--groups", "2", "--blocks", "256", "--requests", "30")  # fmt: skip
+    run("-m", "benchmarks.traces", "--out", str(trace), "--groups", "2", "--blocks", "256", "--requests", "30")
     policies, warnings = ["prefix_aware", "cache_aware_threshold"], []
-    lines = run("-m", "benchmarks.routing", "--trace", str(trace), "--groups", "2", "--blocks", "256", "--policy", ",".join(policies), "--rates", "20,2000", "--plot", str(tmp_path / "s.svg"), stderr=warnings)  # fmt: skip
-    assert [(c["rate"], c["policy"]) for c in lines] == [(r, p) for r in (20.0, 2000.0) for p in policies]  # fmt: skip
+    lines = run(
+        "-m",
+        "benchmarks.routing",
+        "--trace",
+        str(trace),
+        "--groups",
+        "2",
+        "--blocks",
+        "256",
+        "--policy",
+        ",".join(policies),
+        "--rates",
+        "20,2000",
+        "--plot",
+        str(tmp_path / "s.svg"),
+        stderr=warnings,
+    )
+    assert [(c["rate"], c["policy"]) for c in lines] == [(r, p) for r in (20.0, 2000.0) for p in policies]
     prompt = sum(len(r.prompt_token_ids) for r in read(str(trace)))
     docs = {r.doc for r in read(str(trace)) if r.doc}
     for c in lines:
         assert c["prompt_tokens"] == prompt
-        assert c["computed_tokens"] == pytest.approx(prompt * (1 - c["hit_rate"]), abs=1e-4 * prompt)  # fmt: skip
+        assert c["computed_tokens"] == pytest.approx(prompt * (1 - c["hit_rate"]), abs=1e-4 * prompt)
         assert 0 < c["utilisation"] <= 1 and c["offered_load"] >= c["utilisation"]
         assert c["docs"] == len(docs) and c["workers_per_doc"] >= 1
         assert c["replicas"] == round(c["docs"] * (c["workers_per_doc"] - 1)) and c["spills"] >= 0
@@ -225,11 +259,17 @@ def test_oracles_derive_documents_where_a_trace_names_none(tmp_path):
     from shared leading blocks: the same documents as the trace named, so the same placement
     (not least_loaded or round robin under an oracle's name)."""
     named = tmp_path / "named.jsonl"
-    run("-m", "benchmarks.traces", "--out", str(named), "--groups", "2", "--blocks", "256", "--requests", "40")  # fmt: skip
+    run("-m", "benchmarks.traces", "--out", str(named), "--groups", "2", "--blocks", "256", "--requests", "40")
     bare = tmp_path / "bare.jsonl"
     with open(bare, "w") as f:
         for r in read(str(named)):
-            line = {"id": r.id, "arrival_s": r.arrival_s, "prompt_token_ids": r.prompt_token_ids, "max_tokens": r.max_tokens, "tenant": r.tenant}  # fmt: skip
+            line = {
+                "id": r.id,
+                "arrival_s": r.arrival_s,
+                "prompt_token_ids": r.prompt_token_ids,
+                "max_tokens": r.max_tokens,
+                "tenant": r.tenant,
+            }
             f.write(json.dumps(line) + "\n")
     derived = list(with_documents(lambda: read(str(bare))))
     by_name = {}
@@ -239,8 +279,8 @@ def test_oracles_derive_documents_where_a_trace_names_none(tmp_path):
             assert by_name.setdefault(r.doc, d.doc) == d.doc  # one derived name per document
             assert d.doc_tokens == r.doc_tokens // 16 * 16  # its whole blocks
     assert len(set(by_name.values())) == len(by_name)
-    common = ("-m", "benchmarks.routing", "--groups", "2", "--blocks", "256", "--policy", "oracle,oracle_balanced")  # fmt: skip
-    for a, b in zip(run(*common, "--trace", str(named)), run(*common, "--trace", str(bare)), strict=True):  # fmt: skip
+    common = ("-m", "benchmarks.routing", "--groups", "2", "--blocks", "256", "--policy", "oracle,oracle_balanced")
+    for a, b in zip(run(*common, "--trace", str(named)), run(*common, "--trace", str(bare)), strict=True):
         assert a["policy"] == b["policy"]
         assert (a["hit_rate"], a["requests_per_group"]) == (b["hit_rate"], b["requests_per_group"])
         assert b["docs"] == len(by_name) and b["workers_per_doc"] == a["workers_per_doc"]
@@ -251,8 +291,15 @@ def test_an_exact_repeat_of_a_block_aligned_prompt_is_predicted(tmp_path):
     tokens cached, not 63: the prediction says so and agrees with the engine."""
     trace = tmp_path / "repeat.jsonl"
     prompt = list(range(100, 164))
-    trace.write_text("".join(json.dumps({"id": f"r{i}", "arrival_s": i * 1.0, "prompt_token_ids": prompt, "max_tokens": 2}) + "\n" for i in range(3)))  # fmt: skip
-    (line,) = run("-m", "benchmarks.routing", "--trace", str(trace), "--groups", "1", "--blocks", "64", "--policy", "prefix_aware")  # fmt: skip
+    trace.write_text(
+        "".join(
+            json.dumps({"id": f"r{i}", "arrival_s": i * 1.0, "prompt_token_ids": prompt, "max_tokens": 2}) + "\n"
+            for i in range(3)
+        )
+    )
+    (line,) = run(
+        "-m", "benchmarks.routing", "--trace", str(trace), "--groups", "1", "--blocks", "64", "--policy", "prefix_aware"
+    )
     assert line["predicted_equals_actual"] == 1.0
     assert line["hit_rate"] == line["predicted_hit_rate"] == round(2 * 48 / (3 * 64), 4)
 
@@ -268,7 +315,11 @@ def test_the_cache_aware_threshold_rule():
     rule = CacheAwareThreshold(block_size=16, cache_threshold=0.3, balance_abs=4, balance_rel=1.5)
     chain, placed = [bytes([i]) * 8 for i in range(10)], PlacedShare()
     placed.add("a", 5000), placed.add("b", 100), placed.add("c", 3000)
-    match = {"a": GroupMatch("a", 1, 8, 0, None), "b": GroupMatch("b", 1, 0, 0, None), "c": GroupMatch("c", 1, 2, 0, None)}  # fmt: skip
+    match = {
+        "a": GroupMatch("a", 1, 8, 0, None),
+        "b": GroupMatch("b", 1, 0, 0, None),
+        "c": GroupMatch("c", 1, 2, 0, None),
+    }
     balanced = {"a": status("a", 6), "b": status("b", 3), "c": status("c", 4)}  # 6 - 3 <= 4
     assert rule.choose(chain, balanced, match, placed) == Placement("a", "prefix_hit", 8)
     imbalanced = {**balanced, "a": status("a", 6, 2)}  # 8 - 3 > 4 and 8 > 1.5 * 3
@@ -281,8 +332,10 @@ def test_the_cache_aware_threshold_rule():
 
 
 def test_a_trace_of_a_given_number_of_documents():
-    cfg = TraceConfig(groups=4, blocks_per_group=1000, docs=60, doc_min_frac=0.0625, doc_max_frac=0.25, zipf_s=0.0, requests=3000)  # fmt: skip
-    sizes = {line["doc"]: len(line["doc_token_ids"]) for line in generate(cfg) if "doc_token_ids" in line}  # fmt: skip
+    cfg = TraceConfig(
+        groups=4, blocks_per_group=1000, docs=60, doc_min_frac=0.0625, doc_max_frac=0.25, zipf_s=0.0, requests=3000
+    )
+    sizes = {line["doc"]: len(line["doc_token_ids"]) for line in generate(cfg) if "doc_token_ids" in line}
     assert len(sizes) == 60 and min(sizes.values()) >= 1000 and max(sizes.values()) <= 4000
     with pytest.raises(ValueError, match="docs"):
         TraceConfig(docs=-1)
@@ -311,23 +364,24 @@ def test_step_overhead_benchmark_smoke():
     there) and pickle a batch of deltas at least every few steps."""
     out = subprocess.run(
         [sys.executable, "-m", "benchmarks.step_overhead", "--quick", "--running", "1,64"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     every = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     lines = [x for x in every if x["path"] == "engine" and x["prompts"] == "aligned"]
     staggered = [x for x in every if x["path"] == "engine" and x["prompts"] == "staggered"]
     assert [(x["forward"], x["running"], x["overlap"]) for x in staggered] == [
-        ("fixed_5ms", 64, False), ("fixed_5ms", 64, True),
-    ]  # fmt: skip
+        ("fixed_5ms", 64, False),
+        ("fixed_5ms", 64, True),
+    ]
     # positions enter new blocks in every step, and forwards still run ahead (a block early)
     assert staggered[1]["ahead_confirmed"] >= 15 and staggered[1]["ahead_discarded"] == 0
     served = [x for x in every if x["path"] == "served"]
     assert [(x["forward"], x["overlap"], x["form"]) for x in served] == [
-        (f, o, form)
-        for f in ("null", "fixed_5ms")
-        for o in (False, True)
-        for form in ("streams", "relay")  # fmt: skip
+        (f, o, form) for f in ("null", "fixed_5ms") for o in (False, True) for form in ("streams", "relay")
     ]
     for x in served:
         assert x["running"] == 64 and x["period_ms_p50"] > 0 and x["pickled_kb_per_step"] > 0

@@ -70,9 +70,7 @@ def test_plan_json_shared_prefix():
 def test_plan_json_tensor_parallel():
     sharded = plan_json(*SEED_SHAPE, "--lengths", "8192", "--tp", "2")
     assert sharded["per_device_bytes_per_token"] == 64 * KiB
-    replicated = plan_json(
-        "--layers", "32", "--kv-heads", "2", "--head-dim", "128", "--lengths", "16", "--tp", "4"
-    )
+    replicated = plan_json("--layers", "32", "--kv-heads", "2", "--head-dim", "128", "--lengths", "16", "--tp", "4")
     assert replicated["local_kv_heads"] == 1
     assert replicated["per_device_bytes_per_token"] == 2 * 32 * 128 * 2  # one bf16 head
 
@@ -96,9 +94,15 @@ def test_plan_from_model_dir_matches_shape_flags(tmp_path):
 
 def test_plan_table_by_default():
     done = pagefleet(
-        "plan", *SEED_SHAPE, "--lengths", "8192,4096,2048", "--device-memory", "24GiB",
-        "--reserved", "17GiB",
-    )  # fmt: skip
+        "plan",
+        *SEED_SHAPE,
+        "--lengths",
+        "8192,4096,2048",
+        "--device-memory",
+        "24GiB",
+        "--reserved",
+        "17GiB",
+    )
     assert done.returncode == 0, done.stderr
     assert "128 KiB" in done.stdout
     assert "1.75 GiB" in done.stdout
@@ -119,17 +123,15 @@ def test_help_lists_commands():
         ([*SEED_SHAPE, "--lengths", "37", "--device-memory", "24XB"], "invalid size"),
         (["--layers", "32", "--head-dim", "128", "--lengths", "37"], "--kv-heads"),
         ([*SEED_SHAPE[:6], "--dtype", "fp4", "--lengths", "37"], "fp4"),
-        (["--layers", "32", "--kv-heads", "3", "--head-dim", "128", "--lengths", "37", "--tp", "2"],
-         "not divisible"),
+        (["--layers", "32", "--kv-heads", "3", "--head-dim", "128", "--lengths", "37", "--tp", "2"], "not divisible"),
         ([*SEED_SHAPE, "--lengths", "8192,abc"], "abc"),
         ([*SEED_SHAPE, "--lengths", "8192", "--max-len", "4096"], "max_len"),
-        ([*SEED_SHAPE, "--lengths", "8", "--device-memory", "1GiB", "--reserved", "2GiB"],
-         "reserved"),
+        ([*SEED_SHAPE, "--lengths", "8", "--device-memory", "1GiB", "--reserved", "2GiB"], "reserved"),
         ([*SEED_SHAPE], "max_len"),
         (["--model", "/nonexistent/model", "--lengths", "8"], "config.json"),
         (["--model", "/nonexistent/model", "--layers", "2", "--lengths", "8"], "not both"),
     ],
-)  # fmt: skip
+)
 def test_plan_bad_input_exits_2_with_a_message(args, message):
     done = pagefleet("plan", *args)
     assert done.returncode == 2
@@ -151,8 +153,7 @@ def test_plan_8bit_caches_fit_twice_the_8k_sequences():
     shape = ["--layers", "30", "--kv-heads", "3", "--head-dim", "64", "--max-len", "8192"]
     device = ["--device-memory", "24GiB", "--reserved", "1GiB"]
     fits = {
-        d: plan_json(*shape, *device, "--kv-cache-dtype", d)["max_sequences"]
-        for d in ("bfloat16", "int8", "fp8_e4m3")
+        d: plan_json(*shape, *device, "--kv-cache-dtype", d)["max_sequences"] for d in ("bfloat16", "int8", "fp8_e4m3")
     }
     assert fits["bfloat16"] == 130
     assert fits["int8"] == 253 and fits["fp8_e4m3"] == 261
@@ -172,7 +173,7 @@ DRAIN = ["--cluster", "C", "--address", "A"]
         ["groups", *DRAIN, "drain", "group-1"],
         ["groups", *DRAIN[:2], "drain", *DRAIN[2:], "group-1"],
     ],
-)  # fmt: skip
+)
 def test_groups_drain_takes_its_group_anywhere_after_drain(argv):
     args = build_parser().parse_args(argv)
     assert (args.action, args.group, args.cluster, args.address) == ("drain", "group-1", "C", "A")
@@ -188,7 +189,7 @@ def test_groups_drain_takes_its_group_anywhere_after_drain(argv):
         ["generate", "--max-tokens", "2", "hello", "--json"],
         ["generate", "hello", "--max-tokens", "2"],
     ],
-)  # fmt: skip
+)
 def test_every_command_parses_options_around_its_positionals(argv):
     args = build_parser().parse_args(argv)
     assert args.address == "A" if argv[0] == "groups" else args.prompt == "hello"
@@ -202,7 +203,7 @@ def test_every_command_parses_options_around_its_positionals(argv):
         (["groups", "status"], "needs --address"),
         (["groups", "status", "--address", "A", "--num-blocks", "8"], "unrecognized"),
     ],
-)  # fmt: skip
+)
 def test_groups_bad_input_exits_2_with_a_message(argv, message, capsys):
     assert main(argv) == 2
     assert message in capsys.readouterr().err
@@ -210,6 +211,6 @@ def test_groups_bad_input_exits_2_with_a_message(argv, message, capsys):
 
 def test_groups_drain_with_its_group_last_reaches_a_real_cluster(ray_runtime):
     """The real command on a real Ray cluster: past the parser, it finds no supervisor there."""
-    done = pagefleet("groups", "drain", "--cluster", "none", "--address", ray_runtime.address, "group-1")  # fmt: skip
+    done = pagefleet("groups", "drain", "--cluster", "none", "--address", ray_runtime.address, "group-1")
     assert done.returncode == 1, done.stderr
     assert "no pagefleet groups run in Ray namespace 'pagefleet-none'" in done.stderr

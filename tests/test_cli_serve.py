@@ -40,8 +40,11 @@ def free_port() -> int:
 def pagefleet(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "pagefleet", *args],
-        cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-    )  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -51,10 +54,24 @@ def served(tmp_path_factory):
     started = time.monotonic()
     with open(log, "w") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "pagefleet", "serve", "--model", "builtin", "--port", str(port),
-             "--metrics-port", str(metrics_port), "--http-port", str(http_port)],
-            cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "pagefleet",
+                "serve",
+                "--model",
+                "builtin",
+                "--port",
+                str(port),
+                "--metrics-port",
+                str(metrics_port),
+                "--http-port",
+                str(http_port),
+            ],
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     client = Client(f"127.0.0.1:{port}", timeout=60)
     timings = {}
     try:
@@ -101,7 +118,7 @@ def test_generate_command_streams_what_the_client_gets(served):
     assert done.stdout == want.text + "\n"
     assert "8 generated" in done.stderr
 
-    as_json = pagefleet("generate", "--tokens", "5,6,7", "--server", server, "--max-tokens", "4", "--json")  # fmt: skip
+    as_json = pagefleet("generate", "--tokens", "5,6,7", "--server", server, "--max-tokens", "4", "--json")
     assert as_json.returncode == 0, as_json.stderr
     out = json.loads(as_json.stdout)
     assert out["prompt_tokens"] == 3 and len(out["token_ids"]) == 4
@@ -111,8 +128,9 @@ def test_generate_command_streams_what_the_client_gets(served):
 
 def test_generate_command_sends_chat_messages(served):
     _, client, _, _, _ = served
-    done = pagefleet("generate", "Who built the bridge?", "--chat", "--server", client.target,
-                     "--max-tokens", "4", "--json")  # fmt: skip
+    done = pagefleet(
+        "generate", "Who built the bridge?", "--chat", "--server", client.target, "--max-tokens", "4", "--json"
+    )
     assert done.returncode == 0, done.stderr
     rendered = client.tokenize(messages=[("user", "Who built the bridge?")])
     assert json.loads(done.stdout)["prompt_tokens"] == len(rendered)
@@ -162,11 +180,11 @@ def test_sigterm_drains_in_flight_requests_then_exits(served):
 
 def test_yaml_config_takes_the_flag_names_and_flags_win(tmp_path):
     path = tmp_path / "serve.yaml"
-    path.write_text("groups: 2\nmetrics-port: 9999\nredis: redis://127.0.0.1:6379\n"
-                    "engine:\n  num_blocks: 64\n")  # fmt: skip
+    path.write_text("groups: 2\nmetrics-port: 9999\nredis: redis://127.0.0.1:6379\nengine:\n  num_blocks: 64\n")
     config = load_config(str(path), {"port": 50999, "groups": None})
-    assert config == ServeConfig(groups=2, metrics_port=9999, redis="redis://127.0.0.1:6379",
-                                 port=50999, engine={"num_blocks": 64})  # fmt: skip
+    assert config == ServeConfig(
+        groups=2, metrics_port=9999, redis="redis://127.0.0.1:6379", port=50999, engine={"num_blocks": 64}
+    )
 
 
 @pytest.mark.parametrize(
@@ -198,9 +216,7 @@ def test_policy_options_reach_the_policy_and_bad_ones_stop_before_groups_start()
     from router.serve import build_cluster
 
     with pytest.raises(ValueError, match="load_slak"):
-        build_cluster(
-            ServeConfig(model="builtin", policy_options={"load_slak": 0.2}), engine_config
-        )
+        build_cluster(ServeConfig(model="builtin", policy_options={"load_slak": 0.2}), engine_config)
     with pytest.raises(ValueError, match="takes no options"):
         build_cluster(
             ServeConfig(model="builtin", policy="round_robin", policy_options={"x": 1}),
@@ -232,9 +248,7 @@ def test_kv_cache_dtype_flag_and_yaml_reach_every_group(tmp_path):
     path.write_text("engine:\n  kv_cache_dtype: fp8\n  num_blocks: 64\n  max_model_len: 512\n")
     args = build_parser().parse_args(["serve", "--config", str(path), "--no-metrics"])
     assert serve_config(args).engine["kv_cache_dtype"] == "fp8"
-    args = build_parser().parse_args(
-        ["serve", "--model", "builtin", "--config", str(path), "--kv-cache-dtype", "int8"]
-    )
+    args = build_parser().parse_args(["serve", "--model", "builtin", "--config", str(path), "--kv-cache-dtype", "int8"])
     config = serve_config(args)
     assert config.engine == {"kv_cache_dtype": "int8", "num_blocks": 64, "max_model_len": 512}
     cluster = build_cluster(replace(config, metrics_port=None), engine_config)

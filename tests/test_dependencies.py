@@ -70,8 +70,7 @@ def undeclared(paths: list[Path], declared: set[str]) -> list[str]:
             problems.append(f"{module}: imported ({where}) but installed by no package")
         elif not dists & declared:
             problems.append(
-                f"{module}: imported ({where}) from {', '.join(sorted(dists))}, "
-                "which pyproject.toml does not declare"
+                f"{module}: imported ({where}) from {', '.join(sorted(dists))}, which pyproject.toml does not declare"
             )
     return problems
 

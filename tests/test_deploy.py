@@ -55,7 +55,7 @@ def parse(argv: list[str]):
     """`pagefleet ARGV` through the real parser (a bad flag fails the test with argparse's
     message), and a `serve` line through ServeConfig's checks."""
     parser = build_parser()
-    parser.exit = lambda status=0, message=None: pytest.fail(f"pagefleet {shlex.join(argv)}: {message}")  # fmt: skip
+    parser.exit = lambda status=0, message=None: pytest.fail(f"pagefleet {shlex.join(argv)}: {message}")
     args = parser.parse_args(argv)
     return serve_config(args) if args.command == "serve" else args
 
@@ -81,7 +81,7 @@ def command_lines() -> list[tuple[str, list[str]]]:
     for name, template in pod_templates().items():
         for c in template["spec"]["containers"]:
             if c.get("command", [None])[0] == "pagefleet":
-                out.append((f"raycluster {name}/{c['name']}", c["command"][1:] + c.get("args", [])))  # fmt: skip
+                out.append((f"raycluster {name}/{c['name']}", c["command"][1:] + c.get("args", [])))
     out.append(("RayJob entrypoint", shlex.split(kind("RayJob")["spec"]["entrypoint"])[1:]))
     compose = yaml.safe_load((DEPLOY / "docker" / "compose.yaml").read_text())
     for name, service in compose["services"].items():
@@ -123,10 +123,12 @@ def test_a_bad_flag_fails_the_parse():
 
 
 def test_kubernetes_objects_and_pod_templates_validate_against_their_schemas():
-    core = [d for p in sorted(KUBE.glob("*.yaml")) for d in docs(p) if "." not in d["apiVersion"].split("/")[0]]  # fmt: skip
+    core = [d for p in sorted(KUBE.glob("*.yaml")) for d in docs(p) if "." not in d["apiVersion"].split("/")[0]]
     assert {d["kind"] for d in core} == {"Deployment", "Service"}
-    templates = [{"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": name}, "template": t}
-                 for name, t in pod_templates().items()]  # fmt: skip
+    templates = [
+        {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": name}, "template": t}
+        for name, t in pod_templates().items()
+    ]
     for obj in core + templates:
         kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
 
@@ -139,8 +141,12 @@ def test_routers_ports_probes_and_cluster_agree():
         assert config.role == "router" and config.cluster == job.cluster
         assert config.redis == job.redis and config.host == config.metrics_host == "0.0.0.0"
         ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-        assert ports == {"grpc": config.port, "http": config.http_port, "metrics": config.metrics_port}  # fmt: skip
-        assert (config.port, config.http_port, config.metrics_port) == (DEFAULT_PORT, DEFAULT_HTTP_PORT, DEFAULT_METRICS_PORT)  # fmt: skip
+        assert ports == {"grpc": config.port, "http": config.http_port, "metrics": config.metrics_port}
+        assert (config.port, config.http_port, config.metrics_port) == (
+            DEFAULT_PORT,
+            DEFAULT_HTTP_PORT,
+            DEFAULT_METRICS_PORT,
+        )
         ready, live = container["readinessProbe"]["grpc"], container["livenessProbe"]["grpc"]
         assert ready == {"port": config.port}  # the whole server: NOT_SERVING with no live group
         assert live == {"port": config.port, "service": LIVENESS_SERVICE}
@@ -150,7 +156,8 @@ def test_routers_ports_probes_and_cluster_agree():
         ray_container = next(c for c in template["spec"]["containers"] if c is not container)
         mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
         assert {m["mountPath"]: m["name"] for m in ray_container["volumeMounts"]}.items() >= {
-            k: mounts[k] for k in ("/tmp/ray", "/dev/shm")}.items()  # fmt: skip
+            k: mounts[k] for k in ("/tmp/ray", "/dev/shm")
+        }.items()
         volumes = {v["name"]: v for v in template["spec"]["volumes"]}
         key_dir = str(Path(config.api_key_file).parent)
         assert "secret" in volumes[mounts[key_dir]]
@@ -160,7 +167,7 @@ def test_routers_ports_probes_and_cluster_agree():
         assert container["image"] == ray_container["image"]
     head_address = found[0][2].address
     assert head_address == "$(POD_IP):6379"  # the head's own GCS
-    assert {"name": "gcs", "containerPort": 6379} in pod_templates()["head"]["spec"]["containers"][0]["ports"]  # fmt: skip
+    assert {"name": "gcs", "containerPort": 6379} in pod_templates()["head"]["spec"]["containers"][0]["ports"]
     assert found[1][2].address == f"{cluster['metadata']['name']}-head-svc:6379"  # KubeRay's name
 
 
@@ -185,7 +192,7 @@ def test_gpu_pods_are_sized_by_the_tensor_parallel_degree():
         pod = group["template"]["spec"]
         (ray,) = pod["containers"]
         resources = ray["resources"]
-        assert resources["requests"]["nvidia.com/gpu"] == resources["limits"]["nvidia.com/gpu"] == job.tp  # fmt: skip
+        assert resources["requests"]["nvidia.com/gpu"] == resources["limits"]["nvidia.com/gpu"] == job.tp
         assert group["groupName"] == f"gpu-tp{job.tp}"
         assert group["replicas"] * resources["limits"]["nvidia.com/gpu"] // job.tp >= job.groups
         mounts = {m["mountPath"]: m["name"] for m in ray["volumeMounts"]}
@@ -202,7 +209,7 @@ def test_services_and_monitors_select_the_router_pods():
     labels = [t["metadata"]["labels"] for t, _, _ in routers()]
     port_names = {p["name"]: p["containerPort"] for _, c, _ in routers() for p in c["ports"]}
     router_services = [s for s in objects("Service") if "redis" not in s["metadata"]["name"]]
-    assert {s["metadata"]["name"] for s in router_services} == {"pagefleet-router", "pagefleet-router-metrics"}  # fmt: skip
+    assert {s["metadata"]["name"] for s in router_services} == {"pagefleet-router", "pagefleet-router-metrics"}
     for service in router_services:
         assert all(service["spec"]["selector"].items() <= lab.items() for lab in labels)
         for port in service["spec"]["ports"]:
@@ -222,15 +229,13 @@ def test_compose_prometheus_and_grafana_agree():
     published = {p.split(":")[-1] for p in compose["pagefleet"]["ports"]}
     assert published == {str(config.port), str(config.http_port)}
     assert compose["pagefleet"]["expose"] == [str(config.metrics_port)]
-    assert config.api_key_file == "/run/secrets/api_keys" and compose["pagefleet"]["secrets"] == ["api_keys"]  # fmt: skip
+    assert config.api_key_file == "/run/secrets/api_keys" and compose["pagefleet"]["secrets"] == ["api_keys"]
     scrape = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
     (job,) = scrape["scrape_configs"]
     assert job["static_configs"] == [{"targets": [f"pagefleet:{config.metrics_port}"]}]
     assert "../prometheus:/etc/prometheus:ro" in compose["prometheus"]["volumes"]
     assert "--config.file=/etc/prometheus/prometheus.yml" in compose["prometheus"]["command"]
-    source = yaml.safe_load(
-        (DEPLOY / "grafana/provisioning/datasources/prometheus.yml").read_text()
-    )
+    source = yaml.safe_load((DEPLOY / "grafana/provisioning/datasources/prometheus.yml").read_text())
     assert source["datasources"][0]["url"] == "http://prometheus:9090"
     assert "127.0.0.1:9090:9090" in compose["prometheus"]["ports"]
     boards = yaml.safe_load((DEPLOY / "grafana/provisioning/dashboards/pagefleet.yml").read_text())
@@ -256,7 +261,7 @@ def test_images_expose_the_default_ports_and_copy_every_package():
     for name in ("Dockerfile.cpu", "Dockerfile.cuda"):
         text = (DEPLOY / "docker" / name).read_text()
         (expose,) = re.findall(r"^EXPOSE (.*)$", text, re.M)
-        assert set(expose.split()) == {str(DEFAULT_PORT), str(DEFAULT_HTTP_PORT), str(DEFAULT_METRICS_PORT)}  # fmt: skip
+        assert set(expose.split()) == {str(DEFAULT_PORT), str(DEFAULT_HTTP_PORT), str(DEFAULT_METRICS_PORT)}
         copied = set(re.findall(r"^COPY (\w+)/ \1/$", text, re.M))
         assert wanted <= copied, (name, wanted - copied)
         assert "bash scripts/install.sh" in text
@@ -283,5 +288,5 @@ def test_promtool_checks_the_scrape_configuration_and_the_rules(tmp_path):
 
 @promtool
 def test_promtool_unit_tests_of_the_alert_rules_pass():
-    out = run_promtool("test", "rules", str(DEPLOY / "prometheus" / "tests" / "pagefleet.rules.test.yml"))  # fmt: skip
+    out = run_promtool("test", "rules", str(DEPLOY / "prometheus" / "tests" / "pagefleet.rules.test.yml"))
     assert "SUCCESS" in out

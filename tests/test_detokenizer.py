@@ -202,7 +202,7 @@ def _longest_stop_tail(text: str, stops: tuple[str, ...]) -> int:
     return max(
         (k for s in stops for k in range(1, min(len(s) - 1, len(text)) + 1) if s.startswith(text[-k:])),
         default=0,
-    )  # fmt: skip
+    )
 
 
 @settings(max_examples=300, deadline=None)

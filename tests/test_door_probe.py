@@ -33,8 +33,15 @@ GENERATE = "/pagefleet.v1.PageFleet/Generate"
 def probed(tmp_path_factory):
     """(process, client, log path) of a server on the built-in model."""
     log = tmp_path_factory.mktemp("probe") / "serve.log"
-    flags = ["--model=builtin", "--no-metrics", "--grace=1", f"--max-model-len={CONTEXT}",
-             "--num-blocks=256", "--max-num-seqs=4", "--max-waiting=64"]  # fmt: skip
+    flags = [
+        "--model=builtin",
+        "--no-metrics",
+        "--grace=1",
+        f"--max-model-len={CONTEXT}",
+        "--num-blocks=256",
+        "--max-num-seqs=4",
+        "--max-waiting=64",
+    ]
     proc, client = start_serve(flags, free_port(), log, START_TIMEOUT_S)
     try:
         yield proc, client, log
@@ -87,9 +94,7 @@ def health_latencies_while(client: Client, work) -> tuple[object, list[float]]:
 )
 def test_a_prompt_that_cannot_fit_is_refused_at_once_and_health_answers(probed, request_):
     _, client, _ = probed
-    err, latencies = health_latencies_while(
-        client, lambda: list(client.stub.Generate(request_, timeout=60))
-    )
+    err, latencies = health_latencies_while(client, lambda: list(client.stub.Generate(request_, timeout=60)))
     assert isinstance(err, grpc.RpcError) and err.code() == RANGE, err
     assert "context" in err.details()
     assert latencies and max(latencies) < 1.0, max(latencies)
@@ -199,7 +204,7 @@ def fuzz_inputs(rng: random.Random, n: int) -> list[bytes]:
             logprobs=2,
             temperature=0.7,
             seed=5,
-        ).SerializeToString(),  # fmt: skip
+        ).SerializeToString(),
     ]
     out = []
     for i in range(n):
@@ -216,8 +221,9 @@ def test_fuzzed_requests_get_clean_statuses_and_leak_nothing(probed):
 
     async def run() -> list[tuple[grpc.StatusCode, str]]:
         async with AsyncClient(client.target, timeout=60) as c:
-            call = c.channel.unary_stream(GENERATE, request_serializer=lambda b: b,
-                                          response_deserializer=pb.GenerateResponse.FromString)  # fmt: skip
+            call = c.channel.unary_stream(
+                GENERATE, request_serializer=lambda b: b, response_deserializer=pb.GenerateResponse.FromString
+            )
             gate = asyncio.Semaphore(8)
 
             async def one(data: bytes) -> tuple[grpc.StatusCode, str]:
@@ -232,8 +238,9 @@ def test_fuzzed_requests_get_clean_statuses_and_leak_nothing(probed):
             return await asyncio.gather(*map(one, inputs))
 
     results = asyncio.run(run())
-    bad = [(data[:40], code, details) for data, (code, details) in zip(inputs, results, strict=True)
-           if code not in ALLOWED]  # fmt: skip
+    bad = [
+        (data[:40], code, details) for data, (code, details) in zip(inputs, results, strict=True) if code not in ALLOWED
+    ]
     assert not bad, bad[:5]
     assert proc.poll() is None, log.read_text()
     assert wait_for(lambda: all_blocks_free(client), 60), client.cluster_status()

@@ -31,14 +31,26 @@ def mtls(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("tls")
     certs = make_certs(tmp)
     http_port = free_port()
-    flags = [*builtin_model_flags(), f"--http-port={http_port}", "--no-metrics", "--grace=1",
-             f"--tls-cert={certs.server_cert}", f"--tls-key={certs.server_key}",
-             f"--tls-client-ca={certs.ca}", "--max-model-len=256", "--num-blocks=64"]  # fmt: skip
+    flags = [
+        *builtin_model_flags(),
+        f"--http-port={http_port}",
+        "--no-metrics",
+        "--grace=1",
+        f"--tls-cert={certs.server_cert}",
+        f"--tls-key={certs.server_key}",
+        f"--tls-client-ca={certs.ca}",
+        "--max-model-len=256",
+        "--num-blocks=64",
+    ]
     proc, client = start_serve(
-        flags, free_port(), tmp / "serve.log", START_TIMEOUT_S,
-        root_certificates=certs.ca.read_bytes(), certificate_chain=certs.client_cert.read_bytes(),
+        flags,
+        free_port(),
+        tmp / "serve.log",
+        START_TIMEOUT_S,
+        root_certificates=certs.ca.read_bytes(),
+        certificate_chain=certs.client_cert.read_bytes(),
         private_key=certs.client_key.read_bytes(),
-    )  # fmt: skip
+    )
     try:
         yield proc, client, f"https://127.0.0.1:{http_port}/v1", certs
     finally:
@@ -57,18 +69,17 @@ def https(certs, with_client_cert: bool, trust_ca: bool = True) -> httpx.Client:
 def test_both_doors_serve_a_client_with_a_certificate(mtls):
     _, client, url, certs = mtls
     done = client.generate(token_ids=[5, 6, 7], max_tokens=4, temperature=0.0)
-    api = openai.OpenAI(base_url=url, api_key="unused", max_retries=0,
-                        http_client=https(certs, with_client_cert=True))  # fmt: skip
+    api = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, http_client=https(certs, with_client_cert=True))
     model = api.models.list().data[0].id
-    http = api.completions.create(model=model, prompt=[5, 6, 7], max_tokens=4, temperature=0.0,
-                                  extra_body={"return_token_ids": True})  # fmt: skip
+    http = api.completions.create(
+        model=model, prompt=[5, 6, 7], max_tokens=4, temperature=0.0, extra_body={"return_token_ids": True}
+    )
     assert http.choices[0].token_ids == done.token_ids
 
 
 def test_a_client_without_a_certificate_is_refused_by_both_doors(mtls):
     _, client, url, certs = mtls
-    api = openai.OpenAI(base_url=url, api_key="unused", max_retries=0,
-                        http_client=https(certs, with_client_cert=False))  # fmt: skip
+    api = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, http_client=https(certs, with_client_cert=False))
     with pytest.raises(openai.APIConnectionError):
         api.models.list()
     with Client(client.target, timeout=10, root_certificates=certs.ca.read_bytes()) as bare:
@@ -81,8 +92,9 @@ def test_a_client_without_a_certificate_is_refused_by_both_doors(mtls):
 
 def test_a_client_that_does_not_trust_the_servers_ca_refuses_it(mtls):
     _, _, url, certs = mtls
-    api = openai.OpenAI(base_url=url, api_key="unused", max_retries=0,
-                        http_client=https(certs, with_client_cert=True, trust_ca=False))  # fmt: skip
+    api = openai.OpenAI(
+        base_url=url, api_key="unused", max_retries=0, http_client=https(certs, with_client_cert=True, trust_ca=False)
+    )
     with pytest.raises(openai.APIConnectionError) as err:
         api.models.list()
     assert "CERTIFICATE_VERIFY_FAILED" in repr(err.value.__cause__)
@@ -110,7 +122,7 @@ def test_keys_map_to_their_tenants(tmp_path):
         ("ac/me key\n", "line 1"),
         ("a k\nb k\n", "twice"),
         ("# none\n", "no keys"),
-    ],  # fmt: skip
+    ],
 )
 def test_a_bad_key_file_is_refused_naming_the_line(tmp_path, text, words):
     path = tmp_path / "keys"

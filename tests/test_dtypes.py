@@ -82,9 +82,7 @@ def test_default_dtype_follows_transformers_up_to_a_near_tie(model_dir):
     rng = random.Random(3)
     prompts = [[rng.randrange(3, 256) for _ in range(n)] for n in (9, 30, 17, 44, 5, 23)]
     llm = LLM(str(model_dir), num_blocks=32, max_model_len=256)
-    ours = [
-        o.token_ids for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10))
-    ]
+    ours = [o.token_ids for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10))]
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
     compared = 0
     for p, got in zip(prompts, ours, strict=True):

@@ -58,9 +58,7 @@ def hf_models(model_dirs):
 
     def get(name):
         if name not in cache:
-            cache[name] = AutoModelForCausalLM.from_pretrained(
-                model_dirs[name], dtype=torch.float32
-            ).eval()
+            cache[name] = AutoModelForCausalLM.from_pretrained(model_dirs[name], dtype=torch.float32).eval()
         return cache[name]
 
     return get
@@ -90,9 +88,7 @@ def test_greedy_equals_transformers(name, model_dirs, hf_models):
     ours = [o.token_ids for o in llm.generate(prompts, GREEDY)]
     want = transformers_greedy(hf_models(name), prompts, GREEDY.max_tokens)
     assert ours == want
-    assert len({tuple(t) for t in want}) > 1 and any(
-        len(set(t)) > 2 for t in want
-    )  # varied, not degenerate
+    assert len({tuple(t) for t in want}) > 1 and any(len(set(t)) > 2 for t in want)  # varied, not degenerate
     assert_no_leaks(llm)
 
 
@@ -111,9 +107,13 @@ def test_repetition_penalty_in_a_batch_equals_transformers(model_dirs, hf_models
         ids = torch.tensor([p])
         with torch.no_grad():
             gen = hf_models(name).generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
-                repetition_penalty=1.5, pad_token_id=0,
-            )  # fmt: skip
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=n,
+                do_sample=False,
+                repetition_penalty=1.5,
+                pad_token_id=0,
+            )
         want.append(gen[0, len(p) :].tolist())
     assert ours == want
     plain = [o.token_ids for o in llm.generate(prompts, GREEDY)]
@@ -180,9 +180,7 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch(model_dirs):
     seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=16, ignore_eos=True)
     alone = llm.generate([p], seeded)[0].token_ids
     others = prompts_of([5, 9, 20], seed=9)
-    mixed = llm.generate(
-        [*others, p], [SamplingParams(temperature=1.0, max_tokens=16)] * 3 + [seeded]
-    )[-1].token_ids
+    mixed = llm.generate([*others, p], [SamplingParams(temperature=1.0, max_tokens=16)] * 3 + [seeded])[-1].token_ids
     assert alone == mixed
     other_seed = SamplingParams(temperature=1.0, top_p=0.9, seed=99, max_tokens=16, ignore_eos=True)
     assert llm.generate([p], other_seed)[0].token_ids != alone
@@ -194,15 +192,9 @@ def test_finish_reasons_stop_tokens_and_logprobs(model_dirs, hf_models):
     want = transformers_greedy(hf_models("llama"), [p], 10)[0]
     llm = make_llm(model_dirs["llama"], num_blocks=64)
     stop_at = want[4]
-    out = llm.generate(
-        [p], SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[stop_at], logprobs=3)
-    )[0]
+    out = llm.generate([p], SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[stop_at], logprobs=3))[0]
     k = want.index(stop_at)
-    assert (
-        out.token_ids == want[: k + 1]
-        and out.finish_reason == "stop"
-        and out.stop_reason == stop_at
-    )
+    assert out.token_ids == want[: k + 1] and out.finish_reason == "stop" and out.stop_reason == stop_at
     assert len(out.logprobs) == len(out.token_ids) and len(out.logprobs[0].top) == 3
     assert out.logprobs[0].top[0][0] == out.token_ids[0]  # greedy: the chosen token is the top one
     out = llm.generate([p], SamplingParams(temperature=0, max_tokens=3))[0]
@@ -243,9 +235,7 @@ def test_bad_input_raises_value_error_naming_the_field(model_dirs):
 
 
 def test_pool_that_cannot_hold_one_sequence_is_refused_with_numbers(model_dirs):
-    with pytest.raises(
-        ValueError, match=r"has 3 blocks of 16 tokens .* max_model_len=4096 tokens needs 256 blocks"
-    ):
+    with pytest.raises(ValueError, match=r"has 3 blocks of 16 tokens .* max_model_len=4096 tokens needs 256 blocks"):
         LLM(str(model_dirs["llama"]), num_blocks=3)
 
 
@@ -254,9 +244,7 @@ def test_pool_agrees_with_the_planner(model_dirs):
 
     budget = 3 << 20
     for name in ("llama", "qwen3", "llama-tied-mqa"):
-        llm = LLM(
-            str(model_dirs[name]), kv_cache_memory=budget, max_model_len=1024, dtype="float32"
-        )
+        llm = LLM(str(model_dirs[name]), kv_cache_memory=budget, max_model_len=1024, dtype="float32")
         shape = KVShape.from_hf_config(model_dirs[name], kv_dtype="float32", block_size=16)
         assert llm.engine.layout.bytes_per_token == shape.bytes_per_token()
         assert llm.stats()["blocks_total"] == shape.num_blocks(budget)
@@ -270,9 +258,7 @@ def test_half_precision_follows_transformers(dtype, model_dirs):
     prompts = prompts_of([9, 30], seed=11)
     llm = make_llm(model_dirs["llama"], num_blocks=32, dtype=dtype)
     ours = [o.token_ids for o in llm.generate(prompts, GREEDY)]
-    hf = AutoModelForCausalLM.from_pretrained(
-        model_dirs["llama"], dtype=getattr(torch, dtype)
-    ).eval()
+    hf = AutoModelForCausalLM.from_pretrained(model_dirs["llama"], dtype=getattr(torch, dtype)).eval()
     for p, got in zip(prompts, ours, strict=True):
         ids = torch.tensor([p + got])
         with torch.no_grad():
@@ -282,9 +268,7 @@ def test_half_precision_follows_transformers(dtype, model_dirs):
             if top2[i, 0] - top2[i, 1] < 0.5:
                 break  # past a near-tie the sequences may legitimately part
             assert tok == int(logits[i].argmax()), f"token {i} of {dtype} differs"
-    assert (
-        llm.stats()["kv_bytes_per_token"] == 2 * 2 * 2 * 16 * 2
-    )  # 2 layers, 2 KV heads, dim 16, 2 bytes
+    assert llm.stats()["kv_bytes_per_token"] == 2 * 2 * 2 * 16 * 2  # 2 layers, 2 KV heads, dim 16, 2 bytes
     assert_no_leaks(llm)
 
 

@@ -44,15 +44,20 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 # Every engine here runs in float32 (dtype="float32"): the references do, and "auto" is
 # bfloat16 on a CPU with bf16 units.
 # a pool of 20 blocks of 8 tokens: the workload's six ~50-token requests cannot run at once
-TIGHT = dict(block_size=8, num_blocks=20, max_model_len=128, watermark=0.0, max_num_batched_tokens=24)  # fmt: skip
+TIGHT = dict(block_size=8, num_blocks=20, max_model_len=128, watermark=0.0, max_num_batched_tokens=24)
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return make_model_dir(
-        tmp_path_factory.mktemp("kv8"), arch="llama", seed=7, output_scale=8.0, head_dim=32,
-        num_attention_heads=4, num_key_value_heads=2,
-    )  # fmt: skip
+        tmp_path_factory.mktemp("kv8"),
+        arch="llama",
+        seed=7,
+        output_scale=8.0,
+        head_dim=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
 
 
 def prompts_of(lengths, seed, vocab=256):
@@ -67,7 +72,9 @@ def quantized_reference(model_dir, llm):
     if pool.layout.token_scales:
         fake_quant(hf, per_token(pool.layout.dtype))
     else:
-        scales = {(i, kind): s[i].cpu() for kind, s in (("k", pool.k_scales), ("v", pool.v_scales)) for i in range(len(s))}  # fmt: skip
+        scales = {
+            (i, kind): s[i].cpu() for kind, s in (("k", pool.k_scales), ("v", pool.v_scales)) for i in range(len(s))
+        }
         fake_quant(hf, static(pool.layout.dtype, scales))
     return hf
 
@@ -77,9 +84,7 @@ def test_logits_equal_transformers_on_the_same_quantized_kv(dtype, model_dir):
     """Teacher-forced, through the engine's own model, pool and attention, in two chunks (the
     second reads the first from the 8-bit cache): equal to the quantized reference to float32
     rounding, and a hundred times further from the float one, so the cache holds 8 bits."""
-    llm = LLM(
-        str(model_dir), dtype="float32", kv_cache_dtype=dtype, num_blocks=16, max_model_len=128
-    )
+    llm = LLM(str(model_dir), dtype="float32", kv_cache_dtype=dtype, num_blocks=16, max_model_len=128)
     ids = prompts_of([70], seed=1)[0]
     ours = torch.cat([engine_chunk_logits(llm, ids, 0, 40), engine_chunk_logits(llm, ids, 40, 30)])
     hf = quantized_reference(model_dir, llm)
@@ -95,12 +100,10 @@ def test_logits_equal_transformers_on_the_same_quantized_kv(dtype, model_dir):
 def test_fp8_scales_place_the_calibration_absmax_at_448_over_the_headroom(model_dir):
     """Each layer's K and V scale: transformers' absmax of K and V over the calibration ids
     (the model's own forward pass, the same ids), x HEADROOM / 448."""
-    llm = LLM(
-        str(model_dir), dtype="float32", kv_cache_dtype="fp8", num_blocks=16, max_model_len=128
-    )
+    llm = LLM(str(model_dir), dtype="float32", kv_cache_dtype="fp8", num_blocks=16, max_model_len=128)
     pool = llm.engine.executor.worker.pool
     vocab = llm.engine.model_config.vocab_size
-    ids = torch.randint(0, vocab, (CALIBRATION_TOKENS,), generator=torch.Generator().manual_seed(CALIBRATION_SEED))  # fmt: skip
+    ids = torch.randint(0, vocab, (CALIBRATION_TOKENS,), generator=torch.Generator().manual_seed(CALIBRATION_SEED))
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     amax = absmax_per_head(hf, ids.tolist())
     for i, (ks, vs) in enumerate(zip(pool.k_scales, pool.v_scales, strict=True)):
@@ -125,17 +128,23 @@ def test_greedy_equals_transformers_with_prefix_hits_preemption_and_chunks(dtype
 # ---- bytes ---------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("kv_cache_dtype", "planner_dtype"),
-    [("auto", "float32"), ("float16", "fp16"), ("bfloat16", "bfloat16"), ("int8", "int8"),
-     ("fp8", "fp8"), ("fp8_e4m3", "fp8_e4m3")],
-)  # fmt: skip
+    [
+        ("auto", "float32"),
+        ("float16", "fp16"),
+        ("bfloat16", "bfloat16"),
+        ("int8", "int8"),
+        ("fp8", "fp8"),
+        ("fp8_e4m3", "fp8_e4m3"),
+    ],
+)
 @pytest.mark.parametrize("kv_heads", [2, 1])
-def test_pool_agrees_with_the_planner_byte_for_byte(kv_cache_dtype, planner_dtype, kv_heads, tmp_path):  # fmt: skip
-    model = make_model_dir(tmp_path, seed=1, head_dim=32, num_attention_heads=4, num_key_value_heads=kv_heads)  # fmt: skip
+def test_pool_agrees_with_the_planner_byte_for_byte(kv_cache_dtype, planner_dtype, kv_heads, tmp_path):
+    model = make_model_dir(tmp_path, seed=1, head_dim=32, num_attention_heads=4, num_key_value_heads=kv_heads)
     budget = (3 << 20) + 12345
-    llm = LLM(str(model), dtype="float32", kv_cache_dtype=kv_cache_dtype, kv_cache_memory=budget, max_model_len=256)  # fmt: skip
+    llm = LLM(str(model), dtype="float32", kv_cache_dtype=kv_cache_dtype, kv_cache_memory=budget, max_model_len=256)
     shape = KVShape.from_hf_config(model, kv_dtype=planner_dtype, block_size=16)
     pool = llm.engine.executor.worker.pool
-    held = [t for t in (*pool.k_caches, *pool.v_caches, *pool.k_scales, *pool.v_scales) if t is not None]  # fmt: skip
+    held = [t for t in (*pool.k_caches, *pool.v_caches, *pool.k_scales, *pool.v_scales) if t is not None]
     allocated = sum(t.numel() * t.element_size() for t in held)
     assert llm.stats()["kv_bytes_per_token"] == shape.bytes_per_token()
     assert llm.stats()["blocks_total"] == shape.num_blocks(budget)
@@ -151,11 +160,11 @@ def test_twice_the_8k_sequences_at_once_in_the_engine_and_the_planner(tmp_path):
     args = SimpleNamespace(capacity_len=8192, capacity_out=8, block_size=16, dtype="float32")
     sequence = KVShape.from_hf_config(model, "bfloat16", 16).block_bytes() * (8192 // 16)
     budget = 3 * sequence + sequence // 2
-    got = {d: capacity_case(str(model), d, budget, args) for d in ("bfloat16", "int8", "fp8_e4m3")}  # fmt: skip
+    got = {d: capacity_case(str(model), d, budget, args) for d in ("bfloat16", "int8", "fp8_e4m3")}
     for case in got.values():
         assert case["admitted_at_once"] == case["planned_sequences"], case
     assert got["bfloat16"]["admitted_at_once"] == 3
-    assert got["int8"]["admitted_at_once"] >= 1.9 * 3 and got["fp8_e4m3"]["admitted_at_once"] >= 1.9 * 3  # fmt: skip
+    assert got["int8"]["admitted_at_once"] >= 1.9 * 3 and got["fp8_e4m3"]["admitted_at_once"] >= 1.9 * 3
 
 
 # ---- hashes, routing, configuration ---------------------------------------------------------
@@ -175,7 +184,7 @@ def test_kv_dtypes_never_share_blocks_or_predictions(model_dir):
         chains = {d: g.hasher.hash_prompt(doc) for d, g in groups.items()}
         assert set(chains["auto"]).isdisjoint(chains["int8"])
         deadline = time.monotonic() + 5
-        while time.monotonic() < deadline and not all(index.match(c)[d].blocks for d, c in chains.items()):  # fmt: skip
+        while time.monotonic() < deadline and not all(index.match(c)[d].blocks for d, c in chains.items()):
             time.sleep(0.02)
         for d, chain in chains.items():
             held = {g: m.blocks for g, m in index.match(chain).items()}
@@ -183,7 +192,10 @@ def test_kv_dtypes_never_share_blocks_or_predictions(model_dir):
     finally:
         for g in groups.values():
             g.shutdown()
-    roots = {d: LLM(str(model_dir), dtype="float32", kv_cache_dtype=d, **opts).engine.hasher.root() for d in ("fp8", "fp8_e4m3", "int8")}  # fmt: skip
+    roots = {
+        d: LLM(str(model_dir), dtype="float32", kv_cache_dtype=d, **opts).engine.hasher.root()
+        for d in ("fp8", "fp8_e4m3", "int8")
+    }
     assert roots["fp8"] == roots["fp8_e4m3"] != roots["int8"]
 
 
@@ -199,7 +211,10 @@ def test_unsupported_kv_cache_dtype_is_refused_naming_the_field(model_dir):
             LLM(str(model_dir), dtype="float32", kv_cache_dtype=bad)
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         CacheConfig(kv_cache_dtype="float8")
-    assert LLM(str(model_dir), dtype="float32", kv_cache_dtype="fp8", num_blocks=16, max_model_len=64).engine.layout.dtype == FP8_E4M3  # fmt: skip
+    assert (
+        LLM(str(model_dir), dtype="float32", kv_cache_dtype="fp8", num_blocks=16, max_model_len=64).engine.layout.dtype
+        == FP8_E4M3
+    )
 
 
 def test_tensor_parallel_8bit_caches_equal_tp1(ray_runtime, model_dir):
@@ -208,7 +223,10 @@ def test_tensor_parallel_8bit_caches_equal_tp1(ray_runtime, model_dir):
     half the KV bytes per token, as the planner says."""
     prompts = [d + q for d in prompts_of([30, 25], seed=5) for q in prompts_of([9, 14], seed=6)]
     with concurrent.futures.ThreadPoolExecutor(len(DTYPES)) as pool:
-        starting = {d: pool.submit(LLM, str(model_dir), tensor_parallel_size=2, dtype="float32", kv_cache_dtype=d, **TIGHT) for d in DTYPES}  # fmt: skip
+        starting = {
+            d: pool.submit(LLM, str(model_dir), tensor_parallel_size=2, dtype="float32", kv_cache_dtype=d, **TIGHT)
+            for d in DTYPES
+        }
         want = {}
         for d in DTYPES:  # meanwhile, TP=1 here
             tp1 = LLM(str(model_dir), dtype="float32", kv_cache_dtype=d, **TIGHT)
@@ -219,7 +237,7 @@ def test_tensor_parallel_8bit_caches_equal_tp1(ray_runtime, model_dir):
         for d, llm in groups.items():
             assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == want[d], d
             shape = KVShape.from_hf_config(model_dir, kv_dtype=d, block_size=TIGHT["block_size"])
-            assert [r["kv_bytes_per_token"] for r in llm.group.ranks] == [shape.bytes_per_token(2)] * 2  # fmt: skip
+            assert [r["kv_bytes_per_token"] for r in llm.group.ranks] == [shape.bytes_per_token(2)] * 2
     finally:
         for llm in groups.values():
             llm.shutdown()

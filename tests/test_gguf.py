@@ -77,9 +77,7 @@ def test_every_quantization_type_equals_transformers(qtype, llama_dir, tmp_path)
     ids=["qwen2", "qwen3", "llama-tied-mqa"],
 )
 def test_architectures_equal_transformers(spec, tmp_path):
-    model_dir = make_model_dir(
-        tmp_path / "model", seed=3, output_scale=8.0, initializer_range=0.1, **spec
-    )
+    model_dir = make_model_dir(tmp_path / "model", seed=3, output_scale=8.0, initializer_range=0.1, **spec)
     path = write_gguf(model_dir, tmp_path / "model.gguf", "Q8_0")
     prompts = prompts_of([5, 33], seed=4)
     ours = [o.token_ids for o in LLM(str(path), **OPTIONS).generate(prompts, GREEDY)]
@@ -129,9 +127,13 @@ def test_tensor_parallel_ray_group_equals_transformers(ray_runtime, llama_dir, t
 def test_tokenizer_and_chat_template_come_from_the_metadata(tmp_path):
     tokenizer = train_builtin_tokenizer()
     model_dir = make_model_dir(
-        tmp_path / "model", seed=5, output_scale=8.0, vocab_size=len(tokenizer),
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-    )  # fmt: skip
+        tmp_path / "model",
+        seed=5,
+        output_scale=8.0,
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     path = write_gguf(model_dir, tmp_path / "chat.gguf", "Q8_0", tokenizer=tokenizer)
     loaded = load_tokenizer(str(path))
     assert loaded is not load_tokenizer(str(path))  # a copy per caller: never shared
@@ -139,9 +141,7 @@ def test_tokenizer_and_chat_template_come_from_the_metadata(tmp_path):
     assert loaded.encode(text) == tokenizer.encode(text)
     messages = [{"role": "user", "content": "Who built the bridge?"}]
     render = dict(add_generation_prompt=True, tokenize=False)
-    assert loaded.apply_chat_template(messages, **render) == tokenizer.apply_chat_template(
-        messages, **render
-    )
+    assert loaded.apply_chat_template(messages, **render) == tokenizer.apply_chat_template(messages, **render)
     assert read_model_config(path).eos_token_ids == (tokenizer.eos_token_id,)
     out = LLM(str(path), **OPTIONS).chat(messages, SamplingParams(temperature=0, max_tokens=4))
     assert out[0].prompt_token_ids == tokenizer.apply_chat_template(

@@ -242,10 +242,7 @@ def test_threads_sharing_one_small_cache_get_exact_chains():
     probe = make_cache()
     cache = make_cache(max_bytes=12 * probe.entry_bytes)
     docs = [random_ids(rng, 80) for _ in range(4)]
-    prompts = [
-        rng.choice(docs)[: rng.randrange(81)] + random_ids(rng, rng.randrange(12))
-        for _ in range(400)
-    ]
+    prompts = [rng.choice(docs)[: rng.randrange(81)] + random_ids(rng, rng.randrange(12)) for _ in range(400)]
     errors: list[int] = []
 
     def work(part: list[list[int]]) -> None:

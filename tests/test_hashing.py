@@ -23,9 +23,7 @@ def test_chain_is_keyed_blake2b_over_parent_and_tokens():
     chain = h.hash_blocks(tokens, root)
     assert len(chain) == 2  # only full blocks
     want0 = hashlib.blake2b(root + array("I", tokens[:4]).tobytes(), key=SECRET, digest_size=16)
-    want1 = hashlib.blake2b(
-        want0.digest() + array("I", tokens[4:8]).tobytes(), key=SECRET, digest_size=16
-    )
+    want1 = hashlib.blake2b(want0.digest() + array("I", tokens[4:8]).tobytes(), key=SECRET, digest_size=16)
     assert chain == [want0.digest(), want1.digest()]
     assert all(len(x) == 16 for x in chain)
 
@@ -89,12 +87,8 @@ def test_same_hashes_in_another_process():
         f"print(','.join(x.hex() for x in h.hash_prompt({tokens}, cache_salt='t')))"
     )
     env = {"PYTHONHASHSEED": "123", "PATH": "/usr/bin:/bin"}
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env, cwd="."
-    )
-    assert out.stdout.strip().split(",") == [
-        x.hex() for x in hasher().hash_prompt(tokens, cache_salt="t")
-    ]
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env, cwd=".")
+    assert out.stdout.strip().split(",") == [x.hex() for x in hasher().hash_prompt(tokens, cache_salt="t")]
 
 
 def test_bad_input():

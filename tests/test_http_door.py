@@ -41,12 +41,18 @@ def served(tmp_path_factory):
     key_file = tmp / "keys"
     key_file.write_text("".join(f"{t} {k}\n" for t, k in KEYS.items()))
     http_port, metrics_port = free_port(), free_port()
-    flags = [*builtin_model_flags(), f"--http-port={http_port}", f"--api-key-file={key_file}",
-             f"--metrics-port={metrics_port}", "--grace=1", "--max-model-len=512", "--num-blocks=256",
-             "--max-num-seqs=2", "--max-waiting=2"]  # fmt: skip
-    proc, client = start_serve(
-        flags, free_port(), tmp / "serve.log", START_TIMEOUT_S, api_key=KEYS["acme"]
-    )
+    flags = [
+        *builtin_model_flags(),
+        f"--http-port={http_port}",
+        f"--api-key-file={key_file}",
+        f"--metrics-port={metrics_port}",
+        "--grace=1",
+        "--max-model-len=512",
+        "--num-blocks=256",
+        "--max-num-seqs=2",
+        "--max-waiting=2",
+    ]
+    proc, client = start_serve(flags, free_port(), tmp / "serve.log", START_TIMEOUT_S, api_key=KEYS["acme"])
     METRICS["url"] = f"http://127.0.0.1:{metrics_port}/metrics"
     try:
         yield proc, client, f"http://127.0.0.1:{http_port}/v1", client.model_info().model
@@ -87,13 +93,16 @@ def test_completion_whole_and_streamed_are_the_same_tokens(served):
 def test_chat_whole_and_streamed_with_usage(served):
     _, _, _, model = served
     api = sdk(served)
-    kw = dict(model=model, messages=[{"role": "user", "content": "Who built the bridge?"}],
-              max_completion_tokens=6, temperature=0.0)  # fmt: skip
+    kw = dict(
+        model=model,
+        messages=[{"role": "user", "content": "Who built the bridge?"}],
+        max_completion_tokens=6,
+        temperature=0.0,
+    )
     whole = api.chat.completions.create(**kw)
     assert whole.object == "chat.completion"
     assert whole.choices[0].message.role == "assistant"
-    chunks = list(api.chat.completions.create(**kw, stream=True,
-                                              stream_options={"include_usage": True}))  # fmt: skip
+    chunks = list(api.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == whole.choices[0].message.content
@@ -105,8 +114,7 @@ def test_chat_whole_and_streamed_with_usage(served):
 def test_n_2_with_a_seed_gives_two_samples_and_the_same_two_again(served):
     _, _, _, model = served
     api = sdk(served)
-    kw = dict(model=model, prompt="Once upon a time", max_tokens=12, temperature=1.5,
-              top_p=1.0, n=2, seed=1234)  # fmt: skip
+    kw = dict(model=model, prompt="Once upon a time", max_tokens=12, temperature=1.5, top_p=1.0, n=2, seed=1234)
     first = api.completions.create(**kw)
     again = api.completions.create(**kw)
     texts = [c.text for c in sorted(first.choices, key=lambda c: c.index)]
@@ -137,17 +145,21 @@ def test_stop_strings_end_the_output_before_them(served):
 def test_logprobs_completions_and_chat(served):
     _, client, _, model = served
     api = sdk(served)
-    done = api.completions.create(model=model, prompt=[5, 6, 7], max_tokens=4,
-                                  temperature=0.0, logprobs=3)  # fmt: skip
+    done = api.completions.create(model=model, prompt=[5, 6, 7], max_tokens=4, temperature=0.0, logprobs=3)
     lp = done.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
     ref = client.generate(token_ids=[5, 6, 7], max_tokens=4, temperature=0.0, logprobs=3)
     assert lp.token_logprobs == pytest.approx([x.logprob for x in ref.logprobs], abs=1e-6)
-    assert all(max(top.values()) == pytest.approx(v) for top, v in zip(lp.top_logprobs, lp.token_logprobs, strict=True))  # fmt: skip
+    assert all(max(top.values()) == pytest.approx(v) for top, v in zip(lp.top_logprobs, lp.token_logprobs, strict=True))
     assert lp.text_offset[0] == 0
-    chat = api.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
-                                       max_tokens=3, temperature=0.0, logprobs=True,
-                                       top_logprobs=2)  # fmt: skip
+    chat = api.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=3,
+        temperature=0.0,
+        logprobs=True,
+        top_logprobs=2,
+    )
     content = chat.choices[0].logprobs.content
     assert len(content) == 3 and all(len(t.top_logprobs) == 2 for t in content)
     assert all(t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob for t in content)
@@ -159,8 +171,7 @@ def test_a_second_question_about_the_same_document_reports_cached_tokens(served)
 
     def ask(question: str):
         messages = [{"role": "system", "content": DOCUMENT}, {"role": "user", "content": question}]
-        return api.chat.completions.create(model=model, messages=messages, max_tokens=2,
-                                           temperature=0.0)  # fmt: skip
+        return api.chat.completions.create(model=model, messages=messages, max_tokens=2, temperature=0.0)
 
     first = ask("Who built the bridge?")
     second = ask("Why did the wheel stop?")
@@ -180,13 +191,15 @@ def test_the_same_request_through_http_and_grpc_gives_the_same_tokens(served):
     _, client, _, model = served
     api = sdk(served)
     prompt = list(range(40, 70))
-    http = api.completions.create(model=model, prompt=prompt, max_tokens=10, temperature=0.8,
-                                  seed=7, extra_body={"return_token_ids": True})  # fmt: skip
+    http = api.completions.create(
+        model=model, prompt=prompt, max_tokens=10, temperature=0.8, seed=7, extra_body={"return_token_ids": True}
+    )
     rpc = client.generate(token_ids=prompt, max_tokens=10, temperature=0.8, seed=7)
     assert http.choices[0].token_ids == rpc.token_ids and http.choices[0].text == rpc.text
     messages = [{"role": "user", "content": "Where are the letters kept?"}]
-    chat = api.chat.completions.create(model=model, messages=messages, max_tokens=8,
-                                       temperature=0.0, extra_body={"return_token_ids": True})  # fmt: skip
+    chat = api.chat.completions.create(
+        model=model, messages=messages, max_tokens=8, temperature=0.0, extra_body={"return_token_ids": True}
+    )
     rpc = client.generate(messages=messages, max_tokens=8, temperature=0.0)
     assert chat.choices[0].token_ids == rpc.token_ids
     assert chat.usage.prompt_tokens == len(client.tokenize(messages=messages))
@@ -196,9 +209,14 @@ def test_a_disconnect_mid_stream_frees_the_requests_blocks(served):
     _, client, _, model = served
     api = sdk(served)
     assert wait_for(lambda: all_blocks_free(client))
-    stream = api.completions.create(model=model, prompt=list(range(1, 100)), max_tokens=400,
-                                    temperature=0.0, stream=True,
-                                    extra_body={"ignore_eos": True})  # fmt: skip
+    stream = api.completions.create(
+        model=model,
+        prompt=list(range(1, 100)),
+        max_tokens=400,
+        temperature=0.0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
     before = scrape()
     next(iter(stream))
     busy = client.cluster_status()[0]
@@ -206,8 +224,11 @@ def test_a_disconnect_mid_stream_frees_the_requests_blocks(served):
     stream.close()
     assert wait_for(lambda: all_blocks_free(client), 10), client.cluster_status()
     after = scrape()  # counted once, as cancelled
-    for name, labels, grew in (("request_errors_total", {"code": "CANCELLED"}, 1),
-                               ("request_errors_total", {}, 1), ("request_success_total", {}, 0)):  # fmt: skip
+    for name, labels, grew in (
+        ("request_errors_total", {"code": "CANCELLED"}, 1),
+        ("request_errors_total", {}, 1),
+        ("request_success_total", {}, 0),
+    ):
         assert counter(after, name, **labels) - counter(before, name, **labels) == grew, name
 
 
@@ -222,14 +243,15 @@ def test_a_bad_field_is_a_bad_request_naming_it(served):
     assert err.value.status_code == 400 and err.value.body["param"] == "top_p"
     assert "top_p must be in (0, 1]" in err.value.message
     with pytest.raises(openai.BadRequestError) as err:
-        api.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}],
-                                    max_completion_tokens=10_000)  # fmt: skip
-    assert err.value.code == "context_length_exceeded" and "max_completion_tokens" in err.value.message  # fmt: skip
+        api.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "x"}], max_completion_tokens=10_000
+        )
+    assert err.value.code == "context_length_exceeded" and "max_completion_tokens" in err.value.message
     with pytest.raises(openai.NotFoundError):
         api.completions.create(model="gpt-4", prompt="x")
 
 
-@pytest.mark.parametrize("key", [None, "not-a-key", "acme-key-012345678"], ids=["missing", "wrong", "near"])  # fmt: skip
+@pytest.mark.parametrize("key", [None, "not-a-key", "acme-key-012345678"], ids=["missing", "wrong", "near"])
 def test_a_missing_or_wrong_key_is_refused_by_both_doors(served, key):
     _, client, url, model = served
     header = {"Authorization": openai.Omit() if key is None else f"Bearer {key}"}  # Omit: none
@@ -254,11 +276,8 @@ def test_a_full_queue_is_a_rate_limit_error_with_retry_after(served):
 
     async def flood():
         api = openai.AsyncOpenAI(base_url=url, api_key=KEYS["acme"], max_retries=0, timeout=120)
-        kw = dict(model=model, prompt=[1, 2, 3], max_tokens=200, temperature=0.0,
-                  extra_body={"ignore_eos": True})  # fmt: skip
-        return await asyncio.gather(
-            *[api.completions.create(**kw) for _ in range(8)], return_exceptions=True
-        )
+        kw = dict(model=model, prompt=[1, 2, 3], max_tokens=200, temperature=0.0, extra_body={"ignore_eos": True})
+        return await asyncio.gather(*[api.completions.create(**kw) for _ in range(8)], return_exceptions=True)
 
     before = scrape()
     results = asyncio.run(flood())
@@ -267,9 +286,11 @@ def test_a_full_queue_is_a_rate_limit_error_with_retry_after(served):
     assert limited[0].status_code == 429 and limited[0].response.headers["retry-after"] == "1"
     assert wait_for(lambda: all_blocks_free(client))
     after = scrape()  # each request counted once: refused, or finished
-    for name, labels, grew in (("request_errors_total", {"code": "RESOURCE_EXHAUSTED"}, len(limited)),
-                               ("request_errors_total", {}, len(limited)),
-                               ("request_success_total", {"finished_reason": "length"}, 8 - len(limited))):  # fmt: skip
+    for name, labels, grew in (
+        ("request_errors_total", {"code": "RESOURCE_EXHAUSTED"}, len(limited)),
+        ("request_errors_total", {}, len(limited)),
+        ("request_success_total", {"finished_reason": "length"}, 8 - len(limited)),
+    ):
         assert counter(after, name, **labels) - counter(before, name, **labels) == grew, name
 
 
@@ -299,8 +320,7 @@ def test_a_key_cannot_name_another_tenant(served):
     assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
     assert client.generate("x", max_tokens=1, tenant="acme").completion_tokens == 1
     with pytest.raises(openai.BadRequestError) as http:
-        sdk(served).completions.create(model=model, prompt="x", max_tokens=1,
-                                       extra_body={"cache_salt": "globex"})  # fmt: skip
+        sdk(served).completions.create(model=model, prompt="x", max_tokens=1, extra_body={"cache_salt": "globex"})
     assert http.value.param == "cache_salt"
 
 
@@ -329,9 +349,11 @@ def test_both_doors_count_in_the_same_metrics(served):
     with pytest.raises(openai.AuthenticationError):
         sdk(served, key="wrong").models.list()
     after = scrape()
-    for name, labels, grew in (("request_success_total", {"finished_reason": "length"}, 2),
-                               ("generation_tokens_total", {}, 6),
-                               ("request_errors_total", {"code": "UNAUTHENTICATED"}, 1)):  # fmt: skip
+    for name, labels, grew in (
+        ("request_success_total", {"finished_reason": "length"}, 2),
+        ("generation_tokens_total", {}, 6),
+        ("request_errors_total", {"code": "UNAUTHENTICATED"}, 1),
+    ):
         assert counter(after, name, **labels) - counter(before, name, **labels) == grew, name
 
 
@@ -343,8 +365,10 @@ HEALTH_BOUND_S = 0.5  # /health while large bodies are parsed (one at a time, of
 def head_only(port: int, key: str, length: int) -> socket.socket:
     """A POST /v1/completions whose headers declare `length` body bytes, of which none is sent."""
     sock = socket.create_connection(("127.0.0.1", port), timeout=5)
-    sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\n"
-                 f"Content-Type: application/json\r\nContent-Length: {length}\r\n\r\n".encode())  # fmt: skip
+    sock.sendall(
+        f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {length}\r\n\r\n".encode()
+    )
     return sock
 
 
@@ -384,9 +408,14 @@ def test_health_answers_while_large_token_id_bodies_are_posted(served):
 
     async def post_all() -> list[httpx.Response]:
         async with httpx.AsyncClient(base_url=url, timeout=60) as h:
-            posts = [h.post("/completions", content=body, headers={
-                "Authorization": f"Bearer {key}", "Content-Type": "application/json"})
-                for key in (KEYS["acme"], "wrong-key") * 3]  # fmt: skip
+            posts = [
+                h.post(
+                    "/completions",
+                    content=body,
+                    headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"},
+                )
+                for key in (KEYS["acme"], "wrong-key") * 3
+            ]
             return await asyncio.gather(*posts)
 
     thread = threading.Thread(target=probe)

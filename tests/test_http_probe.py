@@ -43,11 +43,17 @@ def probed(tmp_path_factory):
     """(process, gRPC client, httpx client on the HTTP door, model name)."""
     tmp = tmp_path_factory.mktemp("http-probe")
     port = free_port()
-    flags = [*builtin_model_flags(), f"--http-port={port}", "--no-metrics", "--grace=1",
-             f"--max-model-len={CONTEXT}", "--num-blocks=256", "--max-num-seqs=4",
-             "--max-waiting=64"]  # fmt: skip
-    (tmp / "serve.yaml").write_text(f"max_message_bytes: {BODY_LIMIT}\n"
-                                    f"http_headers: {{timeout_s: {HEAD_TIMEOUT_S}}}\n")  # fmt: skip
+    flags = [
+        *builtin_model_flags(),
+        f"--http-port={port}",
+        "--no-metrics",
+        "--grace=1",
+        f"--max-model-len={CONTEXT}",
+        "--num-blocks=256",
+        "--max-num-seqs=4",
+        "--max-waiting=64",
+    ]
+    (tmp / "serve.yaml").write_text(f"max_message_bytes: {BODY_LIMIT}\nhttp_headers: {{timeout_s: {HEAD_TIMEOUT_S}}}\n")
     flags.append(f"--config={tmp / 'serve.yaml'}")
     proc, client = start_serve(flags, free_port(), tmp / "serve.log", START_TIMEOUT_S)
     http = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60)
@@ -105,14 +111,13 @@ def test_a_body_over_the_limit_is_413_declared_or_chunked(probed):
             b'{"model": "M", "prompt": "x", "stream_options": {"include_usage": true}}',
             "stream_options",
             "only allowed with stream",
-        ),  # fmt: skip
+        ),
     ],
 )
 def test_a_malformed_body_is_400_naming_the_field(probed, body, param, words):
     _, _, http, model = probed
     body = body.replace(b'"M"', json.dumps(model).encode())
-    response = http.post("/v1/completions", content=body,
-                         headers={"content-type": "application/json"})  # fmt: skip
+    response = http.post("/v1/completions", content=body, headers={"content-type": "application/json"})
     error = error_of(response, 400)
     assert error["param"] == param and words in error["message"], error
 
@@ -120,14 +125,17 @@ def test_a_malformed_body_is_400_naming_the_field(probed, body, param, words):
 def test_chat_fields_are_checked_by_name(probed):
     _, _, http, model = probed
     image = [{"type": "image_url", "image_url": {"url": "http://x"}}]
-    for messages, param in (([{"role": "user", "content": image}], "messages[0].content"),
-                            ([{"role": "user"}], "messages[0].content"),
-                            ([{"role": "", "content": "x"}], "messages[0].role"),
-                            ([], "messages")):  # fmt: skip
+    for messages, param in (
+        ([{"role": "user", "content": image}], "messages[0].content"),
+        ([{"role": "user"}], "messages[0].content"),
+        ([{"role": "", "content": "x"}], "messages[0].role"),
+        ([], "messages"),
+    ):
         response = http.post("/v1/chat/completions", json={"model": model, "messages": messages})
         assert error_of(response, 400)["param"] == param
-    response = http.post("/v1/chat/completions", json={
-        "model": model, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2})  # fmt: skip
+    response = http.post(
+        "/v1/chat/completions", json={"model": model, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}
+    )
     assert error_of(response, 400)["param"] == "top_logprobs"
 
 
@@ -141,19 +149,22 @@ LONE = "\\ud800"  # JSON's escape of a lone surrogate, as the body's bytes carry
         ("/v1/completions", '{"model": M, "prompt": ["x", "%s"]}', "prompt"),
         ("/v1/completions", '{"model": "m%s", "prompt": "x"}', "model"),
         ("/v1/completions", '{"model": M, "prompt": "x", "stop": ["%s"]}', "stop"),
-        ("/v1/chat/completions", '{"model": M, "messages": [{"role": "user", "content": "%s"}]}',
-         "messages[0].content"),
-        ("/v1/chat/completions", '{"model": M, "messages": [{"role": "%s", "content": "x"}]}',
-         "messages[0].role"),
-        ("/v1/chat/completions",
-         '{"model": M, "messages": [{"role": "user", "content": [{"type": "text", "text": "%s"}]}]}',
-         "messages[0].content"),
+        (
+            "/v1/chat/completions",
+            '{"model": M, "messages": [{"role": "user", "content": "%s"}]}',
+            "messages[0].content",
+        ),
+        ("/v1/chat/completions", '{"model": M, "messages": [{"role": "%s", "content": "x"}]}', "messages[0].role"),
+        (
+            "/v1/chat/completions",
+            '{"model": M, "messages": [{"role": "user", "content": [{"type": "text", "text": "%s"}]}]}',
+            "messages[0].content",
+        ),
         ("/tokenize", '{"prompt": "%s"}', "prompt"),
         ("/v1/completions", '{"model": M, "prompt": "x", "%s": 1}', None),
     ],
-    ids=["prompt", "prompt list", "model", "stop", "content", "role", "text part", "tokenize",
-         "field name"],
-)  # fmt: skip
+    ids=["prompt", "prompt list", "model", "stop", "content", "role", "text part", "tokenize", "field name"],
+)
 def test_a_lone_surrogate_is_400_naming_the_field(probed, path, body, param):
     _, _, http, model = probed
     data = body.replace("M", json.dumps(model)).replace("%s", LONE).encode()
@@ -204,7 +215,7 @@ def status_and_error(answer: bytes) -> tuple[int, str]:
         (b"GET /" + b"a" * 1_000_000 + b" HTTP/1.1\r\n\r\n", "over 65536 bytes"),
     ],
     ids=["a 1 MB header line", "20,000 header lines", "a 1 MB path"],
-)  # fmt: skip
+)
 def test_a_head_over_the_limits_is_431_and_closed(probed, head, words):
     _, _, http, _ = probed
     status, message = status_and_error(answer_to_head(http.base_url.port, head))
@@ -216,8 +227,9 @@ def test_unterminated_huge_headers_hold_no_memory(probed):
     proc, _, http, _ = probed
     head = b"GET /health HTTP/1.1\r\nX-Big: " + b"a" * (32 << 20)  # never ends
     before = rss_bytes(proc.pid)
-    threads = [threading.Thread(target=lambda: answers.append(answer_to_head(http.base_url.port, head)))
-               for _ in range(4)]  # fmt: skip
+    threads = [
+        threading.Thread(target=lambda: answers.append(answer_to_head(http.base_url.port, head))) for _ in range(4)
+    ]
     answers: list[bytes] = []
     for t in threads:
         t.start()
@@ -283,8 +295,11 @@ def raw_request(port: int, body: dict) -> socket.socket:
     """A POST /v1/completions sent on a plain socket, left open."""
     data = json.dumps(body).encode()
     sock = socket.create_connection(("127.0.0.1", port), timeout=30)
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 + f"Content-Length: {len(data)}\r\n\r\n".encode() + data)  # fmt: skip
+    sock.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(data)}\r\n\r\n".encode()
+        + data
+    )
     return sock
 
 
@@ -292,8 +307,14 @@ def raw_request(port: int, body: dict) -> socket.socket:
 def test_a_client_that_vanishes_aborts_its_request(probed, stream):
     _, client, http, model = probed
     assert wait_for(lambda: all_blocks_free(client))
-    body = {"model": model, "prompt": list(range(1, 90)), "max_tokens": CONTEXT - 100,
-            "temperature": 0.0, "ignore_eos": True, "stream": stream}  # fmt: skip
+    body = {
+        "model": model,
+        "prompt": list(range(1, 90)),
+        "max_tokens": CONTEXT - 100,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": stream,
+    }
     sock = raw_request(http.base_url.port, body)
     if stream:
         received = b""
@@ -316,19 +337,37 @@ ALLOWED = {200, 400, 404, 413, 429}
 def mutations(rng: random.Random, model: str, n: int) -> list[tuple[str, bytes]]:
     """Byte-level mutations (flips, cuts, insertions, repeats) of valid bodies."""
     seeds = [
-        ("/v1/completions", {"model": model, "prompt": "The baker", "max_tokens": 6, "n": 2,
-                             "stop": ["x"], "logprobs": 2, "seed": 3, "stream": True}),
-        ("/v1/chat/completions", {"model": model, "messages": [{"role": "user", "content": "hi"}],
-                                  "max_tokens": 4, "logprobs": True, "top_logprobs": 1}),
-        ("/v1/completions", {"model": model, "prompt": [1, 2, 3], "max_tokens": 3,
-                             "temperature": 0.5}),
-    ]  # fmt: skip
+        (
+            "/v1/completions",
+            {
+                "model": model,
+                "prompt": "The baker",
+                "max_tokens": 6,
+                "n": 2,
+                "stop": ["x"],
+                "logprobs": 2,
+                "seed": 3,
+                "stream": True,
+            },
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                "model": model,
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 4,
+                "logprobs": True,
+                "top_logprobs": 1,
+            },
+        ),
+        ("/v1/completions", {"model": model, "prompt": [1, 2, 3], "max_tokens": 3, "temperature": 0.5}),
+    ]
     values = [-1, 0, 1, 1.5, 2**70, "x", "a" * 300, None, True, [], [1, "a"], {}, {"a": 1}]
     out = []
     for i in range(n):
         path, body = rng.choice(seeds)
         if i % 3 == 2:  # one field set to a value of another type or range
-            body = {**body, rng.choice([*body, "top_k", "n", "stop", "cache_salt"]): rng.choice(values)}  # fmt: skip
+            body = {**body, rng.choice([*body, "top_k", "n", "stop", "cache_salt"]): rng.choice(values)}
             out.append((path, json.dumps(body).encode()))
             continue
         out.append((path, mutated(rng, json.dumps(body).encode())))
@@ -345,7 +384,7 @@ def test_fuzzed_bodies_get_clean_statuses_and_leak_nothing(probed):
 
             async def one(path: str, data: bytes) -> tuple[int, str]:
                 async with gate:
-                    r = await h.post(path, content=data, headers={"content-type": "application/json"})  # fmt: skip
+                    r = await h.post(path, content=data, headers={"content-type": "application/json"})
                     if r.status_code != 200:
                         error_of(r, r.status_code)  # OpenAI's error body, whatever the status
                     return r.status_code, r.text[:200]
@@ -353,9 +392,7 @@ def test_fuzzed_bodies_get_clean_statuses_and_leak_nothing(probed):
             return await asyncio.gather(*(one(p, d) for p, d in inputs))
 
     results = asyncio.run(run())
-    bad = [
-        (d[:60], s, t) for (_, d), (s, t) in zip(inputs, results, strict=True) if s not in ALLOWED
-    ]
+    bad = [(d[:60], s, t) for (_, d), (s, t) in zip(inputs, results, strict=True) if s not in ALLOWED]
     assert not bad, bad[:5]
     assert sum(s == 200 for s, _ in results) > 10  # some requests stay valid
     assert sum(s == 400 for s, _ in results) > 50
@@ -368,8 +405,15 @@ def test_fuzzed_bodies_get_clean_statuses_and_leak_nothing(probed):
 
 def test_shutdown_ends_a_running_stream_with_an_abort_and_done(probed):
     proc, _, http, model = probed
-    body = {"model": model, "prompt": [9, 8, 7], "max_tokens": CONTEXT - 10, "temperature": 0.0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    body = {
+        "model": model,
+        "prompt": [9, 8, 7],
+        "max_tokens": CONTEXT - 10,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     with http.stream("POST", "/v1/completions", json=body) as response:
         lines = response.iter_lines()
         events = [next(lines)]
@@ -378,7 +422,7 @@ def test_shutdown_ends_a_running_stream_with_an_abort_and_done(probed):
     data = [e.removeprefix("data: ") for e in events if e.startswith("data: ")]
     assert data[-1] == "[DONE]"
     chunks = [json.loads(d) for d in data[:-1]]
-    finished = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]  # fmt: skip
+    finished = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
     assert [f["finish_reason"] for f in finished] == ["abort"]
     usage = chunks[-1]["usage"]
     assert 0 < usage["completion_tokens"] < CONTEXT - 10 and usage["prompt_tokens"] == 3

@@ -102,7 +102,7 @@ def test_a_match_on_the_mirror_sends_nothing_to_redis(pair, redis_server):
     writer, mirror = pair
     c = chain(100, 1)
     for i in range(4):
-        writer.publish(f"g{i}", writer.register_group(f"g{i}"), [BlockStored(tuple(c[: 25 * i]), None)])  # fmt: skip
+        writer.publish(f"g{i}", writer.register_group(f"g{i}"), [BlockStored(tuple(c[: 25 * i]), None)])
     assert mirror.wait_synced()
     admin = redis.Redis.from_url(redis_server.url)
 
@@ -121,7 +121,7 @@ def test_a_match_on_the_mirror_sends_nothing_to_redis(pair, redis_server):
 
 def test_own_placements_are_seen_at_once_and_other_mirrors_catch_up(pair, redis_server):
     writer, mirror = pair
-    other = MirroredPrefixIndex(RedisPrefixIndex.from_url(redis_server.url, writer.prefix.split(":")[1], "m"))  # fmt: skip
+    other = MirroredPrefixIndex(RedisPrefixIndex.from_url(redis_server.url, writer.prefix.split(":")[1], "m"))
     try:
         c = chain(80, 2)
         writer.register_group("g0")
@@ -152,7 +152,9 @@ def test_mirror_falls_back_to_redis_and_heals_after_a_restart():
     cache: set[bytes] = set()
     with RedisServer() as server:
         group_side = RedisPrefixIndex.from_url(server.url, "restart", "m", socket_timeout_s=0.3)
-        pub = IndexPublisher(group_side, "g0", lambda: set(cache), PublisherConfig(retry_initial_s=0.05, retry_max_s=0.2))  # fmt: skip
+        pub = IndexPublisher(
+            group_side, "g0", lambda: set(cache), PublisherConfig(retry_initial_s=0.05, retry_max_s=0.2)
+        )
         shared = RedisPrefixIndex.from_url(server.url, "restart", "m", socket_timeout_s=0.3)
         mirror = MirroredPrefixIndex(shared, read_block_s=0.05, retry_s=0.05)
         try:
@@ -190,7 +192,7 @@ def test_a_dead_group_leaves_the_mirror_within_the_ttl(redis_server):
     config = PrefixIndexConfig(heartbeat_ttl_s=0.5)
     ns = f"ttl{uuid.uuid4().hex[:6]}"
     writer = RedisPrefixIndex.from_url(redis_server.url, ns, "m", config)
-    mirror = MirroredPrefixIndex(RedisPrefixIndex.from_url(redis_server.url, ns, "m", config), read_block_s=0.05)  # fmt: skip
+    mirror = MirroredPrefixIndex(RedisPrefixIndex.from_url(redis_server.url, ns, "m", config), read_block_s=0.05)
     try:
         c = chain(10, 5)
         writer.publish("g0", writer.register_group("g0"), [BlockStored(tuple(c), None)])
@@ -224,14 +226,18 @@ def test_serve_keeps_routing_on_prefixes_while_redis_is_down_and_converges_after
     from worker.sampling_params import SamplingParams
 
     with RedisServer() as server:
-        config = ServeConfig(model="builtin", redis=server.url, metrics_port=None, engine={"num_blocks": 64, "max_model_len": 512})  # fmt: skip
+        config = ServeConfig(
+            model="builtin", redis=server.url, metrics_port=None, engine={"num_blocks": 64, "max_model_len": 512}
+        )
         cluster = build_cluster(config, engine_config)
         router, doc = cluster.router, [(3 * i + 1) % 1000 for i in range(96)]
         mirror = cluster.index.reader.shared
         hashes = router.hasher.hash_prompt(doc)
 
         def ask(question: int):
-            req = RouteRequest(prompt_token_ids=doc + [question] * 3, params=SamplingParams(max_tokens=2, temperature=0.0))  # fmt: skip
+            req = RouteRequest(
+                prompt_token_ids=doc + [question] * 3, params=SamplingParams(max_tokens=2, temperature=0.0)
+            )
 
             async def run():
                 return [out async for out in router.generate(req)][-1]
@@ -253,10 +259,11 @@ def test_serve_keeps_routing_on_prefixes_while_redis_is_down_and_converges_after
             down = cluster.index.reader.health()  # unreachable; routing on the local index
             assert down.shared and not down.reachable and down.groups == 1 and down.entries >= 6
             server.start()  # empty: the group's publisher registers again and republishes
+            assert wait_until(lambda: ask(3) and cluster.index.reader.shared_up and mirror.synced, 20.0)
             assert wait_until(
-                lambda: ask(3) and cluster.index.reader.shared_up and mirror.synced, 20.0
+                lambda: mirror.match(hashes).get("group-0") is not None and mirror.match(hashes)["group-0"].blocks == 6,
+                5.0,
             )
-            assert wait_until(lambda: mirror.match(hashes).get("group-0") is not None and mirror.match(hashes)["group-0"].blocks == 6, 5.0)  # fmt: skip
             rec = ask(4)
             assert rec.predicted_cached_tokens == rec.actual_cached_tokens == len(doc)
             assert cluster.index.reader.health().reachable
@@ -276,12 +283,14 @@ def test_serve_starts_without_redis_and_fills_it_once_it_answers(caplog):
     from worker.sampling_params import SamplingParams
 
     server = RedisServer(port=free_port())  # not started yet
-    config = ServeConfig(model="builtin", redis=server.url, metrics_port=None, engine={"num_blocks": 64, "max_model_len": 512})  # fmt: skip
+    config = ServeConfig(
+        model="builtin", redis=server.url, metrics_port=None, engine={"num_blocks": 64, "max_model_len": 512}
+    )
     cluster = build_cluster(config, engine_config)
     router, doc = cluster.router, [(7 * i + 2) % 1000 for i in range(64)]
 
     def ask(question: int):
-        req = RouteRequest(prompt_token_ids=doc + [question] * 3, params=SamplingParams(max_tokens=2, temperature=0.0))  # fmt: skip
+        req = RouteRequest(prompt_token_ids=doc + [question] * 3, params=SamplingParams(max_tokens=2, temperature=0.0))
 
         async def run():
             return [out async for out in router.generate(req)][-1]

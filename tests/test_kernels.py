@@ -37,9 +37,16 @@ ATOL = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
 
 
 def make_batch(
-    q_lens, seq_lens, num_heads=4, num_kv_heads=2, head_dim=64, page=16,
-    dtype=torch.float32, seed=0, device=DEVICE,
-):  # fmt: skip
+    q_lens,
+    seq_lens,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=64,
+    page=16,
+    dtype=torch.float32,
+    seed=0,
+    device=DEVICE,
+):
     """A flat batch over a random pool whose sequences own shuffled, non-contiguous blocks.
 
     Returns (query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale).
@@ -99,9 +106,8 @@ def test_paged_attention_writes_into_out():
 
 @pytest.mark.parametrize(
     ("kv_dtype", "cache_dtype", "page"),
-    [(torch.float32, torch.float32, 16), (torch.float32, torch.float16, 1),
-     (torch.bfloat16, torch.bfloat16, 32)],
-)  # fmt: skip
+    [(torch.float32, torch.float32, 16), (torch.float32, torch.float16, 1), (torch.bfloat16, torch.bfloat16, 32)],
+)
 def test_write_kv_matches_reference(kv_dtype, cache_dtype, page):
     g = torch.Generator().manual_seed(1)
     num_tokens, kv_heads, head_dim, num_blocks = 7, 3, 80, 8
@@ -146,15 +152,11 @@ def sdpa_reference(dense, scale):
         q_len, seq_len = q.shape[0], k.shape[0]
         q, k, v = (t.transpose(0, 1)[None] for t in (q, k, v))  # (1, heads, tokens, D)
         if q_len == seq_len:  # plain causal prefill: SDPA's own causal mask
-            o = F.scaled_dot_product_attention(
-                q, k, v, is_causal=True, scale=scale, enable_gqa=True
-            )
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
         else:  # chunk after cached context (or a decode): query i sees keys <= ctx + i
             q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
             mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
-            o = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, scale=scale, enable_gqa=True
-            )
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
         outs.append(o[0].transpose(0, 1))
     return torch.cat(outs)
 
@@ -162,10 +164,12 @@ def sdpa_reference(dense, scale):
 @pytest.mark.parametrize("backend", [TorchBackend(), TritonBackend()], ids=["torch", "triton"])
 @pytest.mark.parametrize(
     ("q_lens", "ctx_lens", "num_heads", "num_kv_heads"),
-    [([1, 1], [20, 3], 4, 4),  # decode only, MHA
-     ([5, 12], [0, 0], 4, 1),  # prefill only, MQA
-     ([6, 1, 1], [21, 40, 0], 8, 2)],  # chunk with cached context + decodes, GQA 4
-)  # fmt: skip
+    [
+        ([1, 1], [20, 3], 4, 4),  # decode only, MHA
+        ([5, 12], [0, 0], 4, 1),  # prefill only, MQA
+        ([6, 1, 1], [21, 40, 0], 8, 2),
+    ],  # chunk with cached context + decodes, GQA 4
+)
 def test_backend_matches_sdpa(backend, q_lens, ctx_lens, num_heads, num_kv_heads):
     dense, args, kv = dense_case(q_lens, ctx_lens, num_heads, num_kv_heads)
     backend.write_kv(*kv)
@@ -239,51 +243,140 @@ def test_cuda_long_decode_takes_split_path(page, num_kv_heads):
 
 AOT_CASES = {
     "attention_bf16_decode_split": (
-        "triton_paged_attention", "_paged_attention_kernel", "*bf16",
-        dict(GROUP=4, GROUP_PAD=4, BLOCK_Q=4, BLOCK_M=16, BLOCK_N=64, HEAD_DIM=128,
-             HEAD_PAD=128, PAGE=16, SPLIT=True, UPCAST=False, PRECISION="tf32", SCALES=0),
+        "triton_paged_attention",
+        "_paged_attention_kernel",
+        "*bf16",
+        dict(
+            GROUP=4,
+            GROUP_PAD=4,
+            BLOCK_Q=4,
+            BLOCK_M=16,
+            BLOCK_N=64,
+            HEAD_DIM=128,
+            HEAD_PAD=128,
+            PAGE=16,
+            SPLIT=True,
+            UPCAST=False,
+            PRECISION="tf32",
+            SCALES=0,
+        ),
     ),
     "attention_fp32_prefill_hd80_page1": (
-        "triton_paged_attention", "_paged_attention_kernel", "*fp32",
-        dict(GROUP=1, GROUP_PAD=1, BLOCK_Q=64, BLOCK_M=64, BLOCK_N=32, HEAD_DIM=80,
-             HEAD_PAD=128, PAGE=1, SPLIT=False, UPCAST=False, PRECISION="ieee", SCALES=0),
+        "triton_paged_attention",
+        "_paged_attention_kernel",
+        "*fp32",
+        dict(
+            GROUP=1,
+            GROUP_PAD=1,
+            BLOCK_Q=64,
+            BLOCK_M=64,
+            BLOCK_N=32,
+            HEAD_DIM=80,
+            HEAD_PAD=128,
+            PAGE=1,
+            SPLIT=False,
+            UPCAST=False,
+            PRECISION="ieee",
+            SCALES=0,
+        ),
     ),
     "attention_bf16_int8_cache_decode_split": (
-        "triton_paged_attention", "_paged_attention_kernel", "*bf16",
-        dict(GROUP=4, GROUP_PAD=4, BLOCK_Q=4, BLOCK_M=16, BLOCK_N=64, HEAD_DIM=128,
-             HEAD_PAD=128, PAGE=16, SPLIT=True, UPCAST=False, PRECISION="tf32", SCALES=1),
+        "triton_paged_attention",
+        "_paged_attention_kernel",
+        "*bf16",
+        dict(
+            GROUP=4,
+            GROUP_PAD=4,
+            BLOCK_Q=4,
+            BLOCK_M=16,
+            BLOCK_N=64,
+            HEAD_DIM=128,
+            HEAD_PAD=128,
+            PAGE=16,
+            SPLIT=True,
+            UPCAST=False,
+            PRECISION="tf32",
+            SCALES=1,
+        ),
         {"key_cache": "*i8", "value_cache": "*i8", "k_scale": "*fp16", "v_scale": "*fp16"},
     ),
     "attention_fp16_fp8_cache_prefill": (
-        "triton_paged_attention", "_paged_attention_kernel", "*fp16",
-        dict(GROUP=3, GROUP_PAD=4, BLOCK_Q=16, BLOCK_M=64, BLOCK_N=64, HEAD_DIM=64,
-             HEAD_PAD=64, PAGE=32, SPLIT=False, UPCAST=False, PRECISION="tf32", SCALES=2),
-        {"key_cache": "*fp8e4nv", "value_cache": "*fp8e4nv", "k_scale": "*fp32",
-         "v_scale": "*fp32"},
+        "triton_paged_attention",
+        "_paged_attention_kernel",
+        "*fp16",
+        dict(
+            GROUP=3,
+            GROUP_PAD=4,
+            BLOCK_Q=16,
+            BLOCK_M=64,
+            BLOCK_N=64,
+            HEAD_DIM=64,
+            HEAD_PAD=64,
+            PAGE=32,
+            SPLIT=False,
+            UPCAST=False,
+            PRECISION="tf32",
+            SCALES=2,
+        ),
+        {"key_cache": "*fp8e4nv", "value_cache": "*fp8e4nv", "k_scale": "*fp32", "v_scale": "*fp32"},
     ),
     "merge_splits": (
-        "triton_paged_attention", "_merge_splits_kernel", "*bf16",
+        "triton_paged_attention",
+        "_merge_splits_kernel",
+        "*bf16",
         dict(SPLITS_PAD=32, HEAD_DIM=80, HEAD_PAD=128),
     ),
     "write_kv": (
-        "triton_write_kv", "_write_kv_kernel", "*fp16",
-        dict(NUM_KV_HEADS=3, HEADS_PAD=4, HEAD_DIM=80, HEAD_PAD=128, PAGE=16, SCALES=0,
-             QMAX=0.0, IS_INT=False, MIN_SCALE=6.1e-5),
+        "triton_write_kv",
+        "_write_kv_kernel",
+        "*fp16",
+        dict(
+            NUM_KV_HEADS=3,
+            HEADS_PAD=4,
+            HEAD_DIM=80,
+            HEAD_PAD=128,
+            PAGE=16,
+            SCALES=0,
+            QMAX=0.0,
+            IS_INT=False,
+            MIN_SCALE=6.1e-5,
+        ),
     ),
     "write_kv_int8_token_scales": (
-        "triton_write_kv", "_write_kv_kernel", "*bf16",
-        dict(NUM_KV_HEADS=3, HEADS_PAD=4, HEAD_DIM=64, HEAD_PAD=64, PAGE=16, SCALES=1,
-             QMAX=127.0, IS_INT=True, MIN_SCALE=6.1e-5),
+        "triton_write_kv",
+        "_write_kv_kernel",
+        "*bf16",
+        dict(
+            NUM_KV_HEADS=3,
+            HEADS_PAD=4,
+            HEAD_DIM=64,
+            HEAD_PAD=64,
+            PAGE=16,
+            SCALES=1,
+            QMAX=127.0,
+            IS_INT=True,
+            MIN_SCALE=6.1e-5,
+        ),
         {"key_cache": "*i8", "value_cache": "*i8", "k_scale": "*fp16", "v_scale": "*fp16"},
     ),
     "write_kv_fp8_tensor_scale": (
-        "triton_write_kv", "_write_kv_kernel", "*bf16",
-        dict(NUM_KV_HEADS=8, HEADS_PAD=8, HEAD_DIM=128, HEAD_PAD=128, PAGE=16, SCALES=2,
-             QMAX=448.0, IS_INT=False, MIN_SCALE=6.1e-5),
-        {"key_cache": "*fp8e4nv", "value_cache": "*fp8e4nv", "k_scale": "*fp32",
-         "v_scale": "*fp32"},
+        "triton_write_kv",
+        "_write_kv_kernel",
+        "*bf16",
+        dict(
+            NUM_KV_HEADS=8,
+            HEADS_PAD=8,
+            HEAD_DIM=128,
+            HEAD_PAD=128,
+            PAGE=16,
+            SCALES=2,
+            QMAX=448.0,
+            IS_INT=False,
+            MIN_SCALE=6.1e-5,
+        ),
+        {"key_cache": "*fp8e4nv", "value_cache": "*fp8e4nv", "k_scale": "*fp32", "v_scale": "*fp32"},
     ),
-}  # fmt: skip
+}
 
 # Runs in a child process without TRITON_INTERPRET: Triton's own jit helpers (tl.cdiv,
 # tl.max, ...) are interpreted functions in this process and cannot be compiled here.

@@ -46,9 +46,7 @@ def quantized_batch(q_lens, seq_lens, heads, kv_heads, head_dim, page, dtype, la
     """make_batch's float pool written into an 8-bit pool by the reference write path.
     Returns (query, k8, v8, table, starts, lens, scale, k_scale, v_scale)."""
     cache_dtype, per_token = {**LAYOUTS, **CROSSED}[layout]
-    query, k, v, table, starts, lens, scale = make_batch(
-        q_lens, seq_lens, heads, kv_heads, head_dim, page, dtype, seed
-    )
+    query, k, v, table, starts, lens, scale = make_batch(q_lens, seq_lens, heads, kv_heads, head_dim, page, dtype, seed)
     k8, v8 = (torch.empty(k.shape, dtype=cache_dtype, device=DEVICE) for _ in range(2))
     k_scale, v_scale = new_scales(k8, per_token, 0.02), new_scales(v8, per_token, 0.01)
     slots = torch.arange(k.shape[0] * page, device=DEVICE)
@@ -75,9 +73,7 @@ def test_int8_per_token_round_trip_is_within_half_a_step():
     x[5, 2] = 0.0  # a head of zeros: scale at its floor, codes 0
     s = token_scales(x, torch.int8)  # (64, 4)
     assert s.dtype == torch.float16 and s.min() == MIN_TOKEN_SCALE
-    torch.testing.assert_close(
-        s.float(), (x.abs().amax(-1) / INT8_MAX).clamp_min(MIN_TOKEN_SCALE), rtol=1e-3, atol=0
-    )
+    torch.testing.assert_close(s.float(), (x.abs().amax(-1) / INT8_MAX).clamp_min(MIN_TOKEN_SCALE), rtol=1e-3, atol=0)
     codes = quantize(x, s, torch.int8)
     err = (dequantize(codes, s) - x).abs()
     assert torch.all(err <= s.float()[..., None] * (0.5 + 1e-3))
@@ -142,7 +138,7 @@ CASES = {
     "fp8_split_hd80": ([1, 9], [140, 30], 4, 1, 80, 16, torch.float32, "fp8_tensor", 2),
     "int8_tensor_crossed": ([1, 7], [20, 7], 4, 2, 64, 16, torch.float32, "int8_tensor", 1),
     "fp8_token_crossed": ([1, 7], [20, 7], 4, 2, 64, 32, torch.float32, "fp8_token", 1),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
@@ -188,7 +184,7 @@ def test_backend_on_8bit_cache_equals_sdpa_over_dequantized_kv(backend, layout):
         slots.append(table[s, pos // page].long() * page + pos % page)
         keys.append(kk)
         values.append(vv)
-        kq, vq = (round_trip(x, cache_dtype, None if per_token else t) for x, t in ((kk, ks), (vv, vs)))  # fmt: skip
+        kq, vq = (round_trip(x, cache_dtype, None if per_token else t) for x, t in ((kk, ks), (vv, vs)))
         dense.append((query[starts[s] : starts[s + 1]], kq, vq))
     backend.write_kv(torch.cat(keys), torch.cat(values), k8, v8, torch.cat(slots), ks, vs)
     got = backend.attention(query, k8, v8, table, starts, lens, scale, k_scale=ks, v_scale=vs)

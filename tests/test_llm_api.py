@@ -122,7 +122,7 @@ def test_a_steps_outputs_keep_that_steps_text_and_reason(llm):
     logprob), while `token_ids` and `logprobs` are the request's own growing lists (documented).
     `replace`, equality and pickling see the same fields as `outputs`."""
     engine = llm.engine
-    engine.add_request(TEXT, SamplingParams(temperature=0.0, max_tokens=5, logprobs=1), request_id="s")  # fmt: skip
+    engine.add_request(TEXT, SamplingParams(temperature=0.0, max_tokens=5, logprobs=1), request_id="s")
     steps = []
     while engine.has_unfinished():
         steps += engine.step()
@@ -142,7 +142,7 @@ def test_a_steps_outputs_keep_that_steps_text_and_reason(llm):
         assert out.finish_reason == ("length" if i == 4 else None)
         assert c.token_ids is out.token_ids is steps[-1].token_ids  # the request's own list
         assert math.isclose(c.cumulative_logprob, sum(lp.logprob for lp in out.logprobs[: i + 1]))
-        assert out.new_token_ids == [out.token_ids[i]] and out.new_logprobs[0].token_id == out.token_ids[i]  # fmt: skip
+        assert out.new_token_ids == [out.token_ids[i]] and out.new_logprobs[0].token_id == out.token_ids[i]
     last = steps[-1]
     assert pickle.loads(pickle.dumps(last)) == last
     moved = last.replace(num_cached_tokens=7)

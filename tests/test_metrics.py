@@ -48,7 +48,7 @@ def route(groups: list[LocalGroup], hasher=None) -> Router:
 
 def request(max_tokens: int, prompt=PROMPT) -> RouteRequest:
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    return RouteRequest(prompt_token_ids=list(prompt), params=params, request_id=f"q{time.time_ns()}")  # fmt: skip
+    return RouteRequest(prompt_token_ids=list(prompt), params=params, request_id=f"q{time.time_ns()}")
 
 
 class Read:
@@ -61,7 +61,7 @@ class Read:
         total = 0.0
         for family in self.registry.collect():
             for s in family.samples:
-                if s.name == f"pagefleet:{name}" and all(s.labels.get(k) == v for k, v in labels.items()):  # fmt: skip
+                if s.name == f"pagefleet:{name}" and all(s.labels.get(k) == v for k, v in labels.items()):
                     total += s.value
         return total
 
@@ -91,11 +91,17 @@ def test_a_finished_request_is_observed_once_with_the_engines_intervals(groups):
     assert done.finished and len(done.token_ids) == 6
     assert read("request_success_total", finished_reason="length") == 1
     assert read("request_errors_total") == 0
-    for name in ("e2e_request_latency_seconds", "time_to_first_token_seconds",
-                 "request_queue_time_seconds", "request_prefill_time_seconds",
-                 "request_decode_time_seconds", "request_inference_time_seconds",
-                 "request_time_per_output_token_seconds", "request_prompt_tokens",
-                 "request_generation_tokens"):  # fmt: skip
+    for name in (
+        "e2e_request_latency_seconds",
+        "time_to_first_token_seconds",
+        "request_queue_time_seconds",
+        "request_prefill_time_seconds",
+        "request_decode_time_seconds",
+        "request_inference_time_seconds",
+        "request_time_per_output_token_seconds",
+        "request_prompt_tokens",
+        "request_generation_tokens",
+    ):
         assert read(f"{name}_count") == 1, name
     assert read("inter_token_latency_seconds_count") == 5
     assert read("time_to_first_token_seconds_sum") >= 0.5 + m.ttft  # from the door's receipt
@@ -127,8 +133,14 @@ def test_token_counters_move_while_a_request_generates(groups):
         async with contextlib.aclosing(stream):
             async for out, _ in stream:
                 if not out.finished:  # mid-stream: what has reached the door is counted
-                    seen.append((len(out.token_ids), read("generation_tokens_total"),
-                                 read("prompt_tokens_total"), read("request_success_total")))  # fmt: skip
+                    seen.append(
+                        (
+                            len(out.token_ids),
+                            read("generation_tokens_total"),
+                            read("prompt_tokens_total"),
+                            read("request_success_total"),
+                        )
+                    )
 
     asyncio.run(watch())
     assert len(seen) == 59
@@ -176,7 +188,7 @@ def test_a_request_retried_on_another_group_is_counted_once():
         assert outs[-1].finished and router.records[outs[-1].request_id].group_id == "r1"
         assert read("request_success_total") == 1 and read("request_errors_total") == 0
         assert read("prompt_tokens_total") == len(PROMPT) and read("generation_tokens_total") == 5
-        assert read("time_to_first_token_seconds_count") == read("e2e_request_latency_seconds_count") == 1  # fmt: skip
+        assert read("time_to_first_token_seconds_count") == read("e2e_request_latency_seconds_count") == 1
         assert read("routing_decisions_total", group="r1") == 1
         assert read("request_resumes_total") == 0  # no token had reached the client
     finally:

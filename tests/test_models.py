@@ -39,8 +39,7 @@ LLAMA3_ROPE = {
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 16,  # small, so our prompt positions are scaled
 }
-YARN_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-             "original_max_position_embeddings": 1024}  # fmt: skip
+YARN_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 1024}
 CASES = {
     "llama": ("llama", {}),
     "mistral": ("mistral", {}),
@@ -108,9 +107,7 @@ def make_prompts(vocab: int, lens=PROMPT_LENS, seed: int = 0) -> list[list[int]]
 
 
 def reference_logits(model_dir: Path, prompts: list[list[int]]) -> list[torch.Tensor]:
-    ref = AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=torch.float32, attn_implementation="eager"
-    ).eval()
+    ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
     with torch.no_grad():
         return [ref(torch.tensor([p])).logits[0] for p in prompts]
 
@@ -124,9 +121,7 @@ def assert_close(ours: torch.Tensor, ref: torch.Tensor) -> None:
 @pytest.fixture(scope="module", params=list(CASES))
 def case(request, tmp_path_factory):
     arch, overrides = CASES[request.param]
-    model_dir = make_model_dir(
-        tmp_path_factory.mktemp(request.param), arch=arch, seed=3, **overrides
-    )
+    model_dir = make_model_dir(tmp_path_factory.mktemp(request.param), arch=arch, seed=3, **overrides)
     prompts = make_prompts(256)
     return model_dir, prompts, reference_logits(model_dir, prompts)
 
@@ -315,9 +310,7 @@ def run_ranks(tp: int, rank_main) -> list:
 @pytest.mark.parametrize("tp,kv_heads", [(2, 2), (4, 2)])  # split KV heads; replicated KV heads
 def test_tensor_parallel_model_matches_transformers(tmp_path, tp, kv_heads):
     # vocab 250 does not divide by tp: the vocab layers pad
-    model_dir = make_model_dir(
-        tmp_path, "qwen2", seed=7, vocab_size=250, num_key_value_heads=kv_heads
-    )
+    model_dir = make_model_dir(tmp_path, "qwen2", seed=7, vocab_size=250, num_key_value_heads=kv_heads)
     prompts = make_prompts(250, lens=(7, 12))
     ref = reference_logits(model_dir, prompts)
 
@@ -361,9 +354,7 @@ def test_config_reads_the_checkpoint(tmp_path):
     assert cfg.architecture == "MistralForCausalLM"
     assert cfg.max_position_embeddings == 512  # capped at the sliding window
     assert cfg.eos_token_ids == (2, 7) and cfg.model_id and len(cfg.revision) == 16
-    other = make_model_dir(
-        tmp_path / "n", "mistral", seed=1, sliding_window=512, eos_token_id=[2, 7]
-    )
+    other = make_model_dir(tmp_path / "n", "mistral", seed=1, sliding_window=512, eos_token_id=[2, 7])
     assert load_model(other)[1].revision == cfg.revision  # same layout, same revision
     with pytest.raises(AttributeError):
         cfg.vocab_size = 1  # frozen
@@ -372,9 +363,7 @@ def test_config_reads_the_checkpoint(tmp_path):
 def test_attention_without_a_bound_cache_is_a_clear_error(tmp_path):
     model, _ = load_model(make_model_dir(tmp_path, "llama"))
     with pytest.raises(RuntimeError, match="bind_kv_cache"):
-        run_step(
-            model, type("NoPool", (), {"block_size": 4, "table": lambda *_: [0]})(), [(0, [1], 0)]
-        )
+        run_step(model, type("NoPool", (), {"block_size": 4, "table": lambda *_: [0]})(), [(0, [1], 0)])
 
 
 # ---------------------------------------------------------------- built-in model
@@ -397,9 +386,7 @@ def test_builtin_model_tokenizer_and_greedy_choices(tmp_path):
     tok = AutoTokenizer.from_pretrained(path)
     text = "The library opens at nine. Zebras? 42 — café"
     assert tok.decode(tok.encode(text, add_special_tokens=False)) == text
-    chat = tok.apply_chat_template(
-        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
-    )
+    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
     assert chat == "<s>user\nhi</s>\n<s>assistant\n"
     model, cfg = load_model(path)
     assert cfg.vocab_size == len(tok) and cfg.eos_token_ids == (tok.eos_token_id,)

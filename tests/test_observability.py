@@ -40,8 +40,7 @@ RATE_WINDOW = "1m"  # stands for Grafana's $__rate_interval
 # at their end): 192 blocks of demand, in pieces small enough that the running requests keep the
 # cache over 90% full for seconds (larger ones leave whole requests' worth of blocks free
 # between them), preempting one another as they grow. The queue bound is far above them.
-ENGINE = ["--num-blocks", "40", "--max-model-len", "512", "--max-num-seqs", "32",
-          "--max-waiting", "64"]  # fmt: skip
+ENGINE = ["--num-blocks", "40", "--max-model-len", "512", "--max-num-seqs", "32", "--max-waiting", "64"]
 LONG_REQUESTS = 24
 LONG_TOKENS = 112
 
@@ -65,10 +64,15 @@ class Prometheus:
         self.log = tmp / "prometheus.log"
         with open(self.log, "w") as out:
             self.proc = subprocess.Popen(
-                [PROMETHEUS, f"--config.file={tmp / 'prometheus.yml'}",
-                 f"--storage.tsdb.path={tmp / 'data'}", f"--web.listen-address={self.url[7:]}"],
-                stdout=out, stderr=subprocess.STDOUT,
-            )  # fmt: skip
+                [
+                    PROMETHEUS,
+                    f"--config.file={tmp / 'prometheus.yml'}",
+                    f"--storage.tsdb.path={tmp / 'data'}",
+                    f"--web.listen-address={self.url[7:]}",
+                ],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
         self.wait(lambda: self._get("/-/ready") == 200, 60, "Prometheus ready")
         self.wait(lambda: self.query("up == 1"), 60, "a first scrape of the server")
 
@@ -92,8 +96,7 @@ class Prometheus:
     def targets(self) -> list[dict]:
         """The scrape targets' health and last error (for failure messages)."""
         body = json.load(urllib.request.urlopen(f"{self.url}/api/v1/targets", timeout=10))
-        return [{k: t.get(k) for k in ("scrapeUrl", "health", "lastError")}
-                for t in body["data"]["activeTargets"]]  # fmt: skip
+        return [{k: t.get(k) for k in ("scrapeUrl", "health", "lastError")} for t in body["data"]["activeTargets"]]
 
     def alerts_seen(self) -> set[str]:
         """Alerts pending or firing at some moment of the last 10 minutes."""
@@ -118,8 +121,17 @@ def stack(tmp_path_factory):
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
     with RedisServer() as redis_server:
         metrics_port = free_port()
-        flags = ["--ray", *builtin_model_flags(), "--redis", redis_server.url, "--grace", "1",
-                 "--metrics-port", str(metrics_port), *ENGINE]  # fmt: skip
+        flags = [
+            "--ray",
+            *builtin_model_flags(),
+            "--redis",
+            redis_server.url,
+            "--grace",
+            "1",
+            "--metrics-port",
+            str(metrics_port),
+            *ENGINE,
+        ]
         proc, client = start_serve(flags, free_port(), tmp / "serve.log", READY_S, env)
         prometheus = None
         try:
@@ -142,13 +154,16 @@ def demo_run(client) -> None:
     (the cache fills, requests are preempted) and one the client cancels after two tokens."""
     demo = subprocess.run(
         [sys.executable, "-m", "pagefleet", "demo", "--server", client.target, "--max-tokens", "6"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert demo.returncode == 0, demo.stdout + demo.stderr
 
     def long_request(i: int):
         ids = [(37 * i + 11 * k) % 1000 + 1 for k in range(16)]
-        return client.generate(token_ids=ids, max_tokens=LONG_TOKENS, temperature=0.0, ignore_eos=True)  # fmt: skip
+        return client.generate(token_ids=ids, max_tokens=LONG_TOKENS, temperature=0.0, ignore_eos=True)
 
     with ThreadPoolExecutor(LONG_REQUESTS) as pool:
         done = list(pool.map(long_request, range(LONG_REQUESTS)))
@@ -201,8 +216,11 @@ def test_every_dashboard_and_alert_expression_returns_data_after_a_demo_run(stac
     demo_run(client)
     served = client.cluster_status()[0]
     # Prometheus has scraped the run's end: its generated tokens are all there
-    prometheus.wait(lambda: total(prometheus, "pagefleet:request_success_total") >= 8 + LONG_REQUESTS, 30,
-                    f"the run's requests in Prometheus ({prometheus.targets()})")  # fmt: skip
+    prometheus.wait(
+        lambda: total(prometheus, "pagefleet:request_success_total") >= 8 + LONG_REQUESTS,
+        30,
+        f"the run's requests in Prometheus ({prometheus.targets()})",
+    )
     time.sleep(2)  # two more scrapes: every rate has its run in its window
     assert served.preemptions > 0  # the run made the cache overflow
     empty = []
@@ -231,10 +249,10 @@ def test_alerts_fire_when_redis_stops_and_when_the_only_group_dies(stack):
     redis_server.stop()  # the router's index (its mirror of Redis) goes unreachable
     try:
         prometheus.wait(
-            lambda: {"PagefleetPrefixIndexDown", "PagefleetPrefixIndexMirrorLagging"}
-            <= prometheus.alerts_seen(),
-            30, "the prefix index alerts",
-        )  # fmt: skip
+            lambda: {"PagefleetPrefixIndexDown", "PagefleetPrefixIndexMirrorLagging"} <= prometheus.alerts_seen(),
+            30,
+            "the prefix index alerts",
+        )
         up = prometheus.query("pagefleet:prefix_index_up")
         assert [r["value"][1] for r in up] == ["0"] and up[0]["metric"]["backend"] == "redis"
     finally:
@@ -242,9 +260,7 @@ def test_alerts_fire_when_redis_stops_and_when_the_only_group_dies(stack):
     ranks = [p for p, name in descendants(proc.pid).items() if name.startswith("ray::RankActor")]
     assert len(ranks) == 1, descendants(proc.pid)
     os.kill(ranks[0], signal.SIGKILL)  # the only group dies; its supervisor starts another
-    prometheus.wait(
-        lambda: "PagefleetNoLiveGroup" in prometheus.alerts_seen(), 60, "the no-live-group alert"
-    )
+    prometheus.wait(lambda: "PagefleetNoLiveGroup" in prometheus.alerts_seen(), 60, "the no-live-group alert")
     dead = prometheus.query(
         "max_over_time(pagefleet:group_alive[1m]) == 0 or min_over_time(pagefleet:group_alive[1m]) == 0"
     )

@@ -38,7 +38,7 @@ def drive(engine: LLMEngine, script) -> dict[str, tuple]:
         for out in engine.step():
             if out.finished:
                 c = out.outputs[0]
-                lps = None if c.logprobs is None else [(lp.token_id, lp.logprob) for lp in c.logprobs]  # fmt: skip
+                lps = None if c.logprobs is None else [(lp.token_id, lp.logprob) for lp in c.logprobs]
                 done[out.request_id] = (tuple(c.token_ids), c.text, c.finish_reason, lps)
         steps += 1
     return done
@@ -51,16 +51,15 @@ def mixed_script(steps: int, engine: LLMEngine) -> None:
             params = SamplingParams(max_tokens=20 + 9 * i, logprobs=2 if i == 1 else None, **greedy)
             engine.add_request(prompt(i, 12 + 5 * i), params, request_id=f"a{i}")
     if steps == 7:  # arrives while the others decode
-        engine.add_request(
-            prompt(9, 40), SamplingParams(max_tokens=25, **greedy), request_id="late"
-        )
+        engine.add_request(prompt(9, 40), SamplingParams(max_tokens=25, **greedy), request_id="late")
     if steps == 12:
         engine.abort("a5")
     if steps == 30:  # ends on EOS or a stop string, whichever the random model says
         engine.add_request(
-            prompt(11, 20), SamplingParams(max_tokens=40, temperature=0.0, stop=["e", " t"]),
+            prompt(11, 20),
+            SamplingParams(max_tokens=40, temperature=0.0, stop=["e", " t"]),
             request_id="stops",
-        )  # fmt: skip
+        )
 
 
 def test_overlapped_steps_give_the_tokens_of_serial_steps():
@@ -102,9 +101,11 @@ def test_preemption_and_seeded_sampling_give_the_same_tokens():
         if steps == 0:
             for i in range(6):
                 params = SamplingParams(
-                    max_tokens=40, temperature=0.9 if i % 2 else 0.0, seed=100 + i if i % 2 else None,
+                    max_tokens=40,
+                    temperature=0.9 if i % 2 else 0.0,
+                    seed=100 + i if i % 2 else None,
                     ignore_eos=True,
-                )  # fmt: skip
+                )
                 engine.add_request(prompt(i, 30), params, request_id=f"p{i}")
 
     small = dict(num_blocks=14, max_num_seqs=6, max_model_len=128)
@@ -143,7 +144,7 @@ def test_a_failing_forward_is_raised_by_the_step_not_hung():
 
     engine.executor.worker.runner.model = failing
     failing.compute_logits = model.compute_logits
-    engine.add_request(prompt(1, 10), SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))  # fmt: skip
+    engine.add_request(prompt(1, 10), SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
     with pytest.raises(Broken):
         for _ in range(20):
             engine.step()

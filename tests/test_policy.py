@@ -39,11 +39,19 @@ def chain(n_blocks: int, first: int = 0) -> list[bytes]:
     return HASHER.hash_prompt(list(range(first, first + 16 * n_blocks)))
 
 
-def status(gid: str, queued: int = 0, running: int = 0, free: int = 1000, cached: int = 0, waiting: int = 0):  # fmt: skip
+def status(gid: str, queued: int = 0, running: int = 0, free: int = 1000, cached: int = 0, waiting: int = 0):
     return GroupStatus(
-        gid, True, 1, ("cpu",), blocks_total=1000, blocks_free=free, blocks_cached=cached,
-        running=running, waiting=waiting, pending_prefill_tokens=queued,
-    )  # fmt: skip
+        gid,
+        True,
+        1,
+        ("cpu",),
+        blocks_total=1000,
+        blocks_free=free,
+        blocks_cached=cached,
+        running=running,
+        waiting=waiting,
+        pending_prefill_tokens=queued,
+    )
 
 
 def match(gid: str, blocks: int = 0, pending: int = 0) -> GroupMatch:
@@ -81,7 +89,7 @@ def test_a_copy_elsewhere_is_charged_for_the_requests_it_delays():
         idle = {"a": status("a", queued=6000, running=2), **{g: status(g) for g in "bcd"}}
         p = Placer(make_policy("prefix_aware"), formula).choose(c, idle, matches)
         assert (p.group_id, p.reason) in {("b", "spill"), ("c", "spill"), ("d", "spill")}
-        busy = {"a": status("a", queued=6000, running=10), **{g: status(g, running=8, waiting=2) for g in "bcd"}}  # fmt: skip
+        busy = {"a": status("a", queued=6000, running=10), **{g: status(g, running=8, waiting=2) for g in "bcd"}}
         p = Placer(make_policy("prefix_aware"), formula).choose(c, busy, matches)
         assert (p.group_id, p.reason) == ("a", "prefix_hit")
 
@@ -165,7 +173,7 @@ def test_a_hot_prefix_spreads_over_its_holders_and_spills_at_the_load_bound():
 def loaded(counts: dict[str, int], **options) -> Placer:
     """A policy whose window holds `counts` placements per group (a window long enough that
     their decay is negligible)."""
-    policy = Placer(PrefixAware(PrefixAwareConfig(load_slack=0.1, load_burst=2, balance_window=10_000, **options)))  # fmt: skip
+    policy = Placer(PrefixAware(PrefixAwareConfig(load_slack=0.1, load_burst=2, balance_window=10_000, **options)))
     for g, k in counts.items():
         for _ in range(k):
             policy.placed.add(g, 0, len(counts))
@@ -187,7 +195,7 @@ def test_a_sole_holder_over_the_bound_keeps_its_prefix_up_to_the_hit_bound():
     assert p.reason == "spill"
     # A new document (nothing to recompute elsewhere) keeps the bound: it avoids the holder.
     for i in range(20):
-        assert loaded(counts, hit_slack=1.0).choose(chain(30, first=5 + i), statuses, {}).group_id != "a"  # fmt: skip
+        assert loaded(counts, hit_slack=1.0).choose(chain(30, first=5 + i), statuses, {}).group_id != "a"
 
 
 def test_a_prefix_with_more_holders_than_hit_holders_spills_at_the_bound():
@@ -232,14 +240,37 @@ def test_the_fast_loop_chooses_as_the_formula_does(monkeypatch):
 
     def decisions(seed: int, formula: bool = False) -> list[tuple]:
         rng = random.Random(seed)
-        options = rng.choice([{}, {"load_slack": None}, {"max_replicas": 1}, {"hit_slack": None}, {"eviction_weight": 0.0}, {"request_weight": 0.0, "balance_weight": 0.0}])  # fmt: skip
-        policy, gids = Placer(PrefixAware(PrefixAwareConfig(**options)), formula), [f"g{i}" for i in range(rng.choice([1, 3, 16, 64]))]  # fmt: skip
+        options = rng.choice(
+            [
+                {},
+                {"load_slack": None},
+                {"max_replicas": 1},
+                {"hit_slack": None},
+                {"eviction_weight": 0.0},
+                {"request_weight": 0.0, "balance_weight": 0.0},
+            ]
+        )
+        policy, gids = (
+            Placer(PrefixAware(PrefixAwareConfig(**options)), formula),
+            [f"g{i}" for i in range(rng.choice([1, 3, 16, 64]))],
+        )
         statuses, out = {}, []
         for step in range(400):
             for g in gids if step == 0 else rng.sample(gids, min(3, len(gids))):
-                statuses[g] = status(g, rng.choice([0, 0, 500, 20000]), rng.randint(0, 9), rng.choice([0, 40, 1000]), rng.choice([0, 500]), rng.choice([0, 0, 3, 30]))  # fmt: skip
+                statuses[g] = status(
+                    g,
+                    rng.choice([0, 0, 500, 20000]),
+                    rng.randint(0, 9),
+                    rng.choice([0, 40, 1000]),
+                    rng.choice([0, 500]),
+                    rng.choice([0, 0, 3, 30]),
+                )
             n = rng.choice(list(chains))
-            matches = {g: match(g, rng.randint(0, n + 2), rng.choice([0, rng.randint(0, n)])) for g in gids if rng.random() < 0.2}  # fmt: skip
+            matches = {
+                g: match(g, rng.randint(0, n + 2), rng.choice([0, rng.randint(0, n)]))
+                for g in gids
+                if rng.random() < 0.2
+            }
             p = policy.choose(chains[n], statuses, matches)
             out.append((p.group_id, p.reason, p.cached_blocks))
         return out
@@ -269,9 +300,7 @@ def test_load_bound_config_is_validated():
 
 
 def test_a_routers_own_placements_count_at_once_and_reach_others_soon(redis_server):
-    group_side, router_a, router_b = (
-        RedisPrefixIndex.from_url(redis_server.url, "own", "m1") for _ in range(3)
-    )
+    group_side, router_a, router_b = (RedisPrefixIndex.from_url(redis_server.url, "own", "m1") for _ in range(3))
     c = chain(100)
     for gid in ("g0", "g1"):
         group_side.register_group(gid)

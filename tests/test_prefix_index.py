@@ -206,7 +206,7 @@ def test_a_fenced_off_publisher_stops_and_leaves_its_replacement_alone(redis_ser
     c = chain(4)
     told = []
     config = PublisherConfig(heartbeat_interval_s=0.05, load_interval_s=0.01)
-    old = IndexPublisher(group_side, "g0", lambda: set(c[:2]), config, on_fenced=lambda: told.append(1))  # fmt: skip
+    old = IndexPublisher(group_side, "g0", lambda: set(c[:2]), config, on_fenced=lambda: told.append(1))
     new = IndexPublisher(group_side, "g0", lambda: set(c), config)
     assert new.epoch > old.epoch
     for _ in range(20):  # both keep stepping, as the two ranks did
@@ -301,7 +301,7 @@ def test_a_group_stays_matched_through_a_step_longer_than_the_ttl(redis_server):
     group_side = RedisPrefixIndex.from_url(redis_server.url, "beat", "m1", config)
     router = RedisPrefixIndex.from_url(redis_server.url, "beat", "m1", config)
     c = chain(4)
-    pub = GroupPublisher(group_side, "g0", lambda: set(c), PublisherConfig(heartbeat_interval_s=0.2))  # fmt: skip
+    pub = GroupPublisher(group_side, "g0", lambda: set(c), PublisherConfig(heartbeat_interval_s=0.2))
     pub.publish_step([], load())
     epoch = pub.epoch
     time.sleep(2.0)  # one step of 2 s: no tick, more than three TTLs
@@ -415,9 +415,7 @@ def test_publisher_survives_redis_going_down_and_republishes(caplog):
 
 
 def test_a_dead_groups_keys_expire_by_themselves(redis_server):
-    index = RedisPrefixIndex.from_url(
-        redis_server.url, "keys", "m1", PrefixIndexConfig(heartbeat_ttl_s=0.6)
-    )
+    index = RedisPrefixIndex.from_url(redis_server.url, "keys", "m1", PrefixIndexConfig(heartbeat_ttl_s=0.6))
     c = chain(4)
     for gid in ("g0", "g1"):
         epoch = index.register_group(gid)
@@ -429,13 +427,9 @@ def test_a_dead_groups_keys_expire_by_themselves(redis_server):
     def keys():
         # The change log (and its counter) outlives groups: it expires an hour after the last
         # write, so mirrors can follow it through any gap between groups.
-        return sorted(
-            k.decode() for k in index.client.scan_iter(match="pf:keys:m1:*") if b":log" not in k
-        )
+        return sorted(k.decode() for k in index.client.scan_iter(match="pf:keys:m1:*") if b":log" not in k)
 
-    assert keys() == [
-        f"pf:keys:m1:{k}" for k in ("epochs", "groups", "hb:g0", "inv:g0", "pendh", "pendq")
-    ]
+    assert keys() == [f"pf:keys:m1:{k}" for k in ("epochs", "groups", "hb:g0", "inv:g0", "pendh", "pendq")]
     assert 0 < index.client.pttl("pf:keys:m1:log") <= 3_600_000
     assert wait_until(lambda: keys() == ["pf:keys:m1:epochs", "pf:keys:m1:groups"], 3.0)
     assert index.match(c) == {}
@@ -500,7 +494,7 @@ def test_script_calls_reuse_connections_across_short_lived_threads(redis_server)
 
     index = RedisPrefixIndex.from_url(redis_server.url, f"conn{uuid.uuid4().hex[:6]}", "m1")
     admin = redis.Redis.from_url(redis_server.url)
-    name = index.client.client_getname() or index.client.connection_pool.connection_kwargs["client_name"]  # fmt: skip
+    name = index.client.client_getname() or index.client.connection_pool.connection_kwargs["client_name"]
     epoch = index.register_group("g0")
     for _ in range(20):
         t = threading.Thread(target=index.heartbeat, args=("g0", epoch))

@@ -29,9 +29,7 @@ RANK_GONE_WITHIN_S = 10.0
 
 
 def add_node(cluster):
-    return cluster.add_node(
-        num_cpus=2, resources={SLOT: 1}, object_store_memory=80 << 20, node_ip_address="127.0.0.1"
-    )
+    return cluster.add_node(num_cpus=2, resources={SLOT: 1}, object_store_memory=80 << 20, node_ip_address="127.0.0.1")
 
 
 def wait_for(predicate, timeout_s: float, what: str):
@@ -53,9 +51,13 @@ def supervised(ray_runtime, redis_server):
     config = engine_config("builtin", num_blocks=64, max_model_len=256, cluster_secret="fate")
     gc = RayGroupConfig(bundle_resources={SLOT: 1}, status_timeout_s=2.0, start_timeout_s=300)
     spec = GroupsSpec(
-        config, gc, groups=1, cluster=CLUSTER, redis_url=redis_server.url,
+        config,
+        gc,
+        groups=1,
+        cluster=CLUSTER,
+        redis_url=redis_server.url,
         restart=RestartPolicy(initial_s=0.2),
-    )  # fmt: skip
+    )
     supervisor = start_supervisor(spec, detached=False, name="fate-supervisor")
     nodes = [first]
     try:
@@ -75,9 +77,7 @@ def serving(supervisor, generation: int):
     return info if info.state == "serving" and info.generation == generation else None
 
 
-def test_the_rank_of_a_dead_node_ends_itself_and_the_group_keeps_one_registration(
-    supervised, redis_server
-):
+def test_the_rank_of_a_dead_node_ends_itself_and_the_group_keeps_one_registration(supervised, redis_server):
     supervisor, nodes, cluster = supervised
     info = wait_for(lambda: serving(supervisor, 1), 300, "the group to serve")
     (rank,) = info.ranks

@@ -42,9 +42,7 @@ def idle_load() -> GroupLoad:
 
 
 @pytest.mark.parametrize("max_queued", [65536, 3], ids=["queued", "overflowing"])
-def test_publishing_to_a_hung_redis_never_blocks_the_step_and_the_index_catches_up(
-    redis_server, max_queued
-):
+def test_publishing_to_a_hung_redis_never_blocks_the_step_and_the_index_catches_up(redis_server, max_queued):
     """Steps go on at full speed with Redis stopped; after SIGCONT the index holds exactly the
     cache, whether the queued events were kept or (past `max_queued_events`) replaced by a
     snapshot."""
@@ -152,8 +150,10 @@ def test_a_group_decodes_on_while_redis_is_stopped(redis_group, redis_server):
         redis_server.resume()
     start, end = window
     during = [g for g, at in gaps if start <= at <= end]
-    print(f"{n} streams; largest gap {max(g for g, _ in gaps) * 1000:.0f} ms, "
-          f"{max(during) * 1000:.0f} ms while Redis was stopped ({len(during)} gaps)")  # fmt: skip
+    print(
+        f"{n} streams; largest gap {max(g for g, _ in gaps) * 1000:.0f} ms, "
+        f"{max(during) * 1000:.0f} ms while Redis was stopped ({len(during)} gaps)"
+    )
     assert len(during) > 20, "no stream decoded while Redis was stopped"
     assert max(g for g, _ in gaps) < TOKEN_GAP_MAX_S
 

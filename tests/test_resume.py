@@ -39,7 +39,7 @@ CASES = {
         presence_penalty=1.0,
         frequency_penalty=0.5,
         repetition_penalty=1.2,
-    ),  # fmt: skip
+    ),
 }
 
 
@@ -63,7 +63,7 @@ def test_a_resumed_request_continues_as_the_undisturbed_one(engines, case, cut):
     assert last.finished and last.finish_reason == "length" and last.token_ids == done.token_ids
     if params.logprobs is not None:
         assert [lp.token_id for lp in last.logprobs] == done.token_ids
-        assert last.outputs[0].cumulative_logprob == pytest.approx(done.outputs[0].cumulative_logprob, rel=1e-5)  # fmt: skip
+        assert last.outputs[0].cumulative_logprob == pytest.approx(done.outputs[0].cumulative_logprob, rel=1e-5)
 
 
 def test_a_stop_string_across_the_cut_ends_the_resumed_request(engines):
@@ -74,7 +74,7 @@ def test_a_stop_string_across_the_cut_ends_the_resumed_request(engines):
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, stop=[stop])
     whole = run(first, params)
     assert whole[-1].finish_reason == "stop"
-    cut = next(i for i, o in enumerate(whole) if len("".join(x.new_text for x in whole[: i + 1])) >= 8)  # fmt: skip
+    cut = next(i for i, o in enumerate(whole) if len("".join(x.new_text for x in whole[: i + 1])) >= 8)
     before = whole[: cut + 1]
     sent = "".join(o.new_text for o in before)
     tokens = tuple(t for o in before for t in o.new_token_ids)

@@ -29,9 +29,11 @@ def info() -> ModelInfo:
 
 def ask(router: Router, question: int, salt: str | None = None, rid: str | None = None):
     req = RouteRequest(
-        prompt_token_ids=DOC + [question] * 5, cache_salt=salt, request_id=rid,
+        prompt_token_ids=DOC + [question] * 5,
+        cache_salt=salt,
+        request_id=rid,
         params=SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True),
-    )  # fmt: skip
+    )
 
     async def run():
         return [out async for out in router.generate(req)][-1]
@@ -52,7 +54,7 @@ def groups():
 
 def wait_idle(groups, timeout_s=5.0):
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and any(g.status().running + g.status().waiting for g in groups):  # fmt: skip
+    while time.monotonic() < deadline and any(g.status().running + g.status().waiting for g in groups):
         time.sleep(0.02)
 
 
@@ -137,7 +139,13 @@ def test_two_routers_over_one_redis_decide_alike_and_redis_failover_converges(ca
 
             server.start()  # back, empty: the groups' publishers register there again
             doc = a.hasher.hash_prompt(DOC)
-            assert wait_until(lambda: b_index.match(doc).get(rec.group_id) is not None and b_index.match(doc)[rec.group_id].blocks == len(DOC) // 16, 30)  # fmt: skip
+            assert wait_until(
+                lambda: (
+                    b_index.match(doc).get(rec.group_id) is not None
+                    and b_index.match(doc)[rec.group_id].blocks == len(DOC) // 16
+                ),
+                30,
+            )
             assert wait_until(lambda: ask(a, 973) and reader.shared_up, 10)
         finally:
             for g in made:
@@ -225,7 +233,9 @@ def test_statuses_follow_what_groups_report_and_every_group_is_read_each_second(
     assert sorted(router.live_statuses()) == ["g0", "g1"]
     # A change the group does not tell of (a request put in its scheduler behind its back)
     # shows at the next full read.
-    quiet = Request("quiet", list(range(50)), SamplingParams(max_tokens=2), max_tokens=2, arrival_time=0.0, hash_root=hasher.root())  # fmt: skip
+    quiet = Request(
+        "quiet", list(range(50)), SamplingParams(max_tokens=2), max_tokens=2, arrival_time=0.0, hash_root=hasher.root()
+    )
     groups[0].scheduler.add_request(quiet)
     groups[0]._status = None
     assert router.live_statuses()["g0"].waiting == 0
@@ -240,7 +250,9 @@ def test_a_full_queue_sends_the_request_to_the_next_group_before_refusing_it():
     from worker.protocol import GenerationRequest, QueueFullError
 
     index = InMemoryPrefixIndex()
-    config = engine_config("builtin", num_blocks=64, max_model_len=512, cluster_secret=SECRET, max_num_seqs=1, max_waiting=1)  # fmt: skip
+    config = engine_config(
+        "builtin", num_blocks=64, max_model_len=512, cluster_secret=SECRET, max_num_seqs=1, max_waiting=1
+    )
     made = [LocalGroup(config, index, group_id=f"q{i}") for i in range(2)]
     router = Router(made, index, made[0].hasher, info(), policy="round_robin")
     long = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
@@ -264,11 +276,11 @@ def test_a_full_queue_sends_the_request_to_the_next_group_before_refusing_it():
 
     async def run():
         fillers = await fill(made[0])
-        out = [o async for o in router.generate(RouteRequest(prompt_token_ids=DOC + [44] * 5, params=short))][-1]  # fmt: skip
+        out = [o async for o in router.generate(RouteRequest(prompt_token_ids=DOC + [44] * 5, params=short))][-1]
         spilled = router.records[out.request_id].group_id
         fillers += await fill(made[1])
         with pytest.raises(QueueFullError, match="every live group's queue is full"):
-            await router.generate(RouteRequest(prompt_token_ids=DOC + [45] * 5, params=short)).__anext__()  # fmt: skip
+            await router.generate(RouteRequest(prompt_token_ids=DOC + [45] * 5, params=short)).__anext__()
         for t in fillers:
             t.cancel()
         await asyncio.gather(*fillers, return_exceptions=True)

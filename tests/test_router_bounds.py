@@ -27,8 +27,16 @@ class InstantGroup(GroupHandle):
 
     async def generate(self, request) -> AsyncIterator[RequestOutput]:
         one = ("", [1], None, None, "length", None)
-        yield RequestOutput(request.request_id, request.prompt, None, True, 0,
-                            RequestMetrics(time.monotonic()), new_token_ids=[1], _one=one)  # fmt: skip
+        yield RequestOutput(
+            request.request_id,
+            request.prompt,
+            None,
+            True,
+            0,
+            RequestMetrics(time.monotonic()),
+            new_token_ids=[1],
+            _one=one,
+        )
 
     def abort(self, request_id: str) -> None:
         pass
@@ -42,7 +50,7 @@ class InstantGroup(GroupHandle):
 
 def make_router(max_records: int, cache_bytes: int) -> Router:
     hasher = make_hasher(block_size=BLOCK)
-    router = Router([InstantGroup()], InMemoryPrefixIndex(), hasher, ModelInfo("t", 4096, BLOCK, "auto", 1024))  # fmt: skip
+    router = Router([InstantGroup()], InMemoryPrefixIndex(), hasher, ModelInfo("t", 4096, BLOCK, "auto", 1024))
     router.max_records = max_records
     router.hash_cache = PrefixHashCache(hasher, HashCacheConfig(max_bytes=cache_bytes))
     return router
@@ -58,7 +66,7 @@ async def ask(router: Router, first: int, count: int) -> None:
 
 
 def held_by_the_router(snapshot: tracemalloc.Snapshot) -> int:
-    keep = [tracemalloc.Filter(True, "*/router/router.py"), tracemalloc.Filter(True, "*/router/hash_cache.py")]  # fmt: skip
+    keep = [tracemalloc.Filter(True, "*/router/router.py"), tracemalloc.Filter(True, "*/router/hash_cache.py")]
     return sum(s.size for s in snapshot.filter_traces(keep).statistics("filename"))
 
 

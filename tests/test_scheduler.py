@@ -21,9 +21,7 @@ def test_seed_requests_a_b_c_fit_paged_where_contiguous_would_not():
     bytes_per_token = 2 * 32 * 8 * 128 * 2
     block_bytes = 16 * bytes_per_token
     pool_blocks = (7 << 30) // block_bytes  # the seed's 7 GiB pool
-    sched, _ = make_scheduler(
-        num_blocks=pool_blocks, block_size=16, max_model_len=8192, max_num_batched_tokens=2048
-    )
+    sched, _ = make_scheduler(num_blocks=pool_blocks, block_size=16, max_model_len=8192, max_num_batched_tokens=2048)
     out_len = 64
     reqs = [make_request(n - out_len, out_len) for n in (8192, 4096, 2048)]
     for r in reqs:
@@ -57,9 +55,7 @@ def test_chunked_prefill_respects_token_budget_and_decodes_go_first():
         out = sched.schedule()
         assert out.num_batched_tokens <= 10
         assert out.scheduled[0].request is short  # the decode is first
-        spans.append(
-            [(s.request.request_id, s.start, s.num_tokens, s.samples) for s in out.scheduled]
-        )
+        spans.append([(s.request.request_id, s.start, s.num_tokens, s.samples) for s in out.scheduled])
         sched.update_from_output(out, {s.request.request_id: 1 for s in out.scheduled if s.samples})
     chunks = [(st, n, smp) for step in spans for rid, st, n, smp in step if rid == long.request_id]
     assert chunks == [(0, 9, False), (9, 9, False), (18, 7, True)]
@@ -242,9 +238,7 @@ def test_random_operations_keep_the_books(ops, num_blocks, budget, policy):
         elif op[0] == "step":
             for _ in range(op[1]):
                 out = sched.schedule()
-                sched.update_from_output(
-                    out, {s.request.request_id: 9 for s in out.scheduled if s.samples}
-                )
+                sched.update_from_output(out, {s.request.request_id: 9 for s in out.scheduled if s.samples})
                 check_invariants(sched.bm)
         elif op[0] == "abort" and live:
             sched.abort([live[op[1] % len(live)].request_id])

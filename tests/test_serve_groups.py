@@ -40,8 +40,19 @@ def groups_server(tmp_path_factory):
     model = make_model_dir(tmp / "model", max_position_embeddings=32_768)
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
     log = tmp / "serve.log"
-    flags = ["--groups", "2", "--model", str(model), "--no-metrics", "--num-blocks", "2048",
-             "--max-model-len", "32768", "--grace", "5"]  # fmt: skip
+    flags = [
+        "--groups",
+        "2",
+        "--model",
+        str(model),
+        "--no-metrics",
+        "--num-blocks",
+        "2048",
+        "--max-model-len",
+        "32768",
+        "--grace",
+        "5",
+    ]
     proc, client = start_serve(flags, free_port(), log, READY_WITHIN_S, env)
     try:
         yield proc, client, log, time.monotonic()
@@ -56,7 +67,7 @@ def groups_server(tmp_path_factory):
             code = proc.wait(30)
         assert code == 0, f"exit status {code} on SIGTERM:\n{log.read_text()[-3000:]}"
         deadline = time.monotonic() + 30
-        while (left := [p for p in tree if process_state(p) not in (None, "Z")]) and time.monotonic() < deadline:  # fmt: skip
+        while (left := [p for p in tree if process_state(p) not in (None, "Z")]) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert not left, f"the server's Ray processes outlived it: {[tree[p] for p in left]}"
 

@@ -109,8 +109,9 @@ def test_a_ray_group_republishes_its_inventory_after_losing_its_registration(ray
     # fetched from rank 0's block manager.
     wait_until(
         lambda: index.match(chain).get("ray-0") and index.match(chain)["ray-0"].blocks == 6,
-        10, "the inventory to be republished",
-    )  # fmt: skip
+        10,
+        "the inventory to be republished",
+    )
 
 
 def test_a_stopped_ray_group_leaves_the_index(ray_and_local):
@@ -149,8 +150,11 @@ def _env(home: str) -> dict:
     token authentication Ray turns on by default (its token in ~/.ray/auth_token) uses the
     test's own token and never the user's."""
     env = dict(
-        os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", PYTHONPATH=str(REPO), HOME=home,
-    )  # fmt: skip
+        os.environ,
+        RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",
+        PYTHONPATH=str(REPO),
+        HOME=home,
+    )
     for name in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
         env.pop(name, None)  # (the session cluster's, if any)
     return env
@@ -185,24 +189,40 @@ def ray_head(tmp_path_factory):
     temp_dir = tempfile.mkdtemp(prefix="pf-ray-")
     home = str(tmp_path_factory.mktemp("ray-home"))
     token = subprocess.run(
-        ray_cli("get-auth-token", "--generate"), env=_env(home), capture_output=True, text=True,
+        ray_cli("get-auth-token", "--generate"),
+        env=_env(home),
+        capture_output=True,
+        text=True,
         timeout=60,
-    )  # fmt: skip
+    )
     assert token.returncode == 0 and (Path(home) / ".ray" / "auth_token").exists(), token.stderr
     head = subprocess.Popen(
         ray_cli(
-            "start", "--head", "--block", f"--port={gcs}", "--node-ip-address=127.0.0.1",
-            "--num-cpus=4", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
-            f"--dashboard-port={dash}", f"--dashboard-agent-listen-port={agent}",
-            f"--dashboard-agent-grpc-port={agent_grpc}", f"--ray-client-server-port={client}",
-            f"--metrics-export-port={metrics}", f"--runtime-env-agent-port={env_agent}",
-            f"--object-store-memory={100 << 20}", "--disable-usage-stats",
+            "start",
+            "--head",
+            "--block",
+            f"--port={gcs}",
+            "--node-ip-address=127.0.0.1",
+            "--num-cpus=4",
+            "--include-dashboard=true",
+            "--dashboard-host=127.0.0.1",
+            f"--dashboard-port={dash}",
+            f"--dashboard-agent-listen-port={agent}",
+            f"--dashboard-agent-grpc-port={agent_grpc}",
+            f"--ray-client-server-port={client}",
+            f"--metrics-export-port={metrics}",
+            f"--runtime-env-agent-port={env_agent}",
+            f"--object-store-memory={100 << 20}",
+            "--disable-usage-stats",
             f"--temp-dir={temp_dir}",
         ),
         # No drain on SIGTERM: nothing here needs it, and it would hold the teardown 30 s.
-        env={**_env(home), "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**_env(home), "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
         start_new_session=True,
-    )  # fmt: skip
+    )
     url = f"http://127.0.0.1:{dash}"
     try:
         wait_until(lambda: _jobs_api_up(url) or head.poll() is not None, 60, "the dashboard")
@@ -244,46 +264,84 @@ def test_ray_job_submit_pagefleet_serve(ray_head):
     job_id = f"pagefleet-serve-{uuid.uuid4().hex[:8]}"
     submitted = subprocess.run(
         ray_cli(
-            "job", "submit", f"--address={ray_head.dashboard}", "--no-wait",
+            "job",
+            "submit",
+            f"--address={ray_head.dashboard}",
+            "--no-wait",
             f"--submission-id={job_id}",
             f"--runtime-env-json={json.dumps({'env_vars': {'PYTHONPATH': str(REPO)}})}",
-            "--", sys.executable, "-m", "pagefleet", "serve", "--model", "builtin", "--address", "auto",
-            "--port", str(port), "--metrics-port", str(metrics_port),
+            "--",
+            sys.executable,
+            "-m",
+            "pagefleet",
+            "serve",
+            "--model",
+            "builtin",
+            "--address",
+            "auto",
+            "--port",
+            str(port),
+            "--metrics-port",
+            str(metrics_port),
         ),
-        env=_cli_env(ray_head), capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        env=_cli_env(ray_head),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert submitted.returncode == 0, submitted.stdout + submitted.stderr
     try:
         with Client(f"127.0.0.1:{port}", timeout=10) as client:
             wait_serving(client, ray_head, job_id, timeout_s=150)
-            done = client.generate(
-                token_ids=[5, 6, 7, 8], max_tokens=4, temperature=0.0, ignore_eos=True
-            )
+            done = client.generate(token_ids=[5, 6, 7, 8], max_tokens=4, temperature=0.0, ignore_eos=True)
             assert done.finish_reason == "length" and len(done.token_ids) == 4
             (group,) = client.cluster_status()
             assert group.alive and group.tensor_parallel_size == 1 and done.group_id == "group-0"
     except BaseException:
         logs = subprocess.run(
             ray_cli("job", "logs", f"--address={ray_head.dashboard}", job_id),
-            env=_cli_env(ray_head), capture_output=True, text=True, timeout=30,
-        )  # fmt: skip
+            env=_cli_env(ray_head),
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         print(logs.stdout[-4000:], logs.stderr[-2000:])
         raise
     finally:
         subprocess.run(
             ray_cli("job", "stop", f"--address={ray_head.dashboard}", job_id),
-            env=_cli_env(ray_head), capture_output=True, text=True, timeout=60,
-        )  # fmt: skip
+            env=_cli_env(ray_head),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
     wait_until(lambda: not _listening(port), 30, "the stopped job's server to close its port")
 
 
 def serve_joining(head: RayHead, env: dict, port: int) -> subprocess.Popen:
     """`pagefleet serve --address` of `head`, run as a user runs it, outside any Ray job."""
     return subprocess.Popen(
-        [sys.executable, "-m", "pagefleet", "serve", "--model", "builtin", "--address", head.gcs_address,
-         "--port", str(port), "--no-metrics", "--grace", "2"],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pagefleet",
+            "serve",
+            "--model",
+            "builtin",
+            "--address",
+            head.gcs_address,
+            "--port",
+            str(port),
+            "--no-metrics",
+            "--grace",
+            "2",
+        ],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def test_serve_joins_a_token_authenticated_cluster_with_the_token_in_its_home(ray_head):
@@ -378,8 +436,12 @@ def test_a_local_ray_start_that_times_out_is_tried_again_without_its_processes(t
     processes are up), ensure_ray kills what that start left and starts again."""
     env = _env(str(tmp_path))
     done = subprocess.run(
-        [sys.executable, "-c", LATE_RAYLET, late], env=env, cwd=REPO, capture_output=True,
-        text=True, timeout=180,
-    )  # fmt: skip
+        [sys.executable, "-c", LATE_RAYLET, late],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "did not come up" in done.stderr and "attempt 2 of 3" in done.stderr, done.stderr

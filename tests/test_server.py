@@ -57,10 +57,22 @@ def server(tmp_path_factory, llm_loading):
     log = tmp_path_factory.mktemp("server") / "serve.log"
     with open(log, "w") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "pagefleet", "serve", "--model=builtin", f"--port={port}",
-             f"--metrics-port={metrics_port}", "--grace=5", "--no-http", *flags],
-            cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "pagefleet",
+                "serve",
+                "--model=builtin",
+                f"--port={port}",
+                f"--metrics-port={metrics_port}",
+                "--grace=5",
+                "--no-http",
+                *flags,
+            ],
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     client = Client(f"127.0.0.1:{port}", timeout=60)
     seen = {"health": [], "generate_while_loading": None}
     deadline = time.monotonic() + START_TIMEOUT_S
@@ -116,10 +128,7 @@ def wait_for(predicate, timeout: float = 10.0, what: str = "condition"):
 
 
 def all_blocks_free(client: Client) -> bool:
-    return all(
-        g.blocks_free == g.blocks_total and g.running == 0 and g.waiting == 0
-        for g in client.cluster_status()
-    )
+    return all(g.blocks_free == g.blocks_total and g.running == 0 and g.waiting == 0 for g in client.cluster_status())
 
 
 # ---- readiness -----------------------------------------------------------------------------
@@ -170,8 +179,7 @@ def test_stream_equals_llm_for_text_and_token_ids(server, llm):
 
 def test_chat_stream_equals_llm(server, llm):
     client, _, _ = server
-    chat = [{"role": "system", "content": "Answer briefly."},
-            {"role": "user", "content": "Who built the bridge?"}]  # fmt: skip
+    chat = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Who built the bridge?"}]
     ids = chat_token_ids(llm, chat)
     assert client.tokenize(messages=chat) == ids
     assert_stream_equals_llm(client, llm, {"messages": chat}, ids)
@@ -183,20 +191,20 @@ def test_llm_chat_equals_generate_with_the_same_messages(server, llm):
     client, _, _ = server
     chats = [
         [{"role": "user", "content": "Where does the river run?"}],
-        [{"role": "system", "content": "You are a librarian."},
-         {"role": "user", "content": "When does the library open?"},
-         {"role": "assistant", "content": "At nine."},
-         {"role": "user", "content": "And when does it close?"}],
-    ]  # fmt: skip
+        [
+            {"role": "system", "content": "You are a librarian."},
+            {"role": "user", "content": "When does the library open?"},
+            {"role": "assistant", "content": "At nine."},
+            {"role": "user", "content": "And when does it close?"},
+        ],
+    ]
     outs = llm.chat(chats, SamplingParams(temperature=0.0, max_tokens=16))
     for chat, out in zip(chats, outs, strict=True):
         done = client.generate(messages=chat, max_tokens=16, temperature=0.0)
         assert out.prompt_token_ids == client.tokenize(messages=chat)
         assert out.outputs[0].token_ids == done.token_ids and len(done.token_ids) > 1
         assert out.outputs[0].text == done.text
-        assert out.prompt == llm.tokenizer.apply_chat_template(
-            chat, add_generation_prompt=True, tokenize=False
-        )
+        assert out.prompt == llm.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
 
 
 def assert_stream_equals_llm(client: Client, llm, kwargs: dict, ref_prompt) -> None:
@@ -214,8 +222,13 @@ def assert_stream_equals_llm(client: Client, llm, kwargs: dict, ref_prompt) -> N
 def test_logprobs_and_final_only_equal_llm(server, llm):
     client, _, _ = server
     ref = reference(llm, "A page is a fixed number of slots", max_tokens=6, logprobs=3)
-    done = client.generate("A page is a fixed number of slots", max_tokens=6, temperature=0.0,
-                           logprobs=3, output_kind=pb.OUTPUT_KIND_FINAL_ONLY)  # fmt: skip
+    done = client.generate(
+        "A page is a fixed number of slots",
+        max_tokens=6,
+        temperature=0.0,
+        logprobs=3,
+        output_kind=pb.OUTPUT_KIND_FINAL_ONLY,
+    )
     assert done.token_ids == ref.token_ids and done.text == ref.text
     for got, want in zip(done.logprobs, ref.logprobs, strict=True):
         assert got.token_id == want.token_id and got.rank == want.rank
@@ -223,8 +236,7 @@ def test_logprobs_and_final_only_equal_llm(server, llm):
         assert math.isclose(got.logprob, want.logprob, rel_tol=1e-5, abs_tol=1e-5)
 
 
-@pytest.mark.parametrize("options", [dict(temperature=0.0, logprobs=2),
-                                     dict(temperature=1.0, top_p=0.9, seed=5)])  # fmt: skip
+@pytest.mark.parametrize("options", [dict(temperature=0.0, logprobs=2), dict(temperature=1.0, top_p=0.9, seed=5)])
 def test_a_stream_resumed_from_what_it_delivered_goes_on_as_the_undisturbed_one(server, options):
     """GenerateRequest.resume (what a client sends another router when its own died mid-way):
     the rest of the stream equals the undisturbed run's, text and logprobs included."""
@@ -242,7 +254,7 @@ def test_a_stream_resumed_from_what_it_delivered_goes_on_as_the_undisturbed_one(
     assert tokens(rest) == tokens(chunks[cut:])
     assert "".join(c.text for c in rest) == "".join(c.text for c in chunks[cut:])
     got = [(lp.token_id, lp.rank, [t.token_id for t in lp.top]) for c in rest for lp in c.logprobs]
-    want = [(lp.token_id, lp.rank, [t.token_id for t in lp.top]) for c in chunks[cut:] for lp in c.logprobs]  # fmt: skip
+    want = [(lp.token_id, lp.rank, [t.token_id for t in lp.top]) for c in chunks[cut:] for lp in c.logprobs]
     assert got == want
     assert rest[-1].usage.resumes == 1 and rest[-1].usage.completion_tokens == 24
 
@@ -335,9 +347,7 @@ def test_full_queue_is_resource_exhausted(server):
     # each request counted once: the refused one, and the four the client went away from
     for code, want in (("RESOURCE_EXHAUSTED", 1), ("CANCELLED", 4), ("UNAVAILABLE", 0)):
         assert after.get(errors % code, 0) - before.get(errors % code, 0) == want, code
-    assert total(after, "pagefleet:request_success_total") == total(
-        before, "pagefleet:request_success_total"
-    )
+    assert total(after, "pagefleet:request_success_total") == total(before, "pagefleet:request_success_total")
 
 
 # ---- bad input -----------------------------------------------------------------------------
@@ -375,12 +385,12 @@ BAD_REQUESTS = {
         build_request("a", temperature=-0.5),
         INVALID,
         "sampling.temperature",
-    ),  # fmt: skip
+    ),
     "nan temperature": (
         build_request("a", temperature=math.nan),
         INVALID,
         "sampling.temperature",
-    ),  # fmt: skip
+    ),
     "top_k -2": (build_request("a", top_k=-2), INVALID, "sampling.top_k"),
     "min_p 2": (build_request("a", min_p=2.0), INVALID, "sampling.min_p"),
     "logprobs 21": (build_request("a", logprobs=21), INVALID, "sampling.logprobs"),
@@ -389,7 +399,7 @@ BAD_REQUESTS = {
         build_request("a", stop_token_ids=[-1]),
         INVALID,
         "sampling.stop_token_ids",
-    ),  # fmt: skip
+    ),
     "prompt beyond context": (build_request(token_ids=[5] * 600), RANGE, "context"),
     "prompt fills context": (build_request(token_ids=[5] * 512), RANGE, "context"),
     "bad tenant": (build_request("a", tenant="acme corp/1"), INVALID, "tenant"),
@@ -398,7 +408,7 @@ BAD_REQUESTS = {
         build_request("a", cache_salt="s", tenant="t"),
         INVALID,
         "cache_salt or tenant",
-    ),  # fmt: skip
+    ),
     "chat without role": (build_request(messages=[("", "hi")]), INVALID, "messages[0].role"),
     "bad request_id": (build_request("a", request_id="has space"), INVALID, "request_id"),
     "resume of max_tokens": (resumed([7] * 4, max_tokens=4), INVALID, "resume.token_ids has 4"),
@@ -424,7 +434,7 @@ def test_bad_input_gets_its_status_and_the_server_keeps_serving(server, case):
 def test_oversized_message_is_refused_by_the_server(server):
     client, _, _ = server
     # A channel without its own send limit, so the server's limit is what refuses it.
-    with grpc.insecure_channel(client.target, options=[("grpc.max_send_message_length", -1)]) as ch:  # fmt: skip
+    with grpc.insecure_channel(client.target, options=[("grpc.max_send_message_length", -1)]) as ch:
         stub = pb_grpc.PageFleetStub(ch)
         with pytest.raises(grpc.RpcError) as err:
             list(stub.Generate(pb.GenerateRequest(text="x" * (5 << 20)), timeout=30))
@@ -438,15 +448,15 @@ def test_oversized_message_is_refused_by_the_server(server):
 
 # What a Prometheus server asks for: OpenMetrics first (whose writer would mangle the ':' of
 # pagefleet:'s sample names), the text format next.
-PROMETHEUS_ACCEPT = ("application/openmetrics-text;version=1.0.0,application/openmetrics-text;"
-                     "version=0.0.1;q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1")  # fmt: skip
+PROMETHEUS_ACCEPT = (
+    "application/openmetrics-text;version=1.0.0,application/openmetrics-text;"
+    "version=0.0.1;q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1"
+)
 
 
 def scrape(port: int) -> dict[str, float]:
     """Prometheus text -> {series with labels: value}, asked for as Prometheus asks."""
-    request = urllib.request.Request(
-        f"http://127.0.0.1:{port}/metrics", headers={"Accept": PROMETHEUS_ACCEPT}
-    )
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/metrics", headers={"Accept": PROMETHEUS_ACCEPT})
     with urllib.request.urlopen(request, timeout=10) as response:
         assert response.headers["Content-Type"].startswith("text/plain; version=0.0.4")
         text = response.read().decode()
@@ -479,9 +489,14 @@ def test_metrics_expose_pagefleet_series(server):
     assert delta("pagefleet:e2e_request_latency_seconds_count") == 2
     assert delta("pagefleet:request_queue_time_seconds_count") == 2
     assert delta("pagefleet:inter_token_latency_seconds_count") == 4  # 2 gaps per request
-    for name in ("request_prefill_time_seconds", "request_decode_time_seconds",
-                 "request_inference_time_seconds", "request_time_per_output_token_seconds",
-                 "request_prompt_tokens", "request_generation_tokens"):  # fmt: skip
+    for name in (
+        "request_prefill_time_seconds",
+        "request_decode_time_seconds",
+        "request_inference_time_seconds",
+        "request_time_per_output_token_seconds",
+        "request_prompt_tokens",
+        "request_generation_tokens",
+    ):
         assert delta(f"pagefleet:{name}_count") == 2, name
     assert delta("pagefleet:routed_prompt_tokens_total") == 130
     assert delta("pagefleet:actual_cached_tokens_total") == 64
@@ -490,12 +505,14 @@ def test_metrics_expose_pagefleet_series(server):
     assert delta("pagefleet:prefix_cache_queries_total") == 130
     assert delta("pagefleet:prefix_cache_hits_total") == 64
     assert delta("pagefleet:routing_decisions_total") == 2
-    match = (
-        'pagefleet:prefix_index_round_trip_seconds_count{model_name="builtin-v1",operation="match"}'
-    )
+    match = 'pagefleet:prefix_index_round_trip_seconds_count{model_name="builtin-v1",operation="match"}'
     assert after[match] - before.get(match, 0) == 2  # one index round trip per placement
-    for name in ("pagefleet:num_requests_running", "pagefleet:num_requests_waiting",
-                 "pagefleet:kv_cache_usage_perc", "pagefleet:num_preemptions_total"):  # fmt: skip
+    for name in (
+        "pagefleet:num_requests_running",
+        "pagefleet:num_requests_waiting",
+        "pagefleet:kv_cache_usage_perc",
+        "pagefleet:num_preemptions_total",
+    ):
         assert f'{name}{{group="group-0",model_name="builtin-v1"}}' in after
     (group,) = client.cluster_status()
     labels = 'device="cpu",group="group-0",model_name="builtin-v1"'

@@ -57,7 +57,7 @@ def test_first_tokens_are_told_once_and_busy_time_is_the_steps():
     (a, b) = make_groups(2, None)
     arrivals = [Arrival(f"r{i}", 0.1 * i, list(range(i, i + 300)), 3) for i in range(4)]
     heard = []
-    done = Simulation([a, b], HASHER).run(arrivals, lambda x, h: (a, b)[int(x.request_id[1]) % 2], heard.append)  # fmt: skip
+    done = Simulation([a, b], HASHER).run(arrivals, lambda x, h: (a, b)[int(x.request_id[1]) % 2], heard.append)
     assert sorted(r.request_id for r in heard) == sorted(d.request_id for d in done)
     # each heard when its step ended, before its later tokens
     assert all(r.first_token_s is not None and r.first_token_s < r.finished_s for r in heard)

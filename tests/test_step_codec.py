@@ -84,9 +84,7 @@ def drive(sched, rng, ahead: bool = True) -> dict[str, int]:
 
 
 def test_kept_tables_match_the_scheduler_on_both_ranks():
-    sched, _ = make_scheduler(
-        num_blocks=24, block_size=BLOCK, max_num_batched_tokens=20, watermark=0.0
-    )
+    sched, _ = make_scheduler(num_blocks=24, block_size=BLOCK, max_num_batched_tokens=20, watermark=0.0)
     rng = random.Random(1)
     shared = [rng.randrange(3, 200) for _ in range(9)]  # a prefix that later requests hit
     for r in make_requests(7, prompt_len=14, max_tokens=12):

@@ -53,9 +53,7 @@ def test_the_router_loads_no_torch():
         "loaded = sorted(m for m in ('torch', 'triton', 'kernels') if m in sys.modules)\n"
         "print(loaded)\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
-    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
 

@@ -79,9 +79,7 @@ def settled_stats(group, timeout_s=15.0):
 async def stream_all(group, prompts, params=GREEDY):
     async def one(p):
         outs = [o async for o in group.generate(GenerationRequest(p, params))]
-        assert outs[-1].finished and sum(len(o.new_token_ids) for o in outs) == len(
-            outs[-1].token_ids
-        )
+        assert outs[-1].finished and sum(len(o.new_token_ids) for o in outs) == len(outs[-1].token_ids)
         return outs[-1].token_ids
 
     return list(await asyncio.gather(*map(one, prompts)))
@@ -97,7 +95,7 @@ def model_dirs(tmp_path_factory):
             output_scale=8.0,
             num_attention_heads=4,
             num_key_value_heads=kv,
-        )  # fmt: skip
+        )
         for name, kv in KV_HEADS.items()
     }
 
@@ -124,9 +122,12 @@ def groups(request, ray_runtime, model_dirs):
 
     def start(name, tp, label, timeout_s=60.0, cpu_binding=None):
         gc = RayGroupConfig(
-            tensor_parallel_size=tp, bundle_resources={label: 1}, collective_timeout_s=timeout_s,
-            heartbeat_s=0.5, cpu_binding=cpu_binding,
-        )  # fmt: skip
+            tensor_parallel_size=tp,
+            bundle_resources={label: 1},
+            collective_timeout_s=timeout_s,
+            heartbeat_s=0.5,
+            cpu_binding=cpu_binding,
+        )
         return RayGroup(engine_config(model_dirs[name], **OPTIONS), gc, wait=False)
 
     started, llm, llm_started = {}, None, None
@@ -192,9 +193,7 @@ def test_step_codec_carries_the_scheduler_through_preemption_and_finishes():
                 decode_bytes.append((len(message) - empty - 12 * blocks) / n)
         sampled = {s.request.request_id: rng.randrange(256) for s in out.scheduled if s.samples}
         every = out.scheduled and planned.samples is None and planned.q_lens is None
-        sampled_all = (
-            torch.tensor(list(sampled.values()), dtype=torch.int32).numpy() if every else None
-        )
+        sampled_all = torch.tensor(list(sampled.values()), dtype=torch.int32).numpy() if every else None
         sched.update_from_output(out, sampled)
         steps += 1
     assert sched.num_preemptions > 0 and steps > 10
@@ -212,12 +211,13 @@ def test_tensor_parallel_size_that_cannot_split_the_heads_is_refused(model_dirs)
     with pytest.raises(ValueError, match=r"tensor_parallel_size=3 does not divide .* 4 attention"):
         RayGroup(config, RayGroupConfig(tensor_parallel_size=3))
     many_heads = make_model_dir(
-        model_dirs["kv2"].parent / "h6kv2", seed=1, num_attention_heads=6, num_key_value_heads=2,
+        model_dirs["kv2"].parent / "h6kv2",
+        seed=1,
+        num_attention_heads=6,
+        num_key_value_heads=2,
         hidden_size=48,
-    )  # fmt: skip
-    with pytest.raises(
-        ValueError, match=r"cannot split the model's 2 KV heads: tp=3 is not a multiple"
-    ):
+    )
+    with pytest.raises(ValueError, match=r"cannot split the model's 2 KV heads: tp=3 is not a multiple"):
         RayGroup(engine_config(many_heads, **OPTIONS), RayGroupConfig(tensor_parallel_size=3))
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         LLM(str(model_dirs["kv2"]), tensor_parallel_size=0)
@@ -252,9 +252,7 @@ def test_two_groups_on_two_nodes_serve_at_once(ray_runtime, groups, expected):
     assert a.status().devices == (f"cpu@{node_a}",) * 2
 
     async def both():
-        return await asyncio.gather(
-            stream_all(a, expected["kv4"][0]), stream_all(b, expected["kv2"][0])
-        )
+        return await asyncio.gather(stream_all(a, expected["kv4"][0]), stream_all(b, expected["kv2"][0]))
 
     got_a, got_b = asyncio.run(both())
     assert got_a == expected["kv4"][1] and got_b == expected["kv2"][1]
@@ -281,7 +279,7 @@ def test_leaving_a_stream_early_aborts_and_bad_requests_fail_alone(groups):
 
 
 def test_per_device_kv_bytes_equal_the_planner(groups, model_dirs):
-    for key, name, tp in [("kv4", "kv4", 2), ("kv2", "kv2", 2), ("kv2-tp4", "kv2", 4), ("kv1", "kv1", 2)]:  # fmt: skip
+    for key, name, tp in [("kv4", "kv4", 2), ("kv2", "kv2", 2), ("kv2-tp4", "kv2", 4), ("kv1", "kv1", 2)]:
         group = groups[0][key]
         shape = KVShape.from_hf_config(model_dirs[name], kv_dtype="float32", block_size=8)
         per_rank = [r["kv_bytes_per_token"] for r in group.ranks]
@@ -394,7 +392,7 @@ def _bound_cores(cores, q):
 
 def test_cpu_binding_is_parsed_and_binds_every_thread():
     assert parse_cpu_binding("0-2,5|7", 2) == [frozenset({0, 1, 2, 5}), frozenset({7})]
-    for bad, words in (("0|1", "names 2 rank"), ("a|1-x", "not a list of cores"), ("|", "not a list of cores")):  # fmt: skip
+    for bad, words in (("0|1", "names 2 rank"), ("a|1-x", "not a list of cores"), ("|", "not a list of cores")):
         with pytest.raises(ValueError, match=words):
             parse_cpu_binding(bad, 2 if bad != "0|1" else 3)
     with pytest.raises(ValueError, match="cpu_binding"):

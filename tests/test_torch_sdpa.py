@@ -10,9 +10,7 @@ from kernels.torch_ref import paged_attention_torch
 from kernels.torch_sdpa import paged_attention_sdpa
 
 
-def make_batch(
-    q_lens, seq_lens, heads, kv_heads, head_dim=32, block_size=16, dtype=torch.float32, seed=0
-):
+def make_batch(q_lens, seq_lens, heads, kv_heads, head_dim=32, block_size=16, dtype=torch.float32, seed=0):
     g = torch.Generator().manual_seed(seed)
     num_blocks = sum(-(-s // block_size) for s in seq_lens) + 3
     k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
@@ -59,17 +57,17 @@ def test_bfloat16_close_to_reference():
 
 def test_prefill_equals_dense_causal_sdpa():
     q_len, heads, kv_heads, d = 37, 8, 2, 32
-    query, k_cache, v_cache, tables, qsl, seq_lens = make_batch(
-        [q_len], [q_len], heads, kv_heads, head_dim=d
-    )
+    query, k_cache, v_cache, tables, qsl, seq_lens = make_batch([q_len], [q_len], heads, kv_heads, head_dim=d)
     got = paged_attention_sdpa(query, k_cache, v_cache, tables, qsl, seq_lens, scale=d**-0.5)
     blocks = tables[0, : -(-q_len // 16)].long()
     k = k_cache[blocks].reshape(-1, kv_heads, d)[:q_len]
     v = v_cache[blocks].reshape(-1, kv_heads, d)[:q_len]
     want = F.scaled_dot_product_attention(
-        query.transpose(0, 1)[None], k.repeat_interleave(heads // kv_heads, 1).transpose(0, 1)[None],
-        v.repeat_interleave(heads // kv_heads, 1).transpose(0, 1)[None], is_causal=True,
-    )[0].transpose(0, 1)  # fmt: skip
+        query.transpose(0, 1)[None],
+        k.repeat_interleave(heads // kv_heads, 1).transpose(0, 1)[None],
+        v.repeat_interleave(heads // kv_heads, 1).transpose(0, 1)[None],
+        is_causal=True,
+    )[0].transpose(0, 1)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 

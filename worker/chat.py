@@ -11,11 +11,7 @@ def check_messages(messages: Sequence[Any]) -> list[dict]:
     """The messages as a list, each a dict with string 'role' and 'content' (a ValueError
     naming the first that is not)."""
     for i, m in enumerate(messages):
-        if (
-            not isinstance(m, Mapping)
-            or not isinstance(m.get("role"), str)
-            or not isinstance(m.get("content"), str)
-        ):
+        if not isinstance(m, Mapping) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise ValueError(f"messages[{i}] must have string 'role' and 'content'")
     return list(messages)
 
@@ -25,9 +21,7 @@ def render_chat(tokenizer: Any, messages: Sequence[Any]) -> list[int]:
     turn opened (add_generation_prompt)."""
     if tokenizer is None:
         raise ValueError("the model has no tokenizer (so no chat template): send token ids")
-    ids = tokenizer.apply_chat_template(
-        check_messages(messages), add_generation_prompt=True, tokenize=True
-    )
+    ids = tokenizer.apply_chat_template(check_messages(messages), add_generation_prompt=True, tokenize=True)
     if isinstance(ids, Mapping):  # a BatchEncoding in newer transformers
         ids = ids["input_ids"]
     return list(ids)
@@ -35,6 +29,4 @@ def render_chat(tokenizer: Any, messages: Sequence[Any]) -> list[int]:
 
 def render_chat_text(tokenizer: Any, messages: Sequence[Any]) -> str:
     """The same prompt as text (what `render_chat` tokenizes)."""
-    return tokenizer.apply_chat_template(
-        check_messages(messages), add_generation_prompt=True, tokenize=False
-    )
+    return tokenizer.apply_chat_template(check_messages(messages), add_generation_prompt=True, tokenize=False)

@@ -52,9 +52,7 @@ class CacheConfig:
         if not 0 < self.memory_utilization <= 1:
             raise ValueError(f"memory_utilization must be in (0, 1], got {self.memory_utilization}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(
-                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
-            )
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
 
 
 def cluster_secret(value: str | bytes | None = None) -> bytes:

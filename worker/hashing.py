@@ -75,9 +75,7 @@ class BlockHasher:
         data = self._model_key + _encode_fields("extra", adapter_id or "", cache_salt or "")
         return hashlib.blake2b(data, key=self._key, digest_size=DIGEST_SIZE).digest()
 
-    def hash_blocks(
-        self, token_ids: Sequence[int], parent: bytes, start_block: int = 0
-    ) -> list[bytes]:
+    def hash_blocks(self, token_ids: Sequence[int], parent: bytes, start_block: int = 0) -> list[bytes]:
         """Hashes of the full blocks of `token_ids` from `start_block` on.
 
         `parent` is the hash of block `start_block - 1`, or `root(...)` when starting at 0.

@@ -58,11 +58,7 @@ class RequestMetrics:
 
     @property
     def queue_time(self) -> float | None:
-        return (
-            None
-            if self.first_scheduled_time is None
-            else self.first_scheduled_time - self.arrival_time
-        )
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
 
     @property
     def inter_token_latencies(self) -> list[float]:
@@ -108,13 +104,32 @@ class RequestOutput:
     `replace` gives a copy with some fields changed, as `dataclasses.replace` would."""
 
     __slots__ = (
-        "request_id", "prompt_token_ids", "finished", "num_cached_tokens", "metrics",
-        "new_token_ids", "new_text", "new_logprobs", "token_time", "prompt", "_outputs", "_one",
-    )  # fmt: skip
+        "request_id",
+        "prompt_token_ids",
+        "finished",
+        "num_cached_tokens",
+        "metrics",
+        "new_token_ids",
+        "new_text",
+        "new_logprobs",
+        "token_time",
+        "prompt",
+        "_outputs",
+        "_one",
+    )
     _FIELDS = (
-        "request_id", "prompt_token_ids", "outputs", "finished", "num_cached_tokens", "metrics",
-        "new_token_ids", "new_text", "new_logprobs", "token_time", "prompt",
-    )  # fmt: skip
+        "request_id",
+        "prompt_token_ids",
+        "outputs",
+        "finished",
+        "num_cached_tokens",
+        "metrics",
+        "new_token_ids",
+        "new_text",
+        "new_logprobs",
+        "token_time",
+        "prompt",
+    )
 
     request_id: str
     prompt_token_ids: Sequence[int]  # a list (a Ray group hands back the ids it was given)
@@ -130,12 +145,20 @@ class RequestOutput:
     prompt: str | None  # the prompt's text, when it was given as text
 
     def __init__(
-        self, request_id: str, prompt_token_ids: Sequence[int],
-        outputs: list[CompletionOutput] | None, finished: bool, num_cached_tokens: int,
-        metrics: RequestMetrics, new_token_ids: list[int] | None = None, new_text: str = "",
-        new_logprobs: list[TokenLogprobs] | None = None, token_time: float | None = None,
-        prompt: str | None = None, _one: tuple | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        outputs: list[CompletionOutput] | None,
+        finished: bool,
+        num_cached_tokens: int,
+        metrics: RequestMetrics,
+        new_token_ids: list[int] | None = None,
+        new_text: str = "",
+        new_logprobs: list[TokenLogprobs] | None = None,
+        token_time: float | None = None,
+        prompt: str | None = None,
+        _one: tuple | None = None,
+    ) -> None:
         # (one store per line: the fastest form, this being made per request per step)
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids

@@ -53,9 +53,7 @@ class SamplingParams:
             "must be >= 0",
             self.temperature,
         )
-        _check(
-            _is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]", self.top_p
-        )
+        _check(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]", self.top_p)
         _check(
             _is_int(self.top_k) and self.top_k >= -1,
             "top_k",
@@ -76,14 +74,19 @@ class SamplingParams:
             self.max_tokens,
         )
         _check_items(
-            "stop", self.stop, MAX_STOP_STRINGS,
+            "stop",
+            self.stop,
+            MAX_STOP_STRINGS,
             lambda s: isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS,
             f"must be a non-empty string of at most {MAX_STOP_CHARS} characters",
-        )  # fmt: skip
+        )
         _check_items(
-            "stop_token_ids", self.stop_token_ids, MAX_STOP_TOKEN_IDS,
-            lambda t: _is_int(t) and t >= 0, "must be a non-negative integer",
-        )  # fmt: skip
+            "stop_token_ids",
+            self.stop_token_ids,
+            MAX_STOP_TOKEN_IDS,
+            lambda t: _is_int(t) and t >= 0,
+            "must be a non-negative integer",
+        )
         _check(
             self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
             "logprobs",
@@ -110,8 +113,7 @@ class SamplingParams:
         )
         _check(_is_int(self.n) and self.n >= 1, "n", "must be an integer >= 1", self.n)
         _check(
-            _is_int(self.min_tokens)
-            and 0 <= self.min_tokens <= (self.max_tokens or self.min_tokens),
+            _is_int(self.min_tokens) and 0 <= self.min_tokens <= (self.max_tokens or self.min_tokens),
             "min_tokens",
             "must be an integer in [0, max_tokens]",
             self.min_tokens,
@@ -136,11 +138,7 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
-        return (
-            self.repetition_penalty != 1.0
-            or self.presence_penalty != 0.0
-            or self.frequency_penalty != 0.0
-        )
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
 def _is_int(x: object) -> bool:

@@ -33,7 +33,7 @@ class CheckedIds(array):
         return out
 
 
-def check_token_ids(ids: Sequence[int] | np.ndarray, vocab: int) -> tuple[list[int] | array, CheckedIds]:  # fmt: skip
+def check_token_ids(ids: Sequence[int] | np.ndarray, vocab: int) -> tuple[list[int] | array, CheckedIds]:
     """(ids, checked) when every id is an integer in [0, vocab), else a ValueError that names
     the first that is not: `checked` is the ids as `CheckedIds`, and `ids` a list of them, or
     `checked` itself when they came as an array. CheckedIds of this vocabulary are not checked
@@ -80,7 +80,7 @@ def first_outside(ids: np.ndarray, vocab: int) -> int | None:
 
 def _from_numpy(ids: np.ndarray, vocab: int) -> array:
     if ids.ndim != 1 or not (ids.size == 0 or np.issubdtype(ids.dtype, np.integer)):
-        raise ValueError(f"prompt token ids must be a 1-d array of integers, got {ids.dtype} {ids.shape}")  # fmt: skip
+        raise ValueError(f"prompt token ids must be a 1-d array of integers, got {ids.dtype} {ids.shape}")
     if ids.size == 0:
         raise ValueError("prompt is empty")
     if (i := first_outside(ids, vocab)) is not None:

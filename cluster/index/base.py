@@ -82,16 +82,12 @@ class IndexReader(ABC):
         groups may have any: `Matches.touched`)."""
 
     @abstractmethod
-    def record_pending_many(
-        self, writes: Sequence[PendingWrite], ttl_s: float | None = None
-    ) -> None:
+    def record_pending_many(self, writes: Sequence[PendingWrite], ttl_s: float | None = None) -> None:
         """Mark placements pending for `ttl_s` (default: config.pending_ttl_s); each may keep
         its fresh probes' deadline instead of extending it, so a placement stays pending for at
         least half of `ttl_s` and up to `ttl_s`. Redis: one round trip for all."""
 
-    def record_pending(
-        self, group_id: str, block_hashes: Sequence[bytes], ttl_s: float | None = None
-    ) -> None:
+    def record_pending(self, group_id: str, block_hashes: Sequence[bytes], ttl_s: float | None = None) -> None:
         """One placement: a batch of one."""
         self.record_pending_many([PendingWrite(group_id, block_hashes)], ttl_s)
 
@@ -106,9 +102,7 @@ class IndexReader(ABC):
             stats = self.inventory_stats()
         except IndexUnavailableError:
             return IndexHealth(not self.in_process, False, None, 0, 0, 0)
-        return IndexHealth(
-            not self.in_process, True, None, stats.entries, stats.blocks, stats.groups
-        )
+        return IndexHealth(not self.in_process, True, None, stats.entries, stats.blocks, stats.groups)
 
     def close(self) -> None:  # noqa: B027  (optional hook)
         """Release connections; the index is unusable afterwards."""

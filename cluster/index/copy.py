@@ -86,9 +86,7 @@ class IndexCopy:
         return sum(len(g.inventory) for g in live), len(self._held), len(live)
 
     # ---- registrations ----------------------------------------------------------------
-    def register(
-        self, group_id: str, epoch: int, now: float, load: GroupLoad | None = None
-    ) -> CopiedGroup:
+    def register(self, group_id: str, epoch: int, now: float, load: GroupLoad | None = None) -> CopiedGroup:
         """A new registration (a restart's new epoch replaces the old one and its entries)."""
         if group_id in self.groups:
             self.drop(group_id)
@@ -143,9 +141,7 @@ class IndexCopy:
         g.inventory = {}
 
     # ---- pending probes -----------------------------------------------------------------
-    def add_pending(
-        self, g: CopiedGroup, probes: Sequence[bytes], deadline: float, now: float
-    ) -> None:
+    def add_pending(self, g: CopiedGroup, probes: Sequence[bytes], deadline: float, now: float) -> None:
         """Raise the probes' deadlines to `deadline` (an entry never shortens)."""
         self._expire(now)
         if deadline <= now:
@@ -161,9 +157,7 @@ class IndexCopy:
         if raised:
             heapq.heappush(self._expiry, (deadline, next(self._seq), g, raised))
 
-    def place(
-        self, g: CopiedGroup, probed: Sequence[bytes], fresh: int, ttl_s: float, now: float
-    ) -> None:
+    def place(self, g: CopiedGroup, probed: Sequence[bytes], fresh: int, ttl_s: float, now: float) -> None:
         """The pending script's rule for one placement: probes after the `fresh` leading ones
         get now + ttl, capped at the deadline of the last fresh probe while it is pending
         (deadlines never grow along a chain)."""
@@ -237,9 +231,7 @@ class IndexCopy:
         a = self._answers.get(bit)
         if a is None or a[2] != blocks or a[3] != pending:
             gid, g = self._by_bit[bit]
-            a = self._answers[bit] = _new_answer(
-                GroupMatch, (gid, g.epoch, blocks, pending, g.load)
-            )
+            a = self._answers[bit] = _new_answer(GroupMatch, (gid, g.epoch, blocks, pending, g.load))
         return a
 
     def _cached(self, chain, pos, probed, held: int) -> dict[int, int]:

@@ -62,9 +62,7 @@ class FailoverReader(IndexReader):
             return self.local.match(block_hashes)
         return answer
 
-    def record_pending_many(
-        self, writes: Sequence[PendingWrite], ttl_s: float | None = None
-    ) -> None:
+    def record_pending_many(self, writes: Sequence[PendingWrite], ttl_s: float | None = None) -> None:
         """Both: the local index must know this router's placements when it is asked."""
         self.local.record_pending_many(writes, ttl_s)
         self._shared(lambda: self.shared.record_pending_many(writes, ttl_s))

@@ -53,7 +53,7 @@ class InMemoryPrefixIndex(PrefixIndex):
             self._sweep_dead(now)
             last = self._epochs.get(group_id, 0)
             if previous and last > previous:
-                raise StaleEpochError(f"register: group {group_id!r} epoch {previous} was fenced off")  # fmt: skip
+                raise StaleEpochError(f"register: group {group_id!r} epoch {previous} was fenced off")
             epoch = max(last, previous or 0) + 1
             self._epochs[group_id] = epoch
             self._copy.register(group_id, epoch, now)  # replaces an older registration
@@ -90,9 +90,7 @@ class InMemoryPrefixIndex(PrefixIndex):
         with self._lock:
             return self._copy.match(block_hashes, self._clock())
 
-    def record_pending(
-        self, group_id: str, block_hashes: Sequence[bytes], ttl_s: float | None = None
-    ) -> None:
+    def record_pending(self, group_id: str, block_hashes: Sequence[bytes], ttl_s: float | None = None) -> None:
         check_name("group_id", group_id)
         ttl = self.config.pending_ttl_s if ttl_s is None else ttl_s
         if not ttl > 0:
@@ -109,9 +107,7 @@ class InMemoryPrefixIndex(PrefixIndex):
                 if fresh < len(probed):
                     self._copy.place(g, probed, fresh, ttl, now)
 
-    def record_pending_many(
-        self, writes: Sequence[PendingWrite], ttl_s: float | None = None
-    ) -> None:
+    def record_pending_many(self, writes: Sequence[PendingWrite], ttl_s: float | None = None) -> None:
         for w in writes:
             self.record_pending(w.group_id, w.block_hashes, ttl_s)
 

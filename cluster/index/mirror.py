@@ -117,9 +117,7 @@ class MirroredPrefixIndex(IndexReader):
     def inventory_stats(self) -> InventoryStats:
         return self.shared.inventory_stats()
 
-    def record_pending_many(
-        self, writes: Sequence[PendingWrite], ttl_s: float | None = None
-    ) -> None:
+    def record_pending_many(self, writes: Sequence[PendingWrite], ttl_s: float | None = None) -> None:
         self.shared.record_pending_many(writes, ttl_s)
         ttl = self.config.pending_ttl_s if ttl_s is None else ttl_s
         with self._lock:  # the same rule as the pending script, on this clock
@@ -164,7 +162,7 @@ class MirroredPrefixIndex(IndexReader):
         now, copy = self._clock(), IndexCopy(self._ttl)
         for i in range(0, len(rows), 4):
             gid, epoch, load, inventory = rows[i : i + 4]
-            g = copy.register(gid.decode(), int(epoch), now, GroupLoad.from_json(load) if load else None)  # fmt: skip
+            g = copy.register(gid.decode(), int(epoch), now, GroupLoad.from_json(load) if load else None)
             copy.store(g, HashChain(inventory))
         for line in pend:
             gid, epoch, ttl_ms, h = line.split(b"\t", 3)
@@ -182,7 +180,7 @@ class MirroredPrefixIndex(IndexReader):
             self._conn = self.shared.new_connection()
         conn, block = self._conn, to_ms(self.read_block_s)
         try:
-            conn.send_command("XREAD", "COUNT", 4096, "BLOCK", block, "STREAMS", self._log, last_id)  # fmt: skip
+            conn.send_command("XREAD", "COUNT", 4096, "BLOCK", block, "STREAMS", self._log, last_id)
             reply = conn.read_response()
         except Exception:
             conn.disconnect()  # a half-read reply must not be taken for the next one's

@@ -22,9 +22,7 @@ class Outage:
     ) -> None:
         """`what` names the link in the log lines (e.g. "prefix index for group-0")."""
         if not 0 < retry_initial_s <= retry_max_s:
-            raise ValueError(
-                f"retry times must satisfy 0 < initial <= max, got {retry_initial_s}, {retry_max_s}"
-            )
+            raise ValueError(f"retry times must satisfy 0 < initial <= max, got {retry_initial_s}, {retry_max_s}")
         self.log, self.what = log, what
         self.retry_initial_s, self.retry_max_s = retry_initial_s, retry_max_s
         self._clock = clock

@@ -122,7 +122,7 @@ class PublisherThread:
                 got = self._cond.wait_for(
                     lambda: self._closing or (self._queue and isinstance(self._queue[0], _Snapshot)),
                     SNAPSHOT_WAIT_S,
-                )  # fmt: skip
+                )
                 if not got or self._closing:
                     raise TimeoutError("the engine took no snapshot of its prefix cache")
             return self._queue.popleft().hashes

@@ -93,9 +93,7 @@ class IndexPublisher:
         self._connected = False
         self._fenced = False
         cfg = self.config
-        self._outage = Outage(
-            logger, f"prefix index for {group_id}", cfg.retry_initial_s, cfg.retry_max_s, clock
-        )
+        self._outage = Outage(logger, f"prefix index for {group_id}", cfg.retry_initial_s, cfg.retry_max_s, clock)
         self._last_beat = self._last_load = float("-inf")
         self._resync()
 
@@ -149,7 +147,12 @@ class IndexPublisher:
         engine's step. It only refreshes the live registration; a failure is left for the
         step thread's next call to find (and resync), so this thread never races it."""
         epoch, now = self._epoch, self._clock()
-        if not self._connected or self._fenced or epoch is None or now - self._last_beat < self.config.heartbeat_interval_s:  # fmt: skip
+        if (
+            not self._connected
+            or self._fenced
+            or epoch is None
+            or now - self._last_beat < self.config.heartbeat_interval_s
+        ):
             return
         try:
             self.index.heartbeat(self.group_id, epoch)
@@ -210,7 +213,7 @@ class IndexPublisher:
             return False
         self._epoch = epoch  # held from now on, even if the republish below fails
         try:
-            blocks = republish(self.index, self.group_id, epoch, hashes, self.config.republish_chunk)  # fmt: skip
+            blocks = republish(self.index, self.group_id, epoch, hashes, self.config.republish_chunk)
         except PrefixIndexError as e:  # a stale epoch: a racing registration
             self._disconnect(e)
             return False
@@ -222,17 +225,16 @@ class IndexPublisher:
     def _fence(self, error: Exception) -> None:
         logger.error(
             "prefix index: %s; a newer process serves group %s: this one stops publishing",
-            error, self.group_id,
-        )  # fmt: skip
+            error,
+            self.group_id,
+        )
         self._fenced, self._connected = True, False
         self._queue.clear()
         if self._on_fenced is not None:
             self._on_fenced()
 
     def _disconnect(self, error: Exception) -> None:
-        self._outage.failed(
-            error, "serving continues and the inventory will be republished on reconnect"
-        )
+        self._outage.failed(error, "serving continues and the inventory will be republished on reconnect")
         self._connected = False
         self._queue.clear()
 

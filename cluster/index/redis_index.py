@@ -76,7 +76,7 @@ class RedisPrefixIndex(PrefixIndex):
         self._ttl_ms = to_ms(self.config.heartbeat_ttl_s)
         self._rows: dict[bytes, GroupMatch] = {}  # hb row -> the group's match of nothing
         self._bodies = {name: PRELUDE + body for name, body in SCRIPTS.items()}
-        self._shas = {name: hashlib.sha1(b.encode()).hexdigest() for name, b in self._bodies.items()}  # fmt: skip
+        self._shas = {name: hashlib.sha1(b.encode()).hexdigest() for name, b in self._bodies.items()}
         # Scripts run on connections of our own, straight through their parser: the client's
         # command path (pool, retries, instrumentation) costs more CPU than the call. A
         # call takes an idle one (or makes one) and gives it back: as many as calls at once.
@@ -157,9 +157,7 @@ class RedisPrefixIndex(PrefixIndex):
         self._rows[row] = m
         return m
 
-    def record_pending_many(
-        self, writes: Sequence[PendingWrite], ttl_s: float | None = None
-    ) -> None:
+    def record_pending_many(self, writes: Sequence[PendingWrite], ttl_s: float | None = None) -> None:
         """One script call for every placement; see PENDING in cluster/index/redis_scripts.py."""
         ttl = self.config.pending_ttl_s if ttl_s is None else ttl_s
         if not ttl > 0:
@@ -195,9 +193,7 @@ class RedisPrefixIndex(PrefixIndex):
             groups = c.hgetall(p + "groups")
             heads = {g.decode(): g + b"\t" + e + b"\t" for g, e in groups.items()}
             rows = c.mget([f"{p}hb:{g}" for g in heads]) if heads else []
-            live = [
-                g for (g, h), r in zip(heads.items(), rows, strict=True) if r and r.startswith(h)
-            ]
+            live = [g for (g, h), r in zip(heads.items(), rows, strict=True) if r and r.startswith(h)]
             inv_keys = [f"{p}inv:{g}" for g in live]
             entries = sum(c.scard(k) for k in inv_keys)
             blocks = len(c.sunion(inv_keys)) if inv_keys else 0

@@ -60,7 +60,7 @@ class Matches(dict[str, GroupMatch]):
 
     __slots__ = ("touched",)
 
-    def __init__(self, answers: Mapping[str, GroupMatch] | None = None, touched: Iterable[str] = ()) -> None:  # fmt: skip
+    def __init__(self, answers: Mapping[str, GroupMatch] | None = None, touched: Iterable[str] = ()) -> None:
         super().__init__(answers or ())
         self.touched: list[str] = list(touched)
 

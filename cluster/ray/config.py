@@ -56,7 +56,7 @@ def parse_cpu_binding(text: str, ranks: int) -> list[frozenset[int]]:
                 lo, _, hi = item.strip().partition("-")
                 cores.update(range(int(lo), int(hi or lo) + 1))
         except ValueError:
-            raise ValueError(f"cpu_binding {text!r}: {part!r} is not a list of cores like 0-3,8") from None  # fmt: skip
+            raise ValueError(f"cpu_binding {text!r}: {part!r} is not a list of cores like 0-3,8") from None
         out.append(frozenset(cores))
     return out
 

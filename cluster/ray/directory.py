@@ -84,9 +84,13 @@ class GroupDirectory:
     def _attach(self, info: GroupInfo) -> RayGroup:
         streams_here = info.events_to is not None and info.events_to == self.subscriber
         handle = RayGroup.attach(
-            info.group_id, info.rank0, self.spec.group_config, info.ranks, self.subscriber,
+            info.group_id,
+            info.rank0,
+            self.spec.group_config,
+            info.ranks,
+            self.subscriber,
             index=self.index if streams_here else None,
-        )  # fmt: skip
+        )
         handle.generation, handle.restarts = info.generation, info.restarts
         return handle
 

@@ -86,9 +86,14 @@ class RayGroup(GroupHandle):
 
     @classmethod
     def attach(
-        cls, group_id: str, rank0, group_config: RayGroupConfig, ranks: Sequence[dict],
-        subscriber: str, index: IndexWriter | Sequence[IndexWriter] | None = None,
-    ) -> RayGroup:  # fmt: skip
+        cls,
+        group_id: str,
+        rank0,
+        group_config: RayGroupConfig,
+        ranks: Sequence[dict],
+        subscriber: str,
+        index: IndexWriter | Sequence[IndexWriter] | None = None,
+    ) -> RayGroup:
         """A handle on a group that another process placed and watches (the supervisor):
         `rank0` its rank 0 actor, `ranks` the ranks' descriptions, `subscriber` this router's
         name for its own output stream (unique per router). `index`: only when the group
@@ -138,7 +143,7 @@ class RayGroup(GroupHandle):
             self.shutdown()
             raise
         self._status_changed()
-        heartbeat_s = gc.heartbeat_s if self.publisher is None else self.publisher.config.heartbeat_interval_s  # fmt: skip
+        heartbeat_s = gc.heartbeat_s if self.publisher is None else self.publisher.config.heartbeat_interval_s
         self._stream = self._rank0.outputs.remote(self._subscriber, heartbeat_s / 2)
         self._pump_thread = threading.Thread(
             target=self._pump, args=(self._stream,), name="pagefleet-outputs", daemon=True
@@ -213,7 +218,9 @@ class RayGroup(GroupHandle):
             self._error = self._error or error or "rank 0's output stream ended"
         self._status_changed()
         reason = self._error or "shut down"
-        self._route_all([(rid, EngineDeadError(f"group {self.group_id} is dead: {reason}")) for rid in list(self._queues)])  # fmt: skip
+        self._route_all(
+            [(rid, EngineDeadError(f"group {self.group_id} is dead: {reason}")) for rid in list(self._queues)]
+        )
         if self.publisher is not None:
             self.publisher.close()  # a dead or stopped group's blocks leave the index at once
 
@@ -233,9 +240,7 @@ class RayGroup(GroupHandle):
         """Each (request id, output or error) to its caller's queue, a loop's all at once."""
         queues = self._queues
         hand_over(
-            (target[0], target[1].put_nowait, item)
-            for rid, item in items
-            if (target := queues.get(rid)) is not None
+            (target[0], target[1].put_nowait, item) for rid, item in items if (target := queues.get(rid)) is not None
         )
 
     def _as_error(self, e: BaseException) -> BaseException:
@@ -255,9 +260,13 @@ class RayGroup(GroupHandle):
         s = self._status
         if s is None or s.alive != alive or s.error != error or self._status_of is not stats:
             s = status_from_stats(
-                self.group_id, stats if alive else {}, alive=alive, tp=self.tp,
-                devices=self.devices, error=error,
-            )  # fmt: skip
+                self.group_id,
+                stats if alive else {},
+                alive=alive,
+                tp=self.tp,
+                devices=self.devices,
+                error=error,
+            )
             if self.generation:
                 state = ("draining" if s.draining else "serving") if alive else "dead"
                 s = replace(s, state=state, generation=self.generation, restarts=self.restarts)

@@ -56,7 +56,7 @@ class NodeWatch:
         """`interval_s`: between raylet checks; the GCS is asked every `gcs_every` of them
         (one call per rank every few seconds, whatever the cluster's size)."""
         if not interval_s > 0 or gcs_every < 1:
-            raise ValueError(f"need interval_s > 0 and gcs_every >= 1, got {interval_s}, {gcs_every}")  # fmt: skip
+            raise ValueError(f"need interval_s > 0 and gcs_every >= 1, got {interval_s}, {gcs_every}")
         self.node_id, self.on_gone = node_id, on_gone
         self.interval_s, self.gcs_every = interval_s, gcs_every
         raylet = os.environ.get("RAY_RAYLET_PID")

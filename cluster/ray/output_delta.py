@@ -44,19 +44,42 @@ class OutputDelta:
         side was not given its ids (see `OutputAssembler.expect`)."""
         m = out.metrics
         return cls(
-            out.request_id, list(out.prompt_token_ids) if with_prompt else None,
-            out.new_token_ids, out.new_text, out.finished, out.finish_reason, out.stop_reason,
-            out.num_cached_tokens, out.new_logprobs, m.arrival_time, m.first_scheduled_time,
-            m.first_token_time, m.finished_time, out.token_time,
-        )  # fmt: skip
+            out.request_id,
+            list(out.prompt_token_ids) if with_prompt else None,
+            out.new_token_ids,
+            out.new_text,
+            out.finished,
+            out.finish_reason,
+            out.stop_reason,
+            out.num_cached_tokens,
+            out.new_logprobs,
+            m.arrival_time,
+            m.first_scheduled_time,
+            m.first_token_time,
+            m.finished_time,
+            out.token_time,
+        )
 
     def __reduce__(self) -> tuple:
-        return (OutputDelta, (
-            self.request_id, self.prompt_token_ids, self.new_token_ids, self.new_text,
-            self.finished, self.finish_reason, self.stop_reason, self.num_cached_tokens,
-            self.new_logprobs, self.arrival_time, self.first_scheduled_time,
-            self.first_token_time, self.finished_time, self.token_time,
-        ))  # fmt: skip
+        return (
+            OutputDelta,
+            (
+                self.request_id,
+                self.prompt_token_ids,
+                self.new_token_ids,
+                self.new_text,
+                self.finished,
+                self.finish_reason,
+                self.stop_reason,
+                self.num_cached_tokens,
+                self.new_logprobs,
+                self.arrival_time,
+                self.first_scheduled_time,
+                self.first_token_time,
+                self.finished_time,
+                self.token_time,
+            ),
+        )
 
 
 @dataclass

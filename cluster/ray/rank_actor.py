@@ -108,9 +108,14 @@ class RankActor:
         return Rendezvous.new_store_path()
 
     async def start(
-        self, config: EngineConfig, rank: int, rendezvous, heartbeat_s: float,
-        index: IndexTarget | None = None, cores: frozenset[int] | None = None,
-    ) -> dict:  # fmt: skip
+        self,
+        config: EngineConfig,
+        rank: int,
+        rendezvous,
+        heartbeat_s: float,
+        index: IndexTarget | None = None,
+        cores: frozenset[int] | None = None,
+    ) -> dict:
         """Join the group; rank 0 builds the engine, its KV events going to `index` (None:
         nowhere). `cores`: bind this rank's process to them first."""
         self._loop = asyncio.get_running_loop()
@@ -185,9 +190,11 @@ class RankActor:
         redis = RedisPrefixIndex.from_url(index.redis_url, index.cluster, index.model)
         fenced = f"a newer registration of group {index.group_id} fenced rank 0 off"
         self._publisher = GroupPublisher(
-            redis, index.group_id, engine.scheduler.bm.cached_hashes,
+            redis,
+            index.group_id,
+            engine.scheduler.bm.cached_hashes,
             on_fenced=lambda: end_process(fenced),
-        )  # fmt: skip
+        )
 
     async def submit(self, request: GenerationRequest, subscriber: str = OWNER) -> None:
         """Start a request; its outputs join `subscriber`'s output stream as deltas (only what
@@ -296,9 +303,7 @@ class RankActor:
 
     async def cached_hashes(self) -> list[bytes]:
         """Every block hash in the engine's prefix cache (the group's index inventory)."""
-        return await self._between_steps(
-            lambda: list(self.engine.engine.scheduler.bm.cached_hashes())
-        )
+        return await self._between_steps(lambda: list(self.engine.engine.scheduler.bm.cached_hashes()))
 
     async def _between_steps(self, fn):
         done: concurrent.futures.Future = concurrent.futures.Future()

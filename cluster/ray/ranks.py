@@ -45,17 +45,19 @@ class RankSet:
         self._closed = False
         lifetime = "detached" if detached else None
         self.pg = ray.util.placement_group(
-            [self._bundle() for _ in range(self.tp)], strategy="STRICT_PACK", lifetime=lifetime,
+            [self._bundle() for _ in range(self.tp)],
+            strategy="STRICT_PACK",
+            lifetime=lifetime,
             name=f"{name}.pg" if name else "",
-        )  # fmt: skip
+        )
         self.actors = [self._actor(i, lifetime) for i in range(self.tp)]
 
     @classmethod
-    def find(cls, group_id: str, config: EngineConfig, group_config: RayGroupConfig) -> tuple[int, RankSet] | None:  # fmt: skip
+    def find(cls, group_id: str, config: EngineConfig, group_config: RayGroupConfig) -> tuple[int, RankSet] | None:
         """(generation, ranks) of the latest generation of `group_id` running under its names
         in this namespace (what a restarted supervisor adopts), or None."""
         names = [a["name"] if isinstance(a, dict) else a for a in ray.util.list_named_actors()]
-        gens = [int(m.group(1)) for n in names if (m := re.fullmatch(rf"{re.escape(group_id)}\.g(\d+)\.rank0", n))]  # fmt: skip
+        gens = [int(m.group(1)) for n in names if (m := re.fullmatch(rf"{re.escape(group_id)}\.g(\d+)\.rank0", n))]
         if not gens:
             return None
         name = f"{group_id}.g{max(gens)}"
@@ -108,14 +110,12 @@ class RankSet:
         try:
             ray.get(self.pg.ready(), timeout=gc.start_timeout_s)
             path = ray.get(self.rank0.store_path.remote(), timeout=gc.start_timeout_s)
-            rdv = Rendezvous(
-                path, self.tp, gc.rendezvous_host, gc.collective_timeout_s, gc.start_timeout_s
-            )
+            rdv = Rendezvous(path, self.tp, gc.rendezvous_host, gc.collective_timeout_s, gc.start_timeout_s)
             cores = parse_cpu_binding(gc.cpu_binding, self.tp) if gc.cpu_binding else None
             refs = [
                 a.start.remote(self.config, rank, rdv, gc.heartbeat_s, self.index, cores and cores[rank])
                 for rank, a in enumerate(self.actors)
-            ]  # fmt: skip
+            ]
             self.ranks = _first_error(refs, gc.start_timeout_s)
         except BaseException:
             self.shutdown()
@@ -137,7 +137,7 @@ class RankSet:
             return "shut down"
         if not self._serve_refs and self.tp > 1:  # adopted: ask every rank instead
             try:
-                ray.get([a.describe.remote() for a in self.actors[1:]], timeout=self.group_config.status_timeout_s)  # fmt: skip
+                ray.get([a.describe.remote() for a in self.actors[1:]], timeout=self.group_config.status_timeout_s)
             except Exception as e:
                 return f"a rank does not answer: {describe_error(e)}"
         done, _ = ray.wait(self._serve_refs, num_returns=len(self._serve_refs), timeout=0)

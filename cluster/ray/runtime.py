@@ -71,7 +71,7 @@ def cluster_namespace(cluster: str) -> str:
     return f"pagefleet-{cluster}"
 
 
-def _start_local(num_cpus: int | None, resources: dict[str, float] | None, namespace: str | None) -> None:  # fmt: skip
+def _start_local(num_cpus: int | None, resources: dict[str, float] | None, namespace: str | None) -> None:
     if threading.current_thread() is not threading.main_thread():
         raise RayStartError(
             "a local Ray runtime must be started on the main thread (Ray's head processes are "
@@ -99,8 +99,11 @@ def _start_local(num_cpus: int | None, resources: dict[str, float] | None, names
             logger.warning(
                 "the local Ray runtime did not come up (%s); killed the %d processes it "
                 "started and trying again (attempt %d of %d)",
-                e, killed, attempt + 1, LOCAL_START_ATTEMPTS,
-            )  # fmt: skip
+                e,
+                killed,
+                attempt + 1,
+                LOCAL_START_ATTEMPTS,
+            )
 
 
 def _child_pids() -> set[int]:

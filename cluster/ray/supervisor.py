@@ -201,9 +201,9 @@ class Supervisor:
         spec = self.spec
         slot.generation += 1
         name = f"{slot.group_id}.g{slot.generation}"
-        index = IndexTarget(slot.group_id, spec.redis_url, spec.cluster, spec.model, spec.events_to)  # fmt: skip
+        index = IndexTarget(slot.group_id, spec.redis_url, spec.cluster, spec.model, spec.events_to)
         try:
-            ranks = slot.placing_ranks = RankSet(spec.engine, spec.group_config, index, name, self.detached)  # fmt: skip
+            ranks = slot.placing_ranks = RankSet(spec.engine, spec.group_config, index, name, self.detached)
             ranks.wait_ready()
         except Exception as e:  # noqa: BLE001  (placement or start-up failed: a restart)
             if not self._stopping:
@@ -251,10 +251,15 @@ class Supervisor:
     def _info(self, slot: _Slot) -> GroupInfo:
         ranks = slot.ranks
         return GroupInfo(
-            slot.group_id, slot.generation, slot.state, None if ranks is None else ranks.rank0,
-            () if ranks is None else tuple(ranks.ranks), slot.error, len(slot.restarts),
+            slot.group_id,
+            slot.generation,
+            slot.state,
+            None if ranks is None else ranks.rank0,
+            () if ranks is None else tuple(ranks.ranks),
+            slot.error,
+            len(slot.restarts),
             self.spec.events_to,
-        )  # fmt: skip
+        )
 
 
 def _placement_generations() -> dict[str, list[int]]:

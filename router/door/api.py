@@ -49,7 +49,7 @@ async def route_request(
     which serves every other call (health checks included). `key_tenant`: the tenant of the
     call's API key, when keys are configured (see `cache_salt`)."""
     if request.request_id and not _REQUEST_ID.fullmatch(request.request_id):
-        raise invalid(f"request_id must match {_REQUEST_ID.pattern}, got {shown(request.request_id)}")  # fmt: skip
+        raise invalid(f"request_id must match {_REQUEST_ID.pattern}, got {shown(request.request_id)}")
     if request.output_kind not in pb.OutputKind.values():
         raise invalid(f"output_kind {request.output_kind} is not a known OutputKind value")
     params = sampling_params(request.sampling)
@@ -57,11 +57,15 @@ async def route_request(
     ids = await prompt_token_ids(request, router)
     check_context(len(ids), params.max_tokens, router.model_info.max_model_len)
     route = RouteRequest(
-        prompt_token_ids=ids, params=params, request_id=request.request_id or default_id,
-        priority=request.priority, cache_salt=salt,
+        prompt_token_ids=ids,
+        params=params,
+        request_id=request.request_id or default_id,
+        priority=request.priority,
+        cache_salt=salt,
         resume=resume_from(request.resume, params, router.model_info.vocab_size)
-        if request.HasField("resume") else None,
-    )  # fmt: skip
+        if request.HasField("resume")
+        else None,
+    )
     return route, request.output_kind
 
 
@@ -71,9 +75,9 @@ def resume_from(msg: pb.ResumeFrom, params, vocab_size: int):
     per token exactly when the request asks for logprobs."""
     n = len(msg.token_ids)
     if not 0 < n < params.max_tokens:
-        raise invalid(f"resume.token_ids has {n} tokens; give 1 to max_tokens - 1 ({params.max_tokens - 1})")  # fmt: skip
+        raise invalid(f"resume.token_ids has {n} tokens; give 1 to max_tokens - 1 ({params.max_tokens - 1})")
     if (i := first_outside(np.array(msg.token_ids, dtype=np.int64), vocab_size)) is not None:
-        raise invalid(f"resume.token_ids[{i}] = {msg.token_ids[i]} is outside the vocabulary [0, {vocab_size})")  # fmt: skip
+        raise invalid(f"resume.token_ids[{i}] = {msg.token_ids[i]} is outside the vocabulary [0, {vocab_size})")
     if msg.text_chars < 0:
         raise invalid(f"resume.text_chars must be >= 0, got {msg.text_chars}")
     asked = params.logprobs is not None
@@ -156,9 +160,12 @@ def cache_salt(request: pb.GenerateRequest, key_tenant: str | None = None) -> st
 
 
 def response_message(
-    out: RequestOutput, kind: int, record: RouteRecord | None, e2e_seconds: float,
+    out: RequestOutput,
+    kind: int,
+    record: RouteRecord | None,
+    e2e_seconds: float,
     resumes: int = 0,
-) -> pb.GenerateResponse:  # fmt: skip
+) -> pb.GenerateResponse:
     """One stream message: this step's delta (or, FINAL_ONLY, the whole output); the placement
     with `record` (the first message), the usage when finished."""
     final_only = kind == pb.OUTPUT_KIND_FINAL_ONLY
@@ -174,9 +181,10 @@ def response_message(
         msg.logprobs.extend(_logprob(lp) for lp in logprobs)
     if record is not None:
         msg.placement.CopyFrom(
-            pb.Placement(group_id=record.group_id, reason=record.reason,
-                         predicted_cached_tokens=record.predicted_cached_tokens)
-        )  # fmt: skip
+            pb.Placement(
+                group_id=record.group_id, reason=record.reason, predicted_cached_tokens=record.predicted_cached_tokens
+            )
+        )
     if out.finished:
         msg.finish_reason = _FINISH.get(out.finish_reason, pb.FINISH_REASON_UNSPECIFIED)
         if isinstance(out.stop_reason, str):
@@ -186,12 +194,15 @@ def response_message(
         m = out.metrics
         msg.usage.CopyFrom(
             pb.Usage(
-                prompt_tokens=len(out.prompt_token_ids), completion_tokens=len(out.token_ids),
-                cached_tokens=out.num_cached_tokens, ttft_seconds=m.ttft or 0.0,
+                prompt_tokens=len(out.prompt_token_ids),
+                completion_tokens=len(out.token_ids),
+                cached_tokens=out.num_cached_tokens,
+                ttft_seconds=m.ttft or 0.0,
                 resumes=resumes,
-                queue_seconds=m.queue_time or 0.0, e2e_seconds=e2e_seconds,
+                queue_seconds=m.queue_time or 0.0,
+                e2e_seconds=e2e_seconds,
             )
-        )  # fmt: skip
+        )
     return msg
 
 
@@ -202,19 +213,33 @@ def _logprob(lp) -> pb.TokenLogprob:
 
 def model_info_message(info: ModelInfo) -> pb.ModelInfo:
     return pb.ModelInfo(
-        model=info.model, max_model_len=info.max_model_len, block_size=info.block_size,
-        kv_cache_dtype=info.kv_cache_dtype, vocab_size=info.vocab_size,
+        model=info.model,
+        max_model_len=info.max_model_len,
+        block_size=info.block_size,
+        kv_cache_dtype=info.kv_cache_dtype,
+        vocab_size=info.vocab_size,
         eos_token_ids=list(info.eos_token_ids),
-    )  # fmt: skip
+    )
 
 
 def status_message(s: GroupStatus) -> pb.GroupStatus:
     return pb.GroupStatus(
-        group_id=s.group_id, alive=s.alive, tensor_parallel_size=s.tensor_parallel_size,
-        devices=list(s.devices), blocks_total=s.blocks_total, blocks_free=s.blocks_free,
-        blocks_cached=s.blocks_cached, running=s.running, waiting=s.waiting,
+        group_id=s.group_id,
+        alive=s.alive,
+        tensor_parallel_size=s.tensor_parallel_size,
+        devices=list(s.devices),
+        blocks_total=s.blocks_total,
+        blocks_free=s.blocks_free,
+        blocks_cached=s.blocks_cached,
+        running=s.running,
+        waiting=s.waiting,
         pending_prefill_tokens=s.pending_prefill_tokens,
-        prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
-        preemptions=s.preemptions, error=s.error or "", draining=s.draining, state=s.state,
-        generation=s.generation, restarts=s.restarts,
-    )  # fmt: skip
+        prefix_cache_queries=s.prefix_cache_queries,
+        prefix_cache_hits=s.prefix_cache_hits,
+        preemptions=s.preemptions,
+        error=s.error or "",
+        draining=s.draining,
+        state=s.state,
+        generation=s.generation,
+        restarts=s.restarts,
+    )

@@ -113,8 +113,7 @@ class TlsFiles:
 
         ca = None if self.client_ca is None else Path(self.client_ca).read_bytes()
         pair = (Path(self.key).read_bytes(), Path(self.cert).read_bytes())
-        return grpc.ssl_server_credentials([pair], root_certificates=ca,
-                                           require_client_auth=ca is not None)  # fmt: skip
+        return grpc.ssl_server_credentials([pair], root_certificates=ca, require_client_auth=ca is not None)
 
     def uvicorn_options(self) -> dict:
         """`uvicorn.Config` keywords."""

@@ -31,45 +31,35 @@ class GroupCollector(Collector):
     def collect(self) -> Iterable[Metric]:
         g, gd = ["model_name", "group"], ["model_name", "group", "device"]
         fams = {
-            "running": GaugeMetricFamily(
-                f"{P}num_requests_running", "Requests in a group's running batch.", labels=g
-            ),  # fmt: skip
-            "waiting": GaugeMetricFamily(
-                f"{P}num_requests_waiting", "Requests waiting in a group's queue.", labels=g
-            ),  # fmt: skip
+            "running": GaugeMetricFamily(f"{P}num_requests_running", "Requests in a group's running batch.", labels=g),
+            "waiting": GaugeMetricFamily(f"{P}num_requests_waiting", "Requests waiting in a group's queue.", labels=g),
             "usage": GaugeMetricFamily(
                 f"{P}kv_cache_usage_perc", "Fraction of a group's KV blocks in use (0-1).", labels=g
-            ),  # fmt: skip
+            ),
             "used": GaugeMetricFamily(
                 f"{P}kv_cache_blocks_used",
                 "KV blocks referenced by requests, per device of a group.",
                 labels=gd,
-            ),  # fmt: skip
+            ),
             "free": GaugeMetricFamily(
                 f"{P}kv_cache_blocks_free",
                 "Unreferenced KV blocks (empty or evictable), per device.",
                 labels=gd,
-            ),  # fmt: skip
-            "alive": GaugeMetricFamily(
-                f"{P}group_alive", "1 while the group is alive.", labels=g
-            ),  # fmt: skip
+            ),
+            "alive": GaugeMetricFamily(f"{P}group_alive", "1 while the group is alive.", labels=g),
             "draining": GaugeMetricFamily(
                 f"{P}group_draining",
                 "1 while the group is draining (alive, taking no new request).",
                 labels=g,
-            ),  # fmt: skip
+            ),
             "queries": CounterMetricFamily(
                 f"{P}prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", labels=g
-            ),  # fmt: skip
+            ),
             "hits": CounterMetricFamily(
                 f"{P}prefix_cache_hits", "Prompt tokens served from the prefix cache.", labels=g
-            ),  # fmt: skip
-            "preempt": CounterMetricFamily(
-                f"{P}num_preemptions", "Requests preempted (recomputed later).", labels=g
-            ),  # fmt: skip
-            "restarts": CounterMetricFamily(
-                f"{P}group_restarts", "Times the supervisor replaced the group.", labels=g
-            ),  # fmt: skip
+            ),
+            "preempt": CounterMetricFamily(f"{P}num_preemptions", "Requests preempted (recomputed later).", labels=g),
+            "restarts": CounterMetricFamily(f"{P}group_restarts", "Times the supervisor replaced the group.", labels=g),
         }
         for s in self.statuses():
             lab = [self.model_name, s.group_id]
@@ -112,12 +102,12 @@ class IndexCollector(Collector):
                 "entries",
                 h.entries,
                 "(group, block) entries of live groups in the router's index.",
-            ),  # fmt: skip
+            ),
             (
                 "blocks",
                 h.blocks,
                 "Distinct KV blocks held by some group, as the router sees them.",
-            ),  # fmt: skip
+            ),
             ("groups", h.groups, "Live groups registered in the router's prefix index."),
         ):
             fam = GaugeMetricFamily(f"{P}prefix_index_{name}", text, labels=["model_name"])

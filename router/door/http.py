@@ -108,13 +108,17 @@ class HttpDoor:
     async def start(self) -> int:
         """Bind and start answering (503 until `set_ready`); returns the bound port."""
         sock = _bind(self.host, self.port)
-        protocol = functools.partial(
-            BoundedHttpToolsProtocol, limits=self.header_limits, observe=self.observe_error
-        )
+        protocol = functools.partial(BoundedHttpToolsProtocol, limits=self.header_limits, observe=self.observe_error)
         config = uvicorn.Config(
-            self.app, http=protocol, log_config=None, log_level="warning", access_log=False, lifespan="off",
-            timeout_graceful_shutdown=None, **(self.tls.uvicorn_options() if self.tls else {}),
-        )  # fmt: skip
+            self.app,
+            http=protocol,
+            log_config=None,
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+            timeout_graceful_shutdown=None,
+            **(self.tls.uvicorn_options() if self.tls else {}),
+        )
         try:
             config.load()
         except (ssl.SSLError, OSError) as e:
@@ -354,8 +358,7 @@ class Gate:
 
 def build_app(door: HttpDoor, max_body_bytes: int) -> FastAPI:
     """The routes and the error handlers (every error in OpenAI's error body)."""
-    app = FastAPI(title="pagefleet", docs_url=None, redoc_url=None, openapi_url=None,
-                  max_body_size=max_body_bytes)  # fmt: skip
+    app = FastAPI(title="pagefleet", docs_url=None, redoc_url=None, openapi_url=None, max_body_size=max_body_bytes)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -369,18 +372,20 @@ def build_app(door: HttpDoor, max_body_bytes: int) -> FastAPI:
     async def models(request: Request) -> dict:
         door.caller(request)
         info = door.ready().model_info
-        model = {"id": info.model, "object": "model", "created": 0, "owned_by": "pagefleet",
-                 "root": info.model, "max_model_len": info.max_model_len}  # fmt: skip
+        model = {
+            "id": info.model,
+            "object": "model",
+            "created": 0,
+            "owned_by": "pagefleet",
+            "root": info.model,
+            "max_model_len": info.max_model_len,
+        }
         return {"object": "list", "data": [model]}
 
     @app.get("/health")
     async def health() -> Response:
         router = door.router
-        alive = (
-            router is not None
-            and not door.stopping
-            and any(s.alive for s in router.cluster_status())
-        )
+        alive = router is not None and not door.stopping and any(s.alive for s in router.cluster_status())
         return Response(status_code=200 if alive else 503)
 
     @app.post("/tokenize")
@@ -393,8 +398,7 @@ def build_app(door: HttpDoor, max_body_bytes: int) -> FastAPI:
         messages = None if body.messages is None else chat_messages(body.messages)
         ids = await tokenize(router, text=body.prompt, messages=messages)
         check_context(len(ids), None, router.model_info.max_model_len, "max_tokens")
-        return {"count": len(ids), "max_model_len": router.model_info.max_model_len,
-                "tokens": ids.tolist()}  # fmt: skip
+        return {"count": len(ids), "max_model_len": router.model_info.max_model_len, "tokens": ids.tolist()}
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> dict:
@@ -403,7 +407,7 @@ def build_app(door: HttpDoor, max_body_bytes: int) -> FastAPI:
         router = door.ready(body.model)
         vocab, tokens = router.model_info.vocab_size, body.tokens  # (n,) int64
         if (i := first_outside(tokens, vocab)) is not None:
-            raise invalid(f"tokens[{i}] = {tokens[i]} is outside the vocabulary [0, {vocab})", "tokens")  # fmt: skip
+            raise invalid(f"tokens[{i}] = {tokens[i]} is outside the vocabulary [0, {vocab})", "tokens")
         return {"prompt": await asyncio.to_thread(router.tokenizer.decode, tokens.tolist())}
 
     _add_error_handlers(app, door, max_body_bytes)
@@ -411,9 +415,7 @@ def build_app(door: HttpDoor, max_body_bytes: int) -> FastAPI:
 
 
 def _add_error_handlers(app: FastAPI, door: HttpDoor, max_body_bytes: int) -> None:
-    def respond(
-        code: grpc.StatusCode, message: str, param: str | None, counted: bool = False
-    ) -> Response:
+    def respond(code: grpc.StatusCode, message: str, param: str | None, counted: bool = False) -> Response:
         if not counted:
             door.observe_error(code.name)
         return error_response(code, message, param)
@@ -429,8 +431,11 @@ def _add_error_handlers(app: FastAPI, door: HttpDoor, max_body_bytes: int) -> No
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, e: HTTPException) -> Response:
-        message = {413: f"the request body is over {max_body_bytes} bytes", 404: f"no route {request.url.path}",
-                   405: f"method {request.method} is not allowed here"}.get(e.status_code, str(e.detail))  # fmt: skip
+        message = {
+            413: f"the request body is over {max_body_bytes} bytes",
+            404: f"no route {request.url.path}",
+            405: f"method {request.method} is not allowed here",
+        }.get(e.status_code, str(e.detail))
         door.observe_error(f"HTTP_{e.status_code}")
         return _plain_error(e.status_code, message)
 

@@ -46,7 +46,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with `HeaderLimits` on each request's head. `observe` counts
     a refusal by its code name (`HttpDoor.observe_error`)."""
 
-    def __init__(self, *args, limits: HeaderLimits, observe: Callable[[str], None], **kwargs) -> None:  # fmt: skip
+    def __init__(self, *args, limits: HeaderLimits, observe: Callable[[str], None], **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.limits, self.observe = limits, observe
         self.in_head = True  # receiving a request's head (the connection's first, at first)
@@ -71,7 +71,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
                 return super().data_received(data)
             room = self.limits.max_bytes - self.head_bytes
             if room <= 0:
-                return self.refuse(431, f"the request's headers are over {self.limits.max_bytes} bytes")  # fmt: skip
+                return self.refuse(431, f"the request's headers are over {self.limits.max_bytes} bytes")
             part, data = data[:room], data[room:]
             self.head_bytes += len(part)
             super().data_received(part)
@@ -110,8 +110,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             return
         self.observe(f"HTTP_{status}")
         body = json.dumps(error_body(grpc.StatusCode.INVALID_ARGUMENT, message)).encode()
-        reason = {400: b"Bad Request", 408: b"Request Timeout",
-                  431: b"Request Header Fields Too Large"}[status]  # fmt: skip
+        reason = {400: b"Bad Request", 408: b"Request Timeout", 431: b"Request Header Fields Too Large"}[status]
         self.transport.write(
             b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
             b"connection: close\r\n\r\n%s" % (status, reason, len(body), body)
@@ -123,7 +122,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         if self.head_bytes == 0:  # nothing sent: nothing to answer
             self.transport.close()
         else:
-            self.refuse(408, f"the request's headers did not arrive within {self.limits.timeout_s:g} s")  # fmt: skip
+            self.refuse(408, f"the request's headers did not arrive within {self.limits.timeout_s:g} s")
 
     def _start_head_timer(self) -> None:
         if self.head_timer is None:

@@ -49,18 +49,79 @@ from cluster.index import IndexReader
 from router.door.cluster_metrics import GroupCollector, IndexCollector, TimedReader
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py), so histograms compare bucket for bucket.
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
-                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
-ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
-               7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
-REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
-                   60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+ITL_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+REQUEST_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 # Queue and prefill times are short on an idle cluster: vLLM's request buckets start at 0.3 s
 # and would put them all in the first one, so they take the TTFT buckets.
 PHASE_BUCKETS = TTFT_BUCKETS
 # Routing and index round trips are sub-millisecond in process, milliseconds over Redis.
-FAST_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
-                0.1, 0.25, 1.0)  # fmt: skip
+FAST_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 
 P = "pagefleet:"
 
@@ -80,44 +141,152 @@ class ServerMetrics:
     """The metrics of one router process, in a registry of its own (several servers may share a
     process, as in tests)."""
 
-    def __init__(
-        self, model_name: str, max_model_len: int = 32768, registry: CollectorRegistry | None = None
-    ) -> None:
+    def __init__(self, model_name: str, max_model_len: int = 32768, registry: CollectorRegistry | None = None) -> None:
         self.model_name = model_name
         self.registry = registry or CollectorRegistry()
         r, m = self.registry, ["model_name"]
         tokens = token_buckets(max_model_len)
         # ---- latency (module docstring: where each starts and ends) ----
-        self.ttft = Histogram(f"{P}time_to_first_token_seconds", "Time to first token, from the door's receipt of the call.", m, buckets=TTFT_BUCKETS, registry=r)  # fmt: skip
-        self.itl = Histogram(f"{P}inter_token_latency_seconds", "Time between consecutive output tokens of a request.", m, buckets=ITL_BUCKETS, registry=r)  # fmt: skip
-        self.tpot = Histogram(f"{P}request_time_per_output_token_seconds", "A request's decode time over its output tokens after the first.", m, buckets=ITL_BUCKETS, registry=r)  # fmt: skip
-        self.e2e = Histogram(f"{P}e2e_request_latency_seconds", "From the door's receipt of the call to the request's end.", m, buckets=REQUEST_BUCKETS, registry=r)  # fmt: skip
-        self.queue = Histogram(f"{P}request_queue_time_seconds", "Time a request waited in its group's queue before its first step.", m, buckets=PHASE_BUCKETS, registry=r)  # fmt: skip
-        self.prefill = Histogram(f"{P}request_prefill_time_seconds", "From a request's first step to its first token.", m, buckets=PHASE_BUCKETS, registry=r)  # fmt: skip
-        self.decode = Histogram(f"{P}request_decode_time_seconds", "From a request's first token to its last.", m, buckets=REQUEST_BUCKETS, registry=r)  # fmt: skip
-        self.inference = Histogram(f"{P}request_inference_time_seconds", "From a request's first step to its last token (prefill + decode).", m, buckets=REQUEST_BUCKETS, registry=r)  # fmt: skip
+        self.ttft = Histogram(
+            f"{P}time_to_first_token_seconds",
+            "Time to first token, from the door's receipt of the call.",
+            m,
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            f"{P}inter_token_latency_seconds",
+            "Time between consecutive output tokens of a request.",
+            m,
+            buckets=ITL_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            f"{P}request_time_per_output_token_seconds",
+            "A request's decode time over its output tokens after the first.",
+            m,
+            buckets=ITL_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            f"{P}e2e_request_latency_seconds",
+            "From the door's receipt of the call to the request's end.",
+            m,
+            buckets=REQUEST_BUCKETS,
+            registry=r,
+        )
+        self.queue = Histogram(
+            f"{P}request_queue_time_seconds",
+            "Time a request waited in its group's queue before its first step.",
+            m,
+            buckets=PHASE_BUCKETS,
+            registry=r,
+        )
+        self.prefill = Histogram(
+            f"{P}request_prefill_time_seconds",
+            "From a request's first step to its first token.",
+            m,
+            buckets=PHASE_BUCKETS,
+            registry=r,
+        )
+        self.decode = Histogram(
+            f"{P}request_decode_time_seconds",
+            "From a request's first token to its last.",
+            m,
+            buckets=REQUEST_BUCKETS,
+            registry=r,
+        )
+        self.inference = Histogram(
+            f"{P}request_inference_time_seconds",
+            "From a request's first step to its last token (prefill + decode).",
+            m,
+            buckets=REQUEST_BUCKETS,
+            registry=r,
+        )
         # ---- tokens and outcomes ----
-        self.prompt_tokens = Counter(f"{P}prompt_tokens", "Prompt tokens prefilled (counted at each request's first token).", m, registry=r)  # fmt: skip
-        self.generation_tokens = Counter(f"{P}generation_tokens", "Generated tokens (counted as each reaches the door).", m, registry=r)  # fmt: skip
-        self.prompt_hist = Histogram(f"{P}request_prompt_tokens", "Prompt tokens per request.", m, buckets=tokens, registry=r)  # fmt: skip
-        self.generation_hist = Histogram(f"{P}request_generation_tokens", "Generated tokens per request.", m, buckets=tokens, registry=r)  # fmt: skip
-        self.success = Counter(f"{P}request_success", "Requests that ended with a finish reason (stop, length, abort).", [*m, "finished_reason"], registry=r)  # fmt: skip
-        self.errors = Counter(f"{P}request_errors", "Requests and calls that ended with an error, by gRPC status code.", [*m, "code"], registry=r)  # fmt: skip
-        self.resumes = Counter(f"{P}request_resumes", "Times a request moved to another group after its group died mid-stream (once per move).", m, registry=r)  # fmt: skip
+        self.prompt_tokens = Counter(
+            f"{P}prompt_tokens", "Prompt tokens prefilled (counted at each request's first token).", m, registry=r
+        )
+        self.generation_tokens = Counter(
+            f"{P}generation_tokens", "Generated tokens (counted as each reaches the door).", m, registry=r
+        )
+        self.prompt_hist = Histogram(
+            f"{P}request_prompt_tokens", "Prompt tokens per request.", m, buckets=tokens, registry=r
+        )
+        self.generation_hist = Histogram(
+            f"{P}request_generation_tokens", "Generated tokens per request.", m, buckets=tokens, registry=r
+        )
+        self.success = Counter(
+            f"{P}request_success",
+            "Requests that ended with a finish reason (stop, length, abort).",
+            [*m, "finished_reason"],
+            registry=r,
+        )
+        self.errors = Counter(
+            f"{P}request_errors",
+            "Requests and calls that ended with an error, by gRPC status code.",
+            [*m, "code"],
+            registry=r,
+        )
+        self.resumes = Counter(
+            f"{P}request_resumes",
+            "Times a request moved to another group after its group died mid-stream (once per move).",
+            m,
+            registry=r,
+        )
         # ---- routing ----
-        self.routing = Counter(f"{P}routing_decisions", "Placements by group and reason.", [*m, "group", "reason"], registry=r)  # fmt: skip
-        self.decision = Histogram(f"{P}routing_decision_seconds", "Time to choose a group (index match + policy).", m, buckets=FAST_BUCKETS, registry=r)  # fmt: skip
-        self.index_rtt = Histogram(f"{P}prefix_index_round_trip_seconds", "Round trips of the router to the prefix index.", [*m, "operation"], buckets=FAST_BUCKETS, registry=r)  # fmt: skip
+        self.routing = Counter(
+            f"{P}routing_decisions", "Placements by group and reason.", [*m, "group", "reason"], registry=r
+        )
+        self.decision = Histogram(
+            f"{P}routing_decision_seconds",
+            "Time to choose a group (index match + policy).",
+            m,
+            buckets=FAST_BUCKETS,
+            registry=r,
+        )
+        self.index_rtt = Histogram(
+            f"{P}prefix_index_round_trip_seconds",
+            "Round trips of the router to the prefix index.",
+            [*m, "operation"],
+            buckets=FAST_BUCKETS,
+            registry=r,
+        )
         g = [*m, "group"]
-        self.routed_prompt = Counter(f"{P}routed_prompt_tokens", "Prompt tokens of this router's placements, counted at their first output.", g, registry=r)  # fmt: skip
-        self.predicted_cached = Counter(f"{P}predicted_cached_tokens", "Prompt tokens this router predicted cached on the group it chose.", g, registry=r)  # fmt: skip
-        self.actual_cached = Counter(f"{P}actual_cached_tokens", "Prompt tokens the chosen group served from its prefix cache.", g, registry=r)  # fmt: skip
+        self.routed_prompt = Counter(
+            f"{P}routed_prompt_tokens",
+            "Prompt tokens of this router's placements, counted at their first output.",
+            g,
+            registry=r,
+        )
+        self.predicted_cached = Counter(
+            f"{P}predicted_cached_tokens",
+            "Prompt tokens this router predicted cached on the group it chose.",
+            g,
+            registry=r,
+        )
+        self.actual_cached = Counter(
+            f"{P}actual_cached_tokens", "Prompt tokens the chosen group served from its prefix cache.", g, registry=r
+        )
         # Every series exists from the start, at zero (as vLLM's do): a rate over a counter that
         # appears with its first event would miss that event, and a dashboard would show no
         # data where the truth is zero.
-        for family in (self.ttft, self.itl, self.tpot, self.e2e, self.queue, self.prefill,
-                       self.decode, self.inference, self.prompt_tokens, self.generation_tokens,
-                       self.prompt_hist, self.generation_hist, self.resumes, self.decision):  # fmt: skip
+        for family in (
+            self.ttft,
+            self.itl,
+            self.tpot,
+            self.e2e,
+            self.queue,
+            self.prefill,
+            self.decode,
+            self.inference,
+            self.prompt_tokens,
+            self.generation_tokens,
+            self.prompt_hist,
+            self.generation_hist,
+            self.resumes,
+            self.decision,
+        ):
             family.labels(model_name)
         for reason in ("stop", "length", "abort"):
             self.success.labels(model_name, reason)
@@ -136,8 +305,11 @@ class ServerMetrics:
 
     def timed_index(self, index: IndexReader) -> IndexReader:
         """`index` with the router's round trips (match, record_pending) timed."""
-        return TimedReader(index, self.index_rtt.labels(self.model_name, "match"),
-                                self.index_rtt.labels(self.model_name, "record_pending"))  # fmt: skip
+        return TimedReader(
+            index,
+            self.index_rtt.labels(self.model_name, "match"),
+            self.index_rtt.labels(self.model_name, "record_pending"),
+        )
 
     def request(self, received: float) -> RequestObserver:
         """The observer of one request the door received at `received` (time.perf_counter)."""

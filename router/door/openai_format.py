@@ -60,8 +60,7 @@ class Formatter:
             choice["message"] = {"role": "assistant", "content": out.text}
         else:
             choice["text"] = out.text
-        choice |= {"logprobs": lps, "finish_reason": out.finish_reason,
-                   "stop_reason": out.stop_reason}  # fmt: skip
+        choice |= {"logprobs": lps, "finish_reason": out.finish_reason, "stop_reason": out.stop_reason}
         if self.return_token_ids:
             choice["token_ids"] = list(out.token_ids)
         return choice
@@ -97,8 +96,7 @@ class Formatter:
     def usage_chunk(self, choices: Sequence[Choice], num_prompts: Sequence[int]) -> dict:
         """The last chunk with `stream_options.include_usage`: no choices, the usage."""
         body = self._envelope("chat.completion.chunk" if self.chat else "text_completion")
-        body |= {"choices": [], "usage": self.usage(choices, num_prompts),
-                 "pagefleet": extension(choices)}  # fmt: skip
+        body |= {"choices": [], "usage": self.usage(choices, num_prompts), "pagefleet": extension(choices)}
         return body
 
     # ---- parts ----------------------------------------------------------------------------
@@ -110,13 +108,15 @@ class Formatter:
         for c in choices:
             firsts.setdefault(c.prompt_index, c)
         cached = sum(c.last.num_cached_tokens for c in firsts.values() if c.last is not None)
-        return {"prompt_tokens": prompt, "completion_tokens": completion,
-                "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": cached}}  # fmt: skip
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
 
     def _envelope(self, kind: str) -> dict:
-        return {"id": self.request_id, "object": kind, "created": self.created,
-                "model": self.model}  # fmt: skip
+        return {"id": self.request_id, "object": kind, "created": self.created, "model": self.model}
 
     def _logprobs(self, entries, token_ids: Sequence[int], offset: int) -> dict:
         """OpenAI's logprobs of `token_ids` (`entries`: worker.outputs.TokenLogprobs each)."""
@@ -129,8 +129,12 @@ class Formatter:
             offsets.append(offset)
             offset += len(t)
         tops = [{text(t): v for t, v in [(lp.token_id, lp.logprob), *lp.top]} for lp in entries]
-        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in entries],
-                "top_logprobs": tops, "text_offset": offsets}  # fmt: skip
+        return {
+            "tokens": tokens,
+            "token_logprobs": [lp.logprob for lp in entries],
+            "top_logprobs": tops,
+            "text_offset": offsets,
+        }
 
 
 def _chat_logprob(text: Callable[[int], str], lp) -> dict:
@@ -142,9 +146,12 @@ def _chat_logprob(text: Callable[[int], str], lp) -> dict:
 
 
 def placement(record: RouteRecord) -> dict:
-    return {"group_id": record.group_id, "reason": record.reason,
-            "predicted_cached_tokens": record.predicted_cached_tokens,
-            "resumes": record.resumes}  # fmt: skip
+    return {
+        "group_id": record.group_id,
+        "reason": record.reason,
+        "predicted_cached_tokens": record.predicted_cached_tokens,
+        "resumes": record.resumes,
+    }
 
 
 def extension(choices: Sequence[Choice]) -> dict:

@@ -47,8 +47,7 @@ HTTP_STATUS: dict[grpc.StatusCode, tuple[int, str, str | None]] = {
 }
 # What a field of several forms accepts, for a 400 that says so once instead of per form.
 FORMS = {
-    "prompt": "a string, an array of strings, an array of token ids or an array of arrays of "
-    "token ids",
+    "prompt": "a string, an array of strings, an array of token ids or an array of arrays of token ids",
     "stop": "a string or an array of strings",
     "content": "a string or an array of text parts",
 }
@@ -131,7 +130,7 @@ def _token_array(ids: list[int]) -> np.ndarray:
 Text = Annotated[str, AfterValidator(_unicode)]
 # Token ids: a numpy array, built while the body is parsed (off the event loop when it is large).
 # fail_fast: a long list that is not of ids fails at its first item, once per union member.
-TokenIds = Annotated[list[Annotated[int, INT64]], Field(fail_fast=True), AfterValidator(_token_array)]  # fmt: skip
+TokenIds = Annotated[list[Annotated[int, INT64]], Field(fail_fast=True), AfterValidator(_token_array)]
 Texts = Annotated[list[Text], Field(fail_fast=True)]
 
 

@@ -31,9 +31,18 @@ if TYPE_CHECKING:
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for completions (chat's: up to the context)
 # SamplingParams' fields that a body sets under the same name.
-_SAME_NAMES = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
-               "frequency_penalty", "repetition_penalty", "ignore_eos",
-               "include_stop_str_in_output")  # fmt: skip
+_SAME_NAMES = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "ignore_eos",
+    "include_stop_str_in_output",
+)
 
 
 @dataclass
@@ -46,9 +55,7 @@ class Routes:
     n: int
 
 
-async def completion_routes(
-    body: CompletionRequest, router: Router, request_id: str, tenant: str | None
-) -> Routes:
+async def completion_routes(body: CompletionRequest, router: Router, request_id: str, tenant: str | None) -> Routes:
     """`/v1/completions`: a prompt (text or token ids) or a batch of them."""
     if body.echo:
         raise invalid("echo is not supported", "echo")
@@ -70,9 +77,7 @@ async def completion_routes(
     return _routes(body, prompts, params, "max_tokens", router, request_id, tenant)
 
 
-async def chat_routes(
-    body: ChatCompletionRequest, router: Router, request_id: str, tenant: str | None
-) -> Routes:
+async def chat_routes(body: ChatCompletionRequest, router: Router, request_id: str, tenant: str | None) -> Routes:
     """`/v1/chat/completions`: the messages rendered with the model's chat template."""
     if body.tools:
         raise invalid("tools are not supported", "tools")
@@ -123,7 +128,7 @@ def sampling_params(body, max_tokens: int | None, max_field: str, logprobs, logp
         raise invalid(theirs + message[len(field) :], theirs) from None
 
 
-def _routes(body, prompts, params: SamplingParams, limit_field, router, request_id, tenant) -> Routes:  # fmt: skip
+def _routes(body, prompts, params: SamplingParams, limit_field, router, request_id, tenant) -> Routes:
 
     if body.stream_options is not None and not body.stream:
         raise invalid("stream_options is only allowed with stream: true", "stream_options")
@@ -134,10 +139,15 @@ def _routes(body, prompts, params: SamplingParams, limit_field, router, request_
         check_context(len(ids), params.max_tokens, context, limit_field)
         for j in range(body.n):
             seeded = params if params.seed is None else replace(params, seed=params.seed + j)
-            routes.append(RouteRequest(
-                prompt_token_ids=ids, params=seeded, request_id=f"{request_id}-{p * body.n + j}",
-                priority=body.priority, cache_salt=salt,
-            ))  # fmt: skip
+            routes.append(
+                RouteRequest(
+                    prompt_token_ids=ids,
+                    params=seeded,
+                    request_id=f"{request_id}-{p * body.n + j}",
+                    priority=body.priority,
+                    cache_salt=salt,
+                )
+            )
     return Routes(routes, prompts, body.n)
 
 

@@ -119,9 +119,7 @@ class PageFleetServicer(pb_grpc.PageFleetServicer):
     async def Tokenize(self, request: pb.TokenizeRequest | Unparsed, context):
         router, _ = await self._ready(request, context)
         if request.HasField("text") == bool(request.messages):
-            await self._abort(
-                context, grpc.StatusCode.INVALID_ARGUMENT, "give exactly one of text or messages"
-            )
+            await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, "give exactly one of text or messages")
         try:
             ids = await tokenized(request, router)
             check_context(len(ids), None, router.model_info.max_model_len)
@@ -147,18 +145,18 @@ class PageFleetServicer(pb_grpc.PageFleetServicer):
             if tenant is None:
                 what = "no API key" if given is None else "an API key that is not valid"
                 await self._abort(
-                    context, grpc.StatusCode.UNAUTHENTICATED,
+                    context,
+                    grpc.StatusCode.UNAUTHENTICATED,
                     f"the call has {what}; send 'authorization: Bearer KEY' metadata",
-                )  # fmt: skip
+                )
         if isinstance(request, Unparsed):
             await self._abort(
-                context, grpc.StatusCode.INVALID_ARGUMENT,
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
                 f"request does not parse as {request.message_name}",
-            )  # fmt: skip
-        if self.router is None:
-            await self._abort(
-                context, grpc.StatusCode.UNAVAILABLE, "the server is starting: groups are loading"
             )
+        if self.router is None:
+            await self._abort(context, grpc.StatusCode.UNAVAILABLE, "the server is starting: groups are loading")
         return self.router, tenant
 
     async def _abort(self, context, code: grpc.StatusCode, message: str):
@@ -202,11 +200,7 @@ def add_servicer(servicer: PageFleetServicer, server: grpc.aio.Server) -> None:
     for method in pb.DESCRIPTOR.services_by_name["PageFleet"].methods:
         request_class = getattr(pb, method.input_type.name)
         response_class = getattr(pb, method.output_type.name)
-        make = (
-            grpc.unary_stream_rpc_method_handler
-            if method.server_streaming
-            else grpc.unary_unary_rpc_method_handler
-        )
+        make = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
         handlers[method.name] = make(
             getattr(servicer, method.name),
             request_deserializer=lenient_parser(request_class),
@@ -233,9 +227,7 @@ def deadline_passed(left: float | None, budget: float | None) -> bool:
 
 def _proto_names(message: str) -> str:
     """Engine messages name SamplingParams fields; callers know them as `sampling.*`."""
-    return message.replace("SamplingParams.", "sampling.").replace(
-        "prompt token id", "token_ids: token id"
-    )
+    return message.replace("SamplingParams.", "sampling.").replace("prompt token id", "token_ids: token id")
 
 
 class FrontDoor:

@@ -42,9 +42,7 @@ class Reject(Exception):
     the field, for the HTTP door's error body). `counted`: the error of a stream, which its
     metrics observer counted already."""
 
-    def __init__(
-        self, code: grpc.StatusCode, message: str, param: str | None = None, counted: bool = False
-    ) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, param: str | None = None, counted: bool = False) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
@@ -64,8 +62,7 @@ def check_context(
     if num_prompt >= max_model_len:
         raise Reject(
             grpc.StatusCode.OUT_OF_RANGE,
-            f"prompt is {num_prompt} tokens; the model's context is {max_model_len} tokens "
-            f"(prompt + {field} must fit)",
+            f"prompt is {num_prompt} tokens; the model's context is {max_model_len} tokens (prompt + {field} must fit)",
         )
     if max_tokens is not None and num_prompt + max_tokens > max_model_len:
         raise Reject(
@@ -76,9 +73,7 @@ def check_context(
         )
 
 
-def request_salt(
-    key_tenant: str | None, cache_salt: str | None = None, tenant: str | None = None
-) -> str | None:
+def request_salt(key_tenant: str | None, cache_salt: str | None = None, tenant: str | None = None) -> str | None:
     """The salt a request's blocks are keyed by. With API keys, the key's tenant: a request may
     repeat it but not name another, nor set a raw salt. Without keys, the client's `tenant` or
     `cache_salt` (at most one), each in its own namespace (worker/hashing.py)."""
@@ -99,16 +94,13 @@ def request_salt(
         raise invalid("give cache_salt or tenant, not both", "cache_salt")
     if cache_salt and (len(cache_salt) > MAX_CACHE_SALT_CHARS or not cache_salt.isprintable()):
         raise invalid(
-            f"cache_salt must be 1-{MAX_CACHE_SALT_CHARS} printable characters, "
-            f"got {len(cache_salt)} characters",
+            f"cache_salt must be 1-{MAX_CACHE_SALT_CHARS} printable characters, got {len(cache_salt)} characters",
             "cache_salt",
         )
     return cache_namespace(cache_salt=cache_salt, tenant=tenant)
 
 
-async def tokenize(
-    router: Router, text: str | None = None, messages: Sequence[dict] | None = None
-) -> CheckedIds:
+async def tokenize(router: Router, text: str | None = None, messages: Sequence[dict] | None = None) -> CheckedIds:
     """The token ids of `text` or chat `messages` (rendered with the model's chat template),
     computed on a worker thread after the checks that refuse at once what cannot fit the
     context: a long prompt must not stall the event loop, which serves every other call."""
@@ -129,8 +121,7 @@ def check_message_count(count: int, context: int) -> None:
     if count > context:
         raise Reject(
             grpc.StatusCode.OUT_OF_RANGE,
-            f"messages has {count} entries; the model's context of {context} tokens cannot "
-            "hold that many",
+            f"messages has {count} entries; the model's context of {context} tokens cannot hold that many",
         )
 
 

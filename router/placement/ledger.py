@@ -159,13 +159,11 @@ class PendingPlacements:
         with self._lock:
             self._inbox.append((group_id, block_hashes, probed, now))
             if self._writer is None:
-                self._writer = threading.Thread(target=self._drain, name="pending-writer", daemon=True)  # fmt: skip
+                self._writer = threading.Thread(target=self._drain, name="pending-writer", daemon=True)
                 self._writer.start()
             self._lock.notify()
 
-    def _admit(
-        self, group_id: str, block_hashes: Sequence[bytes], probed: tuple[bytes, ...], now: float
-    ) -> None:
+    def _admit(self, group_id: str, block_hashes: Sequence[bytes], probed: tuple[bytes, ...], now: float) -> None:
         """Book one placement from the inbox and queue its write (the writer, lock held)."""
         if now >= self._rotate_at:
             self._previous, self._current = self._current, {}
@@ -196,9 +194,7 @@ class PendingPlacements:
         if not self._unconfirmed and not self._inbox:  # the writer caught up; no lock needed
             return []
         with self._lock:
-            return [
-                self._placed[k] for k in self._unconfirmed if k in self._placed
-            ] + self._handed()
+            return [self._placed[k] for k in self._unconfirmed if k in self._placed] + self._handed()
 
     def _handed(self) -> list[_Placed]:
         """The inbox's placements, as the writer will book them at the latest (lock held)."""

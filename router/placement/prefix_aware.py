@@ -121,7 +121,7 @@ class LoadBound(NamedTuple):
     best_hit: int
 
     @classmethod
-    def of(cls, cfg: PrefixAwareConfig, held: Mapping[str, int], placed: _Placed, mean: float) -> LoadBound:  # fmt: skip
+    def of(cls, cfg: PrefixAwareConfig, held: Mapping[str, int], placed: _Placed, mean: float) -> LoadBound:
         """The bound for one request. The least placed group is always under it. A prefix's
         only holders (at most hit_holders groups with its longest match), all over the bound,
         stay candidates up to the hit bound. Once max_replicas groups hold at least half the
@@ -139,7 +139,7 @@ class LoadBound(NamedTuple):
         if cfg.hit_slack is not None and best_hit > 0:
             best = [placed[g] for g, h in held.items() if h == best_hit]
             if len(best) <= cfg.hit_holders and min(best) >= bound:
-                return cls(min_hit, bound, (1.0 + cfg.hit_slack) * mean + cfg.load_burst, best_hit)  # fmt: skip
+                return cls(min_hit, bound, (1.0 + cfg.hit_slack) * mean + cfg.load_burst, best_hit)
         return cls(min_hit, bound, -math.inf, best_hit)
 
     def admits(self, hit: int, placements: float) -> bool:
@@ -149,7 +149,7 @@ class LoadBound(NamedTuple):
 
     def relaxed(self) -> list[LoadBound]:
         """When no group is a candidate: any group under the bound, else any group."""
-        return [LoadBound(0, self.bound, -math.inf, self.best_hit), LoadBound(0, math.inf, -math.inf, self.best_hit)]  # fmt: skip
+        return [LoadBound(0, self.bound, -math.inf, self.best_hit), LoadBound(0, math.inf, -math.inf, self.best_hit)]
 
 
 class PrefixAware(Policy):
@@ -177,7 +177,9 @@ class PrefixAware(Policy):
         return self.config.balance_window
 
     # ---- the formula ------------------------------------------------------------------
-    def cost(self, n: int, s: GroupStatus, hit: int, placements: float, mean: float, pressure: float, delayed: int) -> float:  # fmt: skip
+    def cost(
+        self, n: int, s: GroupStatus, hit: int, placements: float, mean: float, pressure: float, delayed: int
+    ) -> float:
         """Seconds: this request's time to first token on the group, plus what placing it
         there costs the rest of the cluster (module docstring). `placements`: the group's
         recent placements, `mean` theirs over the live groups; `pressure`: the group's recent
@@ -186,7 +188,7 @@ class PrefixAware(Policy):
         cfg, c, bs = self.config, self.config.cost, self.block_size
         new = (n - hit) * bs + bs // 2
         work = s.pending_prefill_tokens + new
-        ttft = work * c.prefill_token_s + math.ceil(work / self.batch_tokens) * (c.step_s + s.running * c.decode_seq_s)  # fmt: skip
+        ttft = work * c.prefill_token_s + math.ceil(work / self.batch_tokens) * (c.step_s + s.running * c.decode_seq_s)
         recompute = (1.0 + delayed) * new * c.prefill_token_s
         evicted = max(0, math.ceil(new / bs) - _empty_blocks(s))
         eviction = cfg.eviction_weight * pressure * evicted * bs * c.prefill_token_s
@@ -213,14 +215,14 @@ class PrefixAware(Policy):
                     mean,
                     tokens.get(g, 0.0) * live / total if total > 0 else 1.0,
                     delayed,
-                )  # fmt: skip
+                )
                 for g, s in statuses.items()
                 if limits.admits(held.get(g, 0), share[g])
             }
             if costs:
                 break
         low = min(costs.values())
-        return self._placement(block_hashes, [g for g, c in costs.items() if c == low], held, bound.best_hit)  # fmt: skip
+        return self._placement(block_hashes, [g for g, c in costs.items() if c == low], held, bound.best_hit)
 
     # ---- the same, fast ----------------------------------------------------------------
     def choose(self, block_hashes, statuses, matches, placed) -> Placement:
@@ -238,7 +240,7 @@ class PrefixAware(Policy):
         return self._placement(block_hashes, tied, held, bound.best_hit)
 
     def _placement(self, block_hashes, tied: list[str], held, best_hit: int) -> Placement:
-        gid = tied[0] if len(tied) == 1 else max(tied, key=lambda g: rendezvous(first_block(block_hashes), g))  # fmt: skip
+        gid = tied[0] if len(tied) == 1 else max(tied, key=lambda g: rendezvous(first_block(block_hashes), g))
         hit = held.get(gid, 0)
         if best_hit == 0:
             reason = "new_prefix"
@@ -264,7 +266,7 @@ class PrefixAware(Policy):
         cfg, c, bs, ceil = self.config, self.config.cost, self.block_size, math.ceil
         prefill_s, budget, eviction_w = c.prefill_token_s, self.batch_tokens, cfg.eviction_weight
         unit = cfg.balance_weight * c.decode_seq_s
-        half, (statuses, held, placed, mean, tokens, recompute_w), live = bs // 2, rows, len(rows[0])  # fmt: skip
+        half, (statuses, held, placed, mean, tokens, recompute_w), live = bs // 2, rows, len(rows[0])
         placements, scale = placed.requests.get, placed.scale
         min_hit, bound, high, best_hit = limits.min_hit, limits.bound, limits.high, limits.best_hit
         terms, by_hit, total = self._terms, {}, None  # by_hit: hit -> (new, blocks, recompute)
@@ -273,7 +275,7 @@ class PrefixAware(Policy):
         for rest in (False, True):
             if rest:  # the groups without a hit, if candidates and not all dearer
                 new = n * bs + half
-                floor = new * prefill_s + recompute_w * new * prefill_s + unit * (placed.least(statuses) - mean)  # fmt: skip
+                floor = new * prefill_s + recompute_w * new * prefill_s + unit * (placed.least(statuses) - mean)
                 if min_hit > 0 or floor > low:
                     break
                 todo = [(g, 0) for g in statuses if g not in held]
@@ -327,7 +329,7 @@ def _empty_blocks(s: GroupStatus) -> int:
     return max(0, s.blocks_free - s.blocks_cached)
 
 
-def _held(n: int, statuses: Mapping[str, GroupStatus], matches: Mapping[str, GroupMatch]) -> dict[str, int]:  # fmt: skip
+def _held(n: int, statuses: Mapping[str, GroupStatus], matches: Mapping[str, GroupMatch]) -> dict[str, int]:
     """The live groups that hold or have pending any leading block, with how many
     (`cached_blocks`, at most `n`). A match answers for every live group, most of them with
     nothing: only the ones it says it touched are read."""

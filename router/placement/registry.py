@@ -56,14 +56,10 @@ class PrefixHash(Policy):
         return Placement(gid, self.name, cached_blocks(matches, gid))
 
 
-POLICIES: dict[str, type[Policy]] = {
-    p.name: p for p in (RoundRobin, LeastLoaded, PrefixHash, PrefixAware)
-}
+POLICIES: dict[str, type[Policy]] = {p.name: p for p in (RoundRobin, LeastLoaded, PrefixHash, PrefixAware)}
 
 
-def make_policy(
-    name: str, block_size: int = 16, batch_tokens: int = 2048, options: Mapping | None = None
-) -> Policy:
+def make_policy(name: str, block_size: int = 16, batch_tokens: int = 2048, options: Mapping | None = None) -> Policy:
     """A policy by name (see POLICIES) for the engine's blocks of `block_size` tokens and its
     token budget per step, `batch_tokens`. `options`: fields of PrefixAwareConfig for
     `prefix_aware` (`cost` as a mapping of CostModel fields)."""

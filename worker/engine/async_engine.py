@@ -28,9 +28,7 @@ log = logging.getLogger(__name__)
 class AsyncEngine:
     """Runs an `LLMEngine` on a background thread for asyncio callers."""
 
-    def __init__(
-        self, engine: LLMEngine, on_step: Callable[[LLMEngine], None] | None = None
-    ) -> None:
+    def __init__(self, engine: LLMEngine, on_step: Callable[[LLMEngine], None] | None = None) -> None:
         self.engine = engine
         self.on_step = on_step  # called on the loop thread after every step (and when idle)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -65,9 +63,7 @@ class AsyncEngine:
             if not finished:
                 self._send(("abort", rid, None))
 
-    def submit(
-        self, request: GenerationRequest, on_output: Callable[[RequestOutput | BaseException], None]
-    ) -> str:
+    def submit(self, request: GenerationRequest, on_output: Callable[[RequestOutput | BaseException], None]) -> str:
         """Start a request whose outputs are passed to `on_output` on the calling thread's event
         loop, up to the finished one, or its error (bad input, a dead engine) instead. A step's
         outputs reach a loop in one wake-up, and a callback costs far less than a stream's
@@ -139,10 +135,14 @@ class AsyncEngine:
                 continue
             try:
                 self.engine.add_request(
-                    request.prompt, request.params, request_id=rid, priority=request.priority,
-                    cache_salt=request.cache_salt, block_hashes=request.block_hashes,
+                    request.prompt,
+                    request.params,
+                    request_id=rid,
+                    priority=request.priority,
+                    cache_salt=request.cache_salt,
+                    block_hashes=request.block_hashes,
                     resume=request.resume,
-                )  # fmt: skip
+                )
             except Exception as e:  # bad input or a full queue: that caller's error only
                 self._deliver([(rid, e)])
 

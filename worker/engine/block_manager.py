@@ -68,9 +68,7 @@ class BlockManager:
         self._req_block_ids: dict[str, list[int]] = {}
         # a running request's block table, or None: `block_ids` for the scheduler's every step
         self.table_of = self._req_block_ids.get
-        self._num_committed: dict[
-            str, int
-        ] = {}  # leading blocks of a request already offered to the cache
+        self._num_committed: dict[str, int] = {}  # leading blocks of a request already offered to the cache
         self.prefix_queries = 0  # tokens looked up at admission
         self.prefix_hits = 0  # of which served from the cache
 
@@ -116,9 +114,7 @@ class BlockManager:
             blocks.append(block)
         return PrefixMatch(tuple(blocks), self.block_size)
 
-    def can_allocate(
-        self, request: Request, match: PrefixMatch, num_new_tokens: int, reserve_blocks: int = 0
-    ) -> bool:
+    def can_allocate(self, request: Request, match: PrefixMatch, num_new_tokens: int, reserve_blocks: int = 0) -> bool:
         """Whether `request` fits with its cached prefix plus `num_new_tokens`, leaving
         `reserve_blocks` free (the admission watermark)."""
         new = cdiv(match.num_tokens + num_new_tokens, self.block_size) - len(match.blocks)
@@ -164,7 +160,7 @@ class BlockManager:
             new_ids = [b.block_id for b in new_blocks]
             self._req_block_ids[rid].extend(new_ids)
         # (most decode steps fill no block: skip the call then)
-        if self.hasher is not None and min(end, request.num_tokens) // self.block_size > self._num_committed[rid]:  # fmt: skip
+        if self.hasher is not None and min(end, request.num_tokens) // self.block_size > self._num_committed[rid]:
             self._commit_full_blocks(request, end)
         return new_ids
 

@@ -298,7 +298,7 @@ def _make_byte_table(tokenizer, skip_special: bool) -> list[bytes] | None:
             tokenizer,
             "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output",
             False,
-        )  # fmt: skip
+        )
     ):  # transformers would clean the decoded text up
         return None
     from tokenizers.pre_tokenizers import ByteLevel

@@ -54,9 +54,7 @@ class LLMEngine:
         self.config = config
         self.executor = executor or LocalExecutor(config)
         mc = self.model_config = self.executor.model_config
-        self.max_model_len = min(
-            config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
-        )
+        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         self.tokenizer = load_tokenizer(config.model)
         if self.tokenizer is not None:  # (made now rather than for the first request)
             byte_table(self.tokenizer, skip_special_tokens=True)
@@ -74,9 +72,10 @@ class LLMEngine:
         hasher = self.hasher if cache.enable_prefix_caching else None
         bm = BlockManager(num_blocks, cache.block_size, hasher, self._events.append)
         self.scheduler = Scheduler(
-            replace(config.scheduler, max_model_len=self.max_model_len), bm,
+            replace(config.scheduler, max_model_len=self.max_model_len),
+            bm,
             lookahead=1 if self.executor.runs_ahead else 0,
-        )  # fmt: skip
+        )
         self._tracked: dict[str, _Tracked] = {}
         self._ids = itertools.count()
 
@@ -105,19 +104,30 @@ class LLMEngine:
         if text is not None:
             prompt = self.tokenize(text)
         token_ids = token_list(prompt, self.model_config.vocab_size)
-        resumed = () if resume is None else tuple(token_list(resume.token_ids, self.model_config.vocab_size)) if resume.token_ids else ()  # fmt: skip
+        resumed = (
+            ()
+            if resume is None
+            else tuple(token_list(resume.token_ids, self.model_config.vocab_size))
+            if resume.token_ids
+            else ()
+        )
         if len(token_ids) + len(resumed) >= self.max_model_len:
             raise ValueError(
-                f"prompt is {len(token_ids) + len(resumed)} tokens; the model's context is "
-                f"{self.max_model_len}"
+                f"prompt is {len(token_ids) + len(resumed)} tokens; the model's context is {self.max_model_len}"
             )
         max_tokens = params.max_tokens or self.max_model_len - len(token_ids)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         req = Request(
-            rid, token_ids, params, max_tokens=max_tokens, eos_token_ids=self.eos_token_ids,
-            priority=priority, arrival_time=arrival_time, hash_root=self.hasher.root(None, cache_salt),
+            rid,
+            token_ids,
+            params,
+            max_tokens=max_tokens,
+            eos_token_ids=self.eos_token_ids,
+            priority=priority,
+            arrival_time=arrival_time,
+            hash_root=self.hasher.root(None, cache_salt),
             block_hashes=block_hashes or (),
-        )  # fmt: skip
+        )
         tracked = _Tracked(
             IncrementalDetokenizer(self.tokenizer, token_ids, params, params.skip_special_tokens),
             RequestMetrics(arrival_time=req.arrival_time),
@@ -137,9 +147,7 @@ class LLMEngine:
     def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError(
-                    "prompt is text but the model directory has no tokenizer; pass token ids"
-                )
+                raise ValueError("prompt is text but the model directory has no tokenizer; pass token ids")
             return self.tokenizer.encode(prompt)
         return list(prompt)
 
@@ -181,14 +189,19 @@ class LLMEngine:
             if entry is not None and req.status is running:  # (sampled, not aborted meanwhile)
                 token, lp = entry
                 finished = append(req, token)
-                outputs.append(self._progress(req, tracked[req.request_id], token, lp, finished, now))  # fmt: skip
+                outputs.append(self._progress(req, tracked[req.request_id], token, lp, finished, now))
         self._flush_events()
         return outputs
 
     def _progress(
-        self, req: Request, tracked: _Tracked, token: int, lp: TokenLogprobs | None,
-        finished: bool, now: float,
-    ) -> RequestOutput:  # fmt: skip
+        self,
+        req: Request,
+        tracked: _Tracked,
+        token: int,
+        lp: TokenLogprobs | None,
+        finished: bool,
+        now: float,
+    ) -> RequestOutput:
         """A sampled token's output: metrics, logprobs, text (a stop string ends it here)."""
         m = tracked.metrics
         if m.first_token_time is None:
@@ -221,10 +234,12 @@ class LLMEngine:
     def facts(self) -> ModelFacts:
         """This engine's model as a router of another process needs it."""
         return ModelFacts(
-            fingerprint=self.hasher.fingerprint, max_model_len=self.max_model_len,
-            vocab_size=self.model_config.vocab_size, eos_token_ids=tuple(self.eos_token_ids),
+            fingerprint=self.hasher.fingerprint,
+            max_model_len=self.max_model_len,
+            vocab_size=self.model_config.vocab_size,
+            eos_token_ids=tuple(self.eos_token_ids),
             tokenizer_files=ModelFacts.tokenizer_files_of(self.tokenizer),
-        )  # fmt: skip
+        )
 
     def stats(self) -> dict:
         bm, sched = self.scheduler.bm, self.scheduler
@@ -246,21 +261,40 @@ class LLMEngine:
 
 
 def _output(
-    req: Request, tracked: _Tracked, new_token_ids: list[int], delta: str, finished: bool,
-    token_time: float | None, new_logprobs: list[TokenLogprobs] | None,
-) -> RequestOutput:  # fmt: skip
+    req: Request,
+    tracked: _Tracked,
+    new_token_ids: list[int],
+    delta: str,
+    finished: bool,
+    token_time: float | None,
+    new_logprobs: list[TokenLogprobs] | None,
+) -> RequestOutput:
     """The request's output after a step (or an abort): everything so far and this delta.
     `token_ids` is the request's own output list, as `logprobs` and `metrics` are its own: they
     grow as the engine runs on, and a consumer that reads later takes the `new_*` fields.
     Made once per request per step: one object, its arguments positional."""
     lps = tracked.logprobs
     return RequestOutput(
-        req.request_id, req.prompt_token_ids, None, finished,
-        req.num_cached_tokens if req.num_cached_tokens > 0 else 0, tracked.metrics,
-        new_token_ids, delta, new_logprobs, token_time, tracked.prompt,
-        (tracked.detok.text, req.output_token_ids, None if lps is None else tracked.cumulative_logprob,
-         lps, req.finish_reason if finished else None, req.stop_reason),
-    )  # fmt: skip
+        req.request_id,
+        req.prompt_token_ids,
+        None,
+        finished,
+        req.num_cached_tokens if req.num_cached_tokens > 0 else 0,
+        tracked.metrics,
+        new_token_ids,
+        delta,
+        new_logprobs,
+        token_time,
+        tracked.prompt,
+        (
+            tracked.detok.text,
+            req.output_token_ids,
+            None if lps is None else tracked.cumulative_logprob,
+            lps,
+            req.finish_reason if finished else None,
+            req.stop_reason,
+        ),
+    )
 
 
 def block_hasher(config: EngineConfig, mc: ModelConfig) -> BlockHasher:
@@ -286,9 +320,7 @@ def load_tokenizer(model_dir: str):
 
         return gguf_tokenizer(model_dir)
     path = Path(model_dir)
-    if not any(
-        (path / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
-    ):
+    if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
         return None
     from transformers import AutoTokenizer
 

@@ -32,9 +32,7 @@ class ScheduledRequest:
 
     def slot_mapping(self, block_size: int) -> list[int]:
         ids = self.block_ids
-        return [
-            ids[p // block_size] * block_size + p % block_size for p in range(self.start, self.end)
-        ]
+        return [ids[p // block_size] * block_size + p % block_size for p in range(self.start, self.end)]
 
 
 @dataclass
@@ -92,9 +90,7 @@ class WaitingQueue:
 class Scheduler:
     """Owns the waiting and running requests of one group and the group's block manager."""
 
-    def __init__(
-        self, config: SchedulerConfig, block_manager: BlockManager, lookahead: int = 0
-    ) -> None:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, lookahead: int = 0) -> None:
         self.config = config
         self.bm = block_manager
         self.block_size = block_manager.block_size
@@ -132,9 +128,7 @@ class Scheduler:
                 f"tokens but the whole pool has {self.bm.num_blocks}"
             )
         if len(self.waiting) >= self.config.max_waiting:
-            raise QueueFullError(
-                f"waiting queue is full ({self.config.max_waiting} requests); retry later"
-            )
+            raise QueueFullError(f"waiting queue is full ({self.config.max_waiting} requests); retry later")
         self.requests[rid] = request
         self.waiting.push(request)
 
@@ -200,7 +194,7 @@ class Scheduler:
             if budget == 0:
                 break
             if req.status is RequestStatus.RUNNING:
-                budget -= self._grow(req, min(req.num_tokens - req.num_computed_tokens, budget), out)  # fmt: skip
+                budget -= self._grow(req, min(req.num_tokens - req.num_computed_tokens, budget), out)
         return budget
 
     def _grow(self, req: Request, n: int, out: SchedulerOutput, lookahead: int = 0) -> int:
@@ -300,7 +294,7 @@ class Scheduler:
             req.stop_reason = token
             self.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
             return True
-        if len(req.output_token_ids) >= req.max_tokens or len(req.all_token_ids) >= self.config.max_model_len:  # fmt: skip
+        if len(req.output_token_ids) >= req.max_tokens or len(req.all_token_ids) >= self.config.max_model_len:
             self.finish_request(req.request_id, RequestStatus.FINISHED_LENGTH)
             return True
         return False

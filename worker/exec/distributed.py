@@ -253,9 +253,7 @@ def _libc_send():
 _LIBC_SEND = _libc_send()
 
 
-def _open_streams(
-    rendezvous: Rendezvous, rank: int, group: dist.ProcessGroup
-) -> list[socket.socket]:
+def _open_streams(rendezvous: Rendezvous, rank: int, group: dist.ProcessGroup) -> list[socket.socket]:
     """Rank 0 listens on an ephemeral port of `rendezvous.host` and tells the others the port
     (a gloo broadcast); each other rank connects and names itself; rank 0 returns its streams in
     rank order, the others the stream from rank 0."""
@@ -267,9 +265,7 @@ def _open_streams(
         port[0] = listener.getsockname()[1]
     dist.broadcast(port, src=0, group=group)
     if rank != 0:
-        stream = socket.create_connection(
-            (rendezvous.host, int(port.item())), timeout=rendezvous.startup_timeout_s
-        )
+        stream = socket.create_connection((rendezvous.host, int(port.item())), timeout=rendezvous.startup_timeout_s)
         stream.sendall(_LENGTH.pack(rank))
         streams = [stream]
     else:
@@ -297,9 +293,7 @@ def _recv_exactly(stream: socket.socket, n: int) -> bytes:
     return data
 
 
-def init_group(
-    rendezvous: Rendezvous, rank: int, device: torch.device
-) -> tuple[TorchDistributed, ByteChannel]:
+def init_group(rendezvous: Rendezvous, rank: int, device: torch.device) -> tuple[TorchDistributed, ByteChannel]:
     """Join the group. Three process groups: the default one (gloo) only for meeting and the
     start-up barrier, patient enough for slow process starts and weight loading; the model's
     collectives (NCCL on CUDA, gloo on CPU) and a gloo group for the step messages, both
@@ -319,9 +313,7 @@ def init_group(
         timeout=timedelta(seconds=rendezvous.startup_timeout_s),
     )
     timeout = timedelta(seconds=rendezvous.timeout_s)
-    model_group = dist.new_group(
-        backend="nccl" if device.type == "cuda" else "gloo", timeout=timeout
-    )
+    model_group = dist.new_group(backend="nccl" if device.type == "cuda" else "gloo", timeout=timeout)
     step_group = dist.new_group(backend="gloo", timeout=timeout)
     streams = _open_streams(rendezvous, rank, step_group)
     return TorchDistributed(model_group), ByteChannel(step_group, streams)

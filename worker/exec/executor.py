@@ -29,14 +29,10 @@ class DeviceWorker:
         self.device = torch.device(config.device)
         self.collectives = collectives or SingleRank()
         backend = get_backend(config.attention_backend, self.device)
-        self.model, self.model_config = load_model(
-            config.model, config.dtype, self.device, collectives, backend
-        )
+        self.model, self.model_config = load_model(config.model, config.dtype, self.device, collectives, backend)
         local_kv_heads = self.model.attention_layers()[0].num_kv_heads
         self.model_dtype = next(self.model.parameters()).dtype
-        self.layout: KVLayout = layout_for(
-            self.model_config, config.cache, local_kv_heads, self.model_dtype
-        )
+        self.layout: KVLayout = layout_for(self.model_config, config.cache, local_kv_heads, self.model_dtype)
         self.runner = ModelRunner(self.model, config.cache.block_size, self.device)
         self.pool: KVPool | None = None
 
@@ -49,9 +45,7 @@ class DeviceWorker:
         def profile() -> None:
             self.runner.profile_step(tokens, self.model_config.vocab_size)
 
-        return num_blocks_from_memory(
-            self.config.cache, self.layout, self.model, self.device, profile
-        )
+        return num_blocks_from_memory(self.config.cache, self.layout, self.model, self.device, profile)
 
     def init_pool(self, num_blocks: int) -> None:
         """Allocate the pool; a float8 one gets its per-tensor scales first (every rank of a
@@ -60,9 +54,14 @@ class DeviceWorker:
         if self.layout.tensor_scales:
             mc = self.model_config
             scales = calibrate_tensor_scales(
-                self.model, self.layout, self.model_dtype, mc.vocab_size,
-                mc.max_position_embeddings, self.device, self.collectives,
-            )  # fmt: skip
+                self.model,
+                self.layout,
+                self.model_dtype,
+                mc.vocab_size,
+                mc.max_position_embeddings,
+                self.device,
+                self.collectives,
+            )
             self.pool.set_tensor_scales(*scales)
         self.pool.bind(self.model.attention_layers())
 

@@ -57,9 +57,7 @@ def calibrate_tensor_scales(
 
     hooks = [layer.register_forward_pre_hook(recorder(i)) for i, layer in enumerate(layers)]
     try:
-        ids = torch.randint(
-            0, vocab_size, (n,), generator=torch.Generator().manual_seed(CALIBRATION_SEED)
-        )
+        ids = torch.randint(0, vocab_size, (n,), generator=torch.Generator().manual_seed(CALIBRATION_SEED))
         with torch.inference_mode():
             model(ids.to(device), torch.arange(n, device=device), _one_sequence(n, blocks, device))
     finally:

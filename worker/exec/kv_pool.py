@@ -182,9 +182,7 @@ class KVPool:
 
     def bind(self, attention_layers: list) -> None:
         if len(attention_layers) != self.layout.num_layers:
-            raise ValueError(
-                f"{len(attention_layers)} attention layers for a pool of {self.layout.num_layers}"
-            )
+            raise ValueError(f"{len(attention_layers)} attention layers for a pool of {self.layout.num_layers}")
         per_layer = zip(self.k_caches, self.v_caches, self.k_scales, self.v_scales, strict=True)
         for layer, tensors in zip(attention_layers, per_layer, strict=True):
             layer.bind_kv_cache(*tensors)

@@ -268,14 +268,17 @@ class ModelRunner:
         if step.samples is not None:
             entries = list(compress(entries, step.samples.tolist()))
         rows = [self._row(s.request) for s in entries]
-        lasting = not any(s.request.num_output_tokens < s.request.sampling_params.min_tokens for s in entries)  # fmt: skip
+        lasting = not any(s.request.num_output_tokens < s.request.sampling_params.min_tokens for s in entries)
         self._rows = (step.sample_ids, rows) if lasting else None
         return rows
 
     def sample(
-        self, step: FlatStep, inputs: StepInputs, hidden: torch.Tensor,
+        self,
+        step: FlatStep,
+        inputs: StepInputs,
+        hidden: torch.Tensor,
         rows: list[SamplingRow] | None,
-    ) -> tuple[Sampled, np.ndarray | None]:  # fmt: skip
+    ) -> tuple[Sampled, np.ndarray | None]:
         """The LM head over the sampling rows (every rank joins its all-gather), then, with
         `rows` (rank 0), one token per row: (request id -> (token, logprobs), the tokens as an
         (S,) int32 array when every sequence of a one-token step sampled, else None)."""
@@ -283,9 +286,12 @@ class ModelRunner:
         return sampled_by_id(inputs.sample_ids, result), tokens
 
     def sample_tokens(
-        self, step: FlatStep, inputs: StepInputs, hidden: torch.Tensor,
+        self,
+        step: FlatStep,
+        inputs: StepInputs,
+        hidden: torch.Tensor,
         rows: list[SamplingRow] | None,
-    ) -> tuple[SampleResult | None, np.ndarray | None]:  # fmt: skip
+    ) -> tuple[SampleResult | None, np.ndarray | None]:
         """`sample` before its tokens are keyed by request id (the overlapped runner keys them
         on the engine's thread, off the path between two forwards)."""
         if not len(inputs.sample_rows):

@@ -61,9 +61,7 @@ class OverlapRunner:
         self.confirmed = 0  # forwards run ahead and adopted
         self.discarded = 0  # forwards run ahead whose step the scheduler did not make
         # a step to run: (step, its sampling rows, steps it may run ahead), None to stop
-        self._jobs: queue.SimpleQueue[tuple[FlatStep, list[SamplingRow], int] | None] = (
-            queue.SimpleQueue()
-        )
+        self._jobs: queue.SimpleQueue[tuple[FlatStep, list[SamplingRow], int] | None] = queue.SimpleQueue()
         # the engine's word on the forward running ahead (adopt it or not), None to stop
         self._verdicts: queue.SimpleQueue[bool | None] = queue.SimpleQueue()
         # what the forward thread hands back, with the step it started ahead (or None): a

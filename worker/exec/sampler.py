@@ -140,9 +140,7 @@ class Sampler:
             out[random_idx] = _warp(out[random_idx], [rows[i].params for i in random_idx])
         return out
 
-    def _sample_random(
-        self, penalized: torch.Tensor, rows: Sequence[SamplingRow], idx: list[int]
-    ) -> torch.Tensor:
+    def _sample_random(self, penalized: torch.Tensor, rows: Sequence[SamplingRow], idx: list[int]) -> torch.Tensor:
         warped = _warp(penalized[idx], [rows[i].params for i in idx])  # (r, vocab)
         uniforms = torch.rand(len(idx), dtype=torch.float64)  # (r,): the unseeded rows'
         for j, i in enumerate(idx):
@@ -264,9 +262,7 @@ def apply_temperature(logits: torch.Tensor, temperature: torch.Tensor) -> torch.
     return logits / temperature.unsqueeze(1)
 
 
-def apply_top_k_top_p(
-    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
-) -> torch.Tensor:
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Top-k then top-p (nucleus) filtering; removed tokens become -inf.
 
     logits (r, vocab); top_k (r,) int, values <= 0 mean disabled; top_p (r,) float, 1 disables.
@@ -288,9 +284,7 @@ def apply_top_k_top_p(
     return torch.empty_like(logits).scatter_(1, sorted_idx, _filter_sorted(sorted_l, top_k, top_p))
 
 
-def _filter_sorted(
-    sorted_l: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
-) -> torch.Tensor:
+def _filter_sorted(sorted_l: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Top-k and top-p on ascending-sorted logits (r, width); the largest value is last."""
     width = sorted_l.shape[1]
     k = torch.where(top_k > 0, top_k.clamp(max=width), width)  # (r,)
@@ -342,6 +336,4 @@ def _column(values: list[float], like: torch.Tensor) -> torch.Tensor:
 
 def _check_inputs(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
     if logits.dim() != 2 or logits.shape[0] != len(rows):
-        raise ValueError(
-            f"logits must be (len(rows), vocab) = ({len(rows)}, vocab), got {tuple(logits.shape)}"
-        )
+        raise ValueError(f"logits must be (len(rows), vocab) = ({len(rows)}, vocab), got {tuple(logits.shape)}")

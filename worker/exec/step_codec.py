@@ -166,7 +166,7 @@ class RowPlanner:
                 if grew:  # its forward has run: the new entries go with the next step
                     self._late = self._grown_entries(scheduled, step.rows, grew)
             else:
-                step = self._plan_decodes(scheduled, requests, last[1], last[2], last[4], sampled, grew)  # fmt: skip
+                step = self._plan_decodes(scheduled, requests, last[1], last[2], last[4], sampled, grew)
         else:
             self.release(out.finished_ids)
             self.release(out.preempted_ids)
@@ -229,9 +229,15 @@ class RowPlanner:
         return ahead[1] if ahead is not None and ahead[0] is sampled else None
 
     def _plan_decodes(
-        self, scheduled: list, requests: list, last: FlatStep, rids: list[str],
-        next_starts: np.ndarray, sampled: np.ndarray | None, grew: list[int],
-    ) -> FlatStep:  # fmt: skip
+        self,
+        scheduled: list,
+        requests: list,
+        last: FlatStep,
+        rids: list[str],
+        next_starts: np.ndarray,
+        sampled: np.ndarray | None,
+        grew: list[int],
+    ) -> FlatStep:
         """The same requests one token further: each starts where its last step ended (no
         request is new: a preempted one leaves the list for at least one step). Rows lack
         blocks only where the scheduler grew their tables in this step (`grew`)."""
@@ -387,11 +393,7 @@ def decode_step(message: bytes) -> tuple[FlatStep, float]:
 def _appended(requests: list, sampled: np.ndarray | None) -> bool:
     """`sampled` holds a token for each request, and the scheduler appended them (seen on the
     last request; a request that missed its token, aborted meanwhile, leaves the running list)."""
-    return (
-        sampled is not None
-        and len(sampled) == len(requests)
-        and requests[-1].all_token_ids[-1] == sampled[-1]
-    )
+    return sampled is not None and len(sampled) == len(requests) and requests[-1].all_token_ids[-1] == sampled[-1]
 
 
 def kind_of(message: bytes) -> bytes:

@@ -115,6 +115,5 @@ class TPExecutor(Executor):
         except RuntimeError as e:  # gloo / NCCL: peer closed the connection, or timed out
             self._closed = True
             raise GroupFailedError(
-                f"a rank of the tensor-parallel group failed or stopped answering "
-                f"({self.world_size} ranks): {e}"
+                f"a rank of the tensor-parallel group failed or stopped answering ({self.world_size} ranks): {e}"
             ) from e

@@ -65,7 +65,7 @@ _BUILTIN_OUTPUT_SCALE = 8.0  # spreads the logits: see the module docstring
 def _config_class(arch: str) -> Any:
     from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-    classes = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}  # fmt: skip
+    classes = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
     if arch not in classes:
         raise ValueError(f"arch {arch!r} is unknown; choose one of {sorted(classes)}")
     return classes[arch]
@@ -115,9 +115,7 @@ def builtin_model_path(cache_dir: str | Path | None = None) -> Path:
     return cached_model_dir(f"builtin-{BUILTIN_VERSION}", _build_builtin, cache_dir)
 
 
-def cached_model_dir(
-    name: str, build: Callable[[Path], None], cache_dir: str | Path | None = None
-) -> Path:
+def cached_model_dir(name: str, build: Callable[[Path], None], cache_dir: str | Path | None = None) -> Path:
     """`<root>/<name>`, written by `build(directory)` the first time it is asked for.
 
     The cache root is `cache_dir`, else $PAGEFLEET_CACHE_DIR, else ~/.cache/pagefleet. The

@@ -55,9 +55,7 @@ def to_dtype(dtype: torch.dtype | str) -> torch.dtype:
     return getattr(torch, dtype)
 
 
-def resolve_dtype(
-    dtype: torch.dtype | str, mc: ModelConfig, device: torch.device | str
-) -> torch.dtype:
+def resolve_dtype(dtype: torch.dtype | str, mc: ModelConfig, device: torch.device | str) -> torch.dtype:
     """The dtype a model of config `mc` runs in on `device`: `dtype` itself unless "auto"
     (see the module docstring)."""
     if dtype != "auto":

@@ -176,9 +176,7 @@ def _reader(path: str, stamp: tuple[int, int]) -> gguf.GGUFReader:
     unsupported: dict[str, list[str]] = {}
     for t in reader.tensors:
         if t.name in _REFUSED_TENSORS:
-            raise ValueError(
-                f"{path}: tensor {t.name!r} ({_REFUSED_TENSORS[t.name]}) is not supported"
-            )
+            raise ValueError(f"{path}: tensor {t.name!r} ({_REFUSED_TENSORS[t.name]}) is not supported")
         kind = gguf.GGMLQuantizationType(t.tensor_type).name
         if kind not in SUPPORTED_TYPES:
             unsupported.setdefault(kind, []).append(t.name)
@@ -187,10 +185,7 @@ def _reader(path: str, stamp: tuple[int, int]) -> gguf.GGUFReader:
             f"{kind} ({names[0]}{f' and {len(names) - 1} more' if len(names) > 1 else ''})"
             for kind, names in unsupported.items()
         )
-        raise ValueError(
-            f"{path}: quantization type {found} is not supported; "
-            f"supported: {', '.join(SUPPORTED_TYPES)}"
-        )
+        raise ValueError(f"{path}: quantization type {found} is not supported; supported: {', '.join(SUPPORTED_TYPES)}")
     return reader
 
 
@@ -229,8 +224,7 @@ def _architecture(reader: gguf.GGUFReader, path: Path) -> str:
     arch = field.contents() if field is not None else None
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
-            f"GGUF architecture {arch!r} in {path} is not supported; "
-            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            f"GGUF architecture {arch!r} in {path} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     return arch
 

@@ -52,20 +52,22 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
-                f"architecture {self.architecture!r} is not supported; "
-                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+                f"architecture {self.architecture!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
         for name in (
-            "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
-            "intermediate_size", "max_position_embeddings",
-        ):  # fmt: skip
+            "vocab_size",
+            "hidden_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "intermediate_size",
+            "max_position_embeddings",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
-                f"({self.num_kv_heads})"
-            )
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         if self.rms_norm_eps <= 0:
             raise ValueError(f"rms_norm_eps must be positive, got {self.rms_norm_eps}")
         if not hasattr(torch, self.dtype):
@@ -85,10 +87,7 @@ class ModelConfig:
         archs = getattr(hf_config, "architectures", None) or []
         arch = archs[0] if archs else type(hf_config).__name__.replace("Config", "ForCausalLM")
         if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
-                f"architecture {arch!r} is not supported; "
-                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
+            raise ValueError(f"architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
         c = hf_config
         attention_bias = bool(getattr(c, "attention_bias", False))
         num_heads = c.num_attention_heads

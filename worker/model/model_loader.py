@@ -136,9 +136,7 @@ def load_weights(model: nn.Module, model_dir: Path, tied: bool) -> None:
     check_coverage(model_dir, expected, loaded, unexpected)
 
 
-def check_coverage(
-    checkpoint: Path, expected: set[tuple[str, Any]], loaded: set[tuple[str, Any]], unexpected
-) -> None:
+def check_coverage(checkpoint: Path, expected: set[tuple[str, Any]], loaded: set[tuple[str, Any]], unexpected) -> None:
     """Fail naming the weights the checkpoint lacks and those the model has no place for."""
     missing = sorted(f"{n}[{s}]" if s is not None else n for n, s in expected - loaded)
     if unexpected or missing:

@@ -28,9 +28,7 @@ class PagedAttention(nn.Module):
     ):
         super().__init__()
         if num_heads % num_kv_heads:
-            raise ValueError(
-                f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
-            )
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
         self.backend = backend or get_backend("torch")
@@ -55,8 +53,7 @@ class PagedAttention(nn.Module):
         for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
             if cache.dim() != 4 or tuple(cache.shape[2:]) != expected:
                 raise ValueError(
-                    f"{name} must be (num_blocks, block_size, {expected[0]}, {expected[1]}), "
-                    f"got {tuple(cache.shape)}"
+                    f"{name} must be (num_blocks, block_size, {expected[0]}, {expected[1]}), got {tuple(cache.shape)}"
                 )
         if k_cache.shape != v_cache.shape:
             raise ValueError(f"k_cache {tuple(k_cache.shape)} != v_cache {tuple(v_cache.shape)}")
@@ -78,6 +75,13 @@ class PagedAttention(nn.Module):
         ks, vs = self.k_scale, self.v_scale
         self.backend.write_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping, ks, vs)
         return self.backend.attention(
-            q, self.k_cache, self.v_cache, meta.block_tables, meta.query_start_loc,
-            meta.seq_lens, self.scale, k_scale=ks, v_scale=vs,
-        )  # fmt: skip
+            q,
+            self.k_cache,
+            self.v_cache,
+            meta.block_tables,
+            meta.query_start_loc,
+            meta.seq_lens,
+            self.scale,
+            k_scale=ks,
+            v_scale=vs,
+        )

@@ -31,9 +31,7 @@ class VocabParallelEmbedding(nn.Module):
         self.rows_per_rank = -(-vocab_size // tp)  # ceil: the last rank may hold padding
         self.vocab_start = self.comm.rank * self.rows_per_rank
         self.num_real_rows = max(0, min(vocab_size - self.vocab_start, self.rows_per_rank))
-        self.weight = nn.Parameter(
-            torch.zeros(self.rows_per_rank, hidden_size), requires_grad=False
-        )
+        self.weight = nn.Parameter(torch.zeros(self.rows_per_rank, hidden_size), requires_grad=False)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.comm.world_size == 1:
@@ -47,9 +45,7 @@ class VocabParallelEmbedding(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
         rows, hidden = shape_of(loaded)
         if rows != self.vocab_size or hidden != param.shape[1]:
-            raise ValueError(
-                f"embedding: checkpoint shape {(rows, hidden)} != {(self.vocab_size, param.shape[1])}"
-            )
+            raise ValueError(f"embedding: checkpoint shape {(rows, hidden)} != {(self.vocab_size, param.shape[1])}")
         n = self.num_real_rows
         if n > 0:
             copy_checked(param.data[:n], take(loaded, 0, self.vocab_start, n), "embedding")

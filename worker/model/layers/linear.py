@@ -51,9 +51,7 @@ def divide(n: int, d: int, what: str) -> int:
 class _ParallelLinear(nn.Module):
     """Holds weight (out_local, in_local) and optional bias; subclasses say how they shard."""
 
-    def __init__(
-        self, in_local: int, out_local: int, bias: bool, bias_size: int, comm: Collectives | None
-    ):
+    def __init__(self, in_local: int, out_local: int, bias: bool, bias_size: int, comm: Collectives | None):
         super().__init__()
         self.comm = comm or SingleRank()
         self.rank, self.tp = self.comm.rank, self.comm.world_size
@@ -175,9 +173,7 @@ class QKVParallelLinear(ColumnParallelLinear):
             offset = self.q_size + (self.kv_size if shard_id == "v" else 0)
             size, start = self.kv_size, self.kv_head_start * self.head_dim
         else:
-            raise ValueError(
-                f"QKVParallelLinear shard_id must be 'q', 'k' or 'v', got {shard_id!r}"
-            )
+            raise ValueError(f"QKVParallelLinear shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
         part = take(loaded, 0, start, size)
         copy_checked(param.data[offset : offset + size], part, f"qkv part {shard_id}")
 
@@ -189,9 +185,7 @@ class RowParallelLinear(_ParallelLinear):
     (the block's one all-reduce). The bias is added once, after the sum.
     """
 
-    def __init__(
-        self, input_size: int, output_size: int, bias: bool = False, comm: Collectives | None = None
-    ):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, comm: Collectives | None = None):
         tp = (comm or SingleRank()).world_size
         self.input_size_local = divide(input_size, tp, "input_size")
         super().__init__(self.input_size_local, output_size, bias, output_size, comm)

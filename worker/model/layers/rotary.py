@@ -31,8 +31,7 @@ class RotaryEmbedding(nn.Module):
             init_fn = ROPE_INIT_FUNCTIONS[rope_type]
         else:
             raise ValueError(
-                f"rope_type {rope_type!r} is unknown; choose default or one of "
-                f"{sorted(ROPE_INIT_FUNCTIONS)}"
+                f"rope_type {rope_type!r} is unknown; choose default or one of {sorted(ROPE_INIT_FUNCTIONS)}"
             )
         inv_freq, attention_scaling = init_fn(hf_config, device=torch.device("cpu"))
         if inv_freq.shape[-1] * 2 != head_dim:

@@ -31,9 +31,7 @@ class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, comm: Collectives, backend: AttentionBackend | None):
         super().__init__()
         d = cfg.head_dim
-        self.qkv_proj = QKVParallelLinear(
-            cfg.hidden_size, d, cfg.num_heads, cfg.num_kv_heads, cfg.qkv_bias, comm
-        )
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, d, cfg.num_heads, cfg.num_kv_heads, cfg.qkv_bias, comm)
         self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, cfg.o_bias, comm)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
@@ -59,9 +57,7 @@ class LlamaMLP(nn.Module):
     def __init__(self, cfg: ModelConfig, comm: Collectives):
         super().__init__()
         size = cfg.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(
-            cfg.hidden_size, [size, size], cfg.mlp_bias, comm
-        )
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [size, size], cfg.mlp_bias, comm)
         self.down_proj = RowParallelLinear(size, cfg.hidden_size, cfg.mlp_bias, comm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -89,9 +85,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, comm)
         self.rotary_emb = RotaryEmbedding(cfg.hf_config, cfg.head_dim)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, comm, backend) for _ in range(cfg.num_layers)
-        )
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, comm, backend) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
