@@ -144,7 +144,7 @@ class Agreement:
 def engine_chunk_logits(llm, ids: list[int], start: int, n: int) -> torch.Tensor:
     """(n, vocab) logits of ids[start:start+n], prefilled into blocks 0.. of the engine's own
     idle pool after ids[:start] (the same model, pool and attention backend as serving)."""
-    from worker.exec.attention_metadata import AttentionMetadata
+    from worker.model.attention_metadata import AttentionMetadata
 
     worker = llm.engine.executor.worker
     end, bs = start + n, llm.engine.layout.block_size

@@ -29,9 +29,10 @@ from cluster.index import IndexPublisher, IndexWriter
 from worker.config import SchedulerConfig
 from worker.engine.block_manager import BlockManager
 from worker.engine.request import Request
-from worker.engine.scheduler import Scheduler, SchedulerOutput
+from worker.engine.scheduler import Scheduler
 from worker.hashing import BlockHasher
 from worker.sampling_params import SamplingParams
+from worker.step import SchedulerOutput
 
 _SAMPLED_TOKEN = 0  # what every simulated decode "samples"; no EOS, so max_tokens ends requests
 

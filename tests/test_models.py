@@ -17,8 +17,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from kernels.registry import get_backend
-from worker.exec.attention_metadata import AttentionMetadata
-from worker.exec.distributed import Collectives
+from worker.model.attention_metadata import AttentionMetadata
 from worker.model.builtin_model import builtin_model_path, make_model_dir
 from worker.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from worker.model.layers.linear import (
@@ -28,6 +27,7 @@ from worker.model.layers.linear import (
     RowParallelLinear,
 )
 from worker.model.model_loader import load_model
+from worker.model.parallel import Collectives
 
 TOL = 1e-3
 PROMPT_LENS = (5, 17, 33)

@@ -41,6 +41,31 @@ def test_a_floor_imports_only_from_below(package):
     assert upward == []
 
 
+# Inside worker/: the engine drives the executors, which run the model, which calls kernels.
+# The modules at worker/'s top (the step hand-off, protocol, configuration) sit below all three.
+WINGS = {"model": 1, "exec": 2, "engine": 3}
+# the one import up from worker/'s top: naming the built-in model builds it on first use (a
+# function-scope import, so that resolving any other name loads no torch)
+BUILDS_ON_FIRST_USE = {("worker/model_source.py", "worker.model.builtin_model")}
+
+
+def test_worker_wings_import_in_one_direction():
+    """engine > exec > model inside worker/: a wing imports only from the wings below it and
+    from worker/'s top-level modules, which import no wing."""
+    upward = []
+    for path in sorted((ROOT / "worker").rglob("*.py")):
+        parts = path.relative_to(ROOT / "worker").parts
+        rank = WINGS.get(parts[0], 0) if len(parts) > 1 else 0
+        for line, module in imports(path):
+            names = module.split(".")
+            where = str(path.relative_to(ROOT))
+            if names[0] == "worker" and len(names) > 2 and WINGS.get(names[1], 0) > rank:
+                if (where, module) in BUILDS_ON_FIRST_USE:
+                    continue
+                upward.append(f"{where}:{line} imports {module}")
+    assert upward == []
+
+
 def test_the_router_loads_no_torch():
     """What `pagefleet serve --role router` imports (the router, its policies, both doors,
     the Ray groups' directory, the client) leaves torch, triton and transformers' models

@@ -27,12 +27,12 @@ from cluster.ray.config import parse_cpu_binding
 from cluster.ray.group import RayGroup, RayGroupConfig
 from cluster.ray.runtime import ray
 from pagefleet.llm import LLM, engine_config
-from worker.engine.scheduler import SchedulerOutput
 from worker.exec.model_runner import ModelRunner
 from worker.exec.step_codec import decode_step, encode_step
 from worker.model.builtin_model import make_model_dir
 from worker.protocol import EngineDeadError, GenerationRequest
 from worker.sampling_params import SamplingParams
+from worker.step import SchedulerOutput
 
 KV_HEADS = {"kv4": 4, "kv2": 2, "kv1": 1}
 # 12 blocks of 8 tokens (one max_model_len sequence): six requests of ~60 tokens cannot run at once

@@ -14,7 +14,7 @@ from worker.config import EngineConfig, cluster_secret
 from worker.engine.block_manager import BlockManager
 from worker.engine.detokenizer import IncrementalDetokenizer, byte_table
 from worker.engine.request import Request, RequestStatus
-from worker.engine.scheduler import Scheduler, SchedulerOutput
+from worker.engine.scheduler import Scheduler
 from worker.exec.executor import Executor, LocalExecutor
 from worker.exec.kv_pool import check_pool_fits, kv_torch_dtype
 from worker.hashing import BlockHasher, ModelFingerprint
@@ -25,6 +25,7 @@ from worker.model_source import is_gguf
 from worker.outputs import RequestMetrics, RequestOutput, TokenLogprobs
 from worker.protocol import ModelFacts, Resume
 from worker.sampling_params import SamplingParams
+from worker.step import SchedulerOutput
 from worker.token_ids import token_list
 
 KVEventsCallback = Callable[[list[KVEvent]], None]

@@ -5,49 +5,13 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import deque
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Iterator, Mapping
 
 from worker.config import SchedulerConfig
 from worker.engine.block_manager import BlockManager, cdiv
 from worker.engine.request import Request, RequestStatus
 from worker.protocol import QueueFullError
-
-
-@dataclass(slots=True)
-class ScheduledRequest:
-    """One request's share of a step. Filled by the scheduler; read by the model runner."""
-
-    request: Request
-    start: int  # first position computed this step (num_computed_tokens before the step)
-    num_tokens: int  # tokens computed this step: a prefill chunk or 1 decode token
-    block_ids: list[int]  # the whole block table after this step's allocation (live list)
-    new_block_ids: Sequence[int]  # the blocks added this step (none: a shared empty tuple)
-    is_new: bool  # admitted (or resumed after preemption) in this step
-    samples: bool  # the step reaches the last known token, so a new token is sampled
-
-    @property
-    def end(self) -> int:
-        return self.start + self.num_tokens
-
-    def slot_mapping(self, block_size: int) -> list[int]:
-        ids = self.block_ids
-        return [ids[p // block_size] * block_size + p % block_size for p in range(self.start, self.end)]
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    num_batched_tokens: int = 0
-    preempted_ids: list[str] = field(default_factory=list)
-    finished_ids: list[str] = field(default_factory=list)  # left since the previous step
-    admitted: list[ScheduledRequest] = field(default_factory=list)  # the `is_new` entries
-    # indices in `scheduled` of running requests whose block tables grew in this step
-    grew: list[int] = field(default_factory=list)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
+from worker.step import ScheduledRequest, SchedulerOutput
 
 
 class WaitingQueue:

@@ -11,14 +11,14 @@ from abc import ABC, abstractmethod
 import torch
 
 from kernels.registry import get_backend
-from worker.engine.scheduler import SchedulerOutput
-from worker.exec.distributed import Collectives, SingleRank
 from worker.exec.kv_calibration import calibrate_tensor_scales
 from worker.exec.kv_pool import KVLayout, KVPool, layout_for, num_blocks_from_memory
 from worker.exec.model_runner import ModelRunner, Sampled
 from worker.exec.overlap import OverlapRunner, wants_overlap
 from worker.model.model_config import ModelConfig
 from worker.model.model_loader import load_model
+from worker.model.parallel import Collectives, SingleRank
+from worker.step import SchedulerOutput
 
 
 class DeviceWorker:

@@ -20,9 +20,9 @@ from dataclasses import replace
 import torch
 
 from kernels.kv_quant import FP8_MAX
-from worker.exec.attention_metadata import AttentionMetadata
-from worker.exec.distributed import Collectives
 from worker.exec.kv_pool import KVLayout, KVPool
+from worker.model.attention_metadata import AttentionMetadata
+from worker.model.parallel import Collectives
 
 CALIBRATION_TOKENS = 256
 CALIBRATION_SEED = 0

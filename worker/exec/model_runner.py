@@ -21,11 +21,11 @@ from itertools import compress
 import numpy as np
 import torch
 
-from worker.engine.scheduler import SchedulerOutput
-from worker.exec.attention_metadata import AttentionMetadata
 from worker.exec.sampler import Sampler, SampleResult, SamplingRow
 from worker.exec.step_codec import BlockTable, FlatStep, RowPlanner
+from worker.model.attention_metadata import AttentionMetadata
 from worker.outputs import TokenLogprobs
+from worker.step import SchedulerOutput
 
 Sampled = dict[str, tuple[int, TokenLogprobs | None]]  # request id -> (token, logprobs)
 _NO_SEQS = np.zeros(0, dtype=np.intp)  # (0,) no sequence indices, shared

@@ -41,10 +41,10 @@ from collections.abc import Sequence
 
 import torch
 
-from worker.engine.scheduler import SchedulerOutput
 from worker.exec.model_runner import ModelRunner, Sampled, sampled_by_id
 from worker.exec.sampler import SampleResult, SamplingRow
 from worker.exec.step_codec import FlatStep
+from worker.step import SchedulerOutput
 
 _DISCARDED: Sampled = {}  # the result of a forward run ahead and not adopted
 

@@ -25,7 +25,7 @@ from itertools import compress
 
 import numpy as np
 
-from worker.engine.scheduler import SchedulerOutput
+from worker.step import SchedulerOutput
 
 STEP, HEARTBEAT, PROBE, SHUTDOWN = b"s", b"h", b"p", b"x"
 # kind, flags, S, T, R, K, rank 0's send time (for the control-overhead measurement); 32 bytes

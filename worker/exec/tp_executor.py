@@ -15,11 +15,12 @@ import collections
 import contextlib
 import time
 
-from worker.engine.scheduler import SchedulerOutput
-from worker.exec.distributed import ByteChannel, Collectives, startup_barrier
+from worker.exec.distributed import ByteChannel, startup_barrier
 from worker.exec.executor import DeviceWorker, Executor
 from worker.exec.model_runner import Sampled
 from worker.exec.step_codec import HEARTBEAT, SHUTDOWN, encode_step, probe_message
+from worker.model.parallel import Collectives
+from worker.step import SchedulerOutput
 
 TIMINGS_KEPT = 4096  # steps of control-overhead samples kept for the benchmark
 

@@ -14,10 +14,11 @@ import time
 
 import torch
 
-from worker.exec.distributed import ByteChannel, Collectives, startup_barrier
+from worker.exec.distributed import ByteChannel, startup_barrier
 from worker.exec.executor import DeviceWorker
 from worker.exec.step_codec import HEARTBEAT, PROBE, SHUTDOWN, STEP, decode_step, probe_rounds
 from worker.exec.tp_executor import TIMINGS_KEPT, GroupFailedError
+from worker.model.parallel import Collectives
 
 
 class TPWorker:

@@ -22,11 +22,11 @@ from torch import nn
 from transformers import AutoConfig
 
 from kernels.registry import AttentionBackend, get_backend
-from worker.exec.distributed import Collectives
 from worker.model.dtypes import resolve_dtype
 from worker.model.layers.linear import default_weight_loader
 from worker.model.model_config import SUPPORTED_ARCHITECTURES, ModelConfig
 from worker.model.models import MODEL_REGISTRY
+from worker.model.parallel import Collectives
 from worker.model_source import is_gguf
 
 # HF suffix -> (our suffix, shard id)

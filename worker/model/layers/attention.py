@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from kernels.registry import AttentionBackend, get_backend
-from worker.exec.attention_metadata import AttentionMetadata
+from worker.model.attention_metadata import AttentionMetadata
 
 
 class PagedAttention(nn.Module):

@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker.exec.distributed import Collectives, SingleRank
 from worker.model.layers.linear import copy_checked, shape_of, take
+from worker.model.parallel import Collectives, SingleRank
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker.exec.distributed import Collectives, SingleRank
+from worker.model.parallel import Collectives, SingleRank
 
 
 def shape_of(loaded: Any) -> tuple[int, ...]:

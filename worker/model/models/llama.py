@@ -13,8 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.registry import AttentionBackend
-from worker.exec.attention_metadata import AttentionMetadata
-from worker.exec.distributed import Collectives, SingleRank
+from worker.model.attention_metadata import AttentionMetadata
 from worker.model.layers.attention import PagedAttention
 from worker.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from worker.model.layers.linear import (
@@ -25,6 +24,7 @@ from worker.model.layers.linear import (
 from worker.model.layers.norm import RMSNorm
 from worker.model.layers.rotary import RotaryEmbedding, apply_rotary
 from worker.model.model_config import ModelConfig
+from worker.model.parallel import Collectives, SingleRank
 
 
 class LlamaAttention(nn.Module):
