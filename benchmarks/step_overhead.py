@@ -116,8 +116,8 @@ class TimedSampler:
     def __init__(self, sampler, timed: TimedForward) -> None:
         self.sampler, self.timed = sampler, timed
 
-    def __call__(self, logits, rows):
-        result = self.sampler(logits, rows)
+    def __call__(self, logits, rows, kinds=None):
+        result = self.sampler(logits, rows, kinds)
         self.timed.sampled()
         return result
 

@@ -111,11 +111,10 @@ def step_costs(n: int, repeat: int = 80) -> dict[str, float]:
     cpu = torch.device("cpu")
     rank0, rank1 = ModelRunner(None, 16, cpu), ModelRunner(None, 16, cpu)
     times: dict[str, list[float]] = {k: [] for k in ("plan", "encode", "decode", "prep0", "prep1")}
-    sampled = None
     for step in range(repeat):
         out = sched.schedule()
         t0 = time.perf_counter()
-        planned = rank0.planner.plan(out, sampled)
+        planned = rank0.planner.plan(out)
         t1 = time.perf_counter()
         message = encode_step(planned)
         t2 = time.perf_counter()
@@ -133,7 +132,7 @@ def step_costs(n: int, repeat: int = 80) -> dict[str, float]:
         sampled = np.full(len(tokens), 7, dtype=np.int32)  # every request sampled
         sched.update_from_output(out, tokens)
         # What ModelRunner.run does after each forward, off the next step's critical path.
-        rank0.planner.plan_ahead(sampled)
+        rank0.planner.commit(sampled)
         rank0.speculate()
         rank1.speculate()
     return {key: statistics.median(v) for key, v in times.items()}

@@ -10,13 +10,16 @@ router needs only the handle.
 
 from __future__ import annotations
 
+import itertools
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from cluster.index import GroupLoad
 from worker.outputs import RequestOutput
 from worker.protocol import GenerationRequest
+
+_versions = itertools.count(1)
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,9 @@ class GroupStatus:
     state: str = ""  # the supervisor's view (cluster/ray/supervisor.py); "" for a local group
     generation: int = 0
     restarts: int = 0
+    # unique to this snapshot (a new one, `replace`d ones included, gets the next): what a
+    # cache of figures worked out from a status compares to know it is stale
+    version: int = field(default_factory=lambda: next(_versions), init=False, compare=False)
 
     def load(self) -> GroupLoad:
         return GroupLoad(
@@ -52,7 +58,9 @@ class GroupStatus:
         )
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        out = asdict(self)
+        del out["version"]  # (this process's own counter: it means nothing to another)
+        return out
 
 
 def status_from_stats(

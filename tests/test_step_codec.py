@@ -56,7 +56,7 @@ def drive(sched, rng, ahead: bool = True) -> dict[str, int]:
     speculated = False  # the runners prepared a continuation of the last step
     while sched.has_unfinished():
         out = sched.schedule()
-        planned = rank0.planner.plan(out, sampled_all)
+        planned = rank0.planner.plan(out)
         received, _ = decode_step(encode_step(planned))
         if out.scheduled:
             want = expected(out)
@@ -74,7 +74,7 @@ def drive(sched, rng, ahead: bool = True) -> dict[str, int]:
         if speculated:
             rank0.speculate()
             rank1.speculate()
-            rank0.planner.plan_ahead(sampled_all)
+        rank0.planner.commit(sampled_all, ahead=speculated)
         sched.update_from_output(out, sampled)
         seen["steps"] += 1
     out = sched.schedule()  # the last finishes: every kept row is released

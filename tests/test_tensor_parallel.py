@@ -169,7 +169,7 @@ def test_step_codec_carries_the_scheduler_through_preemption_and_finishes():
     rng, steps, decode_bytes, other_bytes, sampled_all = random.Random(0), 0, [], [], None
     while sched.has_unfinished():
         out = sched.schedule()
-        planned = rank0.planner.plan(out, sampled_all)
+        planned = rank0.planner.plan(out)
         message = encode_step(planned)
         received, _ = decode_step(message)
         if out.scheduled:
@@ -194,6 +194,7 @@ def test_step_codec_carries_the_scheduler_through_preemption_and_finishes():
         sampled = {s.request.request_id: rng.randrange(256) for s in out.scheduled if s.samples}
         every = out.scheduled and planned.samples is None and planned.q_lens is None
         sampled_all = torch.tensor(list(sampled.values()), dtype=torch.int32).numpy() if every else None
+        rank0.planner.commit(sampled_all, ahead=False)  # (as after a forward, without the step ahead)
         sched.update_from_output(out, sampled)
         steps += 1
     assert sched.num_preemptions > 0 and steps > 10

@@ -117,8 +117,9 @@ class RayGroup(GroupHandle):
         self._pump_thread: threading.Thread | None = None
         self._stream = None
         self._stats: dict = {}  # rank 0's engine stats, from the latest batch of the stream
-        self._status: GroupStatus | None = None  # built from _status_of, until it changes
-        self._status_of: dict | None = None
+        self._stats_version = 0  # + 1 each time _stats is replaced
+        self._status: GroupStatus | None = None  # built from the stats of _status_version
+        self._status_version = -1
         self._stopped = threading.Event()  # set by shutdown: the watcher leaves
         self.generation = 0  # the supervisor's generation of the group (0: not supervised)
         self.restarts = 0
@@ -137,6 +138,7 @@ class RayGroup(GroupHandle):
         gc = self.group_config
         try:
             self._stats = ray.get(self._rank0.stats.remote(), timeout=gc.start_timeout_s)
+            self._stats_version += 1
             if self.index is not None:
                 self.publisher = GroupPublisher(self.index, self.group_id, self._inventory)
         except BaseException:
@@ -198,6 +200,7 @@ class RayGroup(GroupHandle):
             for ref in stream:
                 batch, stats = ray.get(ref)
                 self._stats = stats
+                self._stats_version += 1
                 if stats.get("error"):
                     self._error = self._error or stats["error"]
                 self._publish(batch, stats)
@@ -257,8 +260,8 @@ class RayGroup(GroupHandle):
         """Load as of rank 0's latest batch and liveness as the watcher last saw it; never
         waits on a rank (see the module docstring)."""
         stats, alive, error = self._stats, self._error is None and not self._closed, self._error
-        s = self._status
-        if s is None or s.alive != alive or s.error != error or self._status_of is not stats:
+        version, s = self._stats_version, self._status
+        if s is None or s.alive != alive or s.error != error or self._status_version != version:
             s = status_from_stats(
                 self.group_id,
                 stats if alive else {},
@@ -270,7 +273,7 @@ class RayGroup(GroupHandle):
             if self.generation:
                 state = ("draining" if s.draining else "serving") if alive else "dead"
                 s = replace(s, state=state, generation=self.generation, restarts=self.restarts)
-            self._status, self._status_of = s, stats
+            self._status, self._status_version = s, version
         return s
 
     def shutdown(self) -> None:

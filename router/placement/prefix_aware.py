@@ -168,10 +168,10 @@ class PrefixAware(Policy):
             raise ValueError(f"batch_tokens must be >= 1, got {batch_tokens}")
         self.config = config or PrefixAwareConfig()
         self.batch_tokens = batch_tokens  # a group's token budget per step (the engine's)
-        # group id -> (its status, that status's terms of the score; see _status_terms). A
-        # group's handle returns the same status object until the group reports again, so an
-        # entry whose object `is not` the one passed in is stale and is recomputed.
-        self._terms: dict[str, tuple[GroupStatus, int, float, int, float]] = {}
+        # group id -> the terms of the score its status sets (_status_terms), for the status
+        # of that version: a group's handle returns the same status until the group reports
+        # again, so an entry of another version is stale and is recomputed
+        self._terms: dict[str, StatusTerms] = {}
 
     def placed_window(self) -> int:
         return self.config.balance_window
@@ -285,9 +285,9 @@ class PrefixAware(Policy):
                     continue
                 s = statuses[g]
                 t = terms.get(g)
-                if t is None or t[0] is not s:
+                if t is None or t.version != s.version:
                     t = terms[g] = self._status_terms(s)
-                _, queued, step, room, neighbours = t
+                queued, step, room, neighbours = t.queued, t.step_s, t.room, t.neighbours
                 if h not in by_hit:
                     new = (n - h) * bs + half
                     by_hit[h] = (new, ceil(new / bs), recompute_w * new * prefill_s)
@@ -309,13 +309,22 @@ class PrefixAware(Policy):
             self._terms = {g: t for g, t in terms.items() if g in statuses}
         return tied
 
-    def _status_terms(self, s: GroupStatus) -> tuple[GroupStatus, int, float, int, float]:
-        """(s, queued prefill tokens, seconds of a prefill step with its running decodes, empty
-        blocks, neighbours' charge): the parts of a group's cost that only its status sets."""
+    def _status_terms(self, s: GroupStatus) -> StatusTerms:
+        """The parts of a group's cost that only its status sets."""
         cfg, c = self.config, self.config.cost
         neighbours = cfg.request_weight * (s.running + s.waiting) * c.decode_seq_s
         step = c.step_s + s.running * c.decode_seq_s
-        return s, s.pending_prefill_tokens, step, _empty_blocks(s), neighbours
+        return StatusTerms(s.version, s.pending_prefill_tokens, step, _empty_blocks(s), neighbours)
+
+
+class StatusTerms(NamedTuple):
+    """The terms of a group's score that only its status sets, worked out once per status."""
+
+    version: int  # GroupStatus.version of the status they were worked out from
+    queued: int  # prefill tokens queued ahead of new work
+    step_s: float  # seconds of one prefill step with its running decodes
+    room: int  # empty blocks: a new block there evicts nothing
+    neighbours: float  # the charge for delaying the requests already there
 
 
 def _delayed(statuses: Mapping[str, GroupStatus]) -> int:

@@ -15,43 +15,28 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from itertools import compress
 
 import numpy as np
 import torch
 
-from worker.exec.sampler import Sampler, SampleResult, SamplingRow
+from worker.exec.persistent_batch import DecodeInputs
+from worker.exec.sampler import RowKinds, Sampler, SampleResult, SamplingRow, kinds_of
 from worker.exec.step_codec import BlockTable, FlatStep, RowPlanner
 from worker.model.attention_metadata import AttentionMetadata
 from worker.outputs import TokenLogprobs
 from worker.step import SchedulerOutput
 
 Sampled = dict[str, tuple[int, TokenLogprobs | None]]  # request id -> (token, logprobs)
-_NO_SEQS = np.zeros(0, dtype=np.intp)  # (0,) no sequence indices, shared
-_NO_SEQS.flags.writeable = False
 
 
 @dataclass
-class _Kept:
-    """One step's input arrays (S sequences, T tokens), in their tensors' dtypes; kept after a
-    decode batch so that the next step of the same sequences only advances them."""
+class SamplingRows:
+    """The sampling rows of one step (rank 0), with what the sampler needs to know of them."""
 
-    rows: np.ndarray  # (S,) int32 block-table rows
-    tokens: np.ndarray  # (T,) int64
-    positions: np.ndarray  # (T,) int64
-    slots: np.ndarray  # (T,) int64
-    query_start_loc: np.ndarray  # (S+1,) int32
-    seq_lens: np.ndarray  # (S,) int32
-    sample_rows: np.ndarray  # (n,) int64
-    block_tables: np.ndarray  # (S, max blocks) int32
-    max_query_len: int
-    max_seq_len: int
-    until: int  # steps of one token each until some position starts a new block
-    ahead: bool = False  # already advanced to the step that would continue this one
-    # (m,) sequences whose advanced position starts a block the table did not hold yet: their
-    # slots wait for that step's entries
-    pending: np.ndarray = field(default_factory=lambda: _NO_SEQS)
+    rows: list[SamplingRow]  # one per sampling sequence, in the step's order
+    kinds: RowKinds  # which rows need what beyond an argmax, worked out once
 
 
 @dataclass
@@ -78,19 +63,17 @@ class ModelRunner:
         # used on rank 0 (or a single device) only
         self.planner = RowPlanner(self.tables, block_size)
         self.forward_started = 0.0  # perf_counter when the latest forward began (inputs ready)
-        self._kept: _Kept | None = None  # the last decode batch, for a step that continues it
+        self._kept: DecodeInputs | None = None  # the last decode batch, for a step that continues it
         self._kept_inputs: StepInputs | None = None  # its tensors
-        self._sampled: np.ndarray | None = None  # (S,) int32 tokens of a step where all sample
-        # the last step's sampling rows, when no row changes with the output's length (nothing
-        # suppressed before min_tokens), keyed by its request-id list: a step that continues
-        # it carries that very list (RowPlanner) and samples with the same rows
-        self._rows: tuple[Sequence[str], list[SamplingRow]] | None = None
+        # the last sampling rows, when no row changes with the output's length (nothing
+        # suppressed before min_tokens): a step that `continues` the one before samples the
+        # same requests in the same order, with these rows
+        self._rows: SamplingRows | None = None
 
     def plan(self, out: SchedulerOutput) -> FlatStep:
         """Rank 0: the scheduler's step as flat arrays, for prepare here and on the other
         ranks. Steps must be planned and prepared in the same order."""
-        sampled, self._sampled = self._sampled, None
-        return self.planner.plan(out, sampled)
+        return self.planner.plan(out)
 
     def prepare(self, step: FlatStep) -> StepInputs:
         """The step's flat batch from its arrays: the kept tables take the step's entries,
@@ -124,7 +107,7 @@ class ModelRunner:
             sample_rows = np.arange(n, dtype=np.int64) if max_q == 1 else query_start_loc[1:] - 1
         else:
             sample_rows = (query_start_loc[1:] - 1)[step.samples]
-        kept = _Kept(
+        kept = DecodeInputs(
             rows=rows,
             tokens=step.tokens.astype(np.int64),
             positions=positions,
@@ -146,28 +129,7 @@ class ModelRunner:
         that does not continue prepares afresh and never reads the advanced arrays."""
         kept = self._kept
         if kept is not None and not kept.ahead:
-            self._step_ahead(kept)
-
-    def _step_ahead(self, kept: _Kept) -> None:
-        """Positions, lengths and slots + 1; where a position starts a block (every block_size
-        steps), its slot from the table, or pending when the table lacks that block yet."""
-        kept.ahead = True
-        kept.positions += 1  # in place: on CPU the tensors share these arrays
-        kept.seq_lens += 1
-        kept.slots += 1
-        kept.max_seq_len += 1
-        kept.until -= 1
-        if kept.until:
-            return
-        bs, table = self.block_size, self.tables.table
-        first = np.flatnonzero(kept.positions % bs == 0)  # (m,) sequences starting a block
-        cols = kept.positions[first] // bs  # (m,) the block's index in each table
-        rows = kept.rows[first]
-        held = self.tables.count[rows] > cols  # (m,) bool: the table holds the block
-        inside = cols < table.shape[1]  # (m,) a column past the width grows with its block
-        kept.slots[first[inside]] = table[rows[inside], cols[inside]] * bs  # right where held
-        kept.pending = first if not held.all() else _NO_SEQS
-        kept.until = int((bs - kept.positions % bs).min())
+            kept.advance(self.tables.table, self.tables.count, self.block_size)
 
     def _advance(self, step: FlatStep) -> StepInputs:
         """The kept decode batch one token further (advanced ahead by `speculate`, or now):
@@ -175,14 +137,12 @@ class ModelRunner:
         kept = self._kept
         assert kept is not None and len(kept.tokens) == len(step.tokens), "nothing to continue"
         if not kept.ahead:
-            self._step_ahead(kept)
+            kept.advance(self.tables.table, self.tables.count, self.block_size)
         kept.ahead = False
         np.copyto(kept.tokens, step.tokens)  # in place: on CPU the tensors share these arrays
         if len(step.table_rows):  # rows gained blocks (the step's entries are applied)
             if len(kept.pending):  # positions at the start of a block the table now holds
-                p, bs = kept.pending, self.block_size
-                kept.slots[p] = self.tables.table[kept.rows[p], kept.positions[p] // bs] * bs
-                kept.pending = _NO_SEQS
+                kept.fill_pending(self.tables.table, self.block_size)
             kept.block_tables = self._block_tables(kept.rows)
         assert not len(kept.pending), "a position reached a block that no step brought"
         inputs = self._kept_inputs
@@ -198,7 +158,7 @@ class ModelRunner:
         width = max(int(self.tables.count[rows].max()), 1)
         return self.tables.table[rows, :width]  # (S, max blocks), a copy
 
-    def _inputs(self, kept: _Kept, sample_ids: Sequence[str]) -> StepInputs:
+    def _inputs(self, kept: DecodeInputs, sample_ids: Sequence[str]) -> StepInputs:
         meta = AttentionMetadata(
             slot_mapping=self._tensor(kept.slots),
             block_tables=self._tensor(kept.block_tables),
@@ -257,27 +217,27 @@ class ModelRunner:
         self.speculate()
         return hidden
 
-    def rows_of(self, step: FlatStep, out: SchedulerOutput) -> list[SamplingRow]:
+    def rows_of(self, step: FlatStep, out: SchedulerOutput) -> SamplingRows:
         """The sampling row of each sequence of `out` that samples in `step`, in order. A row
         holds the request's own (growing) output list, so the rows of a decode batch serve
         every step that continues it until a row's suppressed ids would change."""
-        cached = self._rows
-        if cached is not None and cached[0] is step.sample_ids:
-            return cached[1]
+        if step.continues and self._rows is not None:
+            return self._rows
         entries = out.scheduled
         if step.samples is not None:
             entries = list(compress(entries, step.samples.tolist()))
         rows = [self._row(s.request) for s in entries]
         lasting = not any(s.request.num_output_tokens < s.request.sampling_params.min_tokens for s in entries)
-        self._rows = (step.sample_ids, rows) if lasting else None
-        return rows
+        batch = SamplingRows(rows, kinds_of(rows))
+        self._rows = batch if lasting else None
+        return batch
 
     def sample(
         self,
         step: FlatStep,
         inputs: StepInputs,
         hidden: torch.Tensor,
-        rows: list[SamplingRow] | None,
+        rows: SamplingRows | None,
     ) -> tuple[Sampled, np.ndarray | None]:
         """The LM head over the sampling rows (every rank joins its all-gather), then, with
         `rows` (rank 0), one token per row: (request id -> (token, logprobs), the tokens as an
@@ -290,7 +250,7 @@ class ModelRunner:
         step: FlatStep,
         inputs: StepInputs,
         hidden: torch.Tensor,
-        rows: list[SamplingRow] | None,
+        rows: SamplingRows | None,
     ) -> tuple[SampleResult | None, np.ndarray | None]:
         """`sample` before its tokens are keyed by request id (the overlapped runner keys them
         on the engine's thread, off the path between two forwards)."""
@@ -301,7 +261,7 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden if every else hidden[inputs.sample_rows])
         if rows is None:
             return None, None
-        result = self.sampler(logits, rows)
+        result = self.sampler(logits, rows.rows, rows.kinds)
         tokens = None
         if step.samples is None and step.q_lens is None:  # the next step may continue this one
             tokens = result.ids.numpy()  # (S,) int32: the result's own memory
@@ -310,9 +270,7 @@ class ModelRunner:
     def commit(self, tokens: np.ndarray | None) -> None:
         """After a step's forward and sampling: keep its tokens for the next plan and, when
         every sequence sampled, build the step that continues it (its arrays are advanced)."""
-        self._sampled = tokens
-        if tokens is not None:
-            self.planner.plan_ahead(tokens)
+        self.planner.commit(tokens)
 
     def _row(self, request) -> SamplingRow:
         params = request.sampling_params

@@ -5,11 +5,11 @@ Without overlap a step is serial: schedule, prepare, forward, sample, then the e
 the tokens, checks stops, detokenizes and builds outputs, and only then schedules the next
 step, while the device idles. In the steady state of decoding, the next step is predictable:
 the same requests, each one token further, its input tokens the ones just sampled, which the
-runner already holds (`RowPlanner.plan_ahead` builds that step, `ModelRunner.speculate`
-advances its arrays). So a forward thread runs that step's forward right after sampling, and
+runner already holds (`RowPlanner.commit` builds that step, `ModelRunner.speculate`
+advances its arrays; what carries over is worker/exec/persistent_batch.py's). So a forward thread runs that step's forward right after sampling, and
 hands the sampled tokens back; the engine does its work meanwhile, schedules, and when its
-scheduler's step is the predicted one (`RowPlanner.plan` returns the very step built ahead),
-that forward is adopted. When it is not (a request stopped on EOS or a stop string, one was
+scheduler's step is the predicted one (`RowPlanner.plan` returns the step built ahead,
+marked `FlatStep.ahead`), that forward is adopted. When it is not (a request stopped on EOS or a stop string, one was
 aborted or admitted), the predicted forward is discarded and the scheduler's step runs; what it
 wrote to the KV pool is what the real step writes for the same tokens at the same positions, or
 lies in a finished request's last, partial block, which no cached prefix holds and which a
@@ -38,15 +38,34 @@ import queue
 import threading
 import weakref
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
-from worker.exec.model_runner import ModelRunner, Sampled, sampled_by_id
-from worker.exec.sampler import SampleResult, SamplingRow
+from worker.exec.model_runner import ModelRunner, Sampled, SamplingRows, sampled_by_id
+from worker.exec.sampler import SampleResult
 from worker.exec.step_codec import FlatStep
 from worker.step import SchedulerOutput
 
 _DISCARDED: Sampled = {}  # the result of a forward run ahead and not adopted
+
+
+@dataclass
+class _Job:
+    """A step for the forward thread to run, and how far it may run ahead after it."""
+
+    step: FlatStep
+    rows: SamplingRows  # its sampling rows, which serve the steps run ahead too
+    horizon: int  # steps every request can still take after this one
+
+
+@dataclass
+class _Result:
+    """What the forward thread hands back for one step."""
+
+    # the step's (sample ids, sampler result), a discarded forward's empty result, or an error
+    sampled: tuple[Sequence[str], SampleResult | None] | Sampled | BaseException
+    ahead: FlatStep | None  # the step it started ahead, running now (not yet confirmed)
 
 
 class OverlapRunner:
@@ -60,13 +79,10 @@ class OverlapRunner:
         self.runner = runner
         self.confirmed = 0  # forwards run ahead and adopted
         self.discarded = 0  # forwards run ahead whose step the scheduler did not make
-        # a step to run: (step, its sampling rows, steps it may run ahead), None to stop
-        self._jobs: queue.SimpleQueue[tuple[FlatStep, list[SamplingRow], int] | None] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()  # None: stop
         # the engine's word on the forward running ahead (adopt it or not), None to stop
         self._verdicts: queue.SimpleQueue[bool | None] = queue.SimpleQueue()
-        # what the forward thread hands back, with the step it started ahead (or None): a
-        # step's (sample ids, sampler result), a discarded forward's empty result, or an error
-        self._results: queue.SimpleQueue[tuple[_Result, FlatStep | None]] = queue.SimpleQueue()
+        self._results: queue.SimpleQueue[_Result] = queue.SimpleQueue()
         self._ahead: FlatStep | None = None  # running ahead, not yet confirmed
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="pagefleet-forward", daemon=True)
@@ -81,8 +97,8 @@ class OverlapRunner:
         step = runner.plan(out)
         ahead, self._ahead = self._ahead, None
         if ahead is not None:
-            self._verdicts.put(step is ahead)
-            if step is ahead:
+            self._verdicts.put(step.ahead)  # (the planner built one step ahead: this one)
+            if step.ahead:
                 self.confirmed += 1
                 return self._take()
             self.discarded += 1
@@ -93,7 +109,7 @@ class OverlapRunner:
         horizon = 0  # steps every request can still take after this one
         if step.samples is None and step.q_lens is None and _plain(rows):
             horizon = min(s.request.max_tokens - s.request.num_output_tokens for s in out.scheduled)
-        self._jobs.put((step, rows, horizon))
+        self._jobs.put(_Job(step, rows, horizon))
         return self._take()
 
     def close(self, timeout: float = 10.0) -> None:
@@ -103,7 +119,8 @@ class OverlapRunner:
         self._thread.join(timeout)
 
     def _take(self) -> Sampled:
-        result, self._ahead = self._results.get()
+        got = self._results.get()
+        result, self._ahead = got.sampled, got.ahead
         if isinstance(result, BaseException):
             raise result
         return result if isinstance(result, dict) else sampled_by_id(*result)
@@ -116,11 +133,11 @@ class OverlapRunner:
         with torch.inference_mode():
             while (job := self._jobs.get()) is not None:
                 try:
-                    self._chain(*job)
+                    self._chain(job.step, job.rows, job.horizon)
                 except BaseException as e:  # handed to the engine's thread, raised there
-                    self._results.put((e, None))
+                    self._results.put(_Result(e, None))
 
-    def _chain(self, step: FlatStep, rows: list[SamplingRow], horizon: int) -> None:
+    def _chain(self, step: FlatStep, rows: SamplingRows, horizon: int) -> None:
         """Run `step`, then, while the engine confirms each prediction, the steps after it."""
         runner = self.runner
         inputs = runner.prepare(step)
@@ -130,21 +147,18 @@ class OverlapRunner:
             result, tokens = runner.sample_tokens(step, inputs, hidden, rows)
             sampled = (inputs.sample_ids, result)  # keyed by id on the engine's thread
             if predicted and not self._verdicts.get():  # (None: closing)
-                self._results.put((_DISCARDED, None))
+                self._results.put(_Result(_DISCARDED, None))
                 return
             runner.commit(tokens)
             nxt = None
             if tokens is not None and horizon > 1 and not self._closed:
-                nxt = runner.planner.ahead_of(tokens)
+                nxt = runner.planner.ahead()
             if nxt is not None:
                 inputs = runner.prepare(nxt)  # before the engine wakes: it plans from here
-            self._results.put((sampled, nxt))
+            self._results.put(_Result(sampled, nxt))
             if nxt is None:
                 return
             step, predicted, horizon = nxt, True, horizon - 1
-
-
-_Result = tuple[Sequence[str], SampleResult | None] | Sampled | BaseException
 
 
 _RUNNING: weakref.WeakSet[OverlapRunner] = weakref.WeakSet()
@@ -158,10 +172,10 @@ def _close_all() -> None:
         runner.close(timeout=5.0)
 
 
-def _plain(rows: Sequence[SamplingRow]) -> bool:
+def _plain(rows: SamplingRows) -> bool:
     """Whether every row samples the same way whatever the output so far (so that the rows
     serve the next step too): no penalties, nothing suppressed, no seeded random draw."""
-    for row in rows:
+    for row in rows.rows:
         p = row.params
         if row.suppressed or p.has_penalties or (p.seed is not None and not p.greedy):
             return False

@@ -42,7 +42,7 @@ class SamplingRow:
 
 
 @dataclass
-class _RowKinds:
+class RowKinds:
     """What a batch of rows needs beyond an argmax."""
 
     penalized: bool  # some row has a penalty
@@ -53,6 +53,16 @@ class _RowKinds:
     @property
     def argmax_only(self) -> bool:
         return not (self.penalized or self.suppressing or self.random or self.logprobs)
+
+
+def kinds_of(rows: Sequence[SamplingRow]) -> RowKinds:
+    """Which rows need what: worked out once for rows that serve several steps."""
+    return RowKinds(
+        penalized=any(r.params.has_penalties for r in rows),
+        suppressing=any(r.suppressed for r in rows),
+        random=[i for i, r in enumerate(rows) if not r.params.greedy],
+        logprobs=[i for i, r in enumerate(rows) if r.params.logprobs is not None],
+    )
 
 
 @dataclass
@@ -85,14 +95,16 @@ class Sampler:
         if logprobs_mode not in ("raw", "processed"):
             raise ValueError(f"logprobs_mode must be 'raw' or 'processed', got {logprobs_mode!r}")
         self.logprobs_mode = logprobs_mode
-        self._cached: tuple[Sequence[SamplingRow], _RowKinds] | None = None
 
-    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SampleResult:
-        """Sample one token per row. logits: (n, vocab) float, row i belongs to rows[i]."""
+    def __call__(
+        self, logits: torch.Tensor, rows: Sequence[SamplingRow], kinds: RowKinds | None = None
+    ) -> SampleResult:
+        """Sample one token per row. logits: (n, vocab) float, row i belongs to rows[i];
+        `kinds`: `kinds_of(rows)`, when the caller keeps it for rows it hands again."""
         _check_inputs(logits, rows)
         if not rows:
             return SampleResult(ids=torch.zeros(0, dtype=torch.int32), logprobs=[])
-        kinds = self._kinds(rows)
+        kinds = kinds or kinds_of(rows)
         if kinds.argmax_only:  # the common all-greedy batch: one argmax
             ids = logits.argmax(dim=-1).to(torch.int32).cpu()
             return SampleResult(ids=ids, logprobs=[None] * len(rows))
@@ -110,21 +122,6 @@ class Sampler:
         if kinds.logprobs:
             logprobs = self._logprobs(logits, penalized, rows, token_ids, kinds.logprobs)
         return SampleResult(ids=token_ids.to(torch.int32).cpu(), logprobs=logprobs)
-
-    def _kinds(self, rows: Sequence[SamplingRow]) -> _RowKinds:
-        """Which rows need what, worked out once per rows list: the runner hands the same list
-        again for a batch that continues unchanged (worker/exec/overlap.py)."""
-        cached = self._cached
-        if cached is not None and cached[0] is rows:
-            return cached[1]
-        kinds = _RowKinds(
-            penalized=any(r.params.has_penalties for r in rows),
-            suppressing=any(r.suppressed for r in rows),
-            random=[i for i, r in enumerate(rows) if not r.params.greedy],
-            logprobs=[i for i, r in enumerate(rows) if r.params.logprobs is not None],
-        )
-        self._cached = (rows, kinds)
-        return kinds
 
     def filtered_logits(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         """The logits whose softmax each row samples from, (n, vocab).

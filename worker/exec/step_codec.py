@@ -25,6 +25,7 @@ from itertools import compress
 
 import numpy as np
 
+from worker.exec.persistent_batch import DecodeBatch, TableEntries
 from worker.step import SchedulerOutput
 
 STEP, HEARTBEAT, PROBE, SHUTDOWN = b"s", b"h", b"p", b"x"
@@ -65,6 +66,7 @@ class FlatStep:
     table_ids: np.ndarray = field(default_factory=_none)
     sample_ids: Sequence[str] = ()  # rank 0 only: ids of the sampling sequences
     continues: bool = False  # the previous step's sequences, one token further, all sampling
+    ahead: bool = False  # rank 0 only: built ahead (RowPlanner.commit) from the last tokens
 
     @property
     def num_seqs(self) -> int:
@@ -113,8 +115,9 @@ class RowPlanner:
     table's length finds the new entries. Rows of finished or preempted requests are reused.
     A step that decodes the same requests, in the same order, as the step before (the steady
     state) reuses that step's rows and ends, so it reads only each request's token; when the
-    step before sampled every request, rank 0's runner has that step built already, right after
-    sampling (`plan_ahead`), and `plan` only checks that the scheduler kept the same requests.
+    step before sampled every request, that step is built already, right after sampling
+    (`commit`), and `plan` only checks that the scheduler kept the same requests. What carries
+    over between steps is the `batch` (worker/exec/persistent_batch.py).
     """
 
     def __init__(self, tables: BlockTable, block_size: int) -> None:
@@ -123,16 +126,10 @@ class RowPlanner:
         self._row_of: dict[str, int] = {}  # request id -> row
         self._free: list[int] = []
         self._next_row = 0
-        # the last one-token step: (its requests, the step, their ids, steps until a start
-        # reaches a new block, the starts of the step that would continue it)
-        self._last: tuple[list, FlatStep, list[str], int, np.ndarray] | None = None
-        # the step that would continue the last one with the tokens it sampled, built while
-        # the forward's results go back to the scheduler (plan_ahead): (those tokens, the step)
-        self._ahead: tuple[np.ndarray, FlatStep] | None = None
-        # (rows, cols, ids): entries of tables the scheduler grew in a step that was built
-        # ahead (a block allocated a step early, for the forward after it): they travel with
-        # the step built next
-        self._late: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+        self.batch: DecodeBatch | None = None  # the last step, when it was one token each
+        # entries of tables the scheduler grew in a step that was built ahead (a block
+        # allocated a step early, for the forward after it): they travel with the next step
+        self._late: TableEntries | None = None
 
     def __len__(self) -> int:
         return len(self._row_of)  # rows held by running requests
@@ -143,120 +140,106 @@ class RowPlanner:
             if row is not None:
                 self._free.append(row)
 
-    def plan(self, out: SchedulerOutput, sampled: np.ndarray | None = None) -> FlatStep:
-        """The step as flat arrays; one comprehension per field, the rest in numpy.
-        `sampled`: the tokens sampled in the last step, if it sampled every sequence."""
+    def plan(self, out: SchedulerOutput) -> FlatStep:
+        """The step as flat arrays; one comprehension per field, the rest in numpy."""
         scheduled = out.scheduled
-        requests = [s.request for s in scheduled]
-        last, self._last = self._last, None
-        ahead, self._ahead = self._ahead, None
+        batch, self.batch = self.batch, None
         late, self._late = self._late, None
-        grew = out.grew
-        if (
-            last is not None
-            and len(scheduled) == out.num_batched_tokens
-            and not out.finished_ids
-            and not out.preempted_ids
-            and late is None  # (else every row's entries are worked out afresh)
-            and requests == last[0]  # the same objects (Request compares by identity)
-        ):
-            if ahead is not None and ahead[0] is sampled and _appended(requests, sampled):
-                step = ahead[1]  # built by plan_ahead: the same requests, each one further
+        if batch is not None and late is None and batch.continues(out):
+            # (with late entries, every row's entries are worked out afresh below)
+            grew = out.grew
+            if batch.ahead is not None and batch.took_sampled(out):
+                step = batch.ahead  # built by commit: the same requests, each one further
                 assert scheduled[-1].start == step.starts[-1], "a step did not continue the last"
                 if grew:  # its forward has run: the new entries go with the next step
                     self._late = self._grown_entries(scheduled, step.rows, grew)
             else:
-                step = self._plan_decodes(scheduled, requests, last[1], last[2], last[4], sampled, grew)
-        else:
-            self.release(out.finished_ids)
-            self.release(out.preempted_ids)
-            if not scheduled:
-                return FlatStep(_NONE, _NONE, _NONE)
-            step = self._plan_any(out)
-            grew = range(len(scheduled))  # (rows may be new or reset: each one's table)
-        if step.q_lens is None:  # the next step may be the same requests' next decodes
-            same = last is not None and step.rows is last[1].rows
-            rids = last[2] if same else [r.request_id for r in requests]
-            if same and last[3] > 2:  # (a row's table only grows: still true, one step on)
-                until = last[3] - 1
-            else:
-                until = self._until(step, scheduled, grew)
-            # (the next step's starts, made here rather than between the forwards)
-            self._last = (requests, step, rids, until, step.starts + 1)
+                step = self._plan_decodes(out, batch)
+            if step.q_lens is None:  # the next step may be the same requests' next decodes
+                # (a row's table only grows: `until` holds one step on while it is above 2)
+                batch.advance(step, batch.until - 1 if batch.until > 2 else self._until(step, scheduled, grew))
+                self.batch = batch
+            return step
+        self.release(out.finished_ids)
+        self.release(out.preempted_ids)
+        if not scheduled:
+            return FlatStep(_NONE, _NONE, _NONE)
+        step = self._plan_any(out)
+        if step.q_lens is None:  # (rows may be new or reset: each one's table)
+            rids = [s.request.request_id for s in scheduled]
+            until = self._until(step, scheduled, range(len(scheduled)))
+            self.batch = DecodeBatch(rids, step, until, step.starts + 1)
         return step
 
     def _until(self, step: FlatStep, scheduled: list, grew: Sequence[int]) -> int:
         """Steps from this one until a start reaches a block its row's table will lack: each
         row holds its table's blocks after this step (`len(block_ids)` where the scheduler
         grew it), whatever of them the runner's tables still wait for. Above 1, the next
-        step can run ahead (plan_ahead)."""
+        step can be built ahead (commit)."""
         held = self.tables.count[step.rows]  # (S,) a copy
         if len(grew):
             held[list(grew)] = [len(scheduled[i].block_ids) for i in grew]
         return int((held * self.block_size - step.starts).min())
 
-    def _grown_entries(self, scheduled: list, rows: np.ndarray, grew: list[int]) -> tuple:
+    def _grown_entries(self, scheduled: list, rows: np.ndarray, grew: list[int]) -> TableEntries:
         """(rows, cols, ids) of the entries the tables of `grew` (indices in `scheduled`)
         gained over what the runner's tables hold."""
         rows = rows[grew]
         lens = np.array([len(scheduled[i].block_ids) for i in grew], dtype=np.int32)
         return self._entries([scheduled[i] for i in grew], rows, self.tables.count[rows], lens, [])
 
-    def plan_ahead(self, sampled: np.ndarray) -> None:
-        """Rank 0, after sampling every sequence of the last planned step (one token each):
-        build the step that continues it with `sampled` (S,) int32, so that when the scheduler
-        hands over the same requests `plan(out, sampled)` only checks that they are the same.
-        Not built when a start reaches a block its table lacks (the scheduler allocates it).
-        It carries the entries of blocks allocated a step early in the step before."""
-        last = self._last  # a one-token step (q_lens None)
-        if last is None or last[3] <= 1 or last[1].samples is not None:
+    def commit(self, sampled: np.ndarray | None, ahead: bool = True) -> None:
+        """Rank 0, after sampling the last planned step: keep its tokens (`sampled`, (S,)
+        int32, when every sequence of a one-token step sampled) and build the step that
+        continues it with them, so that when the scheduler hands over the same requests
+        `plan` only checks that they are the same. Not built when a start reaches a block its
+        table lacks (the scheduler allocates it). It carries the entries of blocks allocated
+        a step early in the step before. `ahead=False` keeps the tokens only (the next step is
+        then planned from them)."""
+        batch = self.batch
+        if batch is None:
             return
-        rows = last[1].rows
+        batch.sampled = sampled
+        if sampled is None or not ahead or batch.until <= 1 or batch.step.samples is not None:
+            return
+        rows = batch.step.rows
         if len(sampled) != len(rows):
             return
         tokens = np.asarray(sampled, dtype=np.int32)  # (S,) what each request computes next
-        step = FlatStep(rows, last[4], tokens, sample_ids=last[2], continues=True)
+        step = FlatStep(rows, batch.next_starts, tokens, sample_ids=batch.request_ids, continues=True, ahead=True)
         late, self._late = self._late, None
         if late is not None:  # blocks the scheduler allocated a step early
             step.table_rows, step.table_cols, step.table_ids = late
-        self._ahead = (sampled, step)
+        batch.ahead = step
 
-    def ahead_of(self, sampled: np.ndarray) -> FlatStep | None:
-        """The step `plan_ahead(sampled)` built, if it built one: what `plan` returns when the
-        scheduler continues the last step with those tokens (the overlapped runner starts its
-        forward before the scheduler has said so)."""
-        ahead = self._ahead
-        return ahead[1] if ahead is not None and ahead[0] is sampled else None
+    def ahead(self) -> FlatStep | None:
+        """The step `commit` built, if it built one: what `plan` returns when the scheduler
+        continues the last step with its tokens (the overlapped runner starts its forward
+        before the scheduler has said so)."""
+        batch = self.batch
+        return None if batch is None else batch.ahead
 
-    def _plan_decodes(
-        self,
-        scheduled: list,
-        requests: list,
-        last: FlatStep,
-        rids: list[str],
-        next_starts: np.ndarray,
-        sampled: np.ndarray | None,
-        grew: list[int],
-    ) -> FlatStep:
+    def _plan_decodes(self, out: SchedulerOutput, batch: DecodeBatch) -> FlatStep:
         """The same requests one token further: each starts where its last step ended (no
         request is new: a preempted one leaves the list for at least one step). Rows lack
-        blocks only where the scheduler grew their tables in this step (`grew`)."""
-        starts = next_starts  # (the last step's starts + 1: it was a one-token step)
+        blocks only where the scheduler grew their tables in this step (`out.grew`)."""
+        scheduled, last = out.scheduled, batch.step
+        starts = batch.next_starts  # (the last step's starts + 1: it was a one-token step)
         assert scheduled[-1].start == starts[-1], "a step did not start where its last ended"
-        if last.samples is None and _appended(requests, sampled):
+        if last.samples is None and batch.took_sampled(out):
             # the last step sampled every request, and the scheduler appended the tokens:
             # each now computes the token sampled for it, and samples again
-            samples, tokens = None, sampled
+            samples, tokens = None, batch.sampled
         else:
             samples = [s.samples for s in scheduled]
             if False not in samples:  # each computes its last known token
-                tokens = [r.all_token_ids[-1] for r in requests]
+                tokens = [s.request.all_token_ids[-1] for s in scheduled]
             else:
                 tokens = [s.request.all_token_ids[s.start] for s in scheduled]
-        rows, entries = last.rows, (_NONE, _NONE, _NONE)
-        if grew:
-            entries = self._grown_entries(scheduled, rows, grew)
-        step = self._step(rows, starts, tokens, None, samples, [], entries, rids)
+        rows, entries = last.rows, TableEntries(_NONE, _NONE, _NONE)
+        if out.grew:
+            entries = self._grown_entries(scheduled, rows, out.grew)
+        step = self._step(rows, starts, tokens, None, samples, [], entries, batch.request_ids)
         step.continues = step.samples is None and last.samples is None
         return step
 
@@ -300,14 +283,14 @@ class RowPlanner:
             q_lens=q_lens,
             samples=None if every else np.array(samples, dtype=bool),
             resets=np.array(resets, dtype=np.int32) if resets else _NONE,
-            table_rows=entries[0],
-            table_cols=entries[1],
-            table_ids=entries[2],
+            table_rows=entries.rows,
+            table_cols=entries.cols,
+            table_ids=entries.ids,
             sample_ids=rids if every else list(compress(rids, samples)),
         )
 
     @staticmethod
-    def _entries(scheduled, rows, have, lens, resets) -> tuple[np.ndarray, ...]:
+    def _entries(scheduled, rows, have, lens, resets) -> TableEntries:
         """(rows, cols, ids) of the block-table entries the rows lack, up to `lens` blocks
         each: those of new rows, and one per block_size decodes."""
         t_rows: list[int] = []
@@ -322,8 +305,8 @@ class RowPlanner:
             t_cols += range(h, len(ids))
             t_ids += ids[h:]
         if not t_rows:
-            return _NONE, _NONE, _NONE
-        return tuple(np.array(x, dtype=np.int32) for x in (t_rows, t_cols, t_ids))
+            return TableEntries(_NONE, _NONE, _NONE)
+        return TableEntries(*(np.array(x, dtype=np.int32) for x in (t_rows, t_cols, t_ids)))
 
     def _assign(self, rid: str) -> int:
         row = self._row_of.get(rid)
@@ -388,12 +371,6 @@ def decode_step(message: bytes) -> tuple[FlatStep, float]:
         continues=bool(flags & _CONTINUES),
     )
     return step, sent_at
-
-
-def _appended(requests: list, sampled: np.ndarray | None) -> bool:
-    """`sampled` holds a token for each request, and the scheduler appended them (seen on the
-    last request; a request that missed its token, aborted meanwhile, leaves the running list)."""
-    return sampled is not None and len(sampled) == len(requests) and requests[-1].all_token_ids[-1] == sampled[-1]
 
 
 def kind_of(message: bytes) -> bytes:
