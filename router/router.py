@@ -12,6 +12,7 @@ router/placement/ledger.py.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import math
@@ -38,7 +39,7 @@ from worker.protocol import (
     Resume,
 )
 from worker.sampling_params import SamplingParams
-from worker.token_ids import check_token_ids
+from worker.token_ids import CheckedIds, check_token_ids
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +89,20 @@ class RouteRequest:
     messages: Sequence[dict] | None = None  # chat: [{"role": ..., "content": ...}, ...]
     params: SamplingParams = field(default_factory=SamplingParams)
     request_id: str | None = None
+    priority: int = 0
+    cache_salt: str | None = None  # the tenant's salt: tenants never share blocks
+    resume: Resume | None = None  # a stream continued from another router: what it delivered
+
+
+@dataclass(frozen=True)
+class CheckedRequest:
+    """A request checked once, at a door (router/door/serving.py: `checked_request`) or by
+    `Router.check`: the router and the groups trust it. Below it only the checks that need a
+    group's own state remain (worker/engine/: one completion per request, its queue and pool)."""
+
+    ids: CheckedIds  # the prompt's ids, checked against the vocabulary
+    params: SamplingParams  # validated when it was built
+    request_id: str | None = None  # None: the router names it
     priority: int = 0
     cache_salt: str | None = None  # the tenant's salt: tenants never share blocks
     resume: Resume | None = None  # a stream continued from another router: what it delivered
@@ -228,7 +243,15 @@ class Router:
         ids = self.checked_prompt(request)[0]
         return ids if isinstance(ids, list) else ids.tolist()
 
-    def checked_prompt(self, request: RouteRequest) -> tuple[list[int] | array, array]:
+    def check(self, request: RouteRequest) -> CheckedRequest:
+        """An in-process caller's request, checked as a door checks one (its sampling
+        parameters were checked when built)."""
+        ids = self.checked_prompt(request)[1]
+        return CheckedRequest(
+            ids, request.params, request.request_id, request.priority, request.cache_salt, request.resume
+        )
+
+    def checked_prompt(self, request: RouteRequest) -> tuple[list[int] | array, CheckedIds]:
         """The prompt's ids, checked, and as the uint32 array the hash cache reads; ids given as
         an array stay that array (see worker/token_ids.py)."""
         given = [x is not None for x in (request.prompt, request.prompt_token_ids, request.messages)]
@@ -236,26 +259,29 @@ class Router:
             raise ValueError("give exactly one of prompt, prompt_token_ids or messages")
         if request.prompt_token_ids is not None:
             return check_token_ids(request.prompt_token_ids, self.model_info.vocab_size)
+        if request.messages is not None:
+            check_message_count(len(request.messages), self.model_info.max_model_len)
+        return self.tokenized(request.prompt, request.messages)
+
+    def tokenized(self, prompt: str | None, messages: Sequence[dict] | None = None) -> tuple[list[int], CheckedIds]:
+        """The ids of a text `prompt` or of chat `messages` (given one, and the messages
+        counted: a door does both before it builds them), rendered with the model's chat
+        template; the one tokenizing function of every door."""
         if self.tokenizer is None:
             raise ValueError("the model has no tokenizer: send prompt_token_ids")
-        if request.messages is not None:
-            check_messages(request.messages)
-        self.check_text_size(request.prompt, request.messages)
-        if request.messages is not None:
-            ids = self.render_chat(request.messages)
+        if messages is not None:
+            messages = check_messages(messages)
+        self.check_text_size(prompt, messages)
+        if messages is not None:
+            ids = render_chat(self.tokenizer, messages, checked=True)
         else:
-            ids = self.tokenizer.encode(request.prompt)
+            ids = self.tokenizer.encode(prompt)
         return check_token_ids(ids, self.model_info.vocab_size)
 
     def check_text_size(self, prompt: str | None, messages: Sequence[dict] | None) -> None:
         """PromptTooLongError for text that cannot fit the context (see `max_prompt_chars`)."""
         limit, context = self.max_prompt_chars, self.model_info.max_model_len
         if messages is not None:
-            if len(messages) > context:
-                raise PromptTooLongError(
-                    f"messages has {len(messages)} entries; the model's context of {context} "
-                    "tokens cannot hold that many"
-                )
             chars = sum(len(m["content"]) + len(m["role"]) for m in messages)
         else:
             chars = len(prompt or "")
@@ -309,14 +335,22 @@ class Router:
         return placement
 
     # ---- one request -------------------------------------------------------------------
-    async def generate(self, request: RouteRequest) -> AsyncIterator[RequestOutput]:
-        """Tokenize, hash once, place, forward, stream. A group that fails before the first
-        token is retried elsewhere; one that dies mid-stream has the request resumed on another
-        group (the prompt plus the tokens streamed so far: see worker/protocol.py, Resume), the
-        stream going on with no token missing or repeated. A full queue tries the next group.
-        Errors: ValueError (bad input), NoGroupAvailableError, QueueFullError (every group's
-        queue is full), EngineDeadError (no group to resume on)."""
-        _, ids = self.checked_prompt(request)  # CheckedIds: trusted from here on
+    async def generate(self, request: RouteRequest | CheckedRequest) -> AsyncIterator[RequestOutput]:
+        """`stream`'s outputs, for a request checked here first unless it is checked."""
+        checked = request if isinstance(request, CheckedRequest) else self.check(request)
+        async with contextlib.aclosing(self.stream(checked)) as outputs:
+            async for out, _ in outputs:
+                yield out
+
+    async def stream(self, request: CheckedRequest) -> AsyncIterator[tuple[RequestOutput, RouteRecord | None]]:
+        """Hash once, place, forward, stream: each output with the request's record when its
+        placement is new to the caller (the first output, and the first after a move), else
+        None. A group that fails before the first token is retried elsewhere; one that dies
+        mid-stream has the request resumed on another group (the prompt plus the tokens
+        streamed so far: see worker/protocol.py, Resume), the stream going on with no token
+        missing or repeated. A full queue tries the next group. Errors: NoGroupAvailableError,
+        QueueFullError (every group's queue is full), EngineDeadError (no group to resume on)."""
+        ids = request.ids  # trusted from here on
         rid = request.request_id or f"rt-{next(self._ids)}"
         hashes = self.hash_cache.hash_prompt(ids, cache_salt=request.cache_salt)
         state = _Stream(request.resume)  # what reached the caller, for a resume
@@ -358,7 +392,9 @@ class Router:
                         self.ledger.add_in_flight(placement.group_id, -sent, -hits)
                         if not state.resumes:
                             record.actual_cached_tokens = out.num_cached_tokens
-                    yield state.passed(out)
+                        yield state.passed(out), record
+                    else:
+                        yield state.passed(out), None
                 return
             except QueueFullError:  # try the next-best group before refusing
                 state.tried.add(group)
@@ -435,3 +471,12 @@ def max_prompt_chars(tokenizer, max_model_len: int) -> int:
     pieces = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
     longest = max(len(p) for p in pieces) + 1
     return 2 * longest * max_model_len
+
+
+def check_message_count(count: int, context: int) -> None:
+    """PromptTooLongError for more chat messages than the context has tokens, before anything
+    is built for each."""
+    if count > context:
+        raise PromptTooLongError(
+            f"messages has {count} entries; the model's context of {context} tokens cannot hold that many"
+        )

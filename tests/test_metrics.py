@@ -79,7 +79,7 @@ async def consume(stream, stop_after: int | None = None):
 
 def run(router: Router, metrics: ServerMetrics, req: RouteRequest, received=None, stop_after=None):
     t0 = time.perf_counter() if received is None else received
-    return asyncio.run(consume(outputs(router, req, metrics, InFlight(), t0), stop_after))
+    return asyncio.run(consume(outputs(router, router.check(req), metrics, InFlight(), t0), stop_after))
 
 
 def test_a_finished_request_is_observed_once_with_the_engines_intervals(groups):
@@ -129,7 +129,7 @@ def test_token_counters_move_while_a_request_generates(groups):
     seen = []
 
     async def watch():
-        stream = outputs(router, request(60), metrics, InFlight(), time.perf_counter())
+        stream = outputs(router, router.check(request(60)), metrics, InFlight(), time.perf_counter())
         async with contextlib.aclosing(stream):
             async for out, _ in stream:
                 if not out.finished:  # mid-stream: what has reached the door is counted
@@ -207,7 +207,7 @@ def test_a_request_whose_group_dies_mid_stream_is_counted_once():
         got, placements = [], []
 
         async def go():
-            stream = outputs(router, request(12), metrics, InFlight(), time.perf_counter())
+            stream = outputs(router, router.check(request(12)), metrics, InFlight(), time.perf_counter())
             async with contextlib.aclosing(stream):
                 async for out, record in stream:
                     got.append(out)

@@ -16,12 +16,13 @@ def check_messages(messages: Sequence[Any]) -> list[dict]:
     return list(messages)
 
 
-def render_chat(tokenizer: Any, messages: Sequence[Any]) -> list[int]:
+def render_chat(tokenizer: Any, messages: Sequence[Any], checked: bool = False) -> list[int]:
     """The prompt ids of `messages` under the tokenizer's chat template, with the assistant's
-    turn opened (add_generation_prompt)."""
+    turn opened (add_generation_prompt); `checked`: `check_messages` passed them already."""
     if tokenizer is None:
         raise ValueError("the model has no tokenizer (so no chat template): send token ids")
-    ids = tokenizer.apply_chat_template(check_messages(messages), add_generation_prompt=True, tokenize=True)
+    messages = messages if checked else check_messages(messages)
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     if isinstance(ids, Mapping):  # a BatchEncoding in newer transformers
         ids = ids["input_ids"]
     return list(ids)

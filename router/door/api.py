@@ -14,13 +14,13 @@ import numpy as np
 
 from protos.pagefleet.v1 import pagefleet_pb2 as pb
 from router.door.serving import (
-    check_context,
     check_message_count,
+    checked_request,
     invalid,
     request_salt,
     tokenize,
 )
-from router.router import RouteRequest
+from router.router import CheckedRequest
 from worker.outputs import TokenLogprobs
 from worker.protocol import Resume
 from worker.sampling_params import SamplingParams, shown
@@ -43,8 +43,8 @@ _FINISH = {
 
 async def route_request(
     request: pb.GenerateRequest, router: Router, default_id: str, key_tenant: str | None = None
-) -> tuple[RouteRequest, int]:
-    """A checked `RouteRequest` (prompt as token ids) and the requested output kind. Text and
+) -> tuple[CheckedRequest, int]:
+    """The checked request (prompt as token ids) and the requested output kind. Text and
     chat prompts are tokenized on a worker thread: a long one must not stall the event loop,
     which serves every other call (health checks included). `key_tenant`: the tenant of the
     call's API key, when keys are configured (see `cache_salt`)."""
@@ -55,18 +55,9 @@ async def route_request(
     params = sampling_params(request.sampling)
     salt = cache_salt(request, key_tenant)
     ids = await prompt_token_ids(request, router)
-    check_context(len(ids), params.max_tokens, router.model_info.max_model_len)
-    route = RouteRequest(
-        prompt_token_ids=ids,
-        params=params,
-        request_id=request.request_id or default_id,
-        priority=request.priority,
-        cache_salt=salt,
-        resume=resume_from(request.resume, params, router.model_info.vocab_size)
-        if request.HasField("resume")
-        else None,
-    )
-    return route, request.output_kind
+    resume = resume_from(request.resume, params, router.model_info.vocab_size) if request.HasField("resume") else None
+    rid = request.request_id or default_id
+    return checked_request(router, ids, params, rid, request.priority, salt, resume), request.output_kind
 
 
 def resume_from(msg: pb.ResumeFrom, params, vocab_size: int):

@@ -395,7 +395,8 @@ def build_app(door: HttpDoor, max_body_bytes: int) -> FastAPI:
         router = door.ready(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise invalid("give exactly one of prompt or messages", "prompt")
-        messages = None if body.messages is None else chat_messages(body.messages)
+        context = router.model_info.max_model_len
+        messages = None if body.messages is None else chat_messages(body.messages, context)
         ids = await tokenize(router, text=body.prompt, messages=messages)
         check_context(len(ids), None, router.model_info.max_model_len, "max_tokens")
         return {"count": len(ids), "max_model_len": router.model_info.max_model_len, "tokens": ids.tolist()}

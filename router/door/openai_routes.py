@@ -1,4 +1,4 @@
-"""OpenAI request bodies to the router's requests: one `RouteRequest` per choice.
+"""OpenAI request bodies to the router's requests: one `CheckedRequest` per choice.
 
 A request with `n` choices (and, for completions, several prompts) becomes n x prompts router
 requests, each its own stream, its own placement and its own blocks; with a seed, choice i
@@ -19,8 +19,8 @@ from router.door.openai_protocol import (
     ChatMessage,
     CompletionRequest,
 )
-from router.door.serving import check_context, invalid, request_salt, tokenize
-from router.router import RouteRequest
+from router.door.serving import check_message_count, checked_request, invalid, request_salt, tokenize
+from router.router import CheckedRequest
 from worker.sampling_params import SamplingParams
 from worker.token_ids import CheckedIds, first_outside
 
@@ -50,7 +50,7 @@ class Routes:
     """The router requests of one HTTP request, choice by choice: choice i is routes[i], its
     prompt is prompts[i // n] (OpenAI's index for prompt p, sample j is p * n + j)."""
 
-    routes: list[RouteRequest]
+    routes: list[CheckedRequest]
     prompts: list[CheckedIds]
     n: int
 
@@ -91,12 +91,14 @@ async def chat_routes(body: ChatCompletionRequest, router: Router, request_id: s
     limit = body.max_tokens or body.max_completion_tokens  # None: up to the context
     top = (body.top_logprobs or 0) if body.logprobs else None
     params = sampling_params(body, limit, limit_field, top, "top_logprobs")
-    ids = await tokenize(router, messages=chat_messages(body.messages))
+    ids = await tokenize(router, messages=chat_messages(body.messages, router.model_info.max_model_len))
     return _routes(body, [ids], params, limit_field, router, request_id, tenant)
 
 
-def chat_messages(messages: list[ChatMessage]) -> list[dict]:
-    """The router's {"role", "content"} dicts; text parts are joined by newlines."""
+def chat_messages(messages: list[ChatMessage], context: int) -> list[dict]:
+    """The router's {"role", "content"} dicts; text parts are joined by newlines. More
+    messages than the `context` has tokens are refused before any is built."""
+    check_message_count(len(messages), context)
     out = []
     for i, m in enumerate(messages):
         if not m.role.strip():
@@ -133,21 +135,12 @@ def _routes(body, prompts, params: SamplingParams, limit_field, router, request_
     if body.stream_options is not None and not body.stream:
         raise invalid("stream_options is only allowed with stream: true", "stream_options")
     salt = request_salt(tenant, cache_salt=body.cache_salt)
-    context = router.model_info.max_model_len
     routes = []
     for p, ids in enumerate(prompts):
-        check_context(len(ids), params.max_tokens, context, limit_field)
         for j in range(body.n):
             seeded = params if params.seed is None else replace(params, seed=params.seed + j)
-            routes.append(
-                RouteRequest(
-                    prompt_token_ids=ids,
-                    params=seeded,
-                    request_id=f"{request_id}-{p * body.n + j}",
-                    priority=body.priority,
-                    cache_salt=salt,
-                )
-            )
+            rid = f"{request_id}-{p * body.n + j}"
+            routes.append(checked_request(router, ids, seeded, rid, body.priority, salt, None, limit_field))
     return Routes(routes, prompts, body.n)
 
 

@@ -18,9 +18,10 @@ import grpc
 
 from cluster.index import PrefixIndexError
 from router.door.metrics import Unobserved
-from router.router import NoGroupAvailableError, PromptTooLongError, RouteRequest
+from router.router import CheckedRequest, NoGroupAvailableError, PromptTooLongError
 from worker.hashing import cache_namespace
-from worker.protocol import EngineDeadError, QueueFullError
+from worker.protocol import EngineDeadError, QueueFullError, Resume
+from worker.sampling_params import SamplingParams
 from worker.token_ids import CheckedIds
 
 if TYPE_CHECKING:
@@ -101,18 +102,32 @@ def request_salt(key_tenant: str | None, cache_salt: str | None = None, tenant: 
 
 
 async def tokenize(router: Router, text: str | None = None, messages: Sequence[dict] | None = None) -> CheckedIds:
-    """The token ids of `text` or chat `messages` (rendered with the model's chat template),
+    """The token ids of `text` or chat `messages` (one of them; messages counted with
+    `check_message_count` before they were built), rendered with the model's chat template,
     computed on a worker thread after the checks that refuse at once what cannot fit the
     context: a long prompt must not stall the event loop, which serves every other call."""
-    if messages is not None:
-        check_message_count(len(messages), router.model_info.max_model_len)
-    request = RouteRequest(prompt=text, messages=messages)
     try:
-        return (await asyncio.to_thread(router.checked_prompt, request))[1]
+        return (await asyncio.to_thread(router.tokenized, text, messages))[1]
     except PromptTooLongError as e:
         raise Reject(grpc.StatusCode.OUT_OF_RANGE, str(e)) from None
     except ValueError as e:
         raise invalid(str(e)) from None
+
+
+def checked_request(
+    router: Router,
+    ids: CheckedIds,
+    params: SamplingParams,
+    request_id: str,
+    priority: int = 0,
+    cache_salt: str | None = None,
+    resume: Resume | None = None,
+    max_tokens_field: str = "sampling.max_tokens",
+) -> CheckedRequest:
+    """The request the router takes, once its prompt fits the context (OUT_OF_RANGE naming
+    `max_tokens_field` otherwise): every door builds its requests here."""
+    check_context(len(ids), params.max_tokens, router.model_info.max_model_len, max_tokens_field)
+    return CheckedRequest(ids, params, request_id, priority, cache_salt, resume)
 
 
 def check_message_count(count: int, context: int) -> None:
@@ -157,7 +172,7 @@ class InFlight:
 
 async def outputs(
     router: Router,
-    route: RouteRequest,
+    route: CheckedRequest,
     metrics: ServerMetrics | None,
     in_flight: InFlight,
     t0: float,
@@ -170,19 +185,16 @@ async def outputs(
     (`cancelled_code()`: CANCELLED, or DEADLINE_EXCEEDED when the door knows the deadline
     passed). Closing or cancelling the stream aborts the request in its group (its blocks are
     freed at once)."""
-    rid, placement = route.request_id, None
+    rid = route.request_id
     seen = metrics.request(t0) if metrics is not None else Unobserved()
     with in_flight.track(rid):
         try:
-            async with contextlib.aclosing(router.generate(route)) as stream:
-                async for out in stream:
-                    placed = router.records.get(rid)  # one record, updated when it moves
-                    fresh = placed is not None and placement != (placed, placed.resumes)
-                    if fresh:
-                        placement = (placed, placed.resumes)
+            async with contextlib.aclosing(router.stream(route)) as stream:
+                async for out, placed in stream:
+                    if placed is not None:  # new to this caller: the first, or a move's first
                         seen.placed(placed)
                     seen.output(out)  # (a finished output ends the request here)
-                    yield out, placed if fresh else None
+                    yield out, placed
             seen.fail("UNKNOWN")  # a stream without a finished output (never, by contract)
         except (asyncio.CancelledError, GeneratorExit):
             router.abort(rid)  # the stream's `finally` aborted already; this is idempotent

@@ -112,10 +112,7 @@ class LLMEngine:
             if resume.token_ids
             else ()
         )
-        if len(token_ids) + len(resumed) >= self.max_model_len:
-            raise ValueError(
-                f"prompt is {len(token_ids) + len(resumed)} tokens; the model's context is {self.max_model_len}"
-            )
+        # (the scheduler refuses what cannot fit the context: worker/engine/scheduler.py)
         max_tokens = params.max_tokens or self.max_model_len - len(token_ids)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         req = Request(

@@ -73,14 +73,17 @@ class Scheduler:
     # ---- requests in and out -----------------------------------------------------------
     def add_request(self, request: Request) -> None:
         """Queue a request, or refuse one that could never run (ValueError) or that finds
-        the queue full (QueueFullError)."""
+        the queue full (QueueFullError): the group's own checks of a request, made once."""
         rid = request.request_id
         if rid in self.requests:
             raise ValueError(f"request_id {rid!r} is already in use")
         if request.num_prompt_tokens == 0:
             raise ValueError("prompt is empty")
+        context, known = self.config.max_model_len, len(request.all_token_ids)  # (a resume's output too)
+        if known >= context:
+            raise ValueError(f"prompt is {known} tokens; the model's context is {context}")
         total = request.num_prompt_tokens + request.max_tokens
-        if total > self.config.max_model_len:
+        if total > context:
             raise ValueError(
                 f"prompt ({request.num_prompt_tokens} tokens) plus max_tokens "
                 f"({request.max_tokens}) is {total} tokens, over the model's context of "
