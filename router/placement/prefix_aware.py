@@ -186,13 +186,12 @@ class PrefixAware(Policy):
         uncached tokens over the mean (1 when nothing was sent); `delayed`: the fewest requests
         running and waiting on any live group (`_delayed`)."""
         cfg, c, bs = self.config, self.config.cost, self.block_size
-        new = (n - hit) * bs + bs // 2
-        work = s.pending_prefill_tokens + new
-        ttft = work * c.prefill_token_s + math.ceil(work / self.batch_tokens) * (c.step_s + s.running * c.decode_seq_s)
-        recompute = (1.0 + delayed) * new * c.prefill_token_s
-        evicted = max(0, math.ceil(new / bs) - _empty_blocks(s))
-        eviction = cfg.eviction_weight * pressure * evicted * bs * c.prefill_token_s
-        neighbours = cfg.request_weight * (s.running + s.waiting) * c.decode_seq_s
+        st = self._status_terms(s)
+        ht = hit_terms(n, hit, bs, 1.0 + delayed, c.prefill_token_s)
+        ttft = ttft_s(st.queued + ht.new, c.prefill_token_s, self.batch_tokens, st.step_s)
+        recompute = ht.recompute
+        eviction = eviction_s(cfg.eviction_weight, pressure, max(0, ht.new_blocks - st.room), bs, c.prefill_token_s)
+        neighbours = st.neighbours
         balance = cfg.balance_weight * c.decode_seq_s * (placements - mean)
         return ttft + recompute + eviction + neighbours + balance
 
@@ -263,13 +262,13 @@ class PrefixAware(Policy):
         formula's, computed in the same order (the same floats): constants hoisted out, the
         terms that only a status sets cached (`_status_terms`), those that only the hit sets
         computed once per hit."""
-        cfg, c, bs, ceil = self.config, self.config.cost, self.block_size, math.ceil
+        cfg, c, bs = self.config, self.config.cost, self.block_size
         prefill_s, budget, eviction_w = c.prefill_token_s, self.batch_tokens, cfg.eviction_weight
         unit = cfg.balance_weight * c.decode_seq_s
         half, (statuses, held, placed, mean, tokens, recompute_w), live = bs // 2, rows, len(rows[0])
         placements, scale = placed.requests.get, placed.scale
         min_hit, bound, high, best_hit = limits.min_hit, limits.bound, limits.high, limits.best_hit
-        terms, by_hit, total = self._terms, {}, None  # by_hit: hit -> (new, blocks, recompute)
+        terms, by_hit, total = self._terms, {}, None  # by_hit: hit -> its HitTerms
         low, tied = math.inf, []
         todo = [(g, h) for g, h in held.items() if h >= min_hit]
         for rest in (False, True):
@@ -287,20 +286,17 @@ class PrefixAware(Policy):
                 t = terms.get(g)
                 if t is None or t.version != s.version:
                     t = terms[g] = self._status_terms(s)
-                queued, step, room, neighbours = t.queued, t.step_s, t.room, t.neighbours
-                if h not in by_hit:
-                    new = (n - h) * bs + half
-                    by_hit[h] = (new, ceil(new / bs), recompute_w * new * prefill_s)
-                new, new_blocks, recompute = by_hit[h]
-                work = queued + new
-                cost = work * prefill_s + ceil(work / budget) * step + recompute  # ttft + recompute
-                evicted = new_blocks - room
+                ht = by_hit.get(h)
+                if ht is None:
+                    ht = by_hit[h] = hit_terms(n, h, bs, recompute_w, prefill_s)
+                cost = ttft_s(t.queued + ht.new, prefill_s, budget, t.step_s) + ht.recompute
+                evicted = ht.new_blocks - t.room
                 if evicted > 0:  # else the eviction charge is 0
                     if total is None:  # pressure 1 for all when nothing was sent
                         total = sum(map(tokens.get, statuses, itertools.repeat(0.0)))
                     pressure = tokens.get(g, 0.0) * live / total if total > 0 else 1.0
-                    cost += eviction_w * pressure * evicted * bs * prefill_s
-                cost = cost + neighbours + unit * (p - mean)
+                    cost += eviction_s(eviction_w, pressure, evicted, bs, prefill_s)
+                cost = cost + t.neighbours + unit * (p - mean)  # + neighbours + balance
                 if cost < low:
                     low, tied = cost, [g]
                 elif cost == low:
@@ -315,6 +311,33 @@ class PrefixAware(Policy):
         neighbours = cfg.request_weight * (s.running + s.waiting) * c.decode_seq_s
         step = c.step_s + s.running * c.decode_seq_s
         return StatusTerms(s.version, s.pending_prefill_tokens, step, _empty_blocks(s), neighbours)
+
+
+class HitTerms(NamedTuple):
+    """The terms of a group's score that only its hit sets, worked out once per hit."""
+
+    new: int  # tokens the group must compute (with the tail's half block)
+    new_blocks: int  # blocks they fill
+    recompute: float  # the recompute charge: (1 + delayed) * new * prefill_token_s
+
+
+def hit_terms(n: int, hit: int, block_size: int, recompute_weight: float, prefill_token_s: float) -> HitTerms:
+    """`HitTerms` of an n-block prompt on a group holding its first `hit` blocks;
+    `recompute_weight`: 1 + delayed."""
+    new = (n - hit) * block_size + block_size // 2
+    return HitTerms(new, math.ceil(new / block_size), recompute_weight * new * prefill_token_s)
+
+
+def ttft_s(work: int, prefill_token_s: float, batch_tokens: int, step_s: float) -> float:
+    """The ttft term: `work` prefill tokens (the group's queue and this prompt's new ones) in
+    steps of `batch_tokens`, each `step_s` long with the running decodes."""
+    return work * prefill_token_s + math.ceil(work / batch_tokens) * step_s
+
+
+def eviction_s(weight: float, pressure: float, evicted: int, block_size: int, prefill_token_s: float) -> float:
+    """The eviction term: `evicted` blocks beyond the group's empty ones, as cold as the
+    group's `pressure` says."""
+    return weight * pressure * evicted * block_size * prefill_token_s
 
 
 class StatusTerms(NamedTuple):
