@@ -158,7 +158,7 @@ class HashChain(Sequence[bytes]):
     def at(self, positions: tuple[int, ...]) -> tuple[bytes, ...]:
         """The hashes at `positions`, without building the list; the answer for the last
         `positions` asked is kept (a router reads a chain's probes several times)."""
-        if self._at is not None and self._at[0] is positions:
+        if self._at is not None and self._at[0] == positions:  # (the same tuple, mostly)
             return self._at[1]
         got = _slicer(positions)(self.blob) if positions else ()
         if len(positions) == 1:
