@@ -125,8 +125,10 @@ class SimGroup(GroupHandle):
         now: float,
         block_hashes: Sequence[bytes] = (),
         cache_salt: str | None = None,
+        tenant: str = "",
     ) -> None:
-        """Queue a request that arrived at simulated time `now`."""
+        """Queue a request that arrived at simulated time `now` (`tenant`: whose fair share it
+        counts against)."""
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
         req = Request(
             request_id,
@@ -136,6 +138,7 @@ class SimGroup(GroupHandle):
             arrival_time=now,
             hash_root=self.hasher.root(None, cache_salt),
             block_hashes=block_hashes,
+            tenant=tenant,
         )
         self.scheduler.add_request(req)
         self._stale()

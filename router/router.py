@@ -92,6 +92,7 @@ class RouteRequest:
     priority: int = 0
     cache_salt: str | None = None  # the tenant's salt: tenants never share blocks
     resume: Resume | None = None  # a stream continued from another router: what it delivered
+    tenant: str = ""  # whose fair share of a group it counts against ("": the only one)
 
 
 @dataclass(frozen=True)
@@ -106,6 +107,7 @@ class CheckedRequest:
     priority: int = 0
     cache_salt: str | None = None  # the tenant's salt: tenants never share blocks
     resume: Resume | None = None  # a stream continued from another router: what it delivered
+    tenant: str = ""  # whose fair share of a group it counts against ("": the only one)
 
 
 @dataclass
@@ -247,9 +249,8 @@ class Router:
         """An in-process caller's request, checked as a door checks one (its sampling
         parameters were checked when built)."""
         ids = self.checked_prompt(request)[1]
-        return CheckedRequest(
-            ids, request.params, request.request_id, request.priority, request.cache_salt, request.resume
-        )
+        r = request
+        return CheckedRequest(ids, r.params, r.request_id, r.priority, r.cache_salt, r.resume, r.tenant)
 
     def checked_prompt(self, request: RouteRequest) -> tuple[list[int] | array, CheckedIds]:
         """The prompt's ids, checked, and as the uint32 array the hash cache reads; ids given as
@@ -380,6 +381,7 @@ class Router:
                 cache_salt=request.cache_salt,
                 block_hashes=hashes,
                 resume=state.resume(),
+                tenant=request.tenant,
             )
             hits = record.predicted_cached_tokens
             sent = len(ids) - hits

@@ -411,3 +411,12 @@ def test_the_gpu_check_script_says_it_needs_a_device_and_its_commands_parse():
     (engine,) = re.findall(r"-m benchmarks\.engine (.*)", text)
     args = parse_args(shlex.split(engine))
     assert (args.model, args.device, args.dtype) == ("default", "cuda", "bfloat16")
+
+
+def test_tenants_benchmark_smoke():
+    """Three cases; with one tenant's burst past the group's capacity, the fair queue keeps the
+    other tenant's TTFT p99 far below first come first served's."""
+    lines = {c["case"]: c for c in run("-m", "benchmarks.tenants", "--quick", "--rate-b", "10")}
+    assert set(lines) == {"b_alone", "fifo", "fair"}
+    assert lines["fair"]["B"]["ttft_s_p99"] < lines["fifo"]["B"]["ttft_s_p99"] / 5
+    assert lines["fair"]["b_ttft_p99_vs_alone"] < lines["fifo"]["b_ttft_p99_vs_alone"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from worker.model_source import check_model
@@ -25,9 +26,15 @@ class SchedulerConfig:
     # start a decode step's forward before the last one's tokens are processed
     # (worker/exec/overlap.py); None: on for a CUDA device, off on CPU
     overlap: bool | None = None
+    # tenant -> its weight in the fair share of the group's tokens (worker/engine/fair_queue.py);
+    # a tenant not named weighs 1
+    tenant_weights: Mapping[str, float] = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
         _positive(self, "max_num_batched_tokens", "max_num_seqs", "max_model_len", "max_waiting")
+        for tenant, weight in self.tenant_weights.items():
+            if not isinstance(weight, int | float) or not weight > 0:
+                raise ValueError(f"tenant_weights[{tenant!r}] must be a number > 0, got {weight!r}")
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         if not 0 <= self.watermark < 1:

@@ -27,6 +27,7 @@ class GenerationRequest:
     cache_salt: str | None = None
     block_hashes: Sequence[bytes] | None = None  # the router's hashes of the prompt, if any
     resume: Resume | None = None  # continuing a request whose first group died
+    tenant: str = ""  # whose fair share of the group it counts against ("": the only one)
 
 
 @dataclass(frozen=True)

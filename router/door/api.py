@@ -57,7 +57,9 @@ async def route_request(
     ids = await prompt_token_ids(request, router)
     resume = resume_from(request.resume, params, router.model_info.vocab_size) if request.HasField("resume") else None
     rid = request.request_id or default_id
-    return checked_request(router, ids, params, rid, request.priority, salt, resume), request.output_kind
+    tenant = key_tenant or request.tenant  # (cache_salt checked that they agree)
+    route = checked_request(router, ids, params, rid, request.priority, salt, resume, tenant=tenant)
+    return route, request.output_kind
 
 
 def resume_from(msg: pb.ResumeFrom, params, vocab_size: int):

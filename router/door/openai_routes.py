@@ -140,7 +140,7 @@ def _routes(body, prompts, params: SamplingParams, limit_field, router, request_
         for j in range(body.n):
             seeded = params if params.seed is None else replace(params, seed=params.seed + j)
             rid = f"{request_id}-{p * body.n + j}"
-            routes.append(checked_request(router, ids, seeded, rid, body.priority, salt, None, limit_field))
+            routes.append(checked_request(router, ids, seeded, rid, body.priority, salt, None, limit_field, tenant))
     return Routes(routes, prompts, body.n)
 
 

@@ -123,11 +123,13 @@ def checked_request(
     cache_salt: str | None = None,
     resume: Resume | None = None,
     max_tokens_field: str = "sampling.max_tokens",
+    tenant: str | None = None,
 ) -> CheckedRequest:
     """The request the router takes, once its prompt fits the context (OUT_OF_RANGE naming
-    `max_tokens_field` otherwise): every door builds its requests here."""
+    `max_tokens_field` otherwise): every door builds its requests here. `tenant`: the caller's
+    (its API key's, or the one it named without keys), whose fair share it counts against."""
     check_context(len(ids), params.max_tokens, router.model_info.max_model_len, max_tokens_field)
-    return CheckedRequest(ids, params, request_id, priority, cache_salt, resume)
+    return CheckedRequest(ids, params, request_id, priority, cache_salt, resume, tenant or "")
 
 
 def check_message_count(count: int, context: int) -> None:

@@ -142,6 +142,7 @@ class AsyncEngine:
                     cache_salt=request.cache_salt,
                     block_hashes=request.block_hashes,
                     resume=request.resume,
+                    tenant=request.tenant,
                 )
             except Exception as e:  # bad input or a full queue: that caller's error only
                 self._deliver([(rid, e)])

@@ -92,6 +92,7 @@ class LLMEngine:
         block_hashes: Sequence[bytes] | None = None,
         arrival_time: float | None = None,
         resume: Resume | None = None,
+        tenant: str = "",
     ) -> str:
         """Queue a prompt (text, when the model has a tokenizer, or token ids); `resume`: the
         output it already had on a group that died (worker/protocol.py: Resume)."""
@@ -125,6 +126,7 @@ class LLMEngine:
             arrival_time=arrival_time,
             hash_root=self.hasher.root(None, cache_salt),
             block_hashes=block_hashes or (),
+            tenant=tenant,
         )
         tracked = _Tracked(
             IncrementalDetokenizer(self.tokenizer, token_ids, params, params.skip_special_tokens),
@@ -255,6 +257,9 @@ class LLMEngine:
             "block_size": bm.block_size,
             "kv_bytes_per_token": self.layout.bytes_per_token,
             "kv_pool_bytes": self.executor.pool_bytes,
+            # tenant -> tokens processed over its weight (worker/engine/fair_queue.py); empty
+            # while one tenant sends
+            "tenant_tokens": dict(sched.waiting.served),
         }
 
 

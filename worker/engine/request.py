@@ -49,6 +49,7 @@ class Request:
         arrival_time: float | None = None,
         hash_root: bytes = b"",
         block_hashes: Sequence[bytes] = (),
+        tenant: str = "",
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -58,7 +59,8 @@ class Request:
         # the ids that end the output when sampled: EOS (unless ignored) and the stop tokens
         eos = () if sampling_params.ignore_eos else eos_token_ids
         self.ending_token_ids = frozenset((*eos, *sampling_params.stop_token_ids))
-        self.priority = priority  # lower value runs first
+        self.priority = priority  # lower value runs first, within its tenant
+        self.tenant = tenant  # whose share of the group it counts against ("": the only one)
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.hash_root = hash_root  # parent of block 0: model, adapter and tenant salt
         self.block_hashes: list[bytes] = list(block_hashes)

@@ -2,53 +2,14 @@
 
 from __future__ import annotations
 
-import heapq
-import itertools
-from collections import deque
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 
 from worker.config import SchedulerConfig
 from worker.engine.block_manager import BlockManager, cdiv
+from worker.engine.fair_queue import WaitingQueue
 from worker.engine.request import Request, RequestStatus
 from worker.protocol import QueueFullError
 from worker.step import ScheduledRequest, SchedulerOutput
-
-
-class WaitingQueue:
-    """FCFS (preempted requests return to the front) or by (priority, arrival)."""
-
-    def __init__(self, by_priority: bool) -> None:
-        self.by_priority = by_priority
-        self._fifo: deque[Request] = deque()
-        self._heap: list[tuple[int, float, int, Request]] = []
-        self._tiebreak = itertools.count()
-
-    def push(self, request: Request, front: bool = False) -> None:
-        if self.by_priority:
-            heapq.heappush(self._heap, (*request.sort_key, next(self._tiebreak), request))
-        elif front:
-            self._fifo.appendleft(request)
-        else:
-            self._fifo.append(request)
-
-    def peek(self) -> Request:
-        return self._heap[0][-1] if self.by_priority else self._fifo[0]
-
-    def pop(self) -> Request:
-        return heapq.heappop(self._heap)[-1] if self.by_priority else self._fifo.popleft()
-
-    def remove(self, request: Request) -> None:
-        if self.by_priority:
-            self._heap = [e for e in self._heap if e[-1] is not request]
-            heapq.heapify(self._heap)
-        else:
-            self._fifo.remove(request)
-
-    def __len__(self) -> int:
-        return len(self._heap) if self.by_priority else len(self._fifo)
-
-    def __iter__(self) -> Iterator[Request]:
-        return (e[-1] for e in self._heap) if self.by_priority else iter(self._fifo)
 
 
 class Scheduler:
@@ -64,11 +25,12 @@ class Scheduler:
         # then; nothing is preempted for it).
         self.lookahead = lookahead
         self.requests: dict[str, Request] = {}
-        self.waiting = WaitingQueue(by_priority=config.policy == "priority")
+        self.waiting = WaitingQueue(by_priority=config.policy == "priority", weights=config.tenant_weights)
         self.running: list[Request] = []  # in admission order
         self._finished_ids: list[str] = []
         self.num_preemptions = 0
         self._reserve_blocks = int(config.watermark * block_manager.num_blocks)
+        self._seated = 0  # requests preempted this step to free a slot for a fairer tenant
 
     # ---- requests in and out -----------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -110,6 +72,7 @@ class Scheduler:
             self.waiting.remove(request)
         self.bm.free(request)
         request.status = status
+        self.waiting.left(request.tenant)
         self._finished_ids.append(request_id)
         return request
 
@@ -129,10 +92,16 @@ class Scheduler:
         out = SchedulerOutput(finished_ids=self._finished_ids)
         self._finished_ids = []
         budget = self.config.max_num_batched_tokens
+        self._seated = self._free_seats(out) if self.waiting.fair else 0
         budget = self._schedule_running(out, budget)
-        if not out.preempted_ids:
+        if len(out.preempted_ids) == self._seated:  # (none for want of blocks)
             budget = self._schedule_waiting(out, budget)
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
+        if self.waiting.fair:  # each tenant's tokens, against its share (admissions: already)
+            charge = self.waiting.charge
+            for s in out.scheduled:
+                if not s.is_new:
+                    charge(s.request.tenant, s.num_tokens)
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
@@ -157,9 +126,17 @@ class Scheduler:
                     budget -= 1
                 else:
                     budget -= self._grow(req, 1, out, self.lookahead)
+        fair = self.waiting.fair
+        if fair:  # the tenants furthest under their share first (a stable sort)
+            others.sort(key=lambda r: self.waiting.counter(r.tenant))
         for req in others:
             if budget == 0:
                 break
+            if fair and len(out.preempted_ids) == self._seated:
+                # a waiting tenant further under its share is admitted before this one goes on
+                budget = self._schedule_waiting(out, budget, below=self.waiting.counter(req.tenant))
+                if budget == 0:
+                    break
             if req.status is RequestStatus.RUNNING:
                 budget -= self._grow(req, min(req.num_tokens - req.num_computed_tokens, budget), out)
         return budget
@@ -183,9 +160,13 @@ class Scheduler:
         out.scheduled.append(self._record(req, n, new_ids, is_new=False))
         return n
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int, below: float | None = None) -> int:
+        """Admit waiting requests in the queue's order while the budgets last; `below`: only
+        those of tenants whose counter is below it (worker/engine/fair_queue.py)."""
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting.peek()
+            if below is not None and self.waiting.counter(req.tenant) >= below:
+                break
             match = self.bm.match_prefix(req)
             n = min(req.num_tokens - match.num_tokens, budget)
             if not self.bm.can_allocate(req, match, n, self._reserve_blocks):
@@ -200,6 +181,8 @@ class Scheduler:
             self.running.append(req)
             out.scheduled.append(self._record(req, n, list(block_ids), is_new=True))
             out.admitted.append(out.scheduled[-1])
+            if self.waiting.fair:  # (counted now: the next admission of this step sees it)
+                self.waiting.charge(req.tenant, n)
             budget -= n
         return budget
 
@@ -216,13 +199,42 @@ class Scheduler:
             samples=req.num_computed_tokens == req.num_tokens,
         )
 
+    def _free_seats(self, out: SchedulerOutput, at_most: int = 4) -> int:
+        """With every sequence slot taken, a waiting tenant under its weighted share of the
+        slots takes one from the tenant furthest over its share, whose newest running request
+        is preempted (to be recomputed, mostly from the prefix cache): so that one tenant's
+        backlog cannot hold every slot while another's requests wait. Returns the requests
+        preempted (at most `at_most` a step)."""
+        cap, running, waiting = self.config.max_num_seqs, self.running, self.waiting
+        freed = 0
+        while freed < at_most and len(running) >= cap and waiting:
+            head = waiting.peek().tenant
+            counts: dict[str, int] = {}
+            for r in running:
+                counts[r.tenant] = counts.get(r.tenant, 0) + 1
+            weight = waiting.weights.get
+            total = sum(weight(t, 1.0) for t in {*counts, head})
+            seats = {t: cap * weight(t, 1.0) / total for t in {*counts, head}}
+            if counts.get(head, 0) + 1 > seats[head]:
+                break  # the head's tenant has its share: it waits for a slot
+            over = max(counts, key=lambda t: counts[t] - seats[t])
+            if counts[over] <= seats[over]:
+                break
+            victim = max((r for r in running if r.tenant == over), key=lambda r: r.arrival_time)
+            self._preempt(victim, out)
+            freed += 1
+        return freed
+
     def _pick_victim(self, exclude: set[str]) -> Request | None:
+        """The newest (or lowest priority) running request not in `exclude`, of the tenant
+        furthest over its share (worker/engine/fair_queue.py) when several send."""
         candidates = [r for r in self.running if r.request_id not in exclude]
         if not candidates:
             return None
+        counter = self.waiting.counter
         if self.waiting.by_priority:
-            return max(candidates, key=lambda r: r.sort_key)
-        return max(candidates, key=lambda r: r.arrival_time)
+            return max(candidates, key=lambda r: (counter(r.tenant), r.sort_key))
+        return max(candidates, key=lambda r: (counter(r.tenant), r.arrival_time))
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         """Recompute later: free the blocks (cached ones stay reusable) and requeue at the head."""

@@ -1,0 +1,132 @@
+"""Two tenants on one group: does one tenant's burst delay the other's requests?
+
+    python -m benchmarks.tenants
+    python -m benchmarks.tenants --quick     # a shorter trace (smoke)
+
+One simulated group (cluster/sim_group.py: the real scheduler and block manager, a cost model
+for the forward) serves the research-assistant trace (benchmarks/workloads.py) for two tenants:
+tenant B at `--rate-b` requests/s, tenant A at `--ratio` times that, past what the group can
+serve, so that A's queue grows for the whole run. Cases, in the same run:
+
+- `b_alone`: B's requests with nobody else;
+- `fifo`: both, every request of the one tenant "" (what the group did before it knew tenants:
+  first come, first served);
+- `fair`: both, as tenants A and B of equal weight (worker/engine/fair_queue.py).
+
+One JSON line per case with each tenant's TTFT p50/p99 (simulated seconds), requests finished,
+output tokens/s and its share of the tokens the group computed, and B's TTFT p99 over
+`b_alone`'s (the goal: <= 1.25 with fairness; A keeps at least its weighted share, half).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+
+from benchmarks.workloads import ResearchWorkload, research_requests
+from cluster.sim_group import SimGroup, SimGroupConfig
+from worker.config import SchedulerConfig
+from worker.hashing import BlockHasher, ModelFingerprint
+from worker.protocol import QueueFullError
+
+BLOCK_SIZE = 16
+
+
+def arrivals(rate: float, duration: float, tenant: str, seed: int) -> list[tuple[float, str, tuple, int]]:
+    """Poisson arrivals of `tenant`'s research trace (its own documents), cycled to fill
+    `duration` seconds: (time, tenant, prompt, output tokens)."""
+    rng = random.Random(seed)
+    trace = research_requests(ResearchWorkload(num_docs=6, seed=seed))
+    out, t, i = [], 0.0, 0
+    while True:
+        t += rng.expovariate(rate)
+        if t >= duration:
+            return out
+        r = trace[i % len(trace)]
+        out.append((t, tenant, r.prompt, r.max_tokens))
+        i += 1
+
+
+def run_case(requests: list, fair: bool, num_blocks: int, weights: dict[str, float]) -> dict[str, dict]:
+    """Replay `requests` (time-ordered) on one simulated group; per tenant of the trace: TTFTs,
+    tokens. Without `fair` every request reaches the group as the one tenant ""."""
+    hasher = BlockHasher(b"bench", ModelFingerprint("bench", block_size=BLOCK_SIZE))
+    sched = SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=64, tenant_weights=weights if fair else {})
+    group = SimGroup("g0", SimGroupConfig(num_blocks, BLOCK_SIZE, sched), hasher)
+    tenant_of, output_of = {}, {}
+    ttfts: dict[str, list[float]] = {}
+    tokens: dict[str, int] = {}
+    computed: dict[str, int] = {}
+    refused: dict[str, int] = {}
+    pending = list(reversed(requests))
+    now, end = 0.0, requests[-1][0] if requests else 0.0
+    while pending or group.busy_until is not None:
+        next_arrival = pending[-1][0] if pending else float("inf")
+        if group.busy_until is not None and group.busy_until <= next_arrival:
+            now = group.busy_until
+            for rec in group.end_step():
+                tokens[tenant_of[rec.request_id]] = tokens.get(tenant_of[rec.request_id], 0) + output_of[rec.request_id]
+            for rec in group.started:
+                ttfts.setdefault(tenant_of[rec.request_id], []).append(rec.ttft_s)
+                computed[tenant_of[rec.request_id]] = computed.get(tenant_of[rec.request_id], 0) + (
+                    rec.prompt_tokens - max(rec.cached_tokens, 0)
+                )
+            group.started.clear()
+        else:
+            now, tenant, prompt, max_tokens = pending.pop()
+            rid = f"{tenant}-{len(tenant_of)}"
+            tenant_of[rid], output_of[rid] = tenant, max_tokens
+            try:
+                group.submit(rid, list(prompt), max_tokens, now, tenant=tenant if fair else "")
+            except QueueFullError:  # (what a door answers RESOURCE_EXHAUSTED)
+                refused[tenant] = refused.get(tenant, 0) + 1
+        if group.busy_until is None:
+            if now > end and not pending and not group.scheduler.has_unfinished():
+                break
+            group.start_step(now)
+    return {
+        t: {
+            "ttft_s_p50": round(statistics.median(ttfts.get(t, [0.0])), 3),
+            "ttft_s_p99": round(_pct(ttfts.get(t, [0.0]), 0.99), 3),
+            "finished_output_tokens_per_s": round(tokens.get(t, 0) / max(now, 1e-9), 1),
+            "prompt_tokens_computed": computed.get(t, 0),
+            "refused_queue_full": refused.get(t, 0),
+        }
+        for t in sorted(set(tenant_of.values()))
+    }
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rate-b", type=float, default=10.0, help="tenant B's requests/s")
+    p.add_argument("--ratio", type=float, default=10.0, help="tenant A's rate over B's")
+    p.add_argument("--duration", type=float, default=30.0, help="simulated seconds of arrivals")
+    p.add_argument("--blocks", type=int, default=8192, help="the group's KV blocks")
+    p.add_argument("--quick", action="store_true", help="a shorter trace (smoke)")
+    args = p.parse_args()
+    duration = 20.0 if args.quick else args.duration
+    b = arrivals(args.rate_b, duration, "B", seed=1)
+    a = arrivals(args.rate_b * args.ratio, duration, "A", seed=2)
+    both = sorted(a + b, key=lambda r: r[0])
+    weights = {"A": 1.0, "B": 1.0}
+    alone = run_case(b, True, args.blocks, weights)["B"]
+    common = {"bench": "tenants", "rate_b": args.rate_b, "ratio": args.ratio, "duration_s": duration}
+    print(json.dumps({**common, "case": "b_alone", "B": alone}))
+    for case, fair in (("fifo", False), ("fair", True)):
+        got = run_case(both, fair, args.blocks, weights)  # (figures by the trace's tenant either way)
+        total = sum(v["prompt_tokens_computed"] for v in got.values()) or 1
+        for v in got.values():
+            v["computed_share"] = round(v["prompt_tokens_computed"] / total, 3)
+        ratio = round(got["B"]["ttft_s_p99"] / max(alone["ttft_s_p99"], 1e-9), 2)
+        print(json.dumps({**common, "case": case, "A": got["A"], "B": got["B"], "b_ttft_p99_vs_alone": ratio}))
+
+
+if __name__ == "__main__":
+    main()
