@@ -25,6 +25,7 @@ import asyncio
 import functools
 import json
 import logging
+import math
 import socket
 import ssl
 import time
@@ -43,6 +44,7 @@ from starlette.exceptions import HTTPException
 from router.door.auth import ApiKeys, TlsFiles
 from router.door.choices import ClientGone, Merged, until_disconnected
 from router.door.http_limits import BoundedHttpToolsProtocol, HeaderLimits
+from router.door.limits import Limiter
 from router.door.openai_format import Choice, Formatter
 from router.door.openai_protocol import (
     HTTP_STATUS,
@@ -99,6 +101,7 @@ class HttpDoor:
         self.router: Router | None = None
         self.metrics: ServerMetrics | None = None
         self.in_flight = InFlight()
+        self.limiter: Limiter | None = None  # tenants' limits (router/door/limits.py)
         self.stopping = False
         self.app = Gate(build_app(self, max_body_bytes), self, max_body_bytes)
         self.parser = ThreadPoolExecutor(1, thread_name_prefix="http-body")
@@ -131,8 +134,9 @@ class HttpDoor:
         self.port = sock.getsockname()[1]
         return self.port
 
-    def set_ready(self, router: Router, metrics: ServerMetrics | None = None) -> None:
+    def set_ready(self, router: Router, metrics: ServerMetrics | None = None, limiter: Limiter | None = None) -> None:
         self.metrics = metrics
+        self.limiter = limiter
         self.router = router
         decode = router.tokenizer.decode if router.tokenizer is not None else str
         self.token_text = functools.lru_cache(maxsize=1 << 16)(lambda t: decode([t]))
@@ -205,7 +209,7 @@ class HttpDoor:
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         make = chat_routes if chat else completion_routes
         routes = await make(body, router, rid, tenant)
-        streams = [outputs(router, r, self.metrics, self.in_flight, t0) for r in routes.routes]
+        streams = [outputs(router, r, self.metrics, self.in_flight, t0, limiter=self.limiter) for r in routes.routes]
         merged = Merged(streams, routes.n)
         choices = [Choice(i, i // routes.n) for i in range(len(streams))]
         fmt = Formatter(chat, rid, router.model_info.model, self.token_text, body.return_token_ids)
@@ -225,7 +229,8 @@ class HttpDoor:
         except ClientGone:  # (each stream counted its own end)
             return Response(status_code=499)
         except Exception as e:
-            raise Reject(*_http_status(e, rid), counted=True) from None
+            wait = e.retry_after if isinstance(e, Reject) else None
+            raise Reject(*_http_status(e, rid), counted=True, retry_after=wait) from None
         usage = body.stream_options is not None and body.stream_options.include_usage
         events = self._events(merged, primed, choices, fmt, prompts if usage else None, rid)
         return StreamingResponse(events, media_type="text/event-stream")
@@ -303,10 +308,14 @@ class ErrorResponse(JSONResponse):
         return json.dumps(content, separators=(",", ":")).encode()
 
 
-def error_response(code: grpc.StatusCode, message: str, param: str | None = None) -> Response:
-    """OpenAI's error body for a door status, with its HTTP status (and Retry-After)."""
+def error_response(
+    code: grpc.StatusCode, message: str, param: str | None = None, retry_after: float | None = None
+) -> Response:
+    """OpenAI's error body for a door status, with its HTTP status (and Retry-After: whole
+    seconds, at least 1)."""
     status = HTTP_STATUS.get(code, HTTP_STATUS[grpc.StatusCode.INTERNAL])[0]
-    headers = {"Retry-After": str(RETRY_AFTER_S)} if status in (429, 503) else None
+    wait = RETRY_AFTER_S if retry_after is None else max(1, math.ceil(retry_after))
+    headers = {"Retry-After": str(wait)} if status in (429, 503) else None
     return ErrorResponse(error_body(code, message, param), status, headers=headers)
 
 
@@ -416,14 +425,16 @@ def build_app(door: HttpDoor, max_body_bytes: int) -> FastAPI:
 
 
 def _add_error_handlers(app: FastAPI, door: HttpDoor, max_body_bytes: int) -> None:
-    def respond(code: grpc.StatusCode, message: str, param: str | None, counted: bool = False) -> Response:
+    def respond(
+        code: grpc.StatusCode, message: str, param: str | None, counted: bool = False, retry_after: float | None = None
+    ) -> Response:
         if not counted:
             door.observe_error(code.name)
-        return error_response(code, message, param)
+        return error_response(code, message, param, retry_after)
 
     @app.exception_handler(Reject)
     async def rejected(request: Request, r: Reject) -> Response:
-        return respond(r.code, r.message, r.param, r.counted)
+        return respond(r.code, r.message, r.param, r.counted, r.retry_after)
 
     @app.exception_handler(RequestValidationError)
     async def malformed(request: Request, e: RequestValidationError) -> Response:

@@ -228,6 +228,12 @@ class ServerMetrics:
             [*m, "code"],
             registry=r,
         )
+        self.tenant_refusals = Counter(
+            f"{P}tenant_refusals",
+            "Requests refused for a tenant's limit (router/door/limits.py), by tenant and limit.",
+            [*m, "tenant", "limit"],
+            registry=r,
+        )
         self.resumes = Counter(
             f"{P}request_resumes",
             "Times a request moved to another group after its group died mid-stream (once per move).",
@@ -318,6 +324,10 @@ class ServerMetrics:
     def observe_error(self, code_name: str) -> None:
         """A call refused before it reached the router (a request's own end is its observer's)."""
         self.errors.labels(self.model_name, code_name).inc()
+
+    def refused(self, tenant: str, limit: str) -> None:
+        """A request of `tenant` refused for `limit` (its error is counted by its observer)."""
+        self.tenant_refusals.labels(self.model_name, tenant, limit).inc()
 
 
 class RequestObserver:

@@ -49,6 +49,7 @@ from router.door.api import (
     tokenized,
 )
 from router.door.auth import ApiKeys, TlsFiles
+from router.door.limits import Limiter
 from router.door.metrics import ServerMetrics
 from router.door.serving import (
     RETRY_AFTER_S,
@@ -84,6 +85,7 @@ class PageFleetServicer(pb_grpc.PageFleetServicer):
         self.metrics: ServerMetrics | None = None
         self.keys = keys
         self.in_flight = InFlight()
+        self.limiter: Limiter | None = None  # tenants' limits (router/door/limits.py)
 
     async def Generate(self, request: pb.GenerateRequest | Unparsed, context):
         t0 = time.perf_counter()
@@ -100,7 +102,7 @@ class PageFleetServicer(pb_grpc.PageFleetServicer):
             expired = deadline_passed(context.time_remaining(), budget)
             return "DEADLINE_EXCEEDED" if expired else "CANCELLED"
 
-        stream = outputs(router, route, self.metrics, self.in_flight, t0, cancelled_code)
+        stream = outputs(router, route, self.metrics, self.in_flight, t0, cancelled_code, self.limiter)
         try:
             async with contextlib.aclosing(stream):
                 placed = None  # the request's record: a resume updates it
@@ -113,7 +115,8 @@ class PageFleetServicer(pb_grpc.PageFleetServicer):
         except Exception as e:  # (the stream counted it)
             code, message = status_for(e, rid)
             if code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # when to try again
-                context.set_trailing_metadata(retry_after(RETRY_AFTER_S))
+                wait = e.retry_after if isinstance(e, Reject) and e.retry_after is not None else RETRY_AFTER_S
+                context.set_trailing_metadata(retry_after(wait))
             await context.abort(code, _proto_names(message))
 
     async def Tokenize(self, request: pb.TokenizeRequest | Unparsed, context):
@@ -279,10 +282,13 @@ class FrontDoor:
         await self.server.start()
         return self.port
 
-    async def set_ready(self, router: Router, metrics: ServerMetrics | None = None) -> None:
+    async def set_ready(
+        self, router: Router, metrics: ServerMetrics | None = None, limiter: Limiter | None = None
+    ) -> None:
         """Serve `router` (its groups loaded and warmed up) and report SERVING, and from then
-        on NOT_SERVING whenever no group is alive."""
+        on NOT_SERVING whenever no group is alive. `limiter`: the tenants' limits."""
         self.servicer.metrics = metrics
+        self.servicer.limiter = limiter
         self.servicer.router = router
         await self._set_health(_SERVING)
         self._watcher = asyncio.ensure_future(self._follow_groups(router))

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from cluster.index import PrefixIndexError
+from router.door.limits import Limiter, RateLimited, RedisLimiter
 from router.door.metrics import Unobserved
 from router.router import CheckedRequest, NoGroupAvailableError, PromptTooLongError
 from worker.hashing import cache_namespace
@@ -43,12 +44,20 @@ class Reject(Exception):
     the field, for the HTTP door's error body). `counted`: the error of a stream, which its
     metrics observer counted already."""
 
-    def __init__(self, code: grpc.StatusCode, message: str, param: str | None = None, counted: bool = False) -> None:
+    def __init__(
+        self,
+        code: grpc.StatusCode,
+        message: str,
+        param: str | None = None,
+        counted: bool = False,
+        retry_after: float | None = None,
+    ) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.param = param
         self.counted = counted
+        self.retry_after = retry_after  # seconds, for a refusal the client may retry
 
 
 def invalid(message: str, param: str | None = None) -> Reject:
@@ -179,6 +188,7 @@ async def outputs(
     in_flight: InFlight,
     t0: float,
     cancelled_code: Callable[[], str] = lambda: "CANCELLED",
+    limiter: Limiter | None = None,
 ) -> AsyncIterator[tuple[RequestOutput, RouteRecord | None]]:
     """The router's stream for `route`, each output with the route's record when it is new (the
     first output's, and a resumed stream's first on its new group; None otherwise). The
@@ -186,16 +196,22 @@ async def outputs(
     once however it ends: finished, failed (the status its error maps to) or closed early
     (`cancelled_code()`: CANCELLED, or DEADLINE_EXCEEDED when the door knows the deadline
     passed). Closing or cancelling the stream aborts the request in its group (its blocks are
-    freed at once)."""
+    freed at once). With a `limiter`, the request is admitted under its tenant's limits first
+    (router/door/limits.py: RESOURCE_EXHAUSTED with when to retry, otherwise)."""
     rid = route.request_id
     seen = metrics.request(t0) if metrics is not None else Unobserved()
+    limited = limiter is not None and limiter.applies(route.tenant)
+    generated = 0
     with in_flight.track(rid):
         try:
+            if limited:
+                await _admit(limiter, route, metrics)
             async with contextlib.aclosing(router.stream(route)) as stream:
                 async for out, placed in stream:
                     if placed is not None:  # new to this caller: the first, or a move's first
                         seen.placed(placed)
                     seen.output(out)  # (a finished output ends the request here)
+                    generated += len(out.new_token_ids)
                     yield out, placed
             seen.fail("UNKNOWN")  # a stream without a finished output (never, by contract)
         except (asyncio.CancelledError, GeneratorExit):
@@ -204,7 +220,26 @@ async def outputs(
             raise
         except Exception as e:
             seen.fail(error_code(e).name)
+            if limited and isinstance(e, Reject) and e.retry_after is not None:
+                limited = False  # (refused: never admitted, nothing to release)
             raise
+        finally:
+            if limited:  # off the loop: a Redis round trip must not hold it
+                asyncio.get_running_loop().run_in_executor(None, limiter.finish, route.tenant, rid, generated)
+
+
+async def _admit(limiter: Limiter, route: CheckedRequest, metrics: ServerMetrics | None) -> None:
+    """Count the request in under its tenant's limits, or refuse it (RESOURCE_EXHAUSTED)."""
+    try:
+        if isinstance(limiter, RedisLimiter):
+            await asyncio.to_thread(limiter.admit, route.tenant, route.request_id, len(route.ids))
+        else:
+            limiter.admit(route.tenant, route.request_id, len(route.ids))
+    except RateLimited as e:
+        if metrics is not None:
+            metrics.refused(e.tenant, e.limit)
+        message = f"{e}; retry after {e.retry_after_s:.3g} s"
+        raise Reject(grpc.StatusCode.RESOURCE_EXHAUSTED, message, retry_after=e.retry_after_s) from None
 
 
 def error_code(e: Exception) -> grpc.StatusCode:
