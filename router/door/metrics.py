@@ -228,6 +228,31 @@ class ServerMetrics:
             [*m, "code"],
             registry=r,
         )
+        # ---- per tenant (the tenants named in `tenants`; any other as "other") ----
+        self.tenants: frozenset[str] = frozenset()  # API keys' tenants and configured ones
+        self.tenant_requests = Counter(
+            f"{P}tenant_requests",
+            "Requests that ended, by tenant and outcome (a finish reason or an error code).",
+            [*m, "tenant", "outcome"],
+            registry=r,
+        )
+        self.tenant_tokens = Counter(
+            f"{P}tenant_tokens", "Prompt and generated tokens by tenant.", [*m, "tenant", "kind"], registry=r
+        )
+        self.tenant_ttft = Histogram(
+            f"{P}tenant_time_to_first_token_seconds",
+            "Time to first token by tenant, from the door's receipt of the call.",
+            [*m, "tenant"],
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.tenant_queue = Histogram(
+            f"{P}tenant_queue_time_seconds",
+            "Time a tenant's requests waited in a group's queue.",
+            [*m, "tenant"],
+            buckets=PHASE_BUCKETS,
+            registry=r,
+        )
         self.tenant_refusals = Counter(
             f"{P}tenant_refusals",
             "Requests refused for a tenant's limit (router/door/limits.py), by tenant and limit.",
@@ -317,9 +342,17 @@ class ServerMetrics:
             self.index_rtt.labels(self.model_name, "record_pending"),
         )
 
-    def request(self, received: float) -> RequestObserver:
-        """The observer of one request the door received at `received` (time.perf_counter)."""
-        return RequestObserver(self, received)
+    def request(self, received: float, tenant: str = "") -> RequestObserver:
+        """The observer of one request the door received at `received` (time.perf_counter),
+        of `tenant` ("": none named)."""
+        return RequestObserver(self, received, tenant)
+
+    def tenant_label(self, tenant: str) -> str | None:
+        """The label a tenant's series carry: its name when known, "other" for a name no key
+        or configuration gave (names are the callers' to choose: their series stay bounded)."""
+        if not tenant:
+            return None
+        return tenant if tenant in self.tenants else "other"
 
     def observe_error(self, code_name: str) -> None:
         """A call refused before it reached the router (a request's own end is its observer's)."""
@@ -327,16 +360,17 @@ class ServerMetrics:
 
     def refused(self, tenant: str, limit: str) -> None:
         """A request of `tenant` refused for `limit` (its error is counted by its observer)."""
-        self.tenant_refusals.labels(self.model_name, tenant, limit).inc()
+        self.tenant_refusals.labels(self.model_name, self.tenant_label(tenant) or "", limit).inc()
 
 
 class RequestObserver:
     """One request's metrics, from the door's receipt to its end, observed once however it
     ends (see the module docstring for what each measures)."""
 
-    def __init__(self, metrics: ServerMetrics, received: float) -> None:
+    def __init__(self, metrics: ServerMetrics, received: float, tenant: str = "") -> None:
         self.m = metrics
         self.received = received  # the door's clock (time.perf_counter)
+        self.tenant = metrics.tenant_label(tenant)  # None: no tenant named
         self.record = None  # the request's RouteRecord (one, updated when the request moves)
         self.placements = 0  # placements whose outputs arrived: the first, then one per resume
         self.measured = 0  # the placement whose cached tokens were counted
@@ -372,6 +406,8 @@ class RequestObserver:
             self.last = (self.placements, out.token_time, now)
             self.tokens += new
             self.m.generation_tokens.labels(self.m.model_name).inc(new)
+            if self.tenant is not None:
+                self.m.tenant_tokens.labels(self.m.model_name, self.tenant, "generation").inc(new)
         if out.finished:
             self.finish(out.finish_reason or "unknown")
 
@@ -389,6 +425,9 @@ class RequestObserver:
         self.m.ttft.labels(name).observe(now - self.received)
         self.prompt_len = len(out.prompt_token_ids)
         self.m.prompt_tokens.labels(name).inc(self.prompt_len)
+        if self.tenant is not None:
+            self.m.tenant_ttft.labels(name, self.tenant).observe(now - self.received)
+            self.m.tenant_tokens.labels(name, self.tenant, "prompt").inc(self.prompt_len)
         self.queue_s = em.queue_time
         if em.first_token_time is not None and em.first_scheduled_time is not None:
             self.prefill_s = em.first_token_time - em.first_scheduled_time
@@ -404,17 +443,21 @@ class RequestObserver:
         """The request ended with a finish reason (stop, length, abort)."""
         if not self.done:
             self.m.success.labels(self.m.model_name, reason).inc()
-            self._end()
+            self._end(reason)
 
     def fail(self, code_name: str) -> None:
         """The request ended with an error status (CANCELLED, UNAVAILABLE, ...)."""
         if not self.done:
             self.m.errors.labels(self.m.model_name, code_name).inc()
-            self._end()
+            self._end(code_name)
 
-    def _end(self) -> None:
+    def _end(self, outcome: str) -> None:
         self.done = True
         m, name = self.m, self.m.model_name
+        if self.tenant is not None:
+            m.tenant_requests.labels(name, self.tenant, outcome).inc()
+            if self.queue_s is not None:
+                m.tenant_queue.labels(name, self.tenant).observe(self.queue_s)
         m.e2e.labels(name).observe(time.perf_counter() - self.received)
         m.generation_hist.labels(name).observe(self.tokens)
         if self.prompt_len is not None:

@@ -199,7 +199,7 @@ async def outputs(
     freed at once). With a `limiter`, the request is admitted under its tenant's limits first
     (router/door/limits.py: RESOURCE_EXHAUSTED with when to retry, otherwise)."""
     rid = route.request_id
-    seen = metrics.request(t0) if metrics is not None else Unobserved()
+    seen = metrics.request(t0, route.tenant) if metrics is not None else Unobserved()
     limited = limiter is not None and limiter.applies(route.tenant)
     generated = 0
     with in_flight.track(rid):
