@@ -144,7 +144,6 @@ def run_latency(args, server: RedisServer, n_groups: int, cost: CostModel, index
         own = hasher.hash_prompt(rng.choices(range(1000), k=args.blocks * args.block_size))
         held = own[: args.blocks - len(doc_hashes)] + doc_hashes if i in (0, n_groups // 2) else own
         index.publish(g.group_id, epoch, [BlockStored(tuple(held), None)])
-        index.report_load(g.group_id, epoch, g.status().load())
     policy = PrefixAware(PrefixAwareConfig(cost=cost), args.block_size, args.batch_tokens)
     info = ModelInfo(
         "bench", max_model_len=1 << 20, block_size=args.block_size, kv_cache_dtype="auto", vocab_size=1 << 20

@@ -3,8 +3,8 @@
 A group is one engine over `tensor_parallel_size` devices. `LocalGroup` (cluster/local_group.py)
 runs a TP=1 engine in this process (the embedded default and tests); a Ray-placed group
 (cluster/ray/group.py) and a simulated one (cluster/sim_group.py) implement the same interface.
-Each group publishes its KV events and load to the prefix index through a `GroupPublisher`, so
-the routers' index knows which blocks it holds. This module loads no engine (no torch): a
+Each group publishes its KV events to the prefix index through a `GroupPublisher`, so the
+routers' index knows which blocks it holds; its load reaches a router as its `GroupStatus`. This module loads no engine (no torch): a
 router needs only the handle.
 """
 
@@ -15,7 +15,6 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, dataclass, field
 
-from cluster.index import GroupLoad
 from worker.outputs import RequestOutput
 from worker.protocol import GenerationRequest
 
@@ -47,15 +46,6 @@ class GroupStatus:
     # unique to this snapshot (a new one, `replace`d ones included, gets the next): what a
     # cache of figures worked out from a status compares to know it is stale
     version: int = field(default_factory=lambda: next(_versions), init=False, compare=False)
-
-    def load(self) -> GroupLoad:
-        return GroupLoad(
-            waiting_prefill_tokens=self.pending_prefill_tokens,
-            running_seqs=self.running,
-            waiting_seqs=self.waiting,
-            free_blocks=self.blocks_free,
-            total_blocks=self.blocks_total,
-        )
 
     def to_dict(self) -> dict:
         out = asdict(self)

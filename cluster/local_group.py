@@ -31,25 +31,17 @@ class LocalGroup(GroupHandle):
         self.group_id = group_id or f"group-{next(_group_ids)}"
         self.config = config
         engine = LLMEngine(config)
+        self.hasher = engine.hasher  # (fixed for the engine's life: read here, not through it)
+        self.tokenizer = engine.tokenizer
         self.publisher = None
-        self._events: list = []  # this step's KV events, published after the step
         if index is not None:
-            self.publisher = GroupPublisher(index, self.group_id, engine.scheduler.bm.cached_hashes)
-            engine.on_kv_events = self._events.extend
+            self.publisher = GroupPublisher(index, self.group_id, engine.cached_hashes)
+            engine.on_kv_events = self.publisher.collect
         self.engine = AsyncEngine(engine, on_step=self._tick)
-
-    @property
-    def hasher(self):
-        return self.engine.engine.hasher
-
-    @property
-    def tokenizer(self):
-        return self.engine.engine.tokenizer
 
     def _tick(self, engine: LLMEngine) -> None:
         if self.publisher is not None:
-            events, self._events[:] = list(self._events), []
-            self.publisher.publish_step(events, self.status().load())
+            self.publisher.after_step()
 
     def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
         return self.engine.generate(request)

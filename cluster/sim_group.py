@@ -194,7 +194,7 @@ class SimGroup(GroupHandle):
     def tick(self) -> None:
         """Liveness on the publisher's clock: heartbeat (and load report) when due."""
         if self.publisher is not None:
-            self.publisher.tick(self.status().load())
+            self.publisher.tick()
 
     def _on_event(self, event) -> None:
         if self.publisher is not None:

@@ -316,9 +316,9 @@ def test_the_cache_aware_threshold_rule():
     chain, placed = [bytes([i]) * 8 for i in range(10)], PlacedShare()
     placed.add("a", 5000), placed.add("b", 100), placed.add("c", 3000)
     match = {
-        "a": GroupMatch("a", 1, 8, 0, None),
-        "b": GroupMatch("b", 1, 0, 0, None),
-        "c": GroupMatch("c", 1, 2, 0, None),
+        "a": GroupMatch("a", 1, 8, 0),
+        "b": GroupMatch("b", 1, 0, 0),
+        "c": GroupMatch("c", 1, 2, 0),
     }
     balanced = {"a": status("a", 6), "b": status("b", 3), "c": status("c", 4)}  # 6 - 3 <= 4
     assert rule.choose(chain, balanced, match, placed) == Placement("a", "prefix_hit", 8)

@@ -15,7 +15,6 @@ import redis
 from factories import wait_until
 
 from cluster.index import (
-    GroupLoad,
     IndexPublisher,
     IndexUnavailableError,
     MirroredPrefixIndex,
@@ -35,10 +34,6 @@ HASHER = BlockHasher(b"mirror-test-secret", ModelFingerprint("tiny", block_size=
 
 def chain(n: int, doc: int) -> list[bytes]:
     return HASHER.hash_prompt([doc] + list(range(2 * n - 1)))
-
-
-def load(running: int) -> GroupLoad:
-    return GroupLoad(0, running, 0, 8, 8)
 
 
 @pytest.fixture
@@ -84,7 +79,7 @@ def test_mirror_answers_what_redis_answers_through_random_histories(pair, groups
         elif op < 0.7:
             writer.publish(g, epochs[g], [AllBlocksCleared()])
         elif op < 0.8:
-            writer.report_load(g, epochs[g], load(step))
+            writer.heartbeat(g, epochs[g])
         elif op < 0.95:  # pending placements, some keeping their fresh probes
             n = rng.randint(1, len(c))
             writer.record_pending_many([PendingWrite(g, c[:n], rng.choice([0, 0, 5, 40]))])
@@ -160,11 +155,12 @@ def test_mirror_falls_back_to_redis_and_heals_after_a_restart():
         try:
             cache.update(c[:12])
             pub.sink(BlockStored(tuple(c[:12]), None))
-            pub.tick(load(1))
+            pub.tick()
             assert mirror.wait_synced() and mirror.match(c)["g0"].blocks == 12
             health = mirror.health()  # what the router's metrics tell
             assert health.shared and health.reachable and health.mirror_lag_s < 1.0
             assert (health.entries, health.blocks, health.groups) == (12, 12, 1)
+            first_epoch = pub.epoch
             server.stop()
             assert wait_until(lambda: not mirror.synced, 3.0)
             assert wait_until(lambda: not mirror.health().reachable, 3.0)
@@ -173,16 +169,10 @@ def test_mirror_falls_back_to_redis_and_heals_after_a_restart():
             assert mirror.health().mirror_lag_s == math.inf  # out of sync until a snapshot
             server.start()  # back, empty; the publisher re-registers and republishes
             cache.update(c[12:20])
-            assert wait_until(lambda: pub.tick(load(2)) or pub.connected, 5.0)
+            # its next heartbeat (within a heartbeat interval) finds the registration gone
+            assert wait_until(lambda: pub.tick() or (pub.connected and pub.epoch > first_epoch), 5.0)
             assert mirror.wait_synced() and mirror.match(c)["g0"].blocks == 20
             assert mirror.health().reachable and mirror.health().entries == 20, mirror.health()
-
-            def reported() -> bool:  # the next load report (at most one per load interval)
-                pub.tick(load(2))
-                got = mirror.match(c)["g0"].load
-                return got is not None and got.running_seqs == 2
-
-            assert wait_until(reported, 3.0)
         finally:
             pub.close()
             mirror.close()

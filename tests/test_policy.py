@@ -55,7 +55,7 @@ def status(gid: str, queued: int = 0, running: int = 0, free: int = 1000, cached
 
 
 def match(gid: str, blocks: int = 0, pending: int = 0) -> GroupMatch:
-    return GroupMatch(gid, 1, blocks, pending, None)
+    return GroupMatch(gid, 1, blocks, pending)
 
 
 def test_prefers_the_holder_and_counts_pending_blocks():
@@ -307,7 +307,7 @@ def test_a_routers_own_placements_count_at_once_and_reach_others_soon(redis_serv
     pending = PendingPlacements(router_a, ttl_s=30.0)
     pending.record("g1", c)
     # as if not written yet: the index touched no group
-    nothing = Matches({g: GroupMatch(g, 1, 0, 0, None) for g in ("g0", "g1")})
+    nothing = Matches({g: GroupMatch(g, 1, 0, 0) for g in ("g0", "g1")})
     seen = pending.overlay(c, nothing)
     assert (seen["g1"].pending_blocks, seen["g0"].pending_blocks) == (100, 0)
     assert seen.touched == ["g1"] and nothing.touched == []  # what the policy reads
@@ -335,7 +335,7 @@ def test_pending_writes_never_raise_and_log_one_warning(caplog):
             assert pending.flush(timeout_s=5.0)
     warnings = [r for r in caplog.records if "pending placements not shared" in r.getMessage()]
     assert len(warnings) == 1
-    m = pending.overlay(chain(4, first=2), {"g0": GroupMatch("g0", 1, 0, 0, None)})
+    m = pending.overlay(chain(4, first=2), {"g0": GroupMatch("g0", 1, 0, 0)})
     assert m["g0"].pending_blocks == 4  # the local table still has it
 
 

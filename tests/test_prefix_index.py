@@ -13,7 +13,6 @@ import redis
 from factories import wait_until
 
 from cluster.index import (
-    GroupLoad,
     GroupPublisher,
     IndexPublisher,
     InMemoryPrefixIndex,
@@ -37,11 +36,6 @@ def chain(n_blocks: int, first_token: int = 0, salt: str | None = None) -> list[
 
 def stored(hashes) -> BlockStored:
     return BlockStored(tuple(hashes), None)
-
-
-def load(**kw) -> GroupLoad:
-    base = dict(waiting_prefill_tokens=0, running_seqs=0, waiting_seqs=0, free_blocks=8)
-    return GroupLoad(**{**base, "total_blocks": 8, **kw})
 
 
 def blocks(index, hashes) -> dict[str, int]:
@@ -123,15 +117,6 @@ def test_match_counts_leading_blocks_only(make_index):
     assert blocks(index, c)["g1"] == 6
 
 
-def test_load_reports_come_back_with_the_match(make_index):
-    index = make_index()
-    epoch = index.register_group("g0")
-    assert index.match(chain(1))["g0"].load is None
-    report = load(waiting_prefill_tokens=123, running_seqs=4, waiting_seqs=2, free_blocks=3)
-    index.report_load("g0", epoch, report)
-    assert index.match(chain(1))["g0"].load == report
-
-
 def test_lapsed_heartbeat_stops_matching_within_the_ttl(make_index):
     ttl = 1.0
     index = make_index(heartbeat_ttl_s=ttl)
@@ -165,7 +150,6 @@ def test_reregistered_group_never_matches_its_old_epoch(make_index):
     for fenced in (
         lambda: index.publish("g0", old, [stored(c)]),
         lambda: index.heartbeat("g0", old),
-        lambda: index.report_load("g0", old, load()),
     ):
         with pytest.raises(StaleEpochError):
             fenced()
@@ -205,13 +189,13 @@ def test_a_fenced_off_publisher_stops_and_leaves_its_replacement_alone(redis_ser
     admin = redis.Redis.from_url(redis_server.url)
     c = chain(4)
     told = []
-    config = PublisherConfig(heartbeat_interval_s=0.05, load_interval_s=0.01)
+    config = PublisherConfig(heartbeat_interval_s=0.05)
     old = IndexPublisher(group_side, "g0", lambda: set(c[:2]), config, on_fenced=lambda: told.append(1))
     new = IndexPublisher(group_side, "g0", lambda: set(c), config)
     assert new.epoch > old.epoch
     for _ in range(20):  # both keep stepping, as the two ranks did
-        old.publish_step([stored(c[:1])], load())
-        new.publish_step([], load())
+        old.publish_step([stored(c[:1])])
+        new.publish_step([])
         time.sleep(0.01)
     assert old.fenced and not new.fenced and told == [1]
     assert int(admin.hget("pf:fence:m1:epochs", "g0")) == new.epoch  # no epoch handed out since
@@ -219,7 +203,7 @@ def test_a_fenced_off_publisher_stops_and_leaves_its_replacement_alone(redis_ser
     old.close()  # fenced: deregisters nothing
     assert router.match(c)["g0"].epoch == new.epoch
     new.close()
-    old.publish_step([stored(c)], load())
+    old.publish_step([stored(c)])
     assert router.match(c) == {} and not list(admin.scan_iter("pf:fence:m1:hb:*"))
     assert not list(admin.scan_iter("pf:fence:m1:inv:*"))
 
@@ -252,16 +236,12 @@ def test_tenants_with_different_salts_never_share_blocks(make_index):
 
 def test_publisher_batches_per_step_and_rate_limits_heartbeats():
     now = [0.0]
-    calls = {"report_load": 0, "heartbeat": 0, "publish": 0}
+    calls = {"heartbeat": 0, "publish": 0}
 
     class CountingIndex(InMemoryPrefixIndex):  # the real index, with its calls counted
         def publish(self, *a):
             calls["publish"] += 1
             super().publish(*a)
-
-        def report_load(self, *a):
-            calls["report_load"] += 1
-            super().report_load(*a)
 
         def heartbeat(self, *a):
             calls["heartbeat"] += 1
@@ -269,26 +249,22 @@ def test_publisher_batches_per_step_and_rate_limits_heartbeats():
 
     index = CountingIndex(PrefixIndexConfig(heartbeat_ttl_s=3.0), clock=lambda: now[0])
     cache: set[bytes] = set()
-    config = PublisherConfig(heartbeat_interval_s=1.0, load_interval_s=0.1)
+    config = PublisherConfig(heartbeat_interval_s=1.0)
     pub = IndexPublisher(index, "g0", lambda: set(cache), config, clock=lambda: now[0])
     c = chain(4)
     pub.sink(stored(c[:2]))
     pub.sink(stored(c[2:]))
     assert blocks(index, c) == {"g0": 0}  # buffered until the step ends
-    for _ in range(100):  # 100 steps of 10 ms with load, then 100 without
-        now[0] += 0.01
-        pub.tick(load())
-    for _ in range(100):
+    for _ in range(150):  # 150 steps of 10 ms: one batch of events, one heartbeat (at 1 s)
         now[0] += 0.01
         pub.tick()
     assert blocks(index, c) == {"g0": 4}
-    assert calls["publish"] == 1
-    assert 9 <= calls["report_load"] <= 11 and calls["heartbeat"] == 1
+    assert calls["publish"] == 1 and calls["heartbeat"] == 1
     # The engine stalled past the TTL: the next tick registers again and republishes.
     cache.update(c)
     now[0] += 5.0
     assert index.match(c) == {}
-    pub.tick(load())
+    pub.tick()
     assert pub.epoch == 2 and blocks(index, c) == {"g0": 4}
     pub.close()
     assert index.match(c) == {}
@@ -302,11 +278,11 @@ def test_a_group_stays_matched_through_a_step_longer_than_the_ttl(redis_server):
     router = RedisPrefixIndex.from_url(redis_server.url, "beat", "m1", config)
     c = chain(4)
     pub = GroupPublisher(group_side, "g0", lambda: set(c), PublisherConfig(heartbeat_interval_s=0.2))
-    pub.publish_step([], load())
+    pub.publish_step([])
     epoch = pub.epoch
     time.sleep(2.0)  # one step of 2 s: no tick, more than three TTLs
     assert blocks(router, c) == {"g0": 4}
-    pub.publish_step([], load())
+    pub.publish_step([])
     assert pub.epoch == epoch  # still the first registration
     pub.close()  # the beats stop and the group deregisters
     assert wait_until(lambda: router.match(c) == {}, 3.0)
@@ -318,7 +294,6 @@ def test_two_routers_over_one_redis_see_the_same_answer(redis_server):
     for i, gid in enumerate(("g0", "g1", "g2")):
         epoch = group_side.register_group(gid)
         group_side.publish(gid, epoch, [stored(c[: i + 2])])
-        group_side.report_load(gid, epoch, load(running_seqs=i))
     assert a.match(c) == b.match(c)
     assert blocks(a, c) == {"g0": 2, "g1": 3, "g2": 4}
 
@@ -393,7 +368,7 @@ def test_publisher_survives_redis_going_down_and_republishes(caplog):
                 cache.difference_update(event.block_hashes)
             if event is not None:
                 pub.sink(event)
-            pub.tick(load(running_seqs=len(cache)))
+            pub.tick()
 
         engine_step(stored(c[:3]))
         assert blocks(router, c) == {"g0": 3}
@@ -409,7 +384,7 @@ def test_publisher_survives_redis_going_down_and_republishes(caplog):
         server.start()  # back, empty: no keys, no scripts
         assert wait_until(lambda: engine_step() or pub.connected, timeout_s=5.0)
         m = router.match(c)  # the router's client reconnects and reloads the script
-        assert m["g0"].blocks == 5 and m["g0"].load.running_seqs == 5
+        assert m["g0"].blocks == 5
         pub.close()
         assert router.match(c) == {}
 
@@ -420,7 +395,6 @@ def test_a_dead_groups_keys_expire_by_themselves(redis_server):
     for gid in ("g0", "g1"):
         epoch = index.register_group(gid)
         index.publish(gid, epoch, [stored(c)])
-        index.report_load(gid, epoch, load())
     index.record_pending("g0", c, ttl_s=0.3)
     index.deregister("g1", epoch)
 
@@ -477,7 +451,6 @@ def test_inventory_stats_measure_bytes_per_block(redis_server):
     [
         (lambda: PrefixIndexConfig(heartbeat_ttl_s=0), "heartbeat_ttl_s"),
         (lambda: PublisherConfig(retry_initial_s=1.0, retry_max_s=0.5), "retry_max_s"),
-        (lambda: load(free_blocks=9), "total_blocks"),
         (lambda: InMemoryPrefixIndex().register_group("a:b"), "group_id"),
         (lambda: RedisPrefixIndex(None, "c", "has space"), "model"),
     ],

@@ -15,7 +15,7 @@ import time
 import pytest
 import redis
 
-from cluster.index import GroupLoad, GroupPublisher, PublisherConfig, RedisPrefixIndex
+from cluster.index import GroupPublisher, PublisherConfig, RedisPrefixIndex
 from cluster.ray.config import RayGroupConfig
 from cluster.ray.group import RayGroup
 from cluster.ray.rank_actor import IndexTarget
@@ -37,10 +37,6 @@ def inventory(index: RedisPrefixIndex, group_id: str) -> set[bytes]:
     return set(index.client.smembers(f"{index.prefix}inv:{group_id}"))
 
 
-def idle_load() -> GroupLoad:
-    return GroupLoad(0, 0, 0, 8, 8)
-
-
 @pytest.mark.parametrize("max_queued", [65536, 3], ids=["queued", "overflowing"])
 def test_publishing_to_a_hung_redis_never_blocks_the_step_and_the_index_catches_up(redis_server, max_queued):
     """Steps go on at full speed with Redis stopped; after SIGCONT the index holds exactly the
@@ -59,7 +55,7 @@ def test_publishing_to_a_hung_redis_never_blocks_the_step_and_the_index_catches_
         event = BlockRemoved((h,)) if h in cache and step % 3 == 0 else BlockStored((h,), None)
         (cache.add if isinstance(event, BlockStored) else cache.discard)(h)
         started = time.monotonic()
-        pub.publish_step([event], idle_load())
+        pub.publish_step([event])
         slowest = max(slowest, time.monotonic() - started)
         step += 1
 
@@ -81,7 +77,7 @@ def test_publishing_to_a_hung_redis_never_blocks_the_step_and_the_index_catches_
     deadline = time.monotonic() + 15
     while inventory(index, "g0") != cache:
         assert time.monotonic() < deadline, "the index did not catch up with the cache"
-        pub.publish_step([], idle_load())  # the engine's idle ticks
+        pub.publish_step([])  # the engine's idle ticks
         time.sleep(0.05)
     pub.close()
     assert inventory(index, "g0") == set()

@@ -78,8 +78,6 @@ def test_a_ray_groups_blocks_are_in_the_index_when_its_request_finishes(ray_and_
     # No wait: the events travel ahead of the outputs and are published before they are routed.
     matches = index.match(chain)
     assert matches["ray-0"].blocks == len(chain) and matches["local-0"].blocks == 0
-    load = matches["ray-0"].load
-    assert load is not None and load.total_blocks == 64
 
     # Both groups are idle and equal; only the index says where the document is. (A group
     # reports idle a moment after its request finishes: a 6-block document is worth less to

@@ -15,7 +15,6 @@ from cluster.index.publish_thread import PublisherThread
 from cluster.index.publisher import IndexPublisher, PublisherConfig, republish
 from cluster.index.redis_index import RedisPrefixIndex
 from cluster.index.types import (
-    GroupLoad,
     GroupMatch,
     IndexHealth,
     IndexUnavailableError,
@@ -31,7 +30,6 @@ from cluster.index.types import (
 
 __all__ = [
     "FailoverReader",
-    "GroupLoad",
     "GroupMatch",
     "GroupPublisher",
     "IndexHealth",

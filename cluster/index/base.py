@@ -5,7 +5,8 @@ The index says which live worker group holds how long a prefix of a block-hash c
 publish the KV events of their block managers (worker/kv_events.py) in order, through an
 `IndexPublisher` (cluster/index/publisher.py); routers ask `match(chain)` and get, for every
 live group, how many leading blocks of the chain it holds, how many leading blocks are pending
-on it (placements routers just made), and its latest load report.
+on it (placements routers just made). How busy a group is reaches a router by its own status,
+not through the index.
 
 Liveness and fencing: `register_group` hands out a new, larger epoch each time; every write
 names its (group, epoch) and is refused with `StaleEpochError` unless that pair is the group's
@@ -23,7 +24,6 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
 from cluster.index.types import (
-    GroupLoad,
     IndexHealth,
     IndexUnavailableError,
     InventoryStats,
@@ -35,7 +35,7 @@ from worker.kv_events import KVEvent
 
 
 class IndexWriter(ABC):
-    """A group's side: its registration, its KV events, its load and its liveness."""
+    """A group's side: its registration, its KV events and its liveness."""
 
     @abstractmethod
     def register_group(self, group_id: str, previous: int | None = None) -> int:
@@ -50,10 +50,6 @@ class IndexWriter(ABC):
     @abstractmethod
     def publish(self, group_id: str, epoch: int, events: Sequence[KVEvent]) -> None:
         """Apply one step's KV events in order; counts as a heartbeat. StaleEpochError if fenced."""
-
-    @abstractmethod
-    def report_load(self, group_id: str, epoch: int, load: GroupLoad) -> None:
-        """Store the group's latest load; counts as a heartbeat. StaleEpochError if fenced."""
 
     @abstractmethod
     def heartbeat(self, group_id: str, epoch: int) -> None:

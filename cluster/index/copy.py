@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from cluster.index.probes import prefix_length, probe_hashes, probe_positions
-from cluster.index.types import GroupLoad, GroupMatch, Matches
+from cluster.index.types import GroupMatch, Matches
 
 
 @dataclass
@@ -39,16 +39,15 @@ class CopiedGroup:
     epoch: int
     bit: int  # 1 << slot: the registration's bit in the copy's masks
     deadline: float  # the caller's clock
-    load: GroupLoad | None = None
     # the cached block hashes, as a dict's keys: a dict of bytes is never tracked by the garbage
     # collector (a set is, and a full collection over 64 groups' sets stalls the router)
     inventory: dict[bytes, None] = field(default_factory=dict)
     pending: dict[bytes, float] = field(default_factory=dict)  # probe hash -> deadline
-    nothing: GroupMatch | None = None  # the group's match of nothing, rebuilt when load changes
+    nothing: GroupMatch | None = None  # the group's match of nothing
 
     def empty_match(self, group_id: str) -> GroupMatch:
         if self.nothing is None:
-            self.nothing = GroupMatch(group_id, self.epoch, 0, 0, self.load)
+            self.nothing = GroupMatch(group_id, self.epoch, 0, 0)
         return self.nothing
 
 
@@ -86,7 +85,7 @@ class IndexCopy:
         return sum(len(g.inventory) for g in live), len(self._held), len(live)
 
     # ---- registrations ----------------------------------------------------------------
-    def register(self, group_id: str, epoch: int, now: float, load: GroupLoad | None = None) -> CopiedGroup:
+    def register(self, group_id: str, epoch: int, now: float) -> CopiedGroup:
         """A new registration (a restart's new epoch replaces the old one and its entries)."""
         if group_id in self.groups:
             self.drop(group_id)
@@ -94,7 +93,7 @@ class IndexCopy:
             bit = self._free_bits.pop()
         else:
             bit, self._next_bit = self._next_bit, self._next_bit << 1
-        g = CopiedGroup(epoch, bit, now + self.ttl_s, load)
+        g = CopiedGroup(epoch, bit, now + self.ttl_s)
         self.groups[group_id] = g
         self._by_bit[bit] = (group_id, g)
         self._answers.pop(bit, None)
@@ -115,12 +114,6 @@ class IndexCopy:
         g.deadline = now + self.ttl_s
         if not self._live & g.bit:
             self._live_until = float("-inf")  # counted dead before: count again
-
-    def set_load(self, group_id: str, g: CopiedGroup, load: GroupLoad) -> None:
-        g.load, g.nothing = load, None
-        self._answers.pop(g.bit, None)
-        if group_id in self._empty:
-            self._empty[group_id] = g.empty_match(group_id)
 
     # ---- cached blocks ------------------------------------------------------------------
     def store(self, g: CopiedGroup, hashes: Sequence[bytes]) -> None:
@@ -231,7 +224,7 @@ class IndexCopy:
         a = self._answers.get(bit)
         if a is None or a[2] != blocks or a[3] != pending:
             gid, g = self._by_bit[bit]
-            a = self._answers[bit] = _new_answer(GroupMatch, (gid, g.epoch, blocks, pending, g.load))
+            a = self._answers[bit] = _new_answer(GroupMatch, (gid, g.epoch, blocks, pending))
         return a
 
     def _cached(self, chain, pos, probed, held: int) -> dict[int, int]:

@@ -1,5 +1,10 @@
 """A group's publishers, one per index it writes to, fed each engine step at once: the one way
-a group, whatever runs its engine, publishes its KV events, load and liveness.
+a group, whatever runs its engine, publishes its KV events and liveness.
+
+Every host of an engine runs the same loop: the engine's KV-event sink is `collect` (called
+during a step), and after each step (or idle wake-up) the host calls `after_step()`, which
+publishes what was collected. A host whose events arrive in batches from
+elsewhere (a Ray group's driver) calls `publish_step` with them directly.
 
 An index in this process (`in_process`: a dict update, no round trip) is fed on the engine's
 thread, so that when a caller sees a request finish the index already holds its blocks; a beat
@@ -16,7 +21,6 @@ from collections.abc import Callable, Iterable, Sequence
 from cluster.index.base import IndexWriter
 from cluster.index.publish_thread import PublisherThread
 from cluster.index.publisher import IndexPublisher, PublisherConfig
-from cluster.index.types import GroupLoad
 from worker.kv_events import KVEvent
 
 
@@ -42,6 +46,7 @@ class GroupPublisher:
             for ix in indexes
         ]
         self._local = [p for p in self.publishers if isinstance(p, IndexPublisher)]
+        self._collected: list[KVEvent] = []  # this step's events, from the engine's sink
         self._stop = threading.Event()
         self._beats = None
         if self._local:
@@ -67,9 +72,19 @@ class GroupPublisher:
         """True once any index fenced this group's registration off."""
         return any(p.fenced for p in self.publishers)
 
-    def publish_step(self, events: Sequence[KVEvent], load: GroupLoad | None) -> None:
+    def publish_step(self, events: Sequence[KVEvent]) -> None:
         for p in self.publishers:
-            p.publish_step(events, load)
+            p.publish_step(events)
+
+    def collect(self, events: Sequence[KVEvent]) -> None:
+        """The engine's KV-event sink: keep a step's events until `after_step`."""
+        self._collected.extend(events)
+
+    def after_step(self) -> None:
+        """Publish what was collected during the step just run (on the engine's thread, after
+        every step and idle wake-up)."""
+        events, self._collected = self._collected, []
+        self.publish_step(events)
 
     def close(self) -> None:
         """Stop publishing; every index drops the group's entries at once (best effort)."""

@@ -17,7 +17,6 @@ from cluster.index.base import PrefixIndex
 from cluster.index.copy import CopiedGroup, IndexCopy
 from cluster.index.probes import probe_hashes
 from cluster.index.types import (
-    GroupLoad,
     IndexHealth,
     InventoryStats,
     Matches,
@@ -72,10 +71,6 @@ class InMemoryPrefixIndex(PrefixIndex):
                 else:
                     raise TypeError(f"unknown KV event {event!r}")
 
-    def report_load(self, group_id: str, epoch: int, load: GroupLoad) -> None:
-        with self._lock:
-            self._copy.set_load(group_id, self._live(group_id, epoch), load)
-
     def heartbeat(self, group_id: str, epoch: int) -> None:
         with self._lock:
             self._live(group_id, epoch)
@@ -115,15 +110,15 @@ class InMemoryPrefixIndex(PrefixIndex):
         with self._lock:
             return self._sweep_dead(self._clock())
 
-    def snapshot(self, group_id: str) -> tuple[int, frozenset[bytes], GroupLoad | None] | None:
-        """(epoch, cached hashes, load) of the group's live registration; None when not live.
+    def snapshot(self, group_id: str) -> tuple[int, frozenset[bytes]] | None:
+        """(epoch, cached hashes) of the group's live registration; None when not live.
 
         What a failover index republishes into the shared index once it is back."""
         with self._lock:
             g = self._copy.groups.get(group_id)
             if g is None or g.deadline <= self._clock():
                 return None
-            return g.epoch, frozenset(g.inventory), g.load
+            return g.epoch, frozenset(g.inventory)
 
     def live_groups(self) -> list[str]:
         with self._lock:

@@ -10,8 +10,7 @@ write, the way every router of one cluster sees the same Redis.
 The copy (cluster/index/copy.py, kept inverted so that a match costs about the same at any
 group count) answers what `RedisPrefixIndex.match` answers: the leading cached blocks of the
 chain on each live group (at the chain's probe positions, then between the last probe held and
-the first missed), the leading pending blocks at probe granularity, and each group's latest
-load. Liveness is kept on this process's clock: a group is live until `heartbeat_ttl_s` after
+the first missed) and the leading pending blocks at probe granularity. Liveness is kept on this process's clock: a group is live until `heartbeat_ttl_s` after
 the last log entry of its registration arrived.
 
 When the follower cannot read the log (Redis down, or the copy fell behind the log's trimmed
@@ -37,7 +36,7 @@ from cluster.index.copy import IndexCopy
 from cluster.index.outage import Outage
 from cluster.index.probes import probe_hashes
 from cluster.index.redis_index import RedisPrefixIndex, to_ms
-from cluster.index.types import GroupLoad, IndexHealth, InventoryStats, Matches, PendingWrite
+from cluster.index.types import IndexHealth, InventoryStats, Matches, PendingWrite
 from worker.hashing import HashChain
 
 log = logging.getLogger(__name__)
@@ -160,9 +159,9 @@ class MirroredPrefixIndex(IndexReader):
         from (the stream's last id at the snapshot: entries after it have larger seqs)."""
         seq, last_id, *rows, pend = self.shared.snapshot()
         now, copy = self._clock(), IndexCopy(self._ttl)
-        for i in range(0, len(rows), 4):
-            gid, epoch, load, inventory = rows[i : i + 4]
-            g = copy.register(gid.decode(), int(epoch), now, GroupLoad.from_json(load) if load else None)
+        for i in range(0, len(rows), 3):
+            gid, epoch, inventory = rows[i : i + 3]
+            g = copy.register(gid.decode(), int(epoch), now)
             copy.store(g, HashChain(inventory))
         for line in pend:
             gid, epoch, ttl_ms, h = line.split(b"\t", 3)
@@ -221,8 +220,6 @@ class MirroredPrefixIndex(IndexReader):
             copy.remove(g, HashChain(payload))
         elif kind == b"C":
             copy.clear(g)
-        elif kind == b"B" and payload:
-            copy.set_load(name, g, GroupLoad.from_json(payload))
         elif kind == b"Q":
             ttl_ms, blob = payload.split(b"\t", 1)
             copy.add_pending(g, HashChain(blob), now + int(ttl_ms) / 1000, now)

@@ -2,10 +2,10 @@
 thread hands over each step and never waits on the network (a hung Redis once paused every
 stream of a group for seconds at a time).
 
-    engine thread     publish_step(events, load): the step's events join a bounded queue, the
-                      load a slot that keeps only the latest; returns at once
+    engine thread     publish_step(events): the step's events join a bounded queue; returns at
+                      once
     publisher thread  takes everything queued, hands it to an `IndexPublisher` as one batch,
-                      then the load or a heartbeat when due; wakes at least every load interval,
+                      then a heartbeat when due; wakes at least every half heartbeat interval,
                       so it also beats while the engine is in a long step
 
 The index stays exact. Events go out in the order the engine made them. When the inventory must
@@ -28,7 +28,6 @@ from dataclasses import dataclass
 
 from cluster.index.base import IndexWriter
 from cluster.index.publisher import IndexPublisher, PublisherConfig
-from cluster.index.types import GroupLoad
 from worker.kv_events import AllBlocksCleared, BlockStored, KVEvent
 
 logger = logging.getLogger(__name__)
@@ -62,7 +61,6 @@ class PublisherThread:
         self._cond = threading.Condition()
         self._queue: deque[Sequence[KVEvent] | _Snapshot] = deque()  # a _Snapshot only first
         self._queued = 0  # events in _queue
-        self._load: GroupLoad | None = None  # the latest load not yet handed over
         self._cut_off = False  # the index is out of reach: drop events until the next snapshot
         self._want_snapshot = False  # a resync waits for one
         self._closing = False
@@ -83,7 +81,7 @@ class PublisherThread:
     def fenced(self) -> bool:
         return self.publisher.fenced
 
-    def publish_step(self, events: Sequence[KVEvent], load: GroupLoad | None) -> None:
+    def publish_step(self, events: Sequence[KVEvent]) -> None:
         """The engine's thread, after each step (and while idle): queue the step; never blocks
         on the index."""
         if self.publisher.fenced:
@@ -95,8 +93,6 @@ class PublisherThread:
                 self._queue.append(events)
                 self._queued += len(events)
                 self._cond.notify()
-            if load is not None:
-                self._load = load
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Stop the thread, which deregisters the group (best effort) on its way out."""
@@ -129,7 +125,7 @@ class PublisherThread:
 
     def _run(self) -> None:
         pub, cfg = self.publisher, self.publisher.config
-        wait_s = min(cfg.load_interval_s, cfg.heartbeat_interval_s / 2)
+        wait_s = cfg.heartbeat_interval_s / 2
         while True:
             with self._cond:
                 if not self._queue and not self._closing:
@@ -138,12 +134,11 @@ class PublisherThread:
                     break
                 items, self._queued = list(self._queue), 0
                 self._queue.clear()
-                load, self._load = self._load, None
             for item in items:
                 for event in _as_events(item):
                     pub.sink(event)
             try:
-                pub.tick(load)
+                pub.tick()
             except Exception:  # noqa: BLE001  (e.g. the inventory failed: the thread lives on)
                 logger.exception("prefix index: publishing for %s failed", pub.group_id)
             if pub.fenced:

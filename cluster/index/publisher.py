@@ -1,8 +1,8 @@
-"""The group side of the prefix index: KV events, heartbeats and load, never failing the engine.
+"""The group side of the prefix index: KV events and heartbeats, never failing the engine.
 
-An `IndexPublisher` is fed each engine step's KV events and load (`publish_step(events,
-load)`) from one thread (it is not thread-safe): a step's events go out as one batch, in order,
-then a load report or a heartbeat when one is due. A group owns its publishers through a
+An `IndexPublisher` is fed each engine step's KV events (`publish_step(events)`) from one thread
+(it is not thread-safe): a step's events go out as one batch, in order, then a heartbeat when
+one is due. A group owns its publishers through a
 `GroupPublisher` (cluster/index/group_publisher.py), which feeds an index in this process from
 the engine's thread and one across the network from a thread of its own
 (cluster/index/publish_thread.py), so that the engine never waits on Redis.
@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from cluster.index.base import IndexWriter
 from cluster.index.outage import Outage
 from cluster.index.types import (
-    GroupLoad,
     IndexUnavailableError,
     PrefixIndexError,
     StaleEpochError,
@@ -43,8 +42,6 @@ class PublisherConfig:
 
     # Must stay well under the index's heartbeat_ttl_s (default 3 s: three beats).
     heartbeat_interval_s: float = 1.0
-    # Load changes every step; the router needs it fresh, but not at every step's rate.
-    load_interval_s: float = 0.1
     retry_initial_s: float = 0.5
     retry_max_s: float = 10.0
     # Blocks per publish when republishing the inventory: bounds one script's run time.
@@ -55,7 +52,7 @@ class PublisherConfig:
     max_queued_events: int = 65536
 
     def __post_init__(self) -> None:
-        for name in ("heartbeat_interval_s", "load_interval_s", "retry_initial_s"):
+        for name in ("heartbeat_interval_s", "retry_initial_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.retry_max_s < self.retry_initial_s:
@@ -67,7 +64,7 @@ class PublisherConfig:
 
 
 class IndexPublisher:
-    """Publishes one group's KV events, load and liveness to one prefix index (a group that
+    """Publishes one group's KV events and liveness to one prefix index (a group that
     publishes to several, e.g. this process's index and Redis, has one publisher for each)."""
 
     def __init__(
@@ -94,7 +91,7 @@ class IndexPublisher:
         self._fenced = False
         cfg = self.config
         self._outage = Outage(logger, f"prefix index for {group_id}", cfg.retry_initial_s, cfg.retry_max_s, clock)
-        self._last_beat = self._last_load = float("-inf")
+        self._last_beat = float("-inf")
         self._resync()
 
     @property
@@ -117,12 +114,12 @@ class IndexPublisher:
         if self._connected:  # disconnected: the republished inventory will cover it
             self._queue.append(event)
 
-    def publish_step(self, events: Iterable[KVEvent], load: GroupLoad | None) -> None:
+    def publish_step(self, events: Iterable[KVEvent]) -> None:
         """One engine step: its KV events in order, then the tick (how every group feeds its
         publishers, whatever runs its engine)."""
         for event in events:
             self.sink(event)
-        self.tick(load)
+        self.tick()
 
     def flush(self) -> None:
         """Publish the queued events as one batch (reconnecting first when it is time)."""
@@ -131,15 +128,13 @@ class IndexPublisher:
         events, self._queue = self._queue, []
         self._call(lambda: self.index.publish(self.group_id, self._epoch, events))
 
-    def tick(self, load: GroupLoad | None = None) -> None:
-        """Once per engine step: flush, then a load report or heartbeat when one is due."""
+    def tick(self) -> None:
+        """Once per engine step: flush, then a heartbeat when one is due."""
         self.flush()
         if not self._connected:
             return
         now = self._clock()
-        if load is not None and now - self._last_load >= self.config.load_interval_s:
-            self._report_load(now, load)
-        elif now - self._last_beat >= self.config.heartbeat_interval_s:
+        if now - self._last_beat >= self.config.heartbeat_interval_s:
             self._heartbeat(now)
 
     def beat(self) -> None:
@@ -169,11 +164,6 @@ class IndexPublisher:
                 logger.info("prefix index: deregistering %s failed: %s", self.group_id, e)
         self._connected = False
         self._queue.clear()
-
-    def _report_load(self, now: float, load: GroupLoad) -> None:
-        # A load report refreshes liveness too, so it resets the heartbeat clock.
-        if self._call(lambda: self.index.report_load(self.group_id, self._epoch, load)):
-            self._last_load = self._last_beat = now
 
     def _heartbeat(self, now: float) -> None:
         if self._call(lambda: self.index.heartbeat(self.group_id, self._epoch)):
@@ -245,13 +235,10 @@ def republish(
     epoch: int,
     hashes: Iterable[bytes],
     chunk: int = 4096,
-    load: GroupLoad | None = None,
 ) -> int:
-    """Publish a group's whole inventory under a new registration, `chunk` blocks per call (and
-    its load, when known); returns the number of blocks."""
+    """Publish a group's whole inventory under a new registration, `chunk` blocks per call;
+    returns the number of blocks."""
     hashes = tuple(hashes)
     for i in range(0, len(hashes), chunk):
         index.publish(group_id, epoch, [BlockStored(hashes[i : i + chunk], None)])
-    if load is not None:
-        index.report_load(group_id, epoch, load)
     return len(hashes)

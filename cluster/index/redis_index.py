@@ -22,7 +22,6 @@ from cluster.index.base import PrefixIndex
 from cluster.index.probes import probe_hashes
 from cluster.index.redis_scripts import PRELUDE, SCRIPTS
 from cluster.index.types import (
-    GroupLoad,
     GroupMatch,
     IndexUnavailableError,
     InventoryStats,
@@ -35,7 +34,7 @@ from cluster.index.types import (
 from worker.hashing import DIGEST_SIZE, HashChain
 from worker.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
-# Parsed hb rows a client keeps: a few load reports of each of hundreds of groups.
+# Parsed hb rows a client keeps: a few registrations of each of hundreds of groups.
 _MAX_ROWS = 4096
 
 # Errors that mean "the index is out of reach for now", as opposed to our own bugs.
@@ -121,10 +120,6 @@ class RedisPrefixIndex(PrefixIndex):
         result = self._run("publish", group_id, epoch, self._ttl_ms, *_encode_events(events))
         self._fenced("publish", group_id, epoch, result)
 
-    def report_load(self, group_id: str, epoch: int, load: GroupLoad) -> None:
-        result = self._run("beat", group_id, epoch, self._ttl_ms, load.to_json())
-        self._fenced("report_load", group_id, epoch, result)
-
     def heartbeat(self, group_id: str, epoch: int) -> None:
         self._fenced("heartbeat", group_id, epoch, self._run("beat", group_id, epoch, self._ttl_ms))
 
@@ -144,15 +139,15 @@ class RedisPrefixIndex(PrefixIndex):
         for line in counts.split(b"\n") if counts else ():
             gid, cached, pending = line.split(b"\t")
             m = out[gid.decode()]
-            out[m.group_id] = GroupMatch(m.group_id, m.epoch, int(cached), int(pending), m.load)
+            out[m.group_id] = GroupMatch(m.group_id, m.epoch, int(cached), int(pending))
             out.touched.append(m.group_id)
         return out
 
     def _parse_row(self, row: bytes) -> GroupMatch:
-        """A live group's hb row as a match of nothing; kept until the group's load changes."""
-        gid, epoch, load = row.split(b"\t", 2)
-        m = GroupMatch(gid.decode(), int(epoch), 0, 0, GroupLoad.from_json(load) if load else None)
-        if len(self._rows) >= _MAX_ROWS:  # old reports of every group: start over
+        """A live group's hb row as a match of nothing; kept while the registration lives."""
+        gid, epoch, _ = row.split(b"\t", 2)
+        m = GroupMatch(gid.decode(), int(epoch), 0, 0)
+        if len(self._rows) >= _MAX_ROWS:  # old registrations of every group: start over
             self._rows.clear()
         self._rows[row] = m
         return m

@@ -5,8 +5,8 @@ raw 16 bytes (set members, hash fields and script arguments are binary-safe):
 
     P epochs          hash  group -> last epoch handed out (HINCRBY; never shrinks)
     P groups          hash  group -> epoch of its current registration
-    P hb:<group>      string  the group's row of the match reply, `group TAB epoch TAB load`
-                      (load: GroupLoad as JSON, empty until reported), PX heartbeat_ttl
+    P hb:<group>      string  the group's row of the match reply, `group TAB epoch TAB`,
+                      PX heartbeat_ttl
     P inv:<group>     set   every block hash the current registration caches, PX heartbeat_ttl
     P pendh           hash  block hash .. `group TAB epoch TAB` -> deadline (Redis TIME, ms)
     P pendq           zset  the same members, scored by their deadline, PX the longest pending TTL
@@ -14,9 +14,10 @@ raw 16 bytes (set members, hash fields and script arguments are binary-safe):
     P logseq          string  the sequence number of the log's last entry
 
 A group is live while `hb:<group>` exists and starts with `group TAB groups[group] TAB` (its
-"head"). Each heartbeat, load report or publish refreshes the TTLs of hb and inv together, so
-when a group dies its keys expire by themselves; `cleanup()` only forgets its `groups` field.
-The load lives in the hb row so that one MGET answers liveness, epoch and load for every group.
+"head"). Each heartbeat or publish refreshes the TTLs of hb and inv together, so when a group
+dies its keys expire by themselves; `cleanup()` only forgets its `groups` field. One MGET of
+the hb rows answers liveness and epoch for every group. (How busy a group is does not go
+through the index: a router reads it from the group's own status.)
 
 Pending placements are one hash for all groups, keyed by (probe hash, registration head), so
 that one HMGET asks every group at once; a new registration has a new head, so an old one's
@@ -35,7 +36,7 @@ redis.call per group and step (benchmarks/RESULTS.md).
 
 The log: every script that changes what a match answers also appends one entry per change to
 `log`, a stream with one field `v` = `kind TAB seq TAB group TAB epoch TAB payload`, where seq is
-`INCR logseq`. Kinds: G register, D deregister, B heartbeat (payload: the load JSON, or empty),
+`INCR logseq`. Kinds: G register, D deregister, B heartbeat (no payload),
 S / R blocks stored / removed (payload: their hashes concatenated), C cleared, Q pending (payload:
 `ttl_ms TAB probe hashes`). A router's mirror (cluster/index/mirror.py) loads a `snapshot`, then
 follows the log from the snapshot's seq; a seq that is not the next one (the log was trimmed, or
@@ -179,13 +180,12 @@ log('G', g, e)
 return e
 """
 
-# ARGV: P, group, epoch, ttl_ms [, load_json] -> 1, or 0 when fenced. Heartbeat and load report.
+# ARGV: P, group, epoch, ttl_ms -> 1, or 0 when fenced. Heartbeat.
 BEAT = """
 local g, e, ttl = ARGV[2], ARGV[3], ARGV[4]
 if live_epoch(g) ~= e then return 0 end
-if ARGV[5] then redis.call('SET', P .. 'hb:' .. g, row_head(g, e) .. ARGV[5]) end
 refresh(g, ttl)
-log('B', g, e, ARGV[5])
+log('B', g, e)
 return 1
 """
 
@@ -300,8 +300,8 @@ return written
 
 # ARGV: P, blob -> one string: a line `group TAB cached TAB pending` per live group that holds
 # or has pending the chain's first block, an empty line, then every live group's hb row (see the
-# module docstring). Rows change only with a group's load report, so the client keeps the parsed
-# rows and parses only the new ones; one bulk string because redis-py parses each element of a
+# module docstring). Rows change only with a group's registration, so the client keeps the
+# parsed rows and parses only the new ones; one bulk string because redis-py parses each element of a
 # multi-bulk reply in Python.
 MATCH = """
 local ids = redis.call('HKEYS', P .. 'groups')
@@ -365,8 +365,8 @@ end
 return table.concat(counts, '\\n') .. '\\n\\n' .. table.concat(rows, '\\n')
 """
 
-# ARGV: P -> {seq, the log's last entry id or '0-0', then per live group: group, epoch, load JSON or '', its inventory's hashes
-# concatenated; last, a list of the live registrations' unexpired pending probes as lines
+# ARGV: P -> {seq, the log's last entry id or '0-0', then per live group: group, epoch, its
+# inventory's hashes concatenated; last, a list of the live registrations' unexpired pending probes as lines
 # `group TAB epoch TAB ttl_ms TAB hash`}. Consistent with the log at `seq` (a script runs alone):
 # a mirror that loads it follows the log from entry seq + 1.
 SNAPSHOT = """
@@ -376,11 +376,9 @@ local out, heads = {seq, tail[1] and tail[1][1] or '0-0'}, {}
 for _, g in ipairs(redis.call('HKEYS', P .. 'groups')) do
   local e = live_epoch(g)
   if e then
-    local row, head = redis.call('GET', P .. 'hb:' .. g), row_head(g, e)
-    heads[head] = true
+    heads[row_head(g, e)] = true
     out[#out + 1] = g
     out[#out + 1] = e
-    out[#out + 1] = string.sub(row, #head + 1)
     out[#out + 1] = table.concat(redis.call('SMEMBERS', P .. 'inv:' .. g))
   end
 end

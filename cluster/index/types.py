@@ -1,40 +1,15 @@
-"""The prefix index's vocabulary: a group's load report, a match's answer, a pending write,
-inventory sizes, the timing configuration, the errors, and the rule for names."""
+"""The prefix index's vocabulary: a match's answer, a pending write, inventory sizes, the
+timing configuration, the errors, and the rule for names.
+
+The index carries what groups hold, not how busy they are: a router weighs load from its groups'
+own status (cluster/group.py: `GroupStatus`), which reaches it with every batch of outputs."""
 
 from __future__ import annotations
 
-import json
 import re
-import time
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from typing import NamedTuple
-
-
-@dataclass(frozen=True)
-class GroupLoad:
-    """A group's load at one engine step, as the router weighs it."""
-
-    waiting_prefill_tokens: int  # prompt tokens admitted or queued but not yet computed
-    running_seqs: int
-    waiting_seqs: int
-    free_blocks: int
-    total_blocks: int
-    timestamp: float = field(default_factory=time.time)  # wall clock (s) when measured
-
-    def __post_init__(self) -> None:
-        for name in ("waiting_prefill_tokens", "running_seqs", "waiting_seqs", "free_blocks"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if not 0 <= self.free_blocks <= self.total_blocks:
-            raise ValueError(f"total_blocks must be >= free_blocks, got {self.total_blocks}")
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), separators=(",", ":"))
-
-    @classmethod
-    def from_json(cls, text: str | bytes) -> GroupLoad:
-        return cls(**json.loads(text))
 
 
 class GroupMatch(NamedTuple):
@@ -45,7 +20,6 @@ class GroupMatch(NamedTuple):
     epoch: int
     blocks: int  # leading blocks of the chain cached on the group
     pending_blocks: int  # leading blocks of the chain pending (recently placed) on the group
-    load: GroupLoad | None  # latest load report; None until the group reports one
 
     @property
     def expected_blocks(self) -> int:

@@ -203,7 +203,7 @@ class RayGroup(GroupHandle):
                 self._stats_version += 1
                 if stats.get("error"):
                     self._error = self._error or stats["error"]
-                self._publish(batch, stats)
+                self._publish(batch)
                 routed = []  # handed to the callers' loops together (`hand_over`)
                 for item in batch:
                     if isinstance(item, KVEvents):
@@ -227,15 +227,14 @@ class RayGroup(GroupHandle):
         if self.publisher is not None:
             self.publisher.close()  # a dead or stopped group's blocks leave the index at once
 
-    def _publish(self, batch: list, stats: dict) -> None:
-        """Driver thread: a batch's KV events and the engine's load to the index, before the
-        batch's outputs reach their callers. Index trouble never fails the group."""
+    def _publish(self, batch: list) -> None:
+        """Driver thread: a batch's KV events to the index, before the batch's outputs reach
+        their callers. Index trouble never fails the group."""
         if self.publisher is None:
             return
         try:
             events = [e for item in batch if isinstance(item, KVEvents) for e in item.events]
-            load = status_from_stats(self.group_id, stats, True, self.tp, self.devices).load()
-            self.publisher.publish_step(events, load)
+            self.publisher.publish_step(events)
         except Exception:  # e.g. rank 0 gone while the publisher fetched the inventory
             log.exception("group %s: publishing to the prefix index failed", self.group_id)
 

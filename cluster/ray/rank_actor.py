@@ -93,7 +93,6 @@ class RankActor:
         self._subscribers: dict[str, _Outbox] = {}  # rank 0: outputs not yet streamed
         self._events_to: str | None = None  # the subscriber whose stream carries KV events
         self._publisher = None  # rank 0 publishing to Redis itself: a GroupPublisher
-        self._events: list = []  # this step's KV events, for the publisher
         self._draining = False
         self._closing = False
         self._description: dict = {}
@@ -151,6 +150,7 @@ class RankActor:
             if self._publisher is not None or self._events_to is not None:
                 engine.on_kv_events = self._kv_events
             self.facts = engine.facts()  # (before the engine thread uses the tokenizer)
+            self._inventory = engine.cached_hashes  # (called between steps, on its thread)
             self.engine = AsyncEngine(engine, self._tick)
             layout = self.executor.layout
         else:
@@ -192,7 +192,7 @@ class RankActor:
         self._publisher = GroupPublisher(
             redis,
             index.group_id,
-            engine.scheduler.bm.cached_hashes,
+            engine.cached_hashes,
             on_fenced=lambda: end_process(fenced),
         )
 
@@ -242,7 +242,7 @@ class RankActor:
         # index: queued on the event loop ahead of the step's outputs (they reach the outbox one
         # hop later, through the requests' followers).
         if self._publisher is not None:
-            self._events.extend(events)
+            self._publisher.collect(events)
         if self._events_to is not None:
             self._loop.call_soon_threadsafe(self._emit, self._events_to, KVEvents(events))
 
@@ -303,7 +303,7 @@ class RankActor:
 
     async def cached_hashes(self) -> list[bytes]:
         """Every block hash in the engine's prefix cache (the group's index inventory)."""
-        return await self._between_steps(lambda: list(self.engine.engine.scheduler.bm.cached_hashes()))
+        return await self._between_steps(self._inventory)
 
     async def _between_steps(self, fn):
         done: concurrent.futures.Future = concurrent.futures.Future()
@@ -316,18 +316,16 @@ class RankActor:
             self._node_watch.stop()
         for box in self._subscribers.values():
             box.ready.set()  # ends the output streams
-        if self.engine is not None:
-            await asyncio.to_thread(self.engine.shutdown)
-            if not self.engine._thread.is_alive():  # not stuck in a collective
-                self.executor.shutdown()
+        # (the executor is torn down only when the engine thread ended, not stuck in a collective)
+        if self.engine is not None and await asyncio.to_thread(self.engine.shutdown):
+            self.executor.shutdown()
         if self._publisher is not None:
             self._publisher.close()  # the group's blocks leave the index at once
 
     def _tick(self, engine) -> None:
         """Rank 0's engine thread, after every step and while idle."""
         if self._publisher is not None:
-            events, self._events[:] = list(self._events), []
-            self._publisher.publish_step(events, self._load())
+            self._publisher.after_step()
         while not self._calls.empty():
             fn, done = self._calls.get()
             try:
@@ -335,11 +333,6 @@ class RankActor:
             except BaseException as e:  # (the caller gets it)
                 done.set_exception(e)
         self.executor.keepalive()
-
-    def _load(self):
-        from cluster.group import status_from_stats
-
-        return status_from_stats("", self.engine.engine.stats(), True, 1, ()).load()
 
 
 class _Outbox:

@@ -219,7 +219,7 @@ class PendingPlacements:
         for p in placed:
             if p.deadline <= now or p.probes[0] != h0:
                 continue  # the usual case: another document
-            m = out.get(p.group_id) or GroupMatch(p.group_id, 0, 0, 0, None)  # index down
+            m = out.get(p.group_id) or GroupMatch(p.group_id, 0, 0, 0)  # index down
             if pos is None:
                 pos, probed = probe_positions(len(block_hashes)), probe_hashes(block_hashes)
             k = _shared_probes(probed, p.probes)

@@ -96,10 +96,13 @@ class AsyncEngine:
     def num_in_flight(self) -> int:
         return len(self._streams)
 
-    def shutdown(self, timeout: float = 10.0) -> None:
+    def shutdown(self, timeout: float = 10.0) -> bool:
+        """Stop the loop thread; True when it ended within `timeout` (False: it is stuck, e.g.
+        in a collective, and what it holds must not be torn down under it)."""
         self._stopped = True
         self._wake.set()
         self._thread.join(timeout)
+        return not self._thread.is_alive()
 
     def _send(self, command: tuple) -> None:
         self._commands.put(command)

@@ -231,6 +231,11 @@ class LLMEngine:
                 self.on_kv_events(batch)
 
     # ---- introspection -----------------------------------------------------------------
+    def cached_hashes(self) -> list[bytes]:
+        """Every block hash in the prefix cache: the group's inventory, which a publisher
+        republishes whole when an index lost it."""
+        return list(self.scheduler.bm.cached_hashes())
+
     def facts(self) -> ModelFacts:
         """This engine's model as a router of another process needs it."""
         return ModelFacts(
