@@ -11,6 +11,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from kernels.registry import get_backend
+from worker.exec.host_tier import HostTier, host_blocks
 from worker.exec.kv_calibration import calibrate_tensor_scales
 from worker.exec.kv_pool import KVLayout, KVPool, layout_for, num_blocks_from_memory
 from worker.exec.model_runner import ModelRunner, Sampled
@@ -18,7 +19,7 @@ from worker.exec.overlap import OverlapRunner, wants_overlap
 from worker.model.model_config import ModelConfig
 from worker.model.model_loader import load_model
 from worker.model.parallel import Collectives, SingleRank
-from worker.step import SchedulerOutput
+from worker.step import KVMoves, SchedulerOutput
 
 
 class DeviceWorker:
@@ -35,6 +36,7 @@ class DeviceWorker:
         self.layout: KVLayout = layout_for(self.model_config, config.cache, local_kv_heads, self.model_dtype)
         self.runner = ModelRunner(self.model, config.cache.block_size, self.device)
         self.pool: KVPool | None = None
+        self.host_tier: HostTier | None = None  # blocks under the pool, in host memory
 
     def determine_num_blocks(self) -> int:
         """Blocks this device can hold under the configured budget."""
@@ -64,8 +66,17 @@ class DeviceWorker:
             )
             self.pool.set_tensor_scales(*scales)
         self.pool.bind(self.model.attention_layers())
+        if slots := host_blocks(self.config.cache, self.layout):
+            self.host_tier = HostTier(self.pool, slots)
+
+    def move(self, moves: KVMoves | None) -> None:
+        """A step's copies between the pool and the tiers under it, before its forward."""
+        if moves:
+            assert self.host_tier is not None, "a step moved blocks to a host tier this rank lacks"
+            self.host_tier.apply(moves)
 
     def execute(self, out: SchedulerOutput, sample: bool = True) -> Sampled:
+        self.move(out.moves)
         return self.runner.execute(out, sample=sample)
 
 
@@ -119,7 +130,7 @@ class LocalExecutor(Executor):
     def init_pool(self, num_blocks: int) -> None:
         self.worker.init_pool(num_blocks)
         if self._wants_overlap:
-            self.overlap = OverlapRunner(self.worker.runner)
+            self.overlap = OverlapRunner(self.worker.runner, self.worker.move)
 
     def execute(self, out: SchedulerOutput) -> Sampled:
         if self.overlap is not None:

@@ -26,9 +26,9 @@ from itertools import compress
 import numpy as np
 
 from worker.exec.persistent_batch import DecodeBatch, TableEntries
-from worker.step import SchedulerOutput
+from worker.step import KVMoves, SchedulerOutput
 
-STEP, HEARTBEAT, PROBE, SHUTDOWN = b"s", b"h", b"p", b"x"
+STEP, HEARTBEAT, PROBE, SHUTDOWN, MOVES = b"s", b"h", b"p", b"x", b"m"
 # kind, flags, S, T, R, K, rank 0's send time (for the control-overhead measurement); 32 bytes
 # so that the int32 arrays after it start aligned
 _HEADER = struct.Struct("<cB2xIIIId4x")
@@ -371,6 +371,20 @@ def decode_step(message: bytes) -> tuple[FlatStep, float]:
         continues=bool(flags & _CONTINUES),
     )
     return step, sent_at
+
+
+def encode_moves(moves: KVMoves) -> bytes:
+    """A MOVES message: a step's copies between tiers, sent just before the step (every rank
+    makes them before its forward). Kind, 3 pad bytes, the counts of saves and loads, then
+    their pairs as int32."""
+    pairs = np.array([*moves.saves, *moves.loads], dtype=np.int32).reshape(-1, 2)  # (n, 2)
+    return MOVES + bytes(3) + struct.pack("<II", len(moves.saves), len(moves.loads)) + pairs.tobytes()
+
+
+def decode_moves(message: bytes) -> KVMoves:
+    saves, loads = struct.unpack_from("<II", message, 4)
+    pairs = np.frombuffer(message, dtype=np.int32, offset=12).reshape(-1, 2).tolist()
+    return KVMoves([tuple(p) for p in pairs[:saves]], [tuple(p) for p in pairs[saves : saves + loads]])
 
 
 def kind_of(message: bytes) -> bytes:

@@ -18,7 +18,7 @@ import time
 from worker.exec.distributed import ByteChannel, startup_barrier
 from worker.exec.executor import DeviceWorker, Executor
 from worker.exec.model_runner import Sampled
-from worker.exec.step_codec import HEARTBEAT, SHUTDOWN, encode_step, probe_message
+from worker.exec.step_codec import HEARTBEAT, SHUTDOWN, encode_moves, encode_step, probe_message
 from worker.model.parallel import Collectives
 from worker.step import SchedulerOutput
 
@@ -68,8 +68,11 @@ class TPExecutor(Executor):
         planned = time.perf_counter()
         message = encode_step(step, decided)
         encoded = time.perf_counter()
+        if out.moves:  # the step's copies between tiers go first: every rank makes them first
+            self._collective(self.channel.send, encode_moves(out.moves))
         self._collective(self.channel.send, message)
         sent = time.perf_counter()
+        self.worker.move(out.moves)
         self._last_sent = time.monotonic()
         sampled = self._collective(runner.run, step, out)
         if step.num_seqs:  # up to the model's forward call, inputs ready (as on every rank)
