@@ -139,7 +139,7 @@ def _b(n: int) -> str:
 
 _ENGINE_FLAGS = ("num_blocks", "block_size", "max_model_len", "max_num_seqs", "max_waiting")
 # byte sizes (24GiB, 512MB, 4096): KV tiers under each device's pool
-_ENGINE_SIZES = ("kv_host_bytes",)
+_ENGINE_SIZES = ("kv_host_bytes", "kv_disk_bytes")
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -226,6 +226,12 @@ def add_tier_arguments(group) -> None:
         type=_size,
         help="host memory per device for KV blocks the pool evicts, restored instead of recomputed, e.g. 16GiB",
     )
+    group.add_argument(
+        "--kv-disk-bytes",
+        type=_size,
+        help="disk per device under the host tier for blocks it evicts (needs --kv-host-bytes and --kv-disk-dir)",
+    )
+    group.add_argument("--kv-disk-dir", metavar="DIR", help="the disk tier's directory (local NVMe), one per group")
 
 
 def serve_config(args: argparse.Namespace):
@@ -258,7 +264,7 @@ def serve_config(args: argparse.Namespace):
     )
     overrides = {k: getattr(args, k) for k in keys}
     config = load_config(args.config, overrides)
-    engine_keys = (*_ENGINE_FLAGS, *_ENGINE_SIZES, "dtype", "kv_cache_dtype")
+    engine_keys = (*_ENGINE_FLAGS, *_ENGINE_SIZES, "kv_disk_dir", "dtype", "kv_cache_dtype")
     engine = {k: getattr(args, k) for k in engine_keys if getattr(args, k) is not None}
     config = replace(config, engine={**config.engine, **engine})
     if args.no_metrics:

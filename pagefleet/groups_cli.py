@@ -136,7 +136,8 @@ def _spec(args: argparse.Namespace):
     from pagefleet.llm import engine_config
     from router.serve import model_name, take_cluster_secret
 
-    options = {k: getattr(args, k) for k in (*_ENGINE_FLAGS, *_ENGINE_SIZES) if getattr(args, k) is not None}
+    keys = (*_ENGINE_FLAGS, *_ENGINE_SIZES, "kv_disk_dir")
+    options = {k: getattr(args, k) for k in keys if getattr(args, k) is not None}
     config = engine_config(args.model, device=args.device, cluster_secret=take_cluster_secret(), **options)
     resources = {}
     for item in args.group_resource:

@@ -18,9 +18,11 @@ from transformers import AutoModelForCausalLM
 from pagefleet.llm import LLM
 from worker.engine.block_manager import BlockManager
 from worker.engine.tier_index import TierIndex
+from worker.exec.step_codec import FETCH, decode_moves, encode_moves
 from worker.kv_events import DEVICE, HOST, BlockRemoved, BlockStored
 from worker.model.builtin_model import make_model_dir
 from worker.sampling_params import SamplingParams
+from worker.step import KVMoves
 
 BS = 4
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6)
@@ -125,6 +127,15 @@ def test_the_chain_continues_from_the_device_to_the_host():
     check_all_released(bm)
 
 
+def test_a_steps_moves_and_a_fetch_cross_to_other_ranks_whole():
+    h = [bytes([i]) * 16 for i in range(5)]
+    moves = KVMoves(saves=[(3, 0), (4, 1)], loads=[(2, 7)], demotes=[(5, h[0])], drops=[h[1], h[2]])
+    assert decode_moves(encode_moves(moves)) == (moves, [])
+    fetches = [(h[3], 6), (h[4], 8)]
+    early = KVMoves(demotes=[(1, h[0])])
+    assert decode_moves(encode_moves(early, fetches, kind=FETCH)) == (early, fetches)
+
+
 # ---- the engine ---------------------------------------------------------------------------
 
 
@@ -219,3 +230,60 @@ def test_a_request_aborted_while_its_restored_prefix_is_read_leaks_nothing(model
     device = one_by_one(LLM(str(model_dir), **BIG), prompts)
     assert again.outputs[0].token_ids == device[-1].outputs[0].token_ids
     assert again.num_cached_tokens == 80
+
+
+# ---- the disk tier ------------------------------------------------------------------------
+
+
+def block_bytes(model_dir) -> int:
+    stats = LLM(str(model_dir), **{**SMALL, "num_blocks": 16}).engine.stats()
+    return stats["kv_bytes_per_token"] * stats["block_size"]
+
+
+def disk_tiered(model_dir, directory, host_blocks: int = 12) -> LLM:
+    """A SMALL pool over a host tier too small for two documents, over a disk tier."""
+    b = block_bytes(model_dir)
+    options = {**SMALL, "kv_host_bytes": host_blocks * b, "kv_disk_bytes": 200 * b, "kv_disk_dir": str(directory)}
+    return LLM(str(model_dir), **options)
+
+
+def test_a_document_evicted_from_the_host_is_restored_from_the_disk(model_dir, tmp_path):
+    prompts = visits(documents(4, seed=11))
+    tier = disk_tiered(model_dir, tmp_path)
+    restored = one_by_one(tier, prompts)
+    device = one_by_one(LLM(str(model_dir), **BIG), prompts)
+    assert tokens(restored) == tokens(device)
+    stats = tier.engine.stats()
+    assert restored[-1].num_cached_tokens == 80
+    assert stats["kv_disk_hits"] > 0 and stats["kv_disk_failures"] == 0
+    assert stats["kv_host_hits"] == 80  # every restored block reaches the pool through the host
+    files = list(tmp_path.rglob("*.kv"))
+    assert len(files) == stats["kv_disk_blocks_cached"] > 0
+    with pytest.raises(RuntimeError, match="in use"):  # one owner per directory
+        disk_tiered(model_dir, tmp_path)
+    tier.engine.executor.shutdown()
+
+
+@pytest.mark.parametrize("damage", ["bit flip", "truncated", "missing"])
+def test_a_damaged_block_file_is_a_miss_never_wrong_kv(model_dir, tmp_path, damage):
+    prompts = visits(documents(4, seed=11))
+    tier = disk_tiered(model_dir, tmp_path)
+    first = one_by_one(tier, prompts[:4])
+    for f in tmp_path.rglob("*.kv"):  # every block on the disk
+        if damage == "bit flip":
+            data = bytearray(f.read_bytes())
+            data[len(data) // 2] ^= 0x10
+            f.write_bytes(bytes(data))
+        elif damage == "truncated":
+            f.write_bytes(f.read_bytes()[:-5])
+        else:
+            f.unlink()
+    last = tier.generate([prompts[4]], GREEDY)[0]
+    device = one_by_one(LLM(str(model_dir), **BIG), prompts)
+    assert tokens([*first, last]) == tokens(device)
+    stats = tier.engine.stats()
+    assert stats["kv_disk_failures"] == 1 and stats["kv_disk_hits"] == 0
+    assert last.num_cached_tokens < 80  # what the host still held, at most
+    if damage != "missing":  # the blocks that failed are forgotten, their files removed
+        assert len(list(tmp_path.rglob("*.kv"))) == stats["kv_disk_blocks_cached"]
+    tier.engine.executor.shutdown()

@@ -71,17 +71,21 @@ class ScheduledRequest:
 
 @dataclass
 class KVMoves:
-    """Copies of whole KV blocks between a rank's device pool and its host tier, made by every
-    rank before the step's forward, in this order: `saves` (device -> host: blocks evicted
-    this step, read before a new owner writes them), then `loads` (host -> device: a restored
-    prefix, into blocks the step's forward reads). Filled by the block manager on rank 0; the
-    host slots a step touches are not reused within it, so the order is the only one needed."""
+    """Copies of whole KV blocks between a rank's device pool and the tiers under it, made by
+    every rank before the step's forward, in this order: `demotes` (host -> disk: blocks the
+    host evicts, read before a save reuses their slot) and `drops` (disk files evicted), then
+    `saves` (device -> host: blocks evicted this step, read before a new owner writes them),
+    then `loads` (host -> device: a restored prefix, into blocks the step's forward reads).
+    Filled by the block manager on rank 0; the slots a step touches are not reused within it,
+    so the order is the only one needed."""
 
     saves: list[tuple[int, int]] = field(default_factory=list)  # (device block id, host slot)
     loads: list[tuple[int, int]] = field(default_factory=list)  # (host slot, device block id)
+    demotes: list[tuple[int, bytes]] = field(default_factory=list)  # (host slot, block hash)
+    drops: list[bytes] = field(default_factory=list)  # block hashes the disk tier let go
 
     def __bool__(self) -> bool:
-        return bool(self.saves or self.loads)
+        return bool(self.saves or self.loads or self.demotes or self.drops)
 
 
 @dataclass

@@ -13,6 +13,12 @@ into a fresh device block (a load), which is then an ordinary cached block: a se
 finds it on the device and nothing is loaded twice. Saves and loads accumulate in `moves`,
 which the scheduler hands to every rank with the step (worker/step.py `KVMoves`).
 
+With a disk tier (`disk`) under the host, a block the host evicts is demoted to it, and a
+lookup goes on from the host to the disk: disk hits are fetched into host slots through
+`fetch` (synchronous in this version: the reads are made before the request is admitted, and
+a block that any rank fails to read whole ends the match there, a miss), then loaded as host
+hits.
+
 Write-back rather than write-through: a save costs a copy only for a block the pool is about
 to lose, which under no memory pressure is never, and the host holds what the device does not
 (a write-through host mirrors the device, so its first pool's worth of blocks adds nothing).
@@ -22,7 +28,7 @@ in benchmarks/RESULTS.md (KV tiers).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from worker.engine.block_pool import Block, FreeBlockQueue
@@ -30,6 +36,7 @@ from worker.engine.request import Request
 from worker.engine.tier_index import TierIndex
 from worker.hashing import BlockHasher
 from worker.kv_events import (
+    DISK,
     HOST,
     AllBlocksCleared,
     BlockRemoved,
@@ -38,6 +45,9 @@ from worker.kv_events import (
     discard_events,
 )
 from worker.step import KVMoves
+
+# (disk writes to make first, [(hash, host slot)] to read from the disk) -> how many were read
+Fetch = Callable[[KVMoves, list[tuple[bytes, int]]], int]
 
 
 def cdiv(a: int, b: int) -> int:
@@ -68,6 +78,8 @@ class BlockManager:
         hasher: BlockHasher | None = None,
         event_sink: KVEventSink = discard_events,
         host: TierIndex | None = None,
+        disk: TierIndex | None = None,
+        fetch: Fetch | None = None,
     ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
@@ -91,6 +103,11 @@ class BlockManager:
         self.prefix_queries = 0  # tokens looked up at admission
         self.prefix_hits = 0  # of which served from the cache (any tier)
         self.host = host if hasher is not None else None  # the host tier's slots, or None
+        self.disk = disk if self.host is not None else None  # the disk tier's, under the host
+        self.fetch = fetch  # reads disk blocks into host slots on every rank (needed with `disk`)
+        assert self.disk is None or fetch is not None, "a disk tier needs a fetch"
+        self.disk_hits = 0  # tokens of prefix hits fetched from the disk tier
+        self.disk_failures = 0  # blocks the disk tier could not read whole (misses)
         self.moves = KVMoves()  # this step's copies between tiers, so far
         self.host_hits = 0  # tokens of prefix hits restored from the host tier
         self.host_saves = 0  # blocks written back to the host tier
@@ -134,26 +151,68 @@ class BlockManager:
         for i, h in enumerate(request.block_hashes[:max_blocks]):
             block = cached.get(h)
             if block is None:
-                if host is not None and h in host:
-                    return self._match_on_host(request, blocks, i, max_blocks)
+                if host is not None and (h in host or (self.disk is not None and h in self.disk)):
+                    return self._match_below(request, blocks, i, max_blocks)
                 break
             blocks.append(block)
         return PrefixMatch(tuple(blocks), self.block_size)
 
-    def _match_on_host(self, request: Request, blocks: list[Block], i: int, max_blocks: int) -> PrefixMatch:
-        """The chain from position `i` on, each block on the device, else on the host."""
-        cached, host = self.cached, self.host
-        loads = []
+    def _match_below(self, request: Request, blocks: list[Block], i: int, max_blocks: int) -> PrefixMatch:
+        """The chain from position `i` on, each block on the device, else on the host, else
+        on the disk (fetched to the host now)."""
+        cached, host, disk = self.cached, self.host, self.disk
+        loads, fetches = [], []
         for pos in range(i, max_blocks):
             h = request.block_hashes[pos]
             block = cached.get(h)
             if block is not None:
                 blocks.append(block)
             elif (slot := host.get(h)) is not None:
+                host.pin(slot)  # (a fetch below must not take it)
                 loads.append((pos, h, slot))
+            elif disk is not None and h in disk:
+                fetches.append((pos, h))
             else:
                 break
+        if fetches:
+            got = self._fetch(fetches)
+            if got < len(fetches):  # the chain ends at the first block not read whole
+                end = fetches[got][0]
+                blocks = blocks[: end - len([p for p, *_ in loads if p < end]) - got]
+                loads = [x for x in loads if x[0] < end]
+            loads = sorted(loads + [(pos, h, host.get(h)) for pos, h in fetches[:got]])
         return PrefixMatch(tuple(blocks), self.block_size, tuple(loads))
+
+    def _fetch(self, fetches: list[tuple[int, bytes]]) -> int:
+        """Read disk blocks (position, hash) into host slots; returns how many of them, in
+        order, every rank read whole. The ones after are forgotten (misses)."""
+        host, disk = self.host, self.disk
+        slots = []
+        for _, h in fetches:
+            put = host.put(h)
+            if put is None:  # the host's slots are all in use this step: fetch fewer
+                break
+            slot, victim = put
+            if victim is not None:
+                self._demote(victim, slot)
+            slots.append((h, slot))
+        # the step's disk writes so far are made first, by the fetch (they read host slots
+        # that no copy of this step has written yet)
+        early = KVMoves(demotes=self.moves.demotes, drops=self.moves.drops)
+        self.moves.demotes, self.moves.drops = [], []
+        got = self.fetch(early, slots)
+        for h, _ in slots[got:]:
+            host.drop(h)
+        failed = [h for _, h in fetches[got : len(slots)]]
+        self.disk_failures += 1 if failed else 0  # (the rest are only unreachable after it)
+        for h in failed:
+            disk.drop(h)
+        if failed:
+            self.emit(BlockRemoved(tuple(failed), DISK))
+        if got:
+            self.emit(BlockStored(tuple(h for h, _ in slots[:got]), None, HOST))
+        self.disk_hits += got * self.block_size
+        return got
 
     def can_allocate(self, request: Request, match: PrefixMatch, num_new_tokens: int, reserve_blocks: int = 0) -> bool:
         """Whether `request` fits with its cached prefix plus `num_new_tokens`, leaving
@@ -222,6 +281,8 @@ class BlockManager:
         if self.host is None:
             return None
         self.host.unpin_all()
+        if self.disk is not None:
+            self.disk.unpin_all()
         moves, self.moves = self.moves, KVMoves()
         return moves if moves else None
 
@@ -276,6 +337,9 @@ class BlockManager:
         self.cached.clear()
         if self.host is not None:
             self.host.clear()
+        if self.disk is not None:
+            self.moves.drops += list(self.disk.hashes())
+            self.disk.clear()
         self.emit(AllBlocksCleared())
         return True
 
@@ -322,6 +386,8 @@ class BlockManager:
             slot, victim = put
             if victim is not None:
                 dropped.append(victim)
+                if self.disk is not None:
+                    self._demote(victim, slot)
             saves.append((block_id, slot))
             stored.append(h)
         self.host_saves += len(stored)
@@ -329,6 +395,23 @@ class BlockManager:
             self.emit(BlockRemoved(tuple(dropped), HOST))
         if stored:
             self.emit(BlockStored(tuple(stored), None, HOST))
+
+    def _demote(self, block_hash: bytes, slot: int) -> None:
+        """The host evicts `block_hash` from `slot`: write it to the disk tier (before the
+        slot is reused), unless the disk holds it; the disk's own victim is dropped."""
+        disk = self.disk
+        if block_hash in disk:
+            disk.touch(block_hash)
+            return
+        put = disk.put(block_hash)
+        if put is None:
+            return
+        _, victim = put
+        if victim is not None:
+            self.moves.drops.append(victim)
+            self.emit(BlockRemoved((victim,), DISK))
+        self.moves.demotes.append((slot, block_hash))
+        self.emit(BlockStored((block_hash,), None, DISK))
 
     def _hash_known_blocks(self, request: Request) -> None:
         """Extend the request's hash chain over every full block of its known tokens."""

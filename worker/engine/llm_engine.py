@@ -20,7 +20,7 @@ from worker.exec.executor import Executor, LocalExecutor
 from worker.exec.host_tier import host_blocks
 from worker.exec.kv_pool import check_pool_fits, kv_torch_dtype
 from worker.hashing import BlockHasher, ModelFingerprint
-from worker.kv_events import HOST, KVEvent
+from worker.kv_events import DISK, HOST, KVEvent
 from worker.model.dtypes import resolve_dtype
 from worker.model.model_config import ModelConfig
 from worker.model_source import is_gguf
@@ -75,7 +75,10 @@ class LLMEngine:
         hasher = self.hasher if cache.enable_prefix_caching else None
         host_slots = host_blocks(cache, self.layout)  # (each rank's tier holds as many)
         host = TierIndex(host_slots, HOST) if host_slots and hasher is not None else None
-        bm = BlockManager(num_blocks, cache.block_size, hasher, self._events.append, host)
+        disk = None
+        if host is not None and cache.kv_disk_bytes:
+            disk = TierIndex(max(1, cache.kv_disk_bytes // self.layout.block_bytes), DISK)
+        bm = BlockManager(num_blocks, cache.block_size, hasher, self._events.append, host, disk, self.executor.fetch)
         self.scheduler = Scheduler(
             replace(config.scheduler, max_model_len=self.max_model_len),
             bm,
@@ -268,6 +271,9 @@ class LLMEngine:
             "kv_host_blocks_cached": len(bm.host) if bm.host is not None else 0,
             "kv_host_hits": bm.host_hits,  # prompt tokens restored from the host tier
             "kv_host_saves": bm.host_saves,  # blocks written back to the host tier
+            "kv_disk_blocks_cached": len(bm.disk) if bm.disk is not None else 0,
+            "kv_disk_hits": bm.disk_hits,  # prompt tokens fetched from the disk tier
+            "kv_disk_failures": bm.disk_failures,  # reads that failed (misses, never KV)
             # tenant -> tokens processed over its weight (worker/engine/fair_queue.py); empty
             # while one tenant sends
             "tenant_tokens": dict(sched.waiting.served),
