@@ -287,3 +287,38 @@ def test_a_damaged_block_file_is_a_miss_never_wrong_kv(model_dir, tmp_path, dama
     if damage != "missing":  # the blocks that failed are forgotten, their files removed
         assert len(list(tmp_path.rglob("*.kv"))) == stats["kv_disk_blocks_cached"]
     tier.engine.executor.shutdown()
+
+
+# ---- the simulated group ------------------------------------------------------------------
+
+
+def test_a_simulated_group_restores_from_its_tiers_and_charges_the_loads():
+    """The routing simulation's groups run the same tiers, a restore costing load_block_s."""
+    from cluster.cost_model import CostModel
+    from cluster.sim_group import SimGroup, SimGroupConfig
+    from worker.config import SchedulerConfig
+
+    cost = CostModel(step_s=0.0, prefill_token_s=1e-3, decode_seq_s=0.0, load_block_s=1e-4, fetch_block_s=5e-4)
+    sched = SchedulerConfig(max_model_len=256)
+    hasher = make_hasher(BS)
+
+    def visit_doc0_again(**tiers) -> tuple[float, SimGroup]:
+        g = SimGroup("g0", SimGroupConfig(12, BS, sched, cost, **tiers), hasher)
+        now, prefill_s = 0.0, 0.0
+        for i, first in enumerate([0, 100, 200, 0]):  # document 0, two that evict it, 0 again
+            g.submit(f"r{i}", list(range(first, first + 40)) + [250], 1, now)
+            while (end := g.start_step(now)) is not None:
+                if i == 3:
+                    prefill_s += end - now
+                now = end
+                g.end_step()
+        return prefill_s, g
+
+    recompute_s, _ = visit_doc0_again()
+    host_s, host = visit_doc0_again(host_blocks=24)  # holds both documents evicted
+    disk_s, disk = visit_doc0_again(host_blocks=12, disk_blocks=32)  # holds about one: some go down
+    assert recompute_s == pytest.approx(41e-3)  # the whole prompt
+    assert host.scheduler.bm.host_hits == 40 and host_s == pytest.approx(1e-3 + 10 * 1e-4)  # 1 token, 10 loads
+    fetched = disk.scheduler.bm.disk_hits // BS
+    assert fetched > 0 and disk.scheduler.bm.host_hits == 40  # every restored block via the host
+    assert disk_s == pytest.approx(host_s + fetched * 5e-4)  # the ones read from the disk first
