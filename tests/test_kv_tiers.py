@@ -19,7 +19,7 @@ from pagefleet.llm import LLM
 from worker.engine.block_manager import BlockManager
 from worker.engine.tier_index import TierIndex
 from worker.exec.step_codec import FETCH, decode_moves, encode_moves
-from worker.kv_events import DEVICE, HOST, BlockRemoved, BlockStored
+from worker.kv_events import DEVICE, DISK, HOST, BlockRemoved, BlockStored
 from worker.model.builtin_model import make_model_dir
 from worker.sampling_params import SamplingParams
 from worker.step import KVMoves
@@ -247,10 +247,28 @@ def disk_tiered(model_dir, directory, host_blocks: int = 12) -> LLM:
     return LLM(str(model_dir), **options)
 
 
+def check_events_complete(llm: LLM, events: list) -> None:
+    """The KV events, replayed per tier, give exactly what each tier holds."""
+    held = {DEVICE: set(), HOST: set(), DISK: set()}
+    for e in events:
+        if isinstance(e, BlockStored):
+            assert not held[e.medium] & set(e.block_hashes), "stored twice"
+            held[e.medium] |= set(e.block_hashes)
+        elif isinstance(e, BlockRemoved):
+            assert set(e.block_hashes) <= held[e.medium], "removed what was not stored"
+            held[e.medium] -= set(e.block_hashes)
+    bm = llm.engine.scheduler.bm
+    assert held[DEVICE] == set(bm.cached)
+    assert held[HOST] == set(bm.host.hashes()) and held[DISK] == set(bm.disk.hashes())
+
+
 def test_a_document_evicted_from_the_host_is_restored_from_the_disk(model_dir, tmp_path):
     prompts = visits(documents(4, seed=11))
     tier = disk_tiered(model_dir, tmp_path)
+    events: list = []
+    tier.engine.on_kv_events = events.extend
     restored = one_by_one(tier, prompts)
+    check_events_complete(tier, events)
     device = one_by_one(LLM(str(model_dir), **BIG), prompts)
     assert tokens(restored) == tokens(device)
     stats = tier.engine.stats()
@@ -268,6 +286,8 @@ def test_a_document_evicted_from_the_host_is_restored_from_the_disk(model_dir, t
 def test_a_damaged_block_file_is_a_miss_never_wrong_kv(model_dir, tmp_path, damage):
     prompts = visits(documents(4, seed=11))
     tier = disk_tiered(model_dir, tmp_path)
+    events: list = []
+    tier.engine.on_kv_events = events.extend
     first = one_by_one(tier, prompts[:4])
     for f in tmp_path.rglob("*.kv"):  # every block on the disk
         if damage == "bit flip":
@@ -284,6 +304,7 @@ def test_a_damaged_block_file_is_a_miss_never_wrong_kv(model_dir, tmp_path, dama
     stats = tier.engine.stats()
     assert stats["kv_disk_failures"] == 1 and stats["kv_disk_hits"] == 0
     assert last.num_cached_tokens < 80  # what the host still held, at most
+    check_events_complete(tier, events)
     if damage != "missing":  # the blocks that failed are forgotten, their files removed
         assert len(list(tmp_path.rglob("*.kv"))) == stats["kv_disk_blocks_cached"]
     tier.engine.executor.shutdown()

@@ -187,15 +187,18 @@ class BlockManager:
         """Read disk blocks (position, hash) into host slots; returns how many of them, in
         order, every rank read whole. The ones after are forgotten (misses)."""
         host, disk = self.host, self.disk
-        slots = []
+        slots, victims = [], []
         for _, h in fetches:
             put = host.put(h)
             if put is None:  # the host's slots are all in use this step: fetch fewer
                 break
             slot, victim = put
             if victim is not None:
+                victims.append(victim)
                 self._demote(victim, slot)
             slots.append((h, slot))
+        if victims:
+            self.emit(BlockRemoved(tuple(victims), HOST))
         # the step's disk writes so far are made first, by the fetch (they read host slots
         # that no copy of this step has written yet)
         early = KVMoves(demotes=self.moves.demotes, drops=self.moves.drops)
