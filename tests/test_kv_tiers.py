@@ -177,6 +177,10 @@ def test_a_document_evicted_from_the_device_is_restored_from_the_host(model_dir)
     assert restored[-1].num_cached_tokens == device[-1].num_cached_tokens == 80
     stats, base = tier.engine.stats(), none.engine.stats()
     assert stats["kv_host_hits"] == 80 and stats["kv_host_saves"] > 0
+    block = stats["kv_bytes_per_token"] * stats["block_size"]
+    assert (
+        stats["kv_host_bytes_loaded"] == 10 * block and stats["kv_host_bytes_saved"] == stats["kv_host_saves"] * block
+    )
     assert base["tokens_computed"] - stats["tokens_computed"] == 80  # restored, not recomputed
     assert stats["blocks_free"] == stats["blocks_total"]
 

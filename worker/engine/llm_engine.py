@@ -274,9 +274,22 @@ class LLMEngine:
             "kv_disk_blocks_cached": len(bm.disk) if bm.disk is not None else 0,
             "kv_disk_hits": bm.disk_hits,  # prompt tokens fetched from the disk tier
             "kv_disk_failures": bm.disk_failures,  # reads that failed (misses, never KV)
+            **self._tier_bytes(),
             # tenant -> tokens processed over its weight (worker/engine/fair_queue.py); empty
             # while one tenant sends
             "tenant_tokens": dict(sched.waiting.served),
+        }
+
+    def _tier_bytes(self) -> dict:
+        """Bytes rank 0 moved between its pool and the tiers under it, each way."""
+        worker = getattr(self.executor, "worker", None)
+        host = getattr(worker, "host_tier", None)
+        disk = getattr(worker, "disk_tier", None)
+        return {
+            "kv_host_bytes_saved": host.bytes_saved if host else 0,
+            "kv_host_bytes_loaded": host.bytes_loaded if host else 0,
+            "kv_disk_bytes_written": disk.bytes_written if disk else 0,
+            "kv_disk_bytes_read": disk.bytes_read if disk else 0,
         }
 
 
