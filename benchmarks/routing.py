@@ -180,7 +180,8 @@ def run_sim(args, policy_name: str, server: RedisServer | None, cost: CostModel,
     else:
         index = RedisPrefixIndex.from_url(server.url, f"sim{uuid.uuid4().hex[:8]}", "bench")
     sched = SchedulerConfig(max_model_len=1 << 20, max_num_batched_tokens=args.batch_tokens)
-    cfg = SimGroupConfig(args.blocks, args.block_size, sched, cost)
+    host, disk = round(args.host_capacity * args.blocks), round(args.disk_capacity * args.blocks)
+    cfg = SimGroupConfig(args.blocks, args.block_size, sched, cost, host_blocks=host, disk_blocks=disk)
     groups = [SimGroup(f"g{i:02d}", cfg, hasher, index, clock or time.monotonic) for i in range(args.groups)]
     router = make_router(
         groups, index, hasher, args.block_size, policy_name, cost, args.tuning, requests, args.batch_tokens
@@ -234,6 +235,10 @@ def run_sim(args, policy_name: str, server: RedisServer | None, cost: CostModel,
         "groups": args.groups,
         "blocks": args.blocks,
     }
+    if host:  # the KV tiers under each pool: blocks, and prompt tokens restored from them
+        extra.update(host_blocks=host, disk_blocks=disk, load_block_s=cost.load_block_s)
+        extra["restored_tokens"] = sum(g.scheduler.bm.host_hits for g in groups)
+        extra["from_disk_tokens"] = sum(g.scheduler.bm.disk_hits for g in groups)
     extra.update(load(groups, span[0], max((d.finished_s for d in done), default=0.0), rate))
     extra["wall_s"] = round(wall, 1)
     if server is not None:
@@ -371,6 +376,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--batch-tokens", type=int, default=2048)
+    p.add_argument("--host-capacity", type=float, default=0.0, help="sim: a host KV tier of X times each pool")
+    p.add_argument("--disk-capacity", type=float, default=0.0, help="sim: a disk KV tier of X times each pool")
+    p.add_argument("--load-block-s", type=float, help="sim: seconds to restore a block from the host tier")
+    p.add_argument("--fetch-block-s", type=float, help="sim: seconds to read a block from the disk tier")
     p.add_argument("--time-scale", type=float, default=1.0, help="real mode: wall s per trace s")
     p.add_argument("--cost", help="cost model JSON (from --calibrate); default: built in")
     p.add_argument("--index", choices=("memory", "redis"), default="memory", help="sim mode's index")
@@ -389,6 +398,8 @@ def main(argv: list[str] | None = None) -> None:
                 json.dump(cost.__dict__, f)
         return
     cost = CostModel(**json.loads(Path(args.cost).read_text())) if args.cost else CostModel()
+    tiers = {"load_block_s": args.load_block_s, "fetch_block_s": args.fetch_block_s}
+    cost = replace(cost, **{k: v for k, v in tiers.items() if v is not None})
     if args.latency:
         with RedisServer() as server:
             for n in (int(x) for x in args.latency.split(",")):

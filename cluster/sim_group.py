@@ -30,7 +30,9 @@ from worker.config import SchedulerConfig
 from worker.engine.block_manager import BlockManager
 from worker.engine.request import Request
 from worker.engine.scheduler import Scheduler
+from worker.engine.tier_index import TierIndex
 from worker.hashing import BlockHasher
+from worker.kv_events import DISK, HOST
 from worker.sampling_params import SamplingParams
 from worker.step import SchedulerOutput
 
@@ -72,6 +74,8 @@ class SimGroupConfig:
     block_size: int = 16
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cost: CostModel = field(default_factory=CostModel)
+    host_blocks: int = 0  # a host tier under the pool (restores cost cost.load_block_s each)
+    disk_blocks: int = 0  # a disk tier under the host's (reads cost cost.fetch_block_s each)
 
     def __post_init__(self) -> None:
         if self.num_blocks < 1:
@@ -100,7 +104,10 @@ class SimGroup(GroupHandle):
         self.config = config
         self.hasher = hasher
         self.publisher: IndexPublisher | None = None
-        bm = BlockManager(config.num_blocks, config.block_size, hasher, self._on_event)
+        host = TierIndex(config.host_blocks, HOST) if config.host_blocks else None
+        disk = TierIndex(config.disk_blocks, DISK) if config.disk_blocks and host is not None else None
+        self._fetched = 0  # disk blocks read since the last step began (into its time)
+        bm = BlockManager(config.num_blocks, config.block_size, hasher, self._on_event, host, disk, self._fetch)
         self.scheduler = Scheduler(config.scheduler, bm)
         if index is not None:
             self.publisher = IndexPublisher(index, group_id, bm.cached_hashes, clock=clock)
@@ -160,7 +167,9 @@ class SimGroup(GroupHandle):
                 rec.cached_tokens = s.request.num_cached_tokens
         self._step = out
         self._stale()
-        seconds = self.config.cost.step_seconds(prefill, decodes)
+        loads = len(out.moves.loads) if out.moves else 0
+        seconds = self.config.cost.step_seconds(prefill, decodes, loads, self._fetched)
+        self._fetched = 0
         self.busy_s += seconds
         self.busy_until = now + seconds
         return self.busy_until
@@ -195,6 +204,11 @@ class SimGroup(GroupHandle):
         """Liveness on the publisher's clock: heartbeat (and load report) when due."""
         if self.publisher is not None:
             self.publisher.tick()
+
+    def _fetch(self, early, fetches) -> int:
+        """A simulated disk reads every block whole; the reads add to the next step's time."""
+        self._fetched += len(fetches)
+        return len(fetches)
 
     def _on_event(self, event) -> None:
         if self.publisher is not None:

@@ -138,6 +138,8 @@ def _b(n: int) -> str:
 # ---- serve --------------------------------------------------------------------------------
 
 _ENGINE_FLAGS = ("num_blocks", "block_size", "max_model_len", "max_num_seqs", "max_waiting")
+# byte sizes (24GiB, 512MB, 4096): KV tiers under each device's pool
+_ENGINE_SIZES = ("kv_host_bytes", "kv_disk_bytes")
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -202,6 +204,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     engine = parser.add_argument_group("engine of each group")
     for name in _ENGINE_FLAGS:
         engine.add_argument(f"--{name.replace('_', '-')}", type=_positive_int)
+    add_tier_arguments(engine)
     engine.add_argument(
         "--dtype",
         choices=("auto", "float32", "bfloat16", "float16"),
@@ -214,6 +217,21 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="KV cache: auto (the model's dtype), a float type, or 8 bits with scales: int8, "
         "fp8 (fp8_e4m3); about twice the sequences per device",
     )
+
+
+def add_tier_arguments(group) -> None:
+    """The KV tiers' flags, on `serve` and `groups start` alike."""
+    group.add_argument(
+        "--kv-host-bytes",
+        type=_size,
+        help="host memory per device for KV blocks the pool evicts, restored instead of recomputed, e.g. 16GiB",
+    )
+    group.add_argument(
+        "--kv-disk-bytes",
+        type=_size,
+        help="disk per device under the host tier for blocks it evicts (needs --kv-host-bytes and --kv-disk-dir)",
+    )
+    group.add_argument("--kv-disk-dir", metavar="DIR", help="the disk tier's directory (local NVMe), one per group")
 
 
 def serve_config(args: argparse.Namespace):
@@ -246,7 +264,7 @@ def serve_config(args: argparse.Namespace):
     )
     overrides = {k: getattr(args, k) for k in keys}
     config = load_config(args.config, overrides)
-    engine_keys = (*_ENGINE_FLAGS, "dtype", "kv_cache_dtype")
+    engine_keys = (*_ENGINE_FLAGS, *_ENGINE_SIZES, "kv_disk_dir", "dtype", "kv_cache_dtype")
     engine = {k: getattr(args, k) for k in engine_keys if getattr(args, k) is not None}
     config = replace(config, engine={**config.engine, **engine})
     if args.no_metrics:

@@ -53,7 +53,7 @@ def _add_output_arguments(parser: argparse.ArgumentParser, timeout: bool) -> Non
 
 
 def _add_start_arguments(parser: argparse.ArgumentParser) -> None:
-    from pagefleet.cli import _ENGINE_FLAGS, _positive_int
+    from pagefleet.cli import _ENGINE_FLAGS, _positive_int, add_tier_arguments
 
     parser.add_argument(
         "--redis",
@@ -77,6 +77,7 @@ def _add_start_arguments(parser: argparse.ArgumentParser) -> None:
     engine = parser.add_argument_group("engine of each group")
     for name in _ENGINE_FLAGS:
         engine.add_argument(f"--{name.replace('_', '-')}", type=_positive_int)
+    add_tier_arguments(engine)
 
 
 def run_groups(args: argparse.Namespace) -> int:
@@ -131,11 +132,12 @@ def _run(args: argparse.Namespace, out) -> int:
 def _spec(args: argparse.Namespace):
     from cluster.ray.config import RayGroupConfig
     from cluster.ray.supervisor import GroupsSpec
-    from pagefleet.cli import _ENGINE_FLAGS
+    from pagefleet.cli import _ENGINE_FLAGS, _ENGINE_SIZES
     from pagefleet.llm import engine_config
     from router.serve import model_name, take_cluster_secret
 
-    options = {k: getattr(args, k) for k in _ENGINE_FLAGS if getattr(args, k) is not None}
+    keys = (*_ENGINE_FLAGS, *_ENGINE_SIZES, "kv_disk_dir")
+    options = {k: getattr(args, k) for k in keys if getattr(args, k) is not None}
     config = engine_config(args.model, device=args.device, cluster_secret=take_cluster_secret(), **options)
     resources = {}
     for item in args.group_resource:

@@ -27,6 +27,11 @@ def engine_config(model: str | None = None, **options) -> EngineConfig:
     if unknown:
         known = sorted(_CACHE_KEYS | _SCHED_KEYS | _ENGINE_KEYS)
         raise ValueError(f"unknown engine option(s) {sorted(unknown)}; known: {known}")
+    for key in ("kv_host_bytes", "kv_disk_bytes"):
+        if isinstance(options.get(key), str):  # a size such as 16GiB (a YAML's)
+            from cluster.planner import parse_size
+
+            options[key] = parse_size(options[key])
     return EngineConfig(
         model=resolve_model(model),
         cache=CacheConfig(**{k: v for k, v in options.items() if k in _CACHE_KEYS}),

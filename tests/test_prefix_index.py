@@ -102,6 +102,21 @@ def test_stored_events_become_entries_and_leave(make_index):
     assert blocks(index, c) == {"g0": 2}
 
 
+def test_the_index_follows_the_device_tier_alone(make_index):
+    """Events of the tiers under the pool (host, disk) do not change the device's entries."""
+    index = make_index()
+    c = chain(4)
+    epoch = index.register_group("g0")
+    events = [
+        stored(c),
+        BlockRemoved(tuple(c[2:])),
+        BlockStored(tuple(c[2:]), None, "host"),
+        BlockRemoved(tuple(c[:1]), "host"),
+    ]
+    index.publish("g0", epoch, events)
+    assert blocks(index, c) == {"g0": 2}
+
+
 def test_match_counts_leading_blocks_only(make_index):
     index = make_index()
     c = chain(6)

@@ -114,13 +114,13 @@ def expected(model_dirs):
 
 
 @pytest.fixture(scope="module")
-def groups(request, ray_runtime, model_dirs):
+def groups(request, ray_runtime, model_dirs, tmp_path_factory):
     """kv4 at TP=2 on node_a, kv2 at TP=2 on node_b, kv2 at TP=4 on node_a, and kv1 at TP=2
     through pagefleet.LLM(tensor_parallel_size=2) wherever it fits, all starting at once while
     this process computes the expected outputs."""
     node_a, node_b = ray_runtime.node_labels
 
-    def start(name, tp, label, timeout_s=60.0, cpu_binding=None):
+    def start(name, tp, label, timeout_s=60.0, cpu_binding=None, **options):
         gc = RayGroupConfig(
             tensor_parallel_size=tp,
             bundle_resources={label: 1},
@@ -128,7 +128,7 @@ def groups(request, ray_runtime, model_dirs):
             heartbeat_s=0.5,
             cpu_binding=cpu_binding,
         )
-        return RayGroup(engine_config(model_dirs[name], **OPTIONS), gc, wait=False)
+        return RayGroup(engine_config(model_dirs[name], **OPTIONS, **options), gc, wait=False)
 
     started, llm, llm_started = {}, None, None
     pool = concurrent.futures.ThreadPoolExecutor(1)
@@ -137,6 +137,7 @@ def groups(request, ray_runtime, model_dirs):
         started["kv4"] = start("kv4", 2, node_a, cpu_binding=f"0|{min(1, last)}")  # bound ranks
         started["kv2"] = start("kv2", 2, node_b)
         started["kv2-tp4"] = start("kv2", 4, node_a, timeout_s=HANG_TIMEOUT_S)
+        started["kv2-tiers"] = start("kv2", 2, node_b, **tiers(tmp_path_factory.mktemp("kv-disk")))
         llm_started = pool.submit(LLM, str(model_dirs["kv1"]), tensor_parallel_size=2, **OPTIONS)
         request.getfixturevalue("expected")  # meanwhile, transformers and TP=1 here
         for g in started.values():
@@ -238,6 +239,25 @@ def test_tp2_equals_tp1_and_transformers_with_prefix_hits_and_preemption(name, g
     s = settled_stats(by_name[name])
     assert s["preemptions"] > 0 and s["prefix_cache_hits"] > 0, s
     assert s["blocks_free"] == s["blocks_total"] and s["running"] == s["waiting"] == 0
+
+
+def tiers(directory) -> dict:
+    """A host tier of 6 blocks over a disk tier, per rank (kv2 at TP=2: one KV head of 16
+    float32 values per layer and rank, 2 layers: 2 KiB a block of 8 tokens)."""
+    block = 2 * 2 * 1 * 16 * 4 * 8
+    return dict(kv_host_bytes=6 * block, kv_disk_bytes=100 * block, kv_disk_dir=str(directory))
+
+
+def test_tp2_restores_evicted_documents_from_the_host_and_disk_tiers(groups, model_dirs):
+    """Every rank saves, demotes, fetches and loads its own shard, as rank 0 decides."""
+    docs = prompts_of([40] * 4, seed=77)
+    prompts = [docs[0] + [5, 6], docs[1] + [5], docs[2] + [6], docs[3] + [7], docs[0] + [9, 10]]
+    group = groups[0]["kv2-tiers"]
+    got = [asyncio.run(stream_all(group, [p]))[0] for p in prompts]
+    tp1 = LLM(str(model_dirs["kv2"]), **OPTIONS)
+    assert got == [tp1.generate([p], GREEDY)[0].token_ids for p in prompts]
+    s = settled_stats(group)
+    assert s["kv_host_hits"] == 40 and s["kv_disk_hits"] > 0 and s["kv_disk_failures"] == 0, s
 
 
 def test_tp4_with_replicated_kv_heads(groups, expected):

@@ -49,9 +49,31 @@ class CacheConfig:
     memory_utilization: float = 0.9  # like vLLM's gpu_memory_utilization
     kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
     enable_prefix_caching: bool = True
+    # bytes of host memory per device for a tier under the pool (worker/exec/host_tier.py):
+    # blocks the pool evicts are kept there and restored, not recomputed; None: no host tier
+    kv_host_bytes: int | None = None
+    # bytes of disk per device for a tier under the host tier (worker/exec/disk_tier.py), in
+    # kv_disk_dir (local NVMe): blocks the host evicts are written there; None: no disk tier
+    kv_disk_bytes: int | None = None
+    kv_disk_dir: str | None = None
 
     def __post_init__(self) -> None:
         _positive(self, "block_size")
+        if self.kv_host_bytes is not None and (
+            not isinstance(self.kv_host_bytes, int) or isinstance(self.kv_host_bytes, bool) or self.kv_host_bytes < 1
+        ):
+            raise ValueError(f"kv_host_bytes must be a positive number of bytes, got {self.kv_host_bytes!r}")
+        if self.kv_disk_bytes is not None:
+            if (
+                not isinstance(self.kv_disk_bytes, int)
+                or isinstance(self.kv_disk_bytes, bool)
+                or self.kv_disk_bytes < 1
+            ):
+                raise ValueError(f"kv_disk_bytes must be a positive number of bytes, got {self.kv_disk_bytes!r}")
+            if self.kv_host_bytes is None:
+                raise ValueError("kv_disk_bytes needs kv_host_bytes: blocks reach the disk tier through the host's")
+            if not self.kv_disk_dir:
+                raise ValueError("kv_disk_bytes needs kv_disk_dir, the directory of the disk tier")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
         if self.kv_cache_memory is not None and self.kv_cache_memory < 1:

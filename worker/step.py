@@ -70,6 +70,25 @@ class ScheduledRequest:
 
 
 @dataclass
+class KVMoves:
+    """Copies of whole KV blocks between a rank's device pool and the tiers under it, made by
+    every rank before the step's forward, in this order: `demotes` (host -> disk: blocks the
+    host evicts, read before a save reuses their slot) and `drops` (disk files evicted), then
+    `saves` (device -> host: blocks evicted this step, read before a new owner writes them),
+    then `loads` (host -> device: a restored prefix, into blocks the step's forward reads).
+    Filled by the block manager on rank 0; the slots a step touches are not reused within it,
+    so the order is the only one needed."""
+
+    saves: list[tuple[int, int]] = field(default_factory=list)  # (device block id, host slot)
+    loads: list[tuple[int, int]] = field(default_factory=list)  # (host slot, device block id)
+    demotes: list[tuple[int, bytes]] = field(default_factory=list)  # (host slot, block hash)
+    drops: list[bytes] = field(default_factory=list)  # block hashes the disk tier let go
+
+    def __bool__(self) -> bool:
+        return bool(self.saves or self.loads or self.demotes or self.drops)
+
+
+@dataclass
 class SchedulerOutput:
     """One step: which tokens of which requests run, and what changed since the last step."""
 
@@ -80,6 +99,8 @@ class SchedulerOutput:
     admitted: list[ScheduledRequest] = field(default_factory=list)  # the `is_new` entries
     # indices in `scheduled` of running requests whose block tables grew in this step
     grew: list[int] = field(default_factory=list)
+    # block copies between tiers to make before the forward (every rank), or None
+    moves: KVMoves | None = None
 
     @property
     def is_empty(self) -> bool:

@@ -25,7 +25,7 @@ from cluster.index.types import (
     StaleEpochError,
     check_name,
 )
-from worker.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from worker.kv_events import DEVICE, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 
 class InMemoryPrefixIndex(PrefixIndex):
@@ -62,6 +62,8 @@ class InMemoryPrefixIndex(PrefixIndex):
         with self._lock:
             g = self._live(group_id, epoch)
             for event in events:
+                if isinstance(event, BlockStored | BlockRemoved) and event.medium != DEVICE:
+                    continue  # the index follows the device tier
                 if isinstance(event, BlockStored):
                     self._copy.store(g, event.block_hashes)
                 elif isinstance(event, BlockRemoved):

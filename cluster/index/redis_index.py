@@ -32,7 +32,7 @@ from cluster.index.types import (
     check_name,
 )
 from worker.hashing import DIGEST_SIZE, HashChain
-from worker.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from worker.kv_events import DEVICE, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 # Parsed hb rows a client keeps: a few registrations of each of hundreds of groups.
 _MAX_ROWS = 4096
@@ -254,6 +254,8 @@ def _encode_events(events: Sequence[KVEvent]) -> list[str]:
     out: list[str | bytes] = []
     for event in events:
         if isinstance(event, BlockStored | BlockRemoved):
+            if event.medium != DEVICE:
+                continue  # the index follows the device tier
             op = "S" if isinstance(event, BlockStored) else "R"
             out += [op, _blob(event.block_hashes)]
         elif isinstance(event, AllBlocksCleared):

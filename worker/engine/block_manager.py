@@ -5,23 +5,49 @@ Built from predicate/action pairs that the scheduler calls in order:
     match_prefix -> can_allocate -> allocate      (admit, given the cached prefix)
     can_append -> append_slots                    (grow a running request)
     free                                          (finish, abort or preempt)
+
+With a host tier (`host`, a TierIndex) under the pool, a cached block the pool evicts is
+written back to the host (a save), unless the host holds it already; a prefix lookup follows
+the hash chain block by block on the device, else on the host, and a host hit is restored
+into a fresh device block (a load), which is then an ordinary cached block: a second request
+finds it on the device and nothing is loaded twice. Saves and loads accumulate in `moves`,
+which the scheduler hands to every rank with the step (worker/step.py `KVMoves`).
+
+With a disk tier (`disk`) under the host, a block the host evicts is demoted to it, and a
+lookup goes on from the host to the disk: disk hits are fetched into host slots through
+`fetch` (synchronous in this version: the reads are made before the request is admitted, and
+a block that any rank fails to read whole ends the match there, a miss), then loaded as host
+hits.
+
+Write-back rather than write-through: a save costs a copy only for a block the pool is about
+to lose, which under no memory pressure is never, and the host holds what the device does not
+(a write-through host mirrors the device, so its first pool's worth of blocks adds nothing).
+The price is the copy of an evicted block before the forward that reuses it; its figures are
+in benchmarks/RESULTS.md (KV tiers).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from worker.engine.block_pool import Block, FreeBlockQueue
 from worker.engine.request import Request
+from worker.engine.tier_index import TierIndex
 from worker.hashing import BlockHasher
 from worker.kv_events import (
+    DISK,
+    HOST,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     KVEventSink,
     discard_events,
 )
+from worker.step import KVMoves
+
+# (disk writes to make first, [(hash, host slot)] to read from the disk) -> how many were read
+Fetch = Callable[[KVMoves, list[tuple[bytes, int]]], int]
 
 
 def cdiv(a: int, b: int) -> int:
@@ -30,14 +56,16 @@ def cdiv(a: int, b: int) -> int:
 
 @dataclass(frozen=True)
 class PrefixMatch:
-    """The leading cached blocks a request can reuse."""
+    """The leading cached blocks a request can reuse: `blocks` on the device, and `loads`,
+    the chain's positions found on the host tier instead, each (position, hash, host slot)."""
 
     blocks: tuple[Block, ...]
     block_size: int
+    loads: tuple[tuple[int, bytes, int], ...] = ()
 
     @property
     def num_tokens(self) -> int:
-        return len(self.blocks) * self.block_size
+        return (len(self.blocks) + len(self.loads)) * self.block_size
 
 
 class BlockManager:
@@ -49,6 +77,9 @@ class BlockManager:
         block_size: int,
         hasher: BlockHasher | None = None,
         event_sink: KVEventSink = discard_events,
+        host: TierIndex | None = None,
+        disk: TierIndex | None = None,
+        fetch: Fetch | None = None,
     ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
@@ -70,7 +101,16 @@ class BlockManager:
         self.table_of = self._req_block_ids.get
         self._num_committed: dict[str, int] = {}  # leading blocks of a request already offered to the cache
         self.prefix_queries = 0  # tokens looked up at admission
-        self.prefix_hits = 0  # of which served from the cache
+        self.prefix_hits = 0  # of which served from the cache (any tier)
+        self.host = host if hasher is not None else None  # the host tier's slots, or None
+        self.disk = disk if self.host is not None else None  # the disk tier's, under the host
+        self.fetch = fetch  # reads disk blocks into host slots on every rank (needed with `disk`)
+        assert self.disk is None or fetch is not None, "a disk tier needs a fetch"
+        self.disk_hits = 0  # tokens of prefix hits fetched from the disk tier
+        self.disk_failures = 0  # blocks the disk tier could not read whole (misses)
+        self.moves = KVMoves()  # this step's copies between tiers, so far
+        self.host_hits = 0  # tokens of prefix hits restored from the host tier
+        self.host_saves = 0  # blocks written back to the host tier
 
     # ---- state -------------------------------------------------------------------------
     @property
@@ -107,12 +147,75 @@ class BlockManager:
         self._hash_known_blocks(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
         blocks = []
-        for h in request.block_hashes[:max_blocks]:
-            block = self.cached.get(h)
+        cached, host = self.cached, self.host
+        for i, h in enumerate(request.block_hashes[:max_blocks]):
+            block = cached.get(h)
             if block is None:
+                if host is not None and (h in host or (self.disk is not None and h in self.disk)):
+                    return self._match_below(request, blocks, i, max_blocks)
                 break
             blocks.append(block)
         return PrefixMatch(tuple(blocks), self.block_size)
+
+    def _match_below(self, request: Request, blocks: list[Block], i: int, max_blocks: int) -> PrefixMatch:
+        """The chain from position `i` on, each block on the device, else on the host, else
+        on the disk (fetched to the host now)."""
+        cached, host, disk = self.cached, self.host, self.disk
+        loads, fetches = [], []
+        for pos in range(i, max_blocks):
+            h = request.block_hashes[pos]
+            block = cached.get(h)
+            if block is not None:
+                blocks.append(block)
+            elif (slot := host.get(h)) is not None:
+                host.pin(slot)  # (a fetch below must not take it)
+                loads.append((pos, h, slot))
+            elif disk is not None and h in disk:
+                fetches.append((pos, h))
+            else:
+                break
+        if fetches:
+            got = self._fetch(fetches)
+            if got < len(fetches):  # the chain ends at the first block not read whole
+                end = fetches[got][0]
+                blocks = blocks[: end - len([p for p, *_ in loads if p < end]) - got]
+                loads = [x for x in loads if x[0] < end]
+            loads = sorted(loads + [(pos, h, host.get(h)) for pos, h in fetches[:got]])
+        return PrefixMatch(tuple(blocks), self.block_size, tuple(loads))
+
+    def _fetch(self, fetches: list[tuple[int, bytes]]) -> int:
+        """Read disk blocks (position, hash) into host slots; returns how many of them, in
+        order, every rank read whole. The ones after are forgotten (misses)."""
+        host, disk = self.host, self.disk
+        slots, victims = [], []
+        for _, h in fetches:
+            put = host.put(h)
+            if put is None:  # the host's slots are all in use this step: fetch fewer
+                break
+            slot, victim = put
+            if victim is not None:
+                victims.append(victim)
+                self._demote(victim, slot)
+            slots.append((h, slot))
+        if victims:
+            self.emit(BlockRemoved(tuple(victims), HOST))
+        # the step's disk writes so far are made first, by the fetch (they read host slots
+        # that no copy of this step has written yet)
+        early = KVMoves(demotes=self.moves.demotes, drops=self.moves.drops)
+        self.moves.demotes, self.moves.drops = [], []
+        got = self.fetch(early, slots)
+        for h, _ in slots[got:]:
+            host.drop(h)
+        failed = [h for _, h in fetches[got : len(slots)]]
+        self.disk_failures += 1 if failed else 0  # (the rest are only unreachable after it)
+        for h in failed:
+            disk.drop(h)
+        if failed:
+            self.emit(BlockRemoved(tuple(failed), DISK))
+        if got:
+            self.emit(BlockStored(tuple(h for h, _ in slots[:got]), None, HOST))
+        self.disk_hits += got * self.block_size
+        return got
 
     def can_allocate(self, request: Request, match: PrefixMatch, num_new_tokens: int, reserve_blocks: int = 0) -> bool:
         """Whether `request` fits with its cached prefix plus `num_new_tokens`, leaving
@@ -129,15 +232,62 @@ class BlockManager:
         for block in match.blocks:
             self._touch(block)
         num_new = cdiv(match.num_tokens + num_new_tokens, self.block_size) - len(match.blocks)
-        blocks = list(match.blocks) + self._take_free(num_new)
+        for _, _, slot in match.loads:  # (before any eviction below could reuse the slot)
+            self.host.pin(slot)
+        fresh = self._take_free(num_new)
+        blocks = self._restore(match, fresh) if match.loads else list(match.blocks) + fresh
         self.req_blocks[rid] = blocks
         self._req_block_ids[rid] = [b.block_id for b in blocks]
-        self._num_committed[rid] = len(match.blocks)
+        self._num_committed[rid] = len(match.blocks) + len(match.loads)
         if self.hasher is not None:
             self.prefix_queries += request.num_tokens
             self.prefix_hits += match.num_tokens
         self._commit_full_blocks(request, match.num_tokens + num_new_tokens)
         return self._req_block_ids[rid]
+
+    def _restore(self, match: PrefixMatch, fresh: list[Block]) -> list[Block]:
+        """The table of a match with host hits: each host hit's hash is cached in a fresh
+        block at once (its load is made before the forward that reads it), device hits in
+        their places, the remaining fresh blocks after them. Each run of restored blocks is
+        a store on the device."""
+        device, spare = iter(match.blocks), iter(fresh)
+        loads = {pos: (h, slot) for pos, h, slot in match.loads}
+        table: list[Block] = []
+        run: list[bytes] = []  # restored hashes in a row
+        for pos in range(len(match.blocks) + len(match.loads)):
+            if pos not in loads:
+                self._emit_run(run, table)
+                table.append(next(device))
+                continue
+            h, slot = loads[pos]
+            block = next(spare)
+            block.block_hash = h
+            self.cached[h] = block
+            self.host.touch(h)
+            self.moves.loads.append((slot, block.block_id))
+            run.append(h)
+            table.append(block)
+        self._emit_run(run, table)
+        self.host_hits += len(match.loads) * self.block_size
+        return table + list(spare)
+
+    def _emit_run(self, run: list[bytes], table: list[Block]) -> None:
+        """A store of the restored hashes `run`, which end `table`; empties `run`."""
+        if run:
+            before = len(table) - len(run) - 1
+            self.emit(BlockStored(tuple(run), table[before].block_hash if before >= 0 else None))
+            run.clear()
+
+    def take_moves(self) -> KVMoves | None:
+        """This step's copies between tiers (None: none), handed to every rank with the step;
+        the tiers' slots are free to reuse from the next step on."""
+        if self.host is None:
+            return None
+        self.host.unpin_all()
+        if self.disk is not None:
+            self.disk.unpin_all()
+        moves, self.moves = self.moves, KVMoves()
+        return moves if moves else None
 
     # ---- grow --------------------------------------------------------------------------
     def can_append(self, request: Request, num_new_tokens: int) -> bool:
@@ -188,6 +338,11 @@ class BlockManager:
         for block in self.cached.values():
             block.block_hash = None
         self.cached.clear()
+        if self.host is not None:
+            self.host.clear()
+        if self.disk is not None:
+            self.moves.drops += list(self.disk.hashes())
+            self.disk.clear()
         self.emit(AllBlocksCleared())
         return True
 
@@ -209,13 +364,57 @@ class BlockManager:
             block = self.free_queue.popleft()
             if block.block_hash is not None:  # evict the least recently used cached block
                 del self.cached[block.block_hash]
-                evicted.append(block.block_hash)
+                evicted.append((block.block_id, block.block_hash))
                 block.block_hash = None
             block.ref_cnt = 1
             taken.append(block)
         if evicted:
-            self.emit(BlockRemoved(tuple(evicted)))
+            self.emit(BlockRemoved(tuple(h for _, h in evicted)))
+            if self.host is not None:
+                self._save(evicted)
         return taken
+
+    def _save(self, evicted: list[tuple[int, bytes]]) -> None:
+        """Write evicted (block id, hash) back to the host tier, unless it holds them; a
+        host block evicted for room is dropped (removed from the host)."""
+        host, saves = self.host, self.moves.saves
+        stored, dropped = [], []
+        for block_id, h in evicted:
+            if h in host:
+                host.touch(h)
+                continue
+            put = host.put(h)
+            if put is None:  # every host slot is in use this step: the block is lost
+                continue
+            slot, victim = put
+            if victim is not None:
+                dropped.append(victim)
+                if self.disk is not None:
+                    self._demote(victim, slot)
+            saves.append((block_id, slot))
+            stored.append(h)
+        self.host_saves += len(stored)
+        if dropped:
+            self.emit(BlockRemoved(tuple(dropped), HOST))
+        if stored:
+            self.emit(BlockStored(tuple(stored), None, HOST))
+
+    def _demote(self, block_hash: bytes, slot: int) -> None:
+        """The host evicts `block_hash` from `slot`: write it to the disk tier (before the
+        slot is reused), unless the disk holds it; the disk's own victim is dropped."""
+        disk = self.disk
+        if block_hash in disk:
+            disk.touch(block_hash)
+            return
+        put = disk.put(block_hash)
+        if put is None:
+            return
+        _, victim = put
+        if victim is not None:
+            self.moves.drops.append(victim)
+            self.emit(BlockRemoved((victim,), DISK))
+        self.moves.demotes.append((slot, block_hash))
+        self.emit(BlockStored((block_hash,), None, DISK))
 
     def _hash_known_blocks(self, request: Request) -> None:
         """Extend the request's hash chain over every full block of its known tokens."""

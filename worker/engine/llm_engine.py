@@ -15,10 +15,12 @@ from worker.engine.block_manager import BlockManager
 from worker.engine.detokenizer import IncrementalDetokenizer, byte_table
 from worker.engine.request import Request, RequestStatus
 from worker.engine.scheduler import Scheduler
+from worker.engine.tier_index import TierIndex
 from worker.exec.executor import Executor, LocalExecutor
+from worker.exec.host_tier import host_blocks
 from worker.exec.kv_pool import check_pool_fits, kv_torch_dtype
 from worker.hashing import BlockHasher, ModelFingerprint
-from worker.kv_events import KVEvent
+from worker.kv_events import DISK, HOST, KVEvent
 from worker.model.dtypes import resolve_dtype
 from worker.model.model_config import ModelConfig
 from worker.model_source import is_gguf
@@ -71,7 +73,12 @@ class LLMEngine:
         self._events: list[KVEvent] = []
         self.on_kv_events = on_kv_events
         hasher = self.hasher if cache.enable_prefix_caching else None
-        bm = BlockManager(num_blocks, cache.block_size, hasher, self._events.append)
+        host_slots = host_blocks(cache, self.layout)  # (each rank's tier holds as many)
+        host = TierIndex(host_slots, HOST) if host_slots and hasher is not None else None
+        disk = None
+        if host is not None and cache.kv_disk_bytes:
+            disk = TierIndex(max(1, cache.kv_disk_bytes // self.layout.block_bytes), DISK)
+        bm = BlockManager(num_blocks, cache.block_size, hasher, self._events.append, host, disk, self.executor.fetch)
         self.scheduler = Scheduler(
             replace(config.scheduler, max_model_len=self.max_model_len),
             bm,
@@ -79,6 +86,7 @@ class LLMEngine:
         )
         self._tracked: dict[str, _Tracked] = {}
         self._ids = itertools.count()
+        self.tokens_computed = 0  # tokens run through the model (prompt, recomputed and decoded)
 
     # ---- requests ----------------------------------------------------------------------
     def add_request(
@@ -179,6 +187,7 @@ class LLMEngine:
             m = tracked[s.request.request_id].metrics
             if m.first_scheduled_time is None:
                 m.first_scheduled_time = now
+        self.tokens_computed += out.num_batched_tokens
         sampled = self.executor.execute(out)
         now = time.monotonic()  # when this step's tokens were sampled
         append, running = self.scheduler.append_token, RequestStatus.RUNNING
@@ -259,12 +268,33 @@ class LLMEngine:
             "running": sched.num_running,
             "waiting": sched.num_waiting,
             "pending_prefill_tokens": sched.pending_prefill_tokens(),
+            "tokens_computed": self.tokens_computed,
             "block_size": bm.block_size,
             "kv_bytes_per_token": self.layout.bytes_per_token,
             "kv_pool_bytes": self.executor.pool_bytes,
+            "kv_host_blocks_total": bm.host.num_slots if bm.host is not None else 0,
+            "kv_host_blocks_cached": len(bm.host) if bm.host is not None else 0,
+            "kv_host_hits": bm.host_hits,  # prompt tokens restored from the host tier
+            "kv_host_saves": bm.host_saves,  # blocks written back to the host tier
+            "kv_disk_blocks_cached": len(bm.disk) if bm.disk is not None else 0,
+            "kv_disk_hits": bm.disk_hits,  # prompt tokens fetched from the disk tier
+            "kv_disk_failures": bm.disk_failures,  # reads that failed (misses, never KV)
+            **self._tier_bytes(),
             # tenant -> tokens processed over its weight (worker/engine/fair_queue.py); empty
             # while one tenant sends
             "tenant_tokens": dict(sched.waiting.served),
+        }
+
+    def _tier_bytes(self) -> dict:
+        """Bytes rank 0 moved between its pool and the tiers under it, each way."""
+        worker = getattr(self.executor, "worker", None)
+        host = getattr(worker, "host_tier", None)
+        disk = getattr(worker, "disk_tier", None)
+        return {
+            "kv_host_bytes_saved": host.bytes_saved if host else 0,
+            "kv_host_bytes_loaded": host.bytes_loaded if host else 0,
+            "kv_disk_bytes_written": disk.bytes_written if disk else 0,
+            "kv_disk_bytes_read": disk.bytes_read if disk else 0,
         }
 
 

@@ -97,6 +97,7 @@ class Scheduler:
         if len(out.preempted_ids) == self._seated:  # (none for want of blocks)
             budget = self._schedule_waiting(out, budget)
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
+        out.moves = self.bm.take_moves()  # (the step's copies between tiers, made before it runs)
         if self.waiting.fair:  # each tenant's tokens, against its share (admissions: already)
             charge = self.waiting.charge
             for s in out.scheduled:

@@ -11,6 +11,8 @@ from abc import ABC, abstractmethod
 import torch
 
 from kernels.registry import get_backend
+from worker.exec.disk_tier import DiskTier, disk_directory
+from worker.exec.host_tier import HostTier, host_blocks
 from worker.exec.kv_calibration import calibrate_tensor_scales
 from worker.exec.kv_pool import KVLayout, KVPool, layout_for, num_blocks_from_memory
 from worker.exec.model_runner import ModelRunner, Sampled
@@ -18,7 +20,7 @@ from worker.exec.overlap import OverlapRunner, wants_overlap
 from worker.model.model_config import ModelConfig
 from worker.model.model_loader import load_model
 from worker.model.parallel import Collectives, SingleRank
-from worker.step import SchedulerOutput
+from worker.step import KVMoves, SchedulerOutput
 
 
 class DeviceWorker:
@@ -35,6 +37,8 @@ class DeviceWorker:
         self.layout: KVLayout = layout_for(self.model_config, config.cache, local_kv_heads, self.model_dtype)
         self.runner = ModelRunner(self.model, config.cache.block_size, self.device)
         self.pool: KVPool | None = None
+        self.host_tier: HostTier | None = None  # blocks under the pool, in host memory
+        self.disk_tier: DiskTier | None = None  # and under the host tier, on disk
 
     def determine_num_blocks(self) -> int:
         """Blocks this device can hold under the configured budget."""
@@ -64,8 +68,42 @@ class DeviceWorker:
             )
             self.pool.set_tensor_scales(*scales)
         self.pool.bind(self.model.attention_layers())
+        cache = self.config.cache
+        if slots := host_blocks(cache, self.layout):
+            self.host_tier = HostTier(self.pool, slots)
+            if cache.kv_disk_bytes:
+                c = self.collectives
+                key = repr((self.config.model, self.layout, c.world_size)).encode()
+                self.disk_tier = DiskTier(disk_directory(cache.kv_disk_dir, key, c.rank), self.host_tier)
+
+    def move(self, moves: KVMoves | None) -> None:
+        """A step's copies between the pool and the tiers under it, before its forward: the
+        disk's (drops, then demotes), then the host's (saves, then loads)."""
+        if not moves:
+            return
+        if moves.drops or moves.demotes:
+            assert self.disk_tier is not None, "a step moved blocks to a disk tier this rank lacks"
+            self.disk_tier.remove(moves.drops)
+            for slot, block_hash in moves.demotes:
+                self.disk_tier.write(slot, block_hash)
+        if moves.saves or moves.loads:
+            assert self.host_tier is not None, "a step moved blocks to a host tier this rank lacks"
+            self.host_tier.apply(moves)
+
+    def fetch(self, early: KVMoves, fetches: list[tuple[bytes, int]], agree=None) -> int:
+        """The disk writes in `early`, then the disk blocks (hash, host slot) read in order;
+        returns how many were read whole (with `agree`, the smallest count over the ranks).
+        The files after those are removed: their blocks are misses now."""
+        self.move(early)
+        assert self.disk_tier is not None, "a fetch from a disk tier this rank lacks"
+        got = self.disk_tier.fetch(fetches)
+        if agree is not None:
+            got = agree(got)
+        self.disk_tier.remove([h for h, _ in fetches[got:]])
+        return got
 
     def execute(self, out: SchedulerOutput, sample: bool = True) -> Sampled:
+        self.move(out.moves)
         return self.runner.execute(out, sample=sample)
 
 
@@ -102,6 +140,11 @@ class Executor(ABC):
     def shutdown(self) -> None:  # noqa: B027  (nothing to release by default)
         """Release the devices."""
 
+    def fetch(self, early: KVMoves, fetches: list[tuple[bytes, int]]) -> int:
+        """Disk blocks into the host tier's slots on every rank (worker/exec/disk_tier.py):
+        the disk writes in `early` first, then the reads; how many, in order, every rank read."""
+        raise NotImplementedError(f"{type(self).__name__} has no disk tier")
+
 
 class LocalExecutor(Executor):
     """A group of one device in this process."""
@@ -119,16 +162,21 @@ class LocalExecutor(Executor):
     def init_pool(self, num_blocks: int) -> None:
         self.worker.init_pool(num_blocks)
         if self._wants_overlap:
-            self.overlap = OverlapRunner(self.worker.runner)
+            self.overlap = OverlapRunner(self.worker.runner, self.worker.move)
 
     def execute(self, out: SchedulerOutput) -> Sampled:
         if self.overlap is not None:
             return self.overlap.execute(out)
         return self.worker.execute(out)
 
+    def fetch(self, early: KVMoves, fetches: list[tuple[bytes, int]]) -> int:
+        return self.worker.fetch(early, fetches)
+
     def shutdown(self) -> None:
         if self.overlap is not None:
             self.overlap.close()
+        if self.worker.disk_tier is not None:
+            self.worker.disk_tier.close()
 
     @property
     def runs_ahead(self) -> bool:

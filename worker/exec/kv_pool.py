@@ -170,6 +170,14 @@ class KVPool:
         return [*self.k_caches, *self.v_caches, *scales]
 
     @property
+    def block_tensors(self) -> list[torch.Tensor]:
+        """The tensors indexed by block id, as bytes: each (num_blocks, ...) uint8 view of K, V
+        and an int8 cache's per-token scales. A block's KV is its row in each (what a tier
+        under the pool copies)."""
+        scales = [t for t in (*self.k_scales, *self.v_scales) if t is not None and self.layout.token_scales]
+        return [t.view(torch.uint8) for t in (*self.k_caches, *self.v_caches, *scales)]
+
+    @property
     def total_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors)
 

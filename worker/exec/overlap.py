@@ -37,7 +37,7 @@ import atexit
 import queue
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -45,7 +45,7 @@ import torch
 from worker.exec.model_runner import ModelRunner, Sampled, SamplingRows, sampled_by_id
 from worker.exec.sampler import SampleResult
 from worker.exec.step_codec import FlatStep
-from worker.step import SchedulerOutput
+from worker.step import KVMoves, SchedulerOutput
 
 _DISCARDED: Sampled = {}  # the result of a forward run ahead and not adopted
 
@@ -75,8 +75,11 @@ class OverlapRunner:
     waiter list on the path between two forwards): jobs and verdicts go to the forward thread,
     results come back."""
 
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(self, runner: ModelRunner, move: Callable[[KVMoves | None], None] | None = None) -> None:
         self.runner = runner
+        # a step's copies between the KV pool and a tier under it (worker/step.py KVMoves):
+        # made on the engine's thread once no forward that could write their blocks runs
+        self._move = move or _no_moves
         self.confirmed = 0  # forwards run ahead and adopted
         self.discarded = 0  # forwards run ahead whose step the scheduler did not make
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()  # None: stop
@@ -97,12 +100,16 @@ class OverlapRunner:
         step = runner.plan(out)
         ahead, self._ahead = self._ahead, None
         if ahead is not None:
-            self._verdicts.put(step.ahead)  # (the planner built one step ahead: this one)
-            if step.ahead:
+            if step.ahead:  # its copies are saves only (no admission): the blocks they read
+                # are cached, which no forward writes; the next forward starts after the verdict
+                self._move(out.moves)
+                self._verdicts.put(True)
                 self.confirmed += 1
                 return self._take()
+            self._verdicts.put(False)
             self.discarded += 1
-            self._take()  # wait for it to end
+            self._take()  # wait for it to end (a load may fill a block it was writing)
+        self._move(out.moves)
         if not step.num_seqs:
             return {}
         rows = runner.rows_of(step, out)
@@ -170,6 +177,10 @@ def _close_all() -> None:
     while the process tears down its C++ state aborts it ("terminate called ...")."""
     for runner in list(_RUNNING):
         runner.close(timeout=5.0)
+
+
+def _no_moves(moves: KVMoves | None) -> None:
+    assert not moves, "a step moved KV blocks to a tier this runner has no copier for"
 
 
 def _plain(rows: SamplingRows) -> bool:

@@ -26,9 +26,9 @@ from itertools import compress
 import numpy as np
 
 from worker.exec.persistent_batch import DecodeBatch, TableEntries
-from worker.step import SchedulerOutput
+from worker.step import KVMoves, SchedulerOutput
 
-STEP, HEARTBEAT, PROBE, SHUTDOWN = b"s", b"h", b"p", b"x"
+STEP, HEARTBEAT, PROBE, SHUTDOWN, MOVES, FETCH = b"s", b"h", b"p", b"x", b"m", b"f"
 # kind, flags, S, T, R, K, rank 0's send time (for the control-overhead measurement); 32 bytes
 # so that the int32 arrays after it start aligned
 _HEADER = struct.Struct("<cB2xIIIId4x")
@@ -371,6 +371,37 @@ def decode_step(message: bytes) -> tuple[FlatStep, float]:
         continues=bool(flags & _CONTINUES),
     )
     return step, sent_at
+
+
+def encode_moves(moves: KVMoves, fetches: Sequence[tuple[bytes, int]] = (), kind: bytes = MOVES) -> bytes:
+    """A MOVES message: a step's copies between tiers, sent just before the step (every rank
+    makes them before its forward); or a FETCH message: disk writes to make first, then disk
+    blocks (hash, host slot) to read. Kind, 3 pad bytes, five counts (saves, loads, demotes,
+    drops, fetches), the int32 pairs of saves and loads, the int32 host slots of demotes and
+    fetches, then the 16-byte hashes of demotes, drops and fetches."""
+    pairs = np.array([*moves.saves, *moves.loads], dtype=np.int32).reshape(-1, 2)  # (n, 2)
+    slots = np.array([s for s, _ in moves.demotes] + [s for _, s in fetches], dtype=np.int32)
+    hashes = b"".join([*(h for _, h in moves.demotes), *moves.drops, *(h for h, _ in fetches)])
+    counts = struct.pack("<5I", len(moves.saves), len(moves.loads), len(moves.demotes), len(moves.drops), len(fetches))
+    return kind + bytes(3) + counts + pairs.tobytes() + slots.tobytes() + hashes
+
+
+def decode_moves(message: bytes) -> tuple[KVMoves, list[tuple[bytes, int]]]:
+    """A MOVES or FETCH message -> (its moves, its fetches)."""
+    saves, loads, demotes, drops, fetches = struct.unpack_from("<5I", message, 4)
+    at = 24
+    pairs = np.frombuffer(message, dtype=np.int32, count=2 * (saves + loads), offset=at).reshape(-1, 2).tolist()
+    at += 8 * (saves + loads)
+    slots = np.frombuffer(message, dtype=np.int32, count=demotes + fetches, offset=at).tolist()
+    at += 4 * (demotes + fetches)
+    hashes = [message[at + 16 * i : at + 16 * (i + 1)] for i in range(demotes + drops + fetches)]
+    moves = KVMoves(
+        saves=[tuple(p) for p in pairs[:saves]],
+        loads=[tuple(p) for p in pairs[saves:]],
+        demotes=list(zip(slots[:demotes], hashes[:demotes], strict=True)),
+        drops=hashes[demotes : demotes + drops],
+    )
+    return moves, list(zip(hashes[demotes + drops :], slots[demotes:], strict=True))
 
 
 def kind_of(message: bytes) -> bytes:

@@ -18,9 +18,9 @@ import time
 from worker.exec.distributed import ByteChannel, startup_barrier
 from worker.exec.executor import DeviceWorker, Executor
 from worker.exec.model_runner import Sampled
-from worker.exec.step_codec import HEARTBEAT, SHUTDOWN, encode_step, probe_message
+from worker.exec.step_codec import FETCH, HEARTBEAT, SHUTDOWN, encode_moves, encode_step, probe_message
 from worker.model.parallel import Collectives
-from worker.step import SchedulerOutput
+from worker.step import KVMoves, SchedulerOutput
 
 TIMINGS_KEPT = 4096  # steps of control-overhead samples kept for the benchmark
 
@@ -68,8 +68,11 @@ class TPExecutor(Executor):
         planned = time.perf_counter()
         message = encode_step(step, decided)
         encoded = time.perf_counter()
+        if out.moves:  # the step's copies between tiers go first: every rank makes them first
+            self._collective(self.channel.send, encode_moves(out.moves))
         self._collective(self.channel.send, message)
         sent = time.perf_counter()
+        self.worker.move(out.moves)
         self._last_sent = time.monotonic()
         sampled = self._collective(runner.run, step, out)
         if step.num_seqs:  # up to the model's forward call, inputs ready (as on every rank)
@@ -77,6 +80,12 @@ class TPExecutor(Executor):
             parts = (planned - decided, encoded - planned, sent - encoded, started - sent)
             self.timings.append((step.num_seqs, started - decided, parts))
         return sampled
+
+    def fetch(self, early: KVMoves, fetches: list[tuple[bytes, int]]) -> int:
+        """Every rank reads the disk blocks into its host slots; the count all read whole."""
+        self._collective(self.channel.send, encode_moves(early, fetches, kind=FETCH))
+        self._last_sent = time.monotonic()
+        return self._collective(self.worker.fetch, early, fetches, self.channel.all_reduce_min)
 
     def keepalive(self) -> None:
         """Called while idle: a heartbeat round trip when nothing was sent for heartbeat_s."""

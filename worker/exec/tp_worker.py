@@ -16,7 +16,17 @@ import torch
 
 from worker.exec.distributed import ByteChannel, startup_barrier
 from worker.exec.executor import DeviceWorker
-from worker.exec.step_codec import HEARTBEAT, PROBE, SHUTDOWN, STEP, decode_step, probe_rounds
+from worker.exec.step_codec import (
+    FETCH,
+    HEARTBEAT,
+    MOVES,
+    PROBE,
+    SHUTDOWN,
+    STEP,
+    decode_moves,
+    decode_step,
+    probe_rounds,
+)
 from worker.exec.tp_executor import TIMINGS_KEPT, GroupFailedError
 from worker.model.parallel import Collectives
 
@@ -49,7 +59,13 @@ class TPWorker:
 
     def run(self) -> int:
         """Serve steps until rank 0 says shutdown; returns the number of steps run."""
-        handlers = {STEP: self._step, HEARTBEAT: self._heartbeat, PROBE: self._probe}
+        handlers = {
+            STEP: self._step,
+            HEARTBEAT: self._heartbeat,
+            PROBE: self._probe,
+            MOVES: self._moves,
+            FETCH: self._fetch,
+        }
         with torch.inference_mode():  # held across steps: entering it costs before each forward
             return self._serve(handlers)
 
@@ -78,6 +94,14 @@ class TPWorker:
             parts = (self._received - decided, decoded - self._received, started - decoded)
             self.timings.append((step.num_seqs, started - decided, parts))
         self.steps += 1
+
+    def _moves(self, message: bytes) -> None:
+        """The next step's copies between tiers, made before it runs (as on rank 0)."""
+        self.worker.move(decode_moves(message)[0])
+
+    def _fetch(self, message: bytes) -> None:
+        """Disk blocks into host slots, then agree with every rank on how many were read."""
+        self.worker.fetch(*decode_moves(message), agree=self.channel.all_reduce_min)
 
     def _heartbeat(self, message: bytes) -> None:
         self.channel.barrier()

@@ -1,0 +1,164 @@
+"""KV tiers on the real engine (CPU): a document evicted from the pool, restored or recomputed.
+
+    python -m benchmarks.kv_tiers --model builtin --doc-tokens 2048
+    python -m benchmarks.kv_tiers --model default --doc-tokens 2048
+
+One engine per case, the same document and question: the document is read once, evicted from
+the device pool by two others of its size, then asked about again. Cases: `recompute` (no
+tier: the question recomputes the document), `host` (a host tier: restored), `disk` (a host
+tier of one document over a disk tier: restored from files, synchronously, the other
+document's blocks demoted to make room in the same wait), and `device` (a pool that holds all
+three documents: the device hit every restore is measured against). One JSON line per case:
+the question's TTFT, the prompt tokens the engine computed for it, the tokens restored by
+tier, and the same-run ratios against `recompute` and `device`; then a line with the restore
+copy alone (`HostTier.apply` over the document's blocks) per block against the recompute per
+block; then `write_back`: output tokens/s of a workload with no reuse on a pool it overflows,
+with and without a host tier (each eviction is then a save), and their ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import tempfile
+import time
+
+from pagefleet.llm import LLM
+from worker.sampling_params import SamplingParams
+from worker.step import KVMoves
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
+
+
+def documents(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(n)]
+
+
+def question_ttft(llm: LLM, prompt: list[int]) -> tuple[float, int, list[int]]:
+    """(TTFT in seconds, tokens the engine computed for it, its output) of one request."""
+    engine = llm.engine
+    before = engine.stats()["tokens_computed"]
+    out = llm.generate([prompt], GREEDY)[0]
+    m = out.metrics
+    return m.first_token_time - m.arrival_time, engine.stats()["tokens_computed"] - before, out.outputs[0].token_ids
+
+
+def run_case(model: str, case: str, docs, question, blocks: int, block_bytes: int, repeats: int) -> dict:
+    """The document, two others, then the question on the document again (`repeats` times,
+    each after evicting it again); the median TTFT."""
+    options = dict(block_size=16, num_blocks=blocks, max_model_len=len(docs[0]) + 64, watermark=0.0)
+    tmp = None
+    if case == "device":
+        options["num_blocks"] = 4 * blocks
+    elif case == "host":
+        options["kv_host_bytes"] = 8 * blocks * block_bytes
+    elif case == "disk":
+        tmp = tempfile.TemporaryDirectory()
+        # a host tier of one document: the next one's blocks push it down to the disk
+        options.update(kv_host_bytes=blocks * block_bytes, kv_disk_bytes=8 * blocks * block_bytes, kv_disk_dir=tmp.name)
+    llm = LLM(model, **options)
+    ttfts, computed, out = [], [], None
+    for r in range(repeats):
+        for d in docs:  # the document, then two that evict it from the pool (not with `device`)
+            llm.generate([d + [r + 3]], GREEDY)
+        t, c, out = question_ttft(llm, docs[0] + question)
+        ttfts.append(t)
+        computed.append(c)
+    stats = llm.engine.stats()
+    llm.engine.executor.shutdown()
+    if tmp is not None:
+        tmp.cleanup()
+    return {
+        "case": case,
+        "doc_tokens": len(docs[0]),
+        "ttft_s": round(statistics.median(ttfts), 4),
+        "question_tokens_computed": int(statistics.median(computed)),
+        "restored_tokens_host": stats["kv_host_hits"],
+        "restored_tokens_disk": stats["kv_disk_hits"],
+        "output": out,
+    }
+
+
+def restore_copy(model: str, blocks: int, doc_blocks: int, bb: int) -> tuple[float, int]:
+    """Seconds of one HostTier.apply restoring `doc_blocks` blocks, and a block's bytes."""
+    llm = LLM(model, block_size=16, num_blocks=blocks, max_model_len=blocks * 16, kv_host_bytes=doc_blocks * bb)
+    tier = llm.engine.executor.worker.host_tier
+    moves = KVMoves(loads=[(i, i) for i in range(doc_blocks)])
+    tier.apply(moves)  # warm
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        tier.apply(moves)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), tier.block_bytes
+
+
+def write_back(model: str, blocks: int, block_bytes: int, prompt_tokens: int, n: int) -> dict:
+    """Output tokens/s of `n` distinct prompts (no reuse) on a pool they overflow, without
+    and with a host tier (which saves every block the pool evicts)."""
+    prompts = documents(n, prompt_tokens, 200, seed=99)
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    rates = {}
+    for name, extra in (("off", {}), ("on", {"kv_host_bytes": 8 * blocks * block_bytes})):
+        llm = LLM(model, block_size=16, num_blocks=blocks, max_model_len=prompt_tokens + 64, **extra)
+        llm.generate(prompts[:2], params)  # warm
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        rates[name] = sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t0)
+        saves = llm.engine.stats()["kv_host_saves"]
+    return {
+        "case": "write_back",
+        "prompt_tokens": prompt_tokens,
+        "requests": n,
+        "tokens_per_s_off": round(rates["off"], 1),
+        "tokens_per_s_on": round(rates["on"], 1),
+        "on_over_off": round(rates["on"] / rates["off"], 3),
+        "blocks_saved": saves,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", default="builtin", help="builtin, default, or a model directory")
+    p.add_argument("--doc-tokens", type=int, default=2048)
+    p.add_argument("--repeats", type=int, default=3)
+    args = p.parse_args(argv)
+    model = None if args.model == "default" else args.model
+    probe = LLM(model, block_size=16, num_blocks=8, max_model_len=64)
+    stats, vocab = probe.engine.stats(), probe.engine.model_config.vocab_size
+    block_bytes = stats["kv_bytes_per_token"] * 16
+    del probe
+    doc_blocks = args.doc_tokens // 16
+    blocks = doc_blocks + 8  # one document and its question at a time
+    docs = documents(3, args.doc_tokens, vocab)
+    question = [7, 8, 9, 10]
+    results = {}
+    for case in ("recompute", "host", "disk", "device"):
+        results[case] = run_case(model, case, docs, question, blocks, block_bytes, args.repeats)
+    same = len({tuple(r.pop("output")) for r in results.values()}) == 1
+    for r in results.values():
+        r["same_output_as_others"] = same
+        r["ttft_over_recompute"] = round(r["ttft_s"] / results["recompute"]["ttft_s"], 4)
+        r["ttft_over_device_hit"] = round(r["ttft_s"] / results["device"]["ttft_s"], 3)
+        print(json.dumps(r), flush=True)
+    copy_s, bb = restore_copy(model, blocks, doc_blocks, block_bytes)
+    recompute = results["recompute"]
+    per_block_recompute = (recompute["ttft_s"] - results["device"]["ttft_s"]) / doc_blocks
+    line = {
+        "case": "restore_copy",
+        "blocks": doc_blocks,
+        "block_bytes": bb,
+        "restore_s_per_block": round(copy_s / doc_blocks, 8),
+        "restore_gb_s": round(doc_blocks * bb / copy_s / 1e9, 2),
+        "recompute_s_per_block": round(per_block_recompute, 6),
+        "restore_over_recompute": round(copy_s / doc_blocks / per_block_recompute, 5),
+    }
+    print(json.dumps(line), flush=True)
+    print(json.dumps(write_back(model, blocks, block_bytes, 256, 3 * blocks * 16 // 256)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
