@@ -165,3 +165,27 @@ def test_grpc_refuses_bad_constraints_naming_the_field(served):
     choice = pb.StructuredOutput(choice=pb.Choices(choices=["up", "down"]))
     request = pb.GenerateRequest(text="Hello", sampling=pb.SamplingParams(max_tokens=4, structured_output=choice))
     assert "".join(r.text for r in client.stub.Generate(request, timeout=60)) in ("up", "down")
+
+
+@pytest.mark.parametrize("options", [dict(temperature=0.0), dict(temperature=1.0, seed=21)])
+def test_a_resumed_constrained_stream_goes_on_as_the_undisturbed_one(served, options):
+    """GenerateRequest.resume of a constrained stream: the group rebuilds the matcher from the
+    tokens already sent, and the rest equals the undisturbed run's."""
+    client, _, _ = served
+    constraint = pb.StructuredOutput(json=json.dumps(PERSON))
+
+    def request() -> pb.GenerateRequest:
+        sampling = pb.SamplingParams(max_tokens=64, structured_output=constraint, **options)
+        return pb.GenerateRequest(text="The baker starts work", sampling=sampling)
+
+    chunks = list(client.stub.Generate(request(), timeout=60))
+    assert len(chunks) > 6
+    cut = 5
+    resumed = request()
+    for c in chunks[:cut]:
+        resumed.resume.token_ids.extend(c.token_ids)
+        resumed.resume.text_chars += len(c.text)
+    rest = list(client.stub.Generate(resumed, timeout=60))
+    assert [t for c in rest for t in c.token_ids] == [t for c in chunks[cut:] for t in c.token_ids]
+    assert "".join(c.text for c in rest) == "".join(c.text for c in chunks[cut:])
+    jsonschema.validate(json.loads("".join(c.text for c in chunks)), PERSON)
