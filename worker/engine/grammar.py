@@ -115,8 +115,9 @@ class RequestGrammar:
 
     def accept(self, token: int) -> bool:
         """Advance over a sampled token; False when the grammar does not allow it (never for
-        a token sampled under this row's mask)."""
-        return self.matcher.accept_token(token)
+        a token sampled under this row's mask) or has ended (an `ignore_eos` request goes on
+        unconstrained past its stop token)."""
+        return not self.matcher.is_terminated() and self.matcher.accept_token(token)
 
     def fill(self, bitmask: Any, index: int) -> bool:
         """Write the allowed next tokens into row `index` of `bitmask` ((n, ceil(vocab / 32))
