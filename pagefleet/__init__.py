@@ -8,11 +8,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "Client", "AsyncClient"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputs", "RequestOutput", "Client", "AsyncClient"]
 
 _LAZY = {
     "LLM": ("pagefleet.llm", "LLM"),
     "SamplingParams": ("worker.sampling_params", "SamplingParams"),
+    "StructuredOutputs": ("worker.structured_outputs", "StructuredOutputs"),
     "RequestOutput": ("worker.outputs", "RequestOutput"),
     "Client": ("pagefleet.client", "Client"),
     "AsyncClient": ("pagefleet.client", "AsyncClient"),
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
     from pagefleet.llm import LLM
     from worker.outputs import RequestOutput
     from worker.sampling_params import SamplingParams
+    from worker.structured_outputs import StructuredOutputs
 
 
 def __getattr__(name: str):

@@ -135,6 +135,10 @@ class LLM:
                 if out.finished:
                     finished[out.request_id] = out
                     bar.update(1)
+            for _, error in self.engine.take_failures():  # (a structured output refused)
+                self.engine.abort(ids)
+                bar.close()
+                raise error
         bar.close()
         return [finished[i] for i in ids]
 

@@ -420,3 +420,23 @@ def test_tenants_benchmark_smoke():
     assert set(lines) == {"b_alone", "fifo", "fair"}
     assert lines["fair"]["B"]["ttft_s_p99"] < lines["fifo"]["B"]["ttft_s_p99"] / 5
     assert lines["fair"]["b_ttft_p99_vs_alone"] < lines["fifo"]["b_ttft_p99_vs_alone"]
+
+
+def test_structured_benchmark_smoke():
+    """benchmarks/structured.py on the built-in model: every decode case runs its steps with all
+    32 rows decoding (asserted there), constrained cases spend time in the mask, and the TTFT
+    case compiled a new schema per repeat."""
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks.structured", "--model", "builtin", "--steps", "2", "--repeats", "1"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    decode = [x for x in lines if x["case"] == "decode"]
+    assert [x["constrained"] for x in decode] == [0, 8, 32]
+    assert decode[0]["mask_ms_per_step"] == 0 and all(x["mask_ms_per_step"] > 0 for x in decode[1:])
+    (ttft,) = [x for x in lines if x["case"] == "ttft"]
+    assert ttft["compiled"] >= 2 and ttft["new_schema_ms"] > 0

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from worker.structured_outputs import StructuredOutputs
+
 _GREEDY_EPS = 1e-5
 # Bounds on what a request may ask the stop checks to watch: every step scans its stop strings
 # on the group's engine thread, where any cost delays every other running request. Generous
@@ -39,6 +41,8 @@ class SamplingParams:
     n: int = 1  # completions of the prompt (pagefleet.LLM runs one request each)
     min_tokens: int = 0  # no EOS, stop token or stop string before this many tokens
     skip_special_tokens: bool = True  # in the output text
+    # what the output must match (a JSON Schema, a regex, ...): worker/structured_outputs.py
+    structured_outputs: StructuredOutputs | None = None
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -124,6 +128,14 @@ class SamplingParams:
             "must be a boolean",
             self.skip_special_tokens,
         )
+        if isinstance(self.structured_outputs, dict):  # (vLLM's fields as keywords)
+            object.__setattr__(self, "structured_outputs", _structured(self.structured_outputs))
+        _check(
+            self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputs),
+            "structured_outputs",
+            "must be a StructuredOutputs",
+            self.structured_outputs,
+        )
 
     def for_completion(self, index: int) -> SamplingParams:
         """The parameters of the `index`-th of `n` completions: one request each, n=1; a seeded
@@ -139,6 +151,13 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+def _structured(fields: dict) -> StructuredOutputs:
+    unknown = sorted(set(fields) - set(StructuredOutputs.__dataclass_fields__))
+    if unknown:
+        raise ValueError(f"SamplingParams.structured_outputs has unknown field(s) {unknown}")
+    return StructuredOutputs(**fields)
 
 
 def _is_int(x: object) -> bool:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from worker.sampling_params import SamplingParams
 
@@ -44,6 +44,9 @@ class StepRequest(Protocol):
 
     @property
     def eos_token_ids(self) -> Sequence[int]: ...
+
+    @property
+    def grammar(self) -> Any: ...  # the matcher of a structured output (worker/engine/grammar.py), or None
 
 
 @dataclass(slots=True)

@@ -24,6 +24,7 @@ from router.router import CheckedRequest
 from worker.outputs import TokenLogprobs
 from worker.protocol import Resume
 from worker.sampling_params import SamplingParams, shown
+from worker.structured_outputs import StructuredOutputs
 from worker.token_ids import CheckedIds, first_outside
 
 if TYPE_CHECKING:
@@ -33,7 +34,8 @@ if TYPE_CHECKING:
 
 _REQUEST_ID = re.compile(r"[A-Za-z0-9_.:\-]{1,128}")
 _TENANT = re.compile(r"[A-Za-z0-9_.\-]{1,128}")
-_SAMPLING_FIELDS = tuple(pb.SamplingParams.DESCRIPTOR.fields_by_name)
+_SAMPLING_FIELDS = tuple(n for n in pb.SamplingParams.DESCRIPTOR.fields_by_name if n != "structured_output")
+_CONSTRAINT = "sampling.structured_output"  # how a group's errors about it are named here
 _FINISH = {
     "stop": pb.FINISH_REASON_STOP,
     "length": pb.FINISH_REASON_LENGTH,
@@ -93,10 +95,30 @@ def sampling_params(msg: pb.SamplingParams):
             continue
         value = getattr(msg, name)
         values[name] = tuple(value) if field.is_repeated else value
+    if msg.HasField("structured_output"):
+        values["structured_outputs"] = structured_output(msg.structured_output)
     try:
         return SamplingParams(**values)
     except ValueError as e:
         raise invalid(str(e).replace("SamplingParams.", "sampling.")) from None
+
+
+def structured_output(msg: pb.StructuredOutput) -> StructuredOutputs:
+    """The constraint of `sampling.structured_output` (exactly one kind set)."""
+    kind = msg.WhichOneof("kind")
+    if kind is None:
+        raise invalid(f"{_CONSTRAINT} is set but none of its fields is")
+    value = getattr(msg, kind)
+    try:
+        return StructuredOutputs(**{kind: tuple(value.choices) if kind == "choice" else value})
+    except ValueError as e:
+        raise invalid(constraint_named(str(e))) from None
+
+
+def constraint_named(message: str) -> str:
+    """An error about a structured output, naming the gRPC field (a group names the
+    constraint `StructuredOutputs.<field>`)."""
+    return message.replace("StructuredOutputs", _CONSTRAINT)
 
 
 async def prompt_token_ids(request: pb.GenerateRequest, router: Router) -> CheckedIds:

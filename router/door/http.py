@@ -230,7 +230,9 @@ class HttpDoor:
             return Response(status_code=499)
         except Exception as e:
             wait = e.retry_after if isinstance(e, Reject) else None
-            raise Reject(*_http_status(e, rid), counted=True, retry_after=wait) from None
+            code, message, param = _http_status(e, rid)
+            message, param = routes.named(message, param)  # (a group refused the constraint)
+            raise Reject(code, message, param, counted=True, retry_after=wait) from None
         usage = body.stream_options is not None and body.stream_options.include_usage
         events = self._events(merged, primed, choices, fmt, prompts if usage else None, rid)
         return StreamingResponse(events, media_type="text/event-stream")

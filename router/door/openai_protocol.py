@@ -3,11 +3,12 @@ and writes them.
 
 Requests are validated strictly (a string is not a number, `1.5` is not an integer) and an
 unknown field is refused rather than silently ignored, so that a typo (`max_token`) is a 400
-naming it, as OpenAI's API answers. Fields OpenAI defines that pagefleet does not do (tools,
-`logit_bias`, `echo`, `best_of` > 1, `suffix`) are refused by name. pagefleet's extensions
+naming it, as OpenAI's API answers. Fields OpenAI defines that pagefleet does not do
+(`logit_bias`, `echo`, `best_of` > 1, `suffix`) are refused by name. pagefleet's extensions
 take vLLM's names (`top_k`, `min_p`, `repetition_penalty`, `stop_token_ids`, `ignore_eos`,
-`include_stop_str_in_output`, `cache_salt`, `priority`, `return_token_ids`), for clients that
-send them through the SDK's `extra_body`.
+`include_stop_str_in_output`, `cache_salt`, `priority`, `return_token_ids`, and
+`structured_outputs`: {json, regex, grammar, choice, json_object}), for clients that send
+them through the SDK's `extra_body`.
 
 `parse_body` reads a body in one pass of pydantic's JSON parser: token ids arrive as numpy
 arrays, a union's members are told apart without validating a long list once per member, and a
@@ -142,6 +143,36 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+class StructuredOutputsBody(_Body):
+    """vLLM's `structured_outputs`: exactly one of these (worker/structured_outputs.py)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
+
+    json_: dict | Text | None = Field(default=None, alias="json")  # (`json` is a BaseModel method)
+    regex: Text | None = None
+    grammar: Text | None = None
+    choice: Texts | None = None
+    json_object: bool | None = None
+
+
+class JsonSchemaFormat(_Body):
+    """OpenAI's `response_format.json_schema`."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
+
+    name: Text
+    description: Text | None = None
+    schema_: dict | None = Field(default=None, alias="schema")  # (`schema` is a BaseModel method)
+    strict: bool | None = None  # accepted: the schema is always enforced
+
+
+class ResponseFormat(_Body):
+    """OpenAI's `response_format`: text, any JSON object, or a JSON Schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class _Generation(_Body):
     """What completions and chat completions share."""
 
@@ -168,6 +199,7 @@ class _Generation(_Body):
     cache_salt: Text | None = None
     priority: Annotated[int, INT32] = 0
     return_token_ids: bool = False  # each choice's token ids, as `token_ids`
+    structured_outputs: StructuredOutputsBody | None = None
 
 
 class CompletionRequest(_Generation):
@@ -199,7 +231,7 @@ class ChatCompletionRequest(_Generation):
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     tools: list[Any] | None = None  # refused unless empty
-    response_format: dict | None = None  # refused unless {"type": "text"}
+    response_format: ResponseFormat | None = None
 
 
 class TokenizeRequest(_Body):

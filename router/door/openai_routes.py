@@ -22,6 +22,7 @@ from router.door.openai_protocol import (
 from router.door.serving import check_message_count, checked_request, invalid, request_salt, tokenize
 from router.router import CheckedRequest
 from worker.sampling_params import SamplingParams
+from worker.structured_outputs import StructuredOutputs
 from worker.token_ids import CheckedIds, first_outside
 
 if TYPE_CHECKING:
@@ -53,6 +54,14 @@ class Routes:
     routes: list[CheckedRequest]
     prompts: list[CheckedIds]
     n: int
+    constraint_field: str | None = None  # the body's field that set a structured output
+
+    def named(self, message: str, param: str | None) -> tuple[str, str | None]:
+        """An error's message and param with a group's name for the constraint
+        (`StructuredOutputs.json`) replaced by the body's field that set it."""
+        if self.constraint_field is None or "StructuredOutputs" not in message:
+            return message, param
+        return _as_field(message, self.constraint_field), self.constraint_field
 
 
 async def completion_routes(body: CompletionRequest, router: Router, request_id: str, tenant: str | None) -> Routes:
@@ -69,20 +78,19 @@ async def completion_routes(body: CompletionRequest, router: Router, request_id:
     if len(batch) * body.n > MAX_CHOICES:
         raise invalid(f"{len(batch)} prompts x n={body.n} is over {MAX_CHOICES} choices", "n")
     limit = body.max_tokens or COMPLETION_MAX_TOKENS
-    params = sampling_params(body, limit, "max_tokens", body.logprobs, "logprobs")
+    constraint, where = structured_outputs(body)
+    params = sampling_params(body, limit, "max_tokens", body.logprobs, "logprobs", constraint)
     prompts = []
     for i, prompt in enumerate(batch):
-        where = "prompt" if len(batch) == 1 else f"prompt[{i}]"
-        prompts.append(await _prompt_ids(prompt, router, where))
-    return _routes(body, prompts, params, "max_tokens", router, request_id, tenant)
+        where_p = "prompt" if len(batch) == 1 else f"prompt[{i}]"
+        prompts.append(await _prompt_ids(prompt, router, where_p))
+    return _routes(body, prompts, params, "max_tokens", router, request_id, tenant, where)
 
 
 async def chat_routes(body: ChatCompletionRequest, router: Router, request_id: str, tenant: str | None) -> Routes:
     """`/v1/chat/completions`: the messages rendered with the model's chat template."""
     if body.tools:
         raise invalid("tools are not supported", "tools")
-    if body.response_format not in (None, {"type": "text"}):
-        raise invalid("response_format other than text is not supported", "response_format")
     if body.top_logprobs is not None and not body.logprobs:
         raise invalid("top_logprobs needs logprobs to be true", "top_logprobs")
     if body.max_tokens is not None and body.max_completion_tokens is not None:
@@ -90,9 +98,46 @@ async def chat_routes(body: ChatCompletionRequest, router: Router, request_id: s
     limit_field = "max_tokens" if body.max_tokens is not None else "max_completion_tokens"
     limit = body.max_tokens or body.max_completion_tokens  # None: up to the context
     top = (body.top_logprobs or 0) if body.logprobs else None
-    params = sampling_params(body, limit, limit_field, top, "top_logprobs")
+    constraint, where = structured_outputs(body)
+    params = sampling_params(body, limit, limit_field, top, "top_logprobs", constraint)
     ids = await tokenize(router, messages=chat_messages(body.messages, router.model_info.max_model_len))
-    return _routes(body, [ids], params, limit_field, router, request_id, tenant)
+    return _routes(body, [ids], params, limit_field, router, request_id, tenant, where)
+
+
+def structured_outputs(body) -> tuple[StructuredOutputs | None, str | None]:
+    """The body's constraint on its output, from OpenAI's `response_format` (chat) or vLLM's
+    `structured_outputs`, and the field that set it (errors name it); 400 for a bad one."""
+    fmt = getattr(body, "response_format", None)
+    given = body.structured_outputs
+    if fmt is not None and fmt.type != "text" and given is not None:
+        raise invalid("give response_format or structured_outputs, not both", "structured_outputs")
+    if given is not None:
+        fields = given.model_dump(exclude_none=True, by_alias=True)
+        where = "structured_outputs" if len(fields) != 1 else f"structured_outputs.{next(iter(fields))}"
+        return _constraint(where, **fields), where
+    if fmt is None or fmt.type == "text":
+        if fmt is not None and fmt.json_schema is not None:
+            raise invalid("response_format.json_schema needs type json_schema", "response_format.json_schema")
+        return None, None
+    if fmt.type == "json_object":
+        return _constraint("response_format", json_object=True), "response_format"
+    where = "response_format.json_schema.schema"
+    if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+        raise invalid(f"{where} is required with type json_schema", where)
+    return _constraint(where, json=fmt.json_schema.schema_), where
+
+
+def _constraint(where: str, **fields) -> StructuredOutputs:
+    try:
+        return StructuredOutputs(**fields)
+    except ValueError as e:
+        raise invalid(_as_field(str(e), where), where) from None
+
+
+def _as_field(message: str, where: str) -> str:
+    """A constraint's error with the body's field for the constraint's own name."""
+    named = re.sub(r"StructuredOutputs\.\w+", where, message)
+    return named.replace("StructuredOutputs", where)
 
 
 def chat_messages(messages: list[ChatMessage], context: int) -> list[dict]:
@@ -110,12 +155,19 @@ def chat_messages(messages: list[ChatMessage], context: int) -> list[dict]:
     return out
 
 
-def sampling_params(body, max_tokens: int | None, max_field: str, logprobs, logprobs_field: str):
+def sampling_params(
+    body,
+    max_tokens: int | None,
+    max_field: str,
+    logprobs,
+    logprobs_field: str,
+    constraint: StructuredOutputs | None = None,
+):
     """`SamplingParams` of the body; its ValueError becomes a 400 naming the body's field."""
     if body.logit_bias:
         raise invalid("logit_bias is not supported", "logit_bias")
     values = {k: getattr(body, k) for k in _SAME_NAMES if getattr(body, k) is not None}
-    values |= {"max_tokens": max_tokens, "logprobs": logprobs}
+    values |= {"max_tokens": max_tokens, "logprobs": logprobs, "structured_outputs": constraint}
     if body.stop is not None:
         values["stop"] = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop)
     if body.stop_token_ids is not None:
@@ -130,7 +182,7 @@ def sampling_params(body, max_tokens: int | None, max_field: str, logprobs, logp
         raise invalid(theirs + message[len(field) :], theirs) from None
 
 
-def _routes(body, prompts, params: SamplingParams, limit_field, router, request_id, tenant) -> Routes:
+def _routes(body, prompts, params: SamplingParams, limit_field, router, request_id, tenant, where=None) -> Routes:
 
     if body.stream_options is not None and not body.stream:
         raise invalid("stream_options is only allowed with stream: true", "stream_options")
@@ -141,7 +193,7 @@ def _routes(body, prompts, params: SamplingParams, limit_field, router, request_
             seeded = params if params.seed is None else replace(params, seed=params.seed + j)
             rid = f"{request_id}-{p * body.n + j}"
             routes.append(checked_request(router, ids, seeded, rid, body.priority, salt, None, limit_field, tenant))
-    return Routes(routes, prompts, body.n)
+    return Routes(routes, prompts, body.n, where)
 
 
 def _is_batch(prompt) -> bool:

@@ -42,6 +42,7 @@ from grpc_reflection.v1alpha import reflection
 from protos.pagefleet.v1 import pagefleet_pb2 as pb
 from protos.pagefleet.v1 import pagefleet_pb2_grpc as pb_grpc
 from router.door.api import (
+    constraint_named,
     model_info_message,
     response_message,
     route_request,
@@ -229,7 +230,9 @@ def deadline_passed(left: float | None, budget: float | None) -> bool:
 
 
 def _proto_names(message: str) -> str:
-    """Engine messages name SamplingParams fields; callers know them as `sampling.*`."""
+    """Engine messages name SamplingParams fields; callers know them as `sampling.*` (a
+    structured output's as `sampling.structured_output.*`)."""
+    message = constraint_named(message)
     return message.replace("SamplingParams.", "sampling.").replace("prompt token id", "token_ids: token id")
 
 

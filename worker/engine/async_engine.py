@@ -115,6 +115,7 @@ class AsyncEngine:
                 self._drain_commands()
                 if self.engine.has_unfinished():
                     self._deliver([(out.request_id, out) for out in self.engine.step()])
+                    self._deliver(self.engine.take_failures())  # (a constraint refused, say)
                 else:
                     self._wake.wait(0.05)
                     self._wake.clear()

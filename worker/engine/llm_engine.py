@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import torch
 from worker.config import EngineConfig, cluster_secret
 from worker.engine.block_manager import BlockManager
 from worker.engine.detokenizer import IncrementalDetokenizer, byte_table
+from worker.engine.grammar import GrammarCompiler, RequestGrammar
 from worker.engine.request import Request, RequestStatus
 from worker.engine.scheduler import Scheduler
 from worker.engine.tier_index import TierIndex
@@ -31,6 +33,17 @@ from worker.step import SchedulerOutput
 from worker.token_ids import token_list
 
 KVEventsCallback = Callable[[list[KVEvent]], None]
+COMPILE_WAIT_S = 0.01  # an engine with only compiling requests waits this long for one
+
+
+@dataclass
+class _Compiling:
+    """A request waiting for its structured output's grammar, outside the scheduler (so
+    that the batch, and the queue behind it, go on)."""
+
+    request: Request
+    tracked: _Tracked
+    grammar: Future  # the compiled grammar (worker/engine/grammar.py)
 
 
 @dataclass
@@ -87,6 +100,9 @@ class LLMEngine:
         self._tracked: dict[str, _Tracked] = {}
         self._ids = itertools.count()
         self.tokens_computed = 0  # tokens run through the model (prompt, recomputed and decoded)
+        self.grammars = GrammarCompiler(self.tokenizer, mc.vocab_size, self.eos_token_ids)
+        self._compiling: dict[str, _Compiling] = {}
+        self._failed: list[tuple[str, Exception]] = []  # refused after add_request returned
 
     # ---- requests ----------------------------------------------------------------------
     def add_request(
@@ -148,9 +164,46 @@ class LLMEngine:
             if tracked.logprobs is not None:
                 tracked.logprobs.extend(resume.logprobs)
                 tracked.cumulative_logprob = sum(lp.logprob for lp in resume.logprobs)
-        self.scheduler.add_request(req)
-        self._tracked[rid] = tracked
+        constraint = params.structured_outputs
+        if constraint is None:
+            self.scheduler.add_request(req)
+            self._tracked[rid] = tracked
+            return rid
+        if rid in self._compiling:
+            raise ValueError(f"request_id {rid!r} is already in use")
+        self.scheduler.check(req)
+        grammar = self.grammars.compile(constraint)
+        if grammar.done():  # cached: a bad constraint is refused here, a good one scheduled
+            self._schedule_constrained(req, tracked, grammar)
+        else:
+            self._compiling[rid] = _Compiling(req, tracked, grammar)
         return rid
+
+    def _schedule_constrained(self, req: Request, tracked: _Tracked, grammar: Future) -> None:
+        """A request whose grammar is compiled into the scheduler, its matcher following the
+        output it already has (a resume's); raises what the compiler or the scheduler refused."""
+        req.grammar = RequestGrammar(grammar.result(), req.output_token_ids)
+        self.scheduler.add_request(req)
+        self._tracked[req.request_id] = tracked
+
+    def _admit_compiled(self) -> None:
+        """Requests whose grammars are ready join the scheduler; refused ones fail. With
+        nothing else to run, wait a little for a grammar first (not a busy loop)."""
+        if not self.scheduler.has_unfinished():
+            wait([c.grammar for c in self._compiling.values()], COMPILE_WAIT_S, FIRST_COMPLETED)
+        for rid, c in list(self._compiling.items()):
+            if c.grammar.done():
+                del self._compiling[rid]
+                try:
+                    self._schedule_constrained(c.request, c.tracked, c.grammar)
+                except Exception as e:  # (ValueError: the constraint; QueueFullError)
+                    self._failed.append((rid, e))
+
+    def take_failures(self) -> list[tuple[str, Exception]]:
+        """The requests refused since the last call (their constraint did not compile, or
+        the queue filled while it did), with their errors; each is gone from the engine."""
+        failed, self._failed = self._failed, []
+        return failed
 
     def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -163,6 +216,13 @@ class LLMEngine:
         """Stop the requests and free their blocks; returns each one's final output (what it
         generated, finish_reason "abort"). Unknown or finished ids are ignored."""
         outputs = []
+        for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
+            c = self._compiling.pop(rid, None)
+            if c is not None:  # never scheduled: nothing to free
+                c.request.status = RequestStatus.FINISHED_ABORTED
+                c.tracked.metrics.finished_time = time.monotonic()
+                no_lps = None if c.tracked.logprobs is None else []
+                outputs.append(_output(c.request, c.tracked, [], "", True, None, no_lps))
         for req in self.scheduler.abort(request_ids):
             tracked = self._tracked.pop(req.request_id, None)
             if tracked is None:
@@ -174,11 +234,14 @@ class LLMEngine:
         return outputs
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._compiling) or bool(self._failed)
 
     # ---- one step ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, run one forward pass, sample; returns the requests that progressed."""
+        """Schedule, run one forward pass, sample; returns the requests that progressed
+        (those refused meanwhile: `take_failures`)."""
+        if self._compiling:
+            self._admit_compiled()
         out = self.scheduler.schedule()
         self._flush_events()
         now = time.monotonic()
@@ -197,6 +260,8 @@ class LLMEngine:
             entry = sampled.get(req.request_id)
             if entry is not None and req.status is running:  # (sampled, not aborted meanwhile)
                 token, lp = entry
+                if req.grammar is not None:  # (before the stop checks: EOS ends the grammar too)
+                    req.grammar.accept(token)
                 finished = append(req, token)
                 outputs.append(self._progress(req, tracked[req.request_id], token, lp, finished, now))
         self._flush_events()
@@ -266,7 +331,7 @@ class LLMEngine:
             "prefix_cache_hits": bm.prefix_hits,
             "preemptions": sched.num_preemptions,
             "running": sched.num_running,
-            "waiting": sched.num_waiting,
+            "waiting": sched.num_waiting + len(self._compiling),
             "pending_prefill_tokens": sched.pending_prefill_tokens(),
             "tokens_computed": self.tokens_computed,
             "block_size": bm.block_size,

@@ -72,6 +72,9 @@ class Request:
         self.num_cached_tokens = -1  # prompt tokens served from the prefix cache; -1 until admitted
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
+        # the matcher of a structured output (worker/engine/grammar.py: RequestGrammar), set
+        # before the request is scheduled; the engine advances it with each sampled token
+        self.grammar = None
 
     @property
     def num_tokens(self) -> int:

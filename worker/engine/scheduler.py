@@ -36,6 +36,13 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         """Queue a request, or refuse one that could never run (ValueError) or that finds
         the queue full (QueueFullError): the group's own checks of a request, made once."""
+        self.check(request)
+        self.requests[request.request_id] = request
+        self.waiting.push(request)
+
+    def check(self, request: Request) -> None:
+        """`add_request`'s checks alone, for a request that must wait before it is queued (for
+        its structured output's grammar)."""
         rid = request.request_id
         if rid in self.requests:
             raise ValueError(f"request_id {rid!r} is already in use")
@@ -58,8 +65,6 @@ class Scheduler:
             )
         if len(self.waiting) >= self.config.max_waiting:
             raise QueueFullError(f"waiting queue is full ({self.config.max_waiting} requests); retry later")
-        self.requests[rid] = request
-        self.waiting.push(request)
 
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
         """End a request (abort, stop string): its blocks are freed at once."""

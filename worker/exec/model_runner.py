@@ -278,7 +278,7 @@ class ModelRunner:
         if request.num_output_tokens < params.min_tokens:  # no stop before min_tokens
             eos = () if params.ignore_eos else request.eos_token_ids
             suppressed = (*eos, *params.stop_token_ids)
-        return SamplingRow(params, request.prompt_token_ids, request.output_token_ids, suppressed)
+        return SamplingRow(params, request.prompt_token_ids, request.output_token_ids, suppressed, request.grammar)
 
     @torch.inference_mode()
     def profile_step(self, num_tokens: int, vocab_size: int) -> None:

@@ -22,7 +22,8 @@ entering a block the table lacks (the scheduler allocates each decode's next blo
 early, `Scheduler.lookahead`, and its entries travel with the step built ahead next, so that
 only a pool without a free block stops a forward there); and sampling rows that do not
 read the output so far (no penalties, no suppressed EOS before `min_tokens`, no seeded random
-draw, which depends on the position), so that the same rows serve again. Greedy and seeded
+draw, which depends on the position, no structured output's grammar, whose mask follows the
+last token), so that the same rows serve again. Greedy and seeded
 requests give the same tokens with and without overlap (tests/test_overlap.py); an unseeded
 random request draws from the global generator, whose draws a discarded forward consumes.
 
@@ -185,10 +186,12 @@ def _no_moves(moves: KVMoves | None) -> None:
 
 def _plain(rows: SamplingRows) -> bool:
     """Whether every row samples the same way whatever the output so far (so that the rows
-    serve the next step too): no penalties, nothing suppressed, no seeded random draw."""
+    serve the next step too): no penalties, nothing suppressed, no seeded random draw, and
+    no grammar: a constrained row's mask follows the token the engine has not yet read, so a
+    batch with one runs step by step."""
     for row in rows.rows:
         p = row.params
-        if row.suppressed or p.has_penalties or (p.seed is not None and not p.greedy):
+        if row.suppressed or p.has_penalties or (p.seed is not None and not p.greedy) or row.grammar is not None:
             return False
     return True
 

@@ -2,7 +2,8 @@
 
 Pipeline per step, in the order Hugging Face `generate` applies the same processors:
 
-    penalties (repetition over prompt + output; presence and frequency over output)
+    structured outputs: the tokens a row's grammar forbids at -inf (its token bitmask)
+    -> penalties (repetition over prompt + output; presence and frequency over output)
     -> greedy rows: argmax
     -> random rows: temperature -> top-k -> top-p -> min-p -> sample
 
@@ -18,9 +19,10 @@ from __future__ import annotations
 
 import hashlib
 import struct
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
 
@@ -28,6 +30,16 @@ from worker.outputs import TokenLogprobs
 from worker.sampling_params import SamplingParams
 
 LogprobsMode = Literal["raw", "processed"]
+
+
+class RowGrammar(Protocol):
+    """A constrained row's matcher, as the sampler reads it (worker/engine/grammar.py's
+    `RequestGrammar`)."""
+
+    def fill(self, bitmask: torch.Tensor, index: int) -> bool:
+        """Write row `index` of the (n, ceil(vocab / 32)) int32 bitmask of allowed tokens;
+        False when the row is unconstrained this step (the row left untouched)."""
+        ...
 
 
 @dataclass
@@ -39,6 +51,7 @@ class SamplingRow:
     output_token_ids: Sequence[int]  # generated so far, before this step
     # Ids that must not be sampled this step: EOS and stop tokens before params.min_tokens.
     suppressed: tuple[int, ...] = ()
+    grammar: RowGrammar | None = None  # what the output must match (structured outputs)
 
 
 @dataclass
@@ -49,10 +62,11 @@ class RowKinds:
     suppressing: bool  # some row suppresses ids (min_tokens)
     random: list[int]  # rows that draw (temperature > 0)
     logprobs: list[int]  # rows that report logprobs
+    constrained: list[int] = field(default_factory=list)  # rows under a grammar
 
     @property
     def argmax_only(self) -> bool:
-        return not (self.penalized or self.suppressing or self.random or self.logprobs)
+        return not (self.penalized or self.suppressing or self.random or self.logprobs or self.constrained)
 
 
 def kinds_of(rows: Sequence[SamplingRow]) -> RowKinds:
@@ -62,6 +76,7 @@ def kinds_of(rows: Sequence[SamplingRow]) -> RowKinds:
         suppressing=any(r.suppressed for r in rows),
         random=[i for i, r in enumerate(rows) if not r.params.greedy],
         logprobs=[i for i, r in enumerate(rows) if r.params.logprobs is not None],
+        constrained=[i for i, r in enumerate(rows) if r.grammar is not None],
     )
 
 
@@ -95,6 +110,7 @@ class Sampler:
         if logprobs_mode not in ("raw", "processed"):
             raise ValueError(f"logprobs_mode must be 'raw' or 'processed', got {logprobs_mode!r}")
         self.logprobs_mode = logprobs_mode
+        self.mask_seconds = 0.0  # time spent filling and applying grammars' masks, in all
 
     def __call__(
         self, logits: torch.Tensor, rows: Sequence[SamplingRow], kinds: RowKinds | None = None
@@ -109,6 +125,8 @@ class Sampler:
             ids = logits.argmax(dim=-1).to(torch.int32).cpu()
             return SampleResult(ids=ids, logprobs=[None] * len(rows))
         logits = logits.float()
+        if kinds.constrained:  # before everything: logprobs report the masked distribution
+            logits = self.mask(logits, rows, kinds.constrained)
         penalized = logits
         if kinds.penalized:
             penalized = apply_penalties(logits, rows)
@@ -130,12 +148,30 @@ class Sampler:
         penalties, temperature, top-k, top-p and min-p, with removed tokens at -inf.
         """
         _check_inputs(logits, rows)
-        out = suppress(apply_penalties(logits.float(), rows), rows)
+        logits = logits.float()
+        constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
+        if constrained:
+            logits = self.mask(logits.clone(), rows, constrained)
+        out = suppress(apply_penalties(logits, rows), rows)
         random_idx = [i for i, r in enumerate(rows) if not r.params.greedy]
         if random_idx:
             out = out.clone()
             out[random_idx] = _warp(out[random_idx], [rows[i].params for i in random_idx])
         return out
+
+    def mask(self, logits: torch.Tensor, rows: Sequence[SamplingRow], idx: list[int]) -> torch.Tensor:
+        """The rows `idx`' forbidden tokens at -inf, in place: logits (n, vocab) float32. Each
+        row's grammar fills its row of one bitmask on the CPU (microseconds a row); xgrammar's
+        kernel applies it."""
+        import xgrammar as xgr
+
+        t0 = time.perf_counter()
+        bitmask = torch.full((len(rows), (logits.shape[1] + 31) // 32), -1, dtype=torch.int32)  # (n, words)
+        filled = [i for i in idx if rows[i].grammar.fill(bitmask, i)]
+        if filled:
+            xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=filled)
+        self.mask_seconds += time.perf_counter() - t0
+        return logits
 
     def _sample_random(self, penalized: torch.Tensor, rows: Sequence[SamplingRow], idx: list[int]) -> torch.Tensor:
         warped = _warp(penalized[idx], [rows[i].params for i in idx])  # (r, vocab)
