@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 
 from cluster.planner import KVShape, Plan, format_bytes, parse_size, plan
-from worker.config import KV_CACHE_DTYPES
+from worker.config import KV_CACHE_DTYPES, WEIGHT_DTYPES
 
 
 @dataclass(frozen=True)
@@ -212,6 +212,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "else float32 on CPU, else the checkpoint's dtype), or a float type",
     )
     engine.add_argument(
+        "--weight-dtype",
+        choices=WEIGHT_DTYPES,
+        help="linear layers' weights: auto (the default: kept in 4 or 8 bits for a quantized GGUF "
+        "file on CPU, else float), float (the --dtype), int8 or int4 (CPU)",
+    )
+    engine.add_argument(
         "--kv-cache-dtype",
         choices=KV_CACHE_DTYPES,
         help="KV cache: auto (the model's dtype), a float type, or 8 bits with scales: int8, "
@@ -264,7 +270,7 @@ def serve_config(args: argparse.Namespace):
     )
     overrides = {k: getattr(args, k) for k in keys}
     config = load_config(args.config, overrides)
-    engine_keys = (*_ENGINE_FLAGS, *_ENGINE_SIZES, "kv_disk_dir", "dtype", "kv_cache_dtype")
+    engine_keys = (*_ENGINE_FLAGS, *_ENGINE_SIZES, "kv_disk_dir", "dtype", "weight_dtype", "kv_cache_dtype")
     engine = {k: getattr(args, k) for k in engine_keys if getattr(args, k) is not None}
     config = replace(config, engine={**config.engine, **engine})
     if args.no_metrics:

@@ -41,8 +41,9 @@ def conversations(questions: int, unrelated: int) -> list[list[dict]]:
 
 @pytest.fixture(scope="module")
 def llm():
-    # no model given: the default one, in float32 as the reference runs
-    return LLM(num_blocks=256, max_model_len=2048, dtype="float32")
+    # no model given: the default one, in float32 as the reference runs, on the file's
+    # dequantized weights as transformers reads them
+    return LLM(num_blocks=256, max_model_len=2048, dtype="float32", weight_dtype="float")
 
 
 @pytest.fixture(scope="module")
@@ -152,7 +153,7 @@ def test_default_dtype_follows_transformers_up_to_near_ties(hf_model):
 
     path = default_model_path()
     dtype = resolve_dtype("auto", read_model_config(path), "cpu")
-    llm = LLM(num_blocks=160, max_model_len=2048)
+    llm = LLM(num_blocks=160, max_model_len=2048, weight_dtype="float")
     assert llm.engine.executor.worker.model_dtype == dtype
     outs = llm.chat(conversations(1, 1), SamplingParams(temperature=0.0, max_tokens=16))
     hf = copy.deepcopy(hf_model).to(dtype)  # as transformers loads the file in `dtype`

@@ -32,7 +32,7 @@ from worker.model.models import MODEL_REGISTRY
 from worker.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10)
-OPTIONS = dict(num_blocks=64, block_size=16, max_model_len=256, dtype="float32")
+OPTIONS = dict(num_blocks=64, block_size=16, max_model_len=256, dtype="float32", weight_dtype="float")
 # intermediate 160 = 5 quantization blocks of 32: at TP=2 each rank's 80 columns of down_proj
 # begin or end inside a block
 LLAMA = dict(arch="llama", intermediate_size=160, initializer_range=0.1)

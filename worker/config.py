@@ -12,6 +12,10 @@ POLICIES = ("fcfs", "priority")
 # "auto": the model's dtype; int8 and fp8 (float8 e4m3, "fp8_e4m3") are 8-bit caches with
 # scales (worker/exec/kv_pool.py says which granularity each has, and why).
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8", "fp8", "fp8_e4m3")
+# How the linear layers hold their weights (worker/model/layers/quant.py); "auto": quantized
+# for a GGUF file whose layers are (int4 for Q4 blocks, else int8), float otherwise
+# (worker/model/dtypes.py: resolve_weight_dtype).
+WEIGHT_DTYPES = ("auto", "float", "int8", "int4")
 CLUSTER_SECRET_ENV = "PAGEFLEET_CLUSTER_SECRET"
 
 
@@ -107,6 +111,7 @@ class EngineConfig:
 
     model: str
     dtype: str = "auto"  # "auto": worker/model/dtypes.py (bfloat16 on a CPU with bf16 units)
+    weight_dtype: str = "auto"  # one of WEIGHT_DTYPES
     device: str = "cpu"
     attention_backend: str | None = None  # None: Triton on CUDA, torch elsewhere
     max_model_len: int | None = None  # None: the model's context length
@@ -117,5 +122,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         check_model(self.model)
+        if self.weight_dtype not in WEIGHT_DTYPES:
+            raise ValueError(f"weight_dtype must be one of {WEIGHT_DTYPES}, got {self.weight_dtype!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")

@@ -2,8 +2,8 @@
 
 Block i's hash is BLAKE2b-128, keyed with the cluster secret, over block i-1's hash and block i's
 token ids. The chain's root covers the model fingerprint (model id and revision, dtype, KV-cache
-dtype, block size), the adapter and the tenant's cache salt, so a block's name depends on all of
-them. The router and every group call this same code with the same secret, so they agree across
+dtype, block size, weight dtype), the adapter and the tenant's cache salt, so a block's name
+depends on all of them. The router and every group call this same code with the same secret, so they agree across
 processes; without the secret nobody can craft colliding prompts. Python's `hash()` is never used.
 """
 
@@ -31,6 +31,7 @@ class ModelFingerprint:
     dtype: str = "float32"
     kv_cache_dtype: str = "auto"
     block_size: int = 16
+    weight_dtype: str = "float"  # float, int8 or int4: quantized weights give other K/V
 
     def encode(self) -> bytes:
         fields = (
@@ -39,6 +40,7 @@ class ModelFingerprint:
             self.dtype,
             self.kv_cache_dtype,
             str(self.block_size),
+            self.weight_dtype,
         )
         return _encode_fields("model", *fields)
 

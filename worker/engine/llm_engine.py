@@ -23,7 +23,7 @@ from worker.exec.host_tier import host_blocks
 from worker.exec.kv_pool import check_pool_fits, kv_torch_dtype
 from worker.hashing import BlockHasher, ModelFingerprint
 from worker.kv_events import DISK, HOST, KVEvent
-from worker.model.dtypes import resolve_dtype
+from worker.model.dtypes import resolve_dtype, resolve_weight_dtype
 from worker.model.model_config import ModelConfig
 from worker.model_source import is_gguf
 from worker.outputs import RequestMetrics, RequestOutput, TokenLogprobs
@@ -411,6 +411,7 @@ def block_hasher(config: EngineConfig, mc: ModelConfig) -> BlockHasher:
         dtype=str(model_dtype).removeprefix("torch."),
         kv_cache_dtype=str(kv_dtype).removeprefix("torch."),
         block_size=config.cache.block_size,
+        weight_dtype=resolve_weight_dtype(config.weight_dtype, config.model, config.device),
     )
     return BlockHasher(cluster_secret(config.cluster_secret), fingerprint)
 

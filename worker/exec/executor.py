@@ -31,7 +31,9 @@ class DeviceWorker:
         self.device = torch.device(config.device)
         self.collectives = collectives or SingleRank()
         backend = get_backend(config.attention_backend, self.device)
-        self.model, self.model_config = load_model(config.model, config.dtype, self.device, collectives, backend)
+        self.model, self.model_config = load_model(
+            config.model, config.dtype, self.device, collectives, backend, config.weight_dtype
+        )
         local_kv_heads = self.model.attention_layers()[0].num_kv_heads
         self.model_dtype = next(self.model.parameters()).dtype
         self.layout: KVLayout = layout_for(self.model_config, config.cache, local_kv_heads, self.model_dtype)

@@ -37,6 +37,7 @@ import torch
 
 from kernels.kv_quant import FP8_E4M3, TENSOR_SCALE_DTYPE, TOKEN_SCALE_DTYPE, is_quantized
 from worker.config import KV_CACHE_DTYPES, CacheConfig
+from worker.model.layers.quant import QuantizedWeight
 from worker.model.model_config import ModelConfig
 
 CPU_DEFAULT_KV_MEMORY = 1 << 30  # 1 GiB: a CPU pool must leave the host room to work
@@ -111,7 +112,9 @@ def device_memory(device: torch.device) -> int:
 
 
 def weights_bytes(model: torch.nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+    """Bytes of the weights: parameters, and the buffers of quantized weights."""
+    quantized = (b for m in model.modules() if isinstance(m, QuantizedWeight) for b in m.buffers(recurse=False))
+    return sum(t.numel() * t.element_size() for t in (*model.parameters(), *quantized))
 
 
 def num_blocks_from_memory(

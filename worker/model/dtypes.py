@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from worker.config import WEIGHT_DTYPES
 from worker.model.model_config import ModelConfig
 
 # /proc/cpuinfo flags of bf16 dot-product units: x86 ("flags") and Arm ("Features").
@@ -63,3 +64,33 @@ def resolve_dtype(dtype: torch.dtype | str, mc: ModelConfig, device: torch.devic
     if torch.device(device).type == "cpu":
         return torch.bfloat16 if cpu_has_bf16() else torch.float32
     return mc.torch_dtype
+
+
+# GGUF types whose blocks are int4 groups of 32 (a scale and a min or none): "auto" keeps them in 4 bits.
+_FOUR_BIT_GGUF = frozenset({"Q4_0", "Q4_1"})
+
+
+def resolve_weight_dtype(weight_dtype: str, model: str | Path, device: torch.device | str) -> str:
+    """How the linear layers hold their weights: "float" (the model's dtype), "int8" or "int4".
+
+    "auto" is resolved here and only here (the loader and the block hasher both call this): on
+    CPU, a GGUF file whose layer weights are quantized keeps them quantized, in int4 when they
+    are all 4-bit blocks (Q4_0, Q4_1: the same codes and scales) and in int8 otherwise (Q8_0,
+    Q5_*); float for float checkpoints, and off CPU, where the quantized kernels are CPU ones."""
+    if weight_dtype not in WEIGHT_DTYPES:
+        raise ValueError(f"weight_dtype must be one of {WEIGHT_DTYPES}, got {weight_dtype!r}")
+    on_cpu = torch.device(device).type == "cpu"
+    if weight_dtype != "auto":
+        if weight_dtype != "float" and not on_cpu:
+            raise ValueError(f"weight_dtype {weight_dtype!r} runs on CPU only; use 'float' on {device}")
+        return weight_dtype
+    from worker.model_source import is_gguf
+
+    if not on_cpu or not is_gguf(model):
+        return "float"
+    from worker.model.gguf_loader import layer_weight_types
+
+    types = layer_weight_types(model)
+    if not types or types <= {"F32", "F16", "BF16"}:
+        return "float"
+    return "int4" if types <= _FOUR_BIT_GGUF else "int8"

@@ -91,6 +91,18 @@ def load_gguf_weights(model: nn.Module, path: str | Path, config: ModelConfig) -
     return bytes_read
 
 
+def layer_weight_types(path: str | Path) -> set[str]:
+    """The GGUF types of the file's layer weights (the 2-d `blk.*` tensors: what the linear
+    layers hold), e.g. {"Q4_1"}."""
+    path = Path(path)
+    reader = _reader(str(path.resolve()), _stamp(path))
+    return {
+        gguf.GGMLQuantizationType(t.tensor_type).name
+        for t in reader.tensors
+        if t.name.startswith("blk.") and len(t.shape) == 2
+    }
+
+
 class GGUFTensorSlice:
     """One GGUF tensor as a lazy (out, in) torch tensor: `[rows]`, `[:, cols]` and `[:]` read
     and dequantize only what they cover, to float32. This is the interface of a safetensors

@@ -22,8 +22,9 @@ from torch import nn
 from transformers import AutoConfig
 
 from kernels.registry import AttentionBackend, get_backend
-from worker.model.dtypes import resolve_dtype
+from worker.model.dtypes import resolve_dtype, resolve_weight_dtype
 from worker.model.layers.linear import default_weight_loader
+from worker.model.layers.quant import finish_quantizing, quantize_model
 from worker.model.model_config import SUPPORTED_ARCHITECTURES, ModelConfig
 from worker.model.models import MODEL_REGISTRY
 from worker.model.parallel import Collectives
@@ -47,26 +48,32 @@ def load_model(
     device: torch.device | str = "cpu",
     collectives: Collectives | None = None,
     attention_backend: AttentionBackend | None = None,
+    weight_dtype: str = "float",
 ) -> tuple[nn.Module, ModelConfig]:
     """Build the model for `model_dir`'s config and load this rank's share of its weights.
 
     `model_dir` is a model directory or a .gguf file. dtype "auto": bfloat16 on a CPU with bf16
     units, else float32 on CPU, else the checkpoint's (worker/model/dtypes.py). Without an
     attention backend, the registry picks one for `device` (Triton on CUDA, torch elsewhere).
+    `weight_dtype` (float, int8, int4, auto: `resolve_weight_dtype`) is how the linear and
+    vocabulary layers hold their weights (worker/model/layers/quant.py); activations stay in dtype.
     """
     model_dir = Path(model_dir)
     config = read_model_config(model_dir)
     torch_dtype = resolve_dtype(dtype, config, device)
+    weight_dtype = resolve_weight_dtype(weight_dtype, model_dir, device)
     attention_backend = attention_backend or get_backend(None, device)
     # Parameters start as torch.empty on CPU (untouched pages cost nothing), then move once.
     model = MODEL_REGISTRY[config.architecture](config, collectives, attention_backend)
     model = model.to(device=device, dtype=torch_dtype).eval()
+    quantize_model(model, weight_dtype)
     if is_gguf(model_dir):
         from worker.model.gguf_loader import load_gguf_weights
 
         load_gguf_weights(model, model_dir, config)
     else:
         load_weights(model, model_dir, config.tie_word_embeddings)
+    finish_quantizing(model)
     return model, config
 
 
@@ -175,6 +182,8 @@ def load_one(model: nn.Module, name: str, param: nn.Parameter, loaded: Any, shar
     module = model.get_submodule(name.rpartition(".")[0])
     loader = getattr(module, "weight_loader", default_weight_loader)
     loader(param, loaded, shard_id)
+    if hasattr(module, "shard_loaded"):  # a quantized layer quantizes once its weight is whole
+        module.shard_loaded(param, shard_id)
 
 
 def _safetensors_files(model_dir: Path) -> list[Path]:

@@ -1,7 +1,8 @@
 """Vocabulary-parallel embedding and LM head: each rank holds a contiguous block of rows.
 
 The vocabulary is padded up to a multiple of tp (padding rows are zero and never chosen:
-logits are cut back to vocab_size after the gather).
+logits are cut back to vocab_size after the gather). Quantized, both hold int8 rows
+(worker/model/layers/quant.py); a tied head multiplies by the embedding's.
 """
 
 from __future__ import annotations
@@ -13,15 +14,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker.model.layers.linear import copy_checked, shape_of, take
+from worker.model.layers.quant import QuantizableLayer
 from worker.model.parallel import Collectives, SingleRank
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(QuantizableLayer):
     """Token embedding with rows split across ranks; forward: ids (T,) -> (T, hidden).
 
     Each rank looks up the ids in its row range, zeroes the others, and the all-reduce
     assembles the full embedding.
     """
+
+    vocab_rows = True
 
     def __init__(self, vocab_size: int, hidden_size: int, comm: Collectives | None = None):
         super().__init__()
@@ -35,12 +39,15 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.comm.world_size == 1:
-            return F.embedding(input_ids, self.weight)  # (T, hidden)
+            return self._rows(input_ids)  # (T, hidden)
         local = input_ids - self.vocab_start
         mine = (local >= 0) & (local < self.rows_per_rank)
-        out = F.embedding(local.clamp(0, self.rows_per_rank - 1), self.weight)  # (T, hidden)
+        out = self._rows(local.clamp(0, self.rows_per_rank - 1))  # (T, hidden)
         out = out * mine.unsqueeze(-1).to(out.dtype)
         return self.comm.all_reduce(out)
+
+    def _rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight) if self.quant is None else self.quant.rows(ids)
 
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
         rows, hidden = shape_of(loaded)
@@ -59,7 +66,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     """
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        local = F.linear(hidden, self.weight)  # (n, rows_per_rank)
+        local = F.linear(hidden, self.weight) if self.quant is None else self.quant.matmul(hidden)  # (n, rows_per_rank)
         logits = self.comm.all_gather(local, dim=-1)  # (n, rows_per_rank * tp)
         return logits[:, : self.vocab_size].float()
 

@@ -4,6 +4,8 @@ Column-parallel layers split the output features (no communication); row-paralle
 the input features and sum the partial products with the group's only all-reduce per block.
 `weight_loader(param, loaded, shard_id)` takes the full checkpoint tensor, or a lazy
 `safetensors` slice of it, and copies only this rank's part, so a rank reads only its slices.
+A layer may hold its weight in 8 or 4 bits (worker/model/layers/quant.py): each rank quantizes
+the shard it loaded.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from worker.model.layers.quant import QuantizableLayer
 from worker.model.parallel import Collectives, SingleRank
 
 
@@ -48,7 +51,7 @@ def divide(n: int, d: int, what: str) -> int:
     return n // d
 
 
-class _ParallelLinear(nn.Module):
+class _ParallelLinear(QuantizableLayer):
     """Holds weight (out_local, in_local) and optional bias; subclasses say how they shard."""
 
     def __init__(self, in_local: int, out_local: int, bias: bool, bias_size: int, comm: Collectives | None):
@@ -60,6 +63,10 @@ class _ParallelLinear(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
         raise NotImplementedError
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x (T, in_local) -> x W^T (T, out_local), without the bias."""
+        return self.quant.matmul(x) if self.quant is not None else F.linear(x, self.weight)
 
 
 class ColumnParallelLinear(_ParallelLinear):
@@ -82,7 +89,10 @@ class ColumnParallelLinear(_ParallelLinear):
         self.gather_output = gather_output
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)  # (T, out / tp)
+        if self.quant is None:
+            y = F.linear(x, self.weight, self.bias)  # (T, out / tp)
+        else:
+            y = self.quant.matmul(x) if self.bias is None else self.quant.matmul(x) + self.bias  # (T, out / tp)
         return self.comm.all_gather(y, dim=-1) if self.gather_output else y
 
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
@@ -107,6 +117,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         tp = (comm or SingleRank()).world_size
         self.output_sizes_local = [divide(n, tp, "each merged output size") for n in output_sizes]
         super().__init__(input_size, sum(output_sizes), bias, comm)
+        self.weight_shard_ids = tuple(range(len(output_sizes)))
 
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
         if shard_id is None:
@@ -126,6 +137,8 @@ class QKVParallelLinear(ColumnParallelLinear):
     Output per rank: [q (heads_local * d), k (kv_heads_local * d), v (kv_heads_local * d)].
     shard_id is "q", "k" or "v".
     """
+
+    weight_shard_ids = ("q", "k", "v")
 
     def __init__(
         self,
@@ -191,7 +204,7 @@ class RowParallelLinear(_ParallelLinear):
         super().__init__(self.input_size_local, output_size, bias, output_size, comm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.comm.all_reduce(F.linear(x, self.weight))  # (T, out)
+        y = self.comm.all_reduce(self.matmul(x))  # (T, out)
         return y + self.bias if self.bias is not None else y
 
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
