@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Any
 
-from worker.model_source import check_model
+from worker.model_source import check_model, resolve_model
 
 POLICIES = ("fcfs", "priority")
 # "auto": the model's dtype; int8 and fp8 (float8 e4m3, "fp8_e4m3") are 8-bit caches with
@@ -62,6 +63,13 @@ class CacheConfig:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
 
 
+def take_cluster_secret() -> str:
+    """$PAGEFLEET_CLUSTER_SECRET, removed from this process's environment so that no process
+    started from here (a local Ray runtime and its workers) inherits it; a random one when it
+    is not set. Groups get it in their EngineConfig."""
+    return os.environ.pop(CLUSTER_SECRET_ENV, None) or os.urandom(32).hex()
+
+
 def cluster_secret(value: str | bytes | None = None) -> bytes:
     """The key of every block hash: given, else $PAGEFLEET_CLUSTER_SECRET, else random (a
     process of its own; a cluster passes one secret to all of its routers and groups)."""
@@ -97,3 +105,26 @@ class EngineConfig:
         check_model(self.model)
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+
+    @classmethod
+    def from_options(cls, model: str | None = None, **options: Any) -> EngineConfig:
+        """Flat keyword options (block_size, num_blocks, max_num_seqs, ...) -> EngineConfig, each
+        to the sub-config that owns it (`max_model_len` is the engine's). `model` is a model
+        directory or a .gguf file; None is the default model, "builtin" the random built-in one
+        (worker/model_source.py). Here, free of torch, so that a router builds its groups'
+        configs without loading it."""
+        unknown = set(options) - _CACHE_KEYS - _SCHED_KEYS - _ENGINE_KEYS
+        if unknown:
+            known = sorted(_CACHE_KEYS | _SCHED_KEYS | _ENGINE_KEYS)
+            raise ValueError(f"unknown engine option(s) {sorted(unknown)}; known: {known}")
+        return cls(
+            model=resolve_model(model),
+            cache=CacheConfig(**{k: v for k, v in options.items() if k in _CACHE_KEYS}),
+            scheduler=SchedulerConfig(**{k: v for k, v in options.items() if k in _SCHED_KEYS}),
+            **{k: v for k, v in options.items() if k in _ENGINE_KEYS},
+        )
+
+
+_CACHE_KEYS = {f.name for f in fields(CacheConfig)}
+_SCHED_KEYS = {f.name for f in fields(SchedulerConfig)} - {"max_model_len"}
+_ENGINE_KEYS = {f.name for f in fields(EngineConfig)} - {"model", "cache", "scheduler"}
