@@ -25,9 +25,9 @@ from cluster.index import (
 from cluster.sim_group import SimGroup, SimGroupConfig
 from protos.pagefleet.v1 import pagefleet_pb2 as pb
 from router.door.api import route_request
+from router.launch.run import ROUTER_SWITCH_INTERVAL_S
 from router.placement import PrefixAware, PrefixAwareConfig
 from router.router import ModelInfo, Router, RouteRequest
-from router.serve import ROUTER_SWITCH_INTERVAL_S
 from tests.redis_server import RedisServer
 from worker.config import SchedulerConfig
 from worker.hashing import BlockHasher, ModelFingerprint

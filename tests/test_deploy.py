@@ -20,7 +20,7 @@ import yaml
 
 from pagefleet.cli import build_parser, serve_config
 from router.door.server import LIVENESS_SERVICE
-from router.serve import DEFAULT_HTTP_PORT, DEFAULT_METRICS_PORT, DEFAULT_PORT
+from router.launch.config import DEFAULT_HTTP_PORT, DEFAULT_METRICS_PORT, DEFAULT_PORT
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -138,19 +138,23 @@ def test_routers_ports_probes_and_cluster_agree():
     found = routers()
     assert len(found) == 2
     for template, container, config in found:
-        assert config.role == "router" and config.cluster == job.cluster
-        assert config.redis == job.redis and config.host == config.metrics_host == "0.0.0.0"
+        assert config.cluster.role == "router" and config.cluster.name == job.cluster
+        assert config.cluster.redis == job.redis and config.doors.host == config.doors.metrics_host == "0.0.0.0"
         ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-        assert ports == {"grpc": config.port, "http": config.http_port, "metrics": config.metrics_port}
-        assert (config.port, config.http_port, config.metrics_port) == (
+        assert ports == {
+            "grpc": config.doors.port,
+            "http": config.doors.http_port,
+            "metrics": config.doors.metrics_port,
+        }
+        assert (config.doors.port, config.doors.http_port, config.doors.metrics_port) == (
             DEFAULT_PORT,
             DEFAULT_HTTP_PORT,
             DEFAULT_METRICS_PORT,
         )
         ready, live = container["readinessProbe"]["grpc"], container["livenessProbe"]["grpc"]
-        assert ready == {"port": config.port}  # the whole server: NOT_SERVING with no live group
-        assert live == {"port": config.port, "service": LIVENESS_SERVICE}
-        assert template["spec"]["terminationGracePeriodSeconds"] > config.grace_s
+        assert ready == {"port": config.doors.port}  # the whole server: NOT_SERVING with no live group
+        assert live == {"port": config.doors.port, "service": LIVENESS_SERVICE}
+        assert template["spec"]["terminationGracePeriodSeconds"] > config.doors.grace_s
         assert template["metadata"]["labels"]["app.kubernetes.io/component"] == "router"
         # a driver beside its pod's Ray node: the same /tmp/ray and /dev/shm
         ray_container = next(c for c in template["spec"]["containers"] if c is not container)
@@ -159,16 +163,16 @@ def test_routers_ports_probes_and_cluster_agree():
             k: mounts[k] for k in ("/tmp/ray", "/dev/shm")
         }.items()
         volumes = {v["name"]: v for v in template["spec"]["volumes"]}
-        key_dir = str(Path(config.api_key_file).parent)
+        key_dir = str(Path(config.security.api_key_file).parent)
         assert "secret" in volumes[mounts[key_dir]]
         # the router reads the groups' model directory (tokenizer, config) where they read it
         model_mount = next(m for m in mounts if job.model.startswith(m + "/"))
         assert "persistentVolumeClaim" in volumes[mounts[model_mount]]
         assert container["image"] == ray_container["image"]
-    head_address = found[0][2].address
+    head_address = found[0][2].cluster.address
     assert head_address == "$(POD_IP):6379"  # the head's own GCS
     assert {"name": "gcs", "containerPort": 6379} in pod_templates()["head"]["spec"]["containers"][0]["ports"]
-    assert found[1][2].address == f"{cluster['metadata']['name']}-head-svc:6379"  # KubeRay's name
+    assert found[1][2].cluster.address == f"{cluster['metadata']['name']}-head-svc:6379"  # KubeRay's name
 
 
 def test_redis_url_names_the_redis_service():
@@ -225,14 +229,14 @@ def test_services_and_monitors_select_the_router_pods():
 def test_compose_prometheus_and_grafana_agree():
     compose = yaml.safe_load((DEPLOY / "docker" / "compose.yaml").read_text())["services"]
     config = parse(compose["pagefleet"]["command"][1:])
-    assert config.redis == "redis://redis:6379/0" and "redis" in compose
+    assert config.cluster.redis == "redis://redis:6379/0" and "redis" in compose
     published = {p.split(":")[-1] for p in compose["pagefleet"]["ports"]}
-    assert published == {str(config.port), str(config.http_port)}
-    assert compose["pagefleet"]["expose"] == [str(config.metrics_port)]
-    assert config.api_key_file == "/run/secrets/api_keys" and compose["pagefleet"]["secrets"] == ["api_keys"]
+    assert published == {str(config.doors.port), str(config.doors.http_port)}
+    assert compose["pagefleet"]["expose"] == [str(config.doors.metrics_port)]
+    assert config.security.api_key_file == "/run/secrets/api_keys" and compose["pagefleet"]["secrets"] == ["api_keys"]
     scrape = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
     (job,) = scrape["scrape_configs"]
-    assert job["static_configs"] == [{"targets": [f"pagefleet:{config.metrics_port}"]}]
+    assert job["static_configs"] == [{"targets": [f"pagefleet:{config.doors.metrics_port}"]}]
     assert "../prometheus:/etc/prometheus:ro" in compose["prometheus"]["volumes"]
     assert "--config.file=/etc/prometheus/prometheus.yml" in compose["prometheus"]["command"]
     source = yaml.safe_load((DEPLOY / "grafana/provisioning/datasources/prometheus.yml").read_text())

@@ -16,8 +16,8 @@ import pytest
 
 from pagefleet.client import Client
 from router.door.auth import DEFAULT_TENANT, ApiKeys, is_loopback
-from router.door.doors import door_security
-from router.serve import ServeConfig
+from router.launch.build import door_security
+from router.launch.config import ServeConfig
 from tests.certs import make_certs
 from tests.redis_server import free_port
 from tests.serve_process import builtin_model_flags, start_serve
@@ -135,11 +135,11 @@ def test_no_open_door_off_loopback_unless_the_operator_says_so(tmp_path):
     assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
     assert not is_loopback("0.0.0.0")
     with pytest.raises(ValueError, match="0.0.0.0 is not a loopback address"):
-        door_security(ServeConfig(host="0.0.0.0"))
-    assert door_security(ServeConfig(host="0.0.0.0", allow_unauthenticated=True)) == (None, None)
-    keys, tls = door_security(ServeConfig(host="0.0.0.0", api_key="k"))
+        door_security(ServeConfig.from_mapping({"host": "0.0.0.0"}))
+    assert door_security(ServeConfig.from_mapping({"host": "0.0.0.0", "allow_unauthenticated": True})) == (None, None)
+    keys, tls = door_security(ServeConfig.from_mapping({"host": "0.0.0.0", "api_key": "k"}))
     assert keys.tenant("Bearer k") == DEFAULT_TENANT and tls is None
     with pytest.raises(ValueError, match="tls_cert and tls_key go together"):
-        ServeConfig(tls_cert=str(tmp_path))
+        ServeConfig.from_mapping({"tls_cert": str(tmp_path)})
     with pytest.raises(ValueError, match="tls_key .* is not a file"):
-        door_security(ServeConfig(tls_cert=__file__, tls_key=str(tmp_path / "missing.pem")))
+        door_security(ServeConfig.from_mapping({"tls_cert": __file__, "tls_key": str(tmp_path / "missing.pem")}))

@@ -60,7 +60,7 @@ def test_auto_resolves_to_bf16_exactly_when_the_cpu_has_bf16_units(model_dir):
 
 
 def test_default_engine_runs_and_hashes_in_the_resolved_dtype(model_dir):
-    from router.serve import router_side
+    from router.launch.local import router_side
 
     want = resolve_dtype("auto", read_model_config(model_dir), "cpu")
     llm = LLM(str(model_dir), num_blocks=16, max_model_len=128)

@@ -210,16 +210,16 @@ def test_serve_keeps_routing_on_prefixes_while_redis_is_down_and_converges_after
     back, it holds the group's inventory again and the mirror answers from it."""
     import asyncio
 
-    from pagefleet.llm import engine_config
+    from router.launch.build import build_cluster
+    from router.launch.config import ServeConfig
     from router.router import RouteRequest
-    from router.serve import ServeConfig, build_cluster
     from worker.sampling_params import SamplingParams
 
     with RedisServer() as server:
-        config = ServeConfig(
-            model="builtin", redis=server.url, metrics_port=None, engine={"num_blocks": 64, "max_model_len": 512}
+        config = ServeConfig.from_mapping(
+            {"model": "builtin", "redis": server.url, "engine": {"num_blocks": 64, "max_model_len": 512}}
         )
-        cluster = build_cluster(config, engine_config)
+        cluster = build_cluster(config)
         router, doc = cluster.router, [(3 * i + 1) % 1000 for i in range(96)]
         mirror = cluster.index.reader.shared
         hashes = router.hasher.hash_prompt(doc)
@@ -266,17 +266,17 @@ def test_serve_starts_without_redis_and_fills_it_once_it_answers(caplog):
     warning); once Redis answers, the group is registered there and the mirror sees it."""
     import asyncio
 
-    from pagefleet.llm import engine_config
+    from router.launch.build import build_cluster
+    from router.launch.config import ServeConfig
     from router.router import RouteRequest
-    from router.serve import ServeConfig, build_cluster
     from tests.redis_server import free_port
     from worker.sampling_params import SamplingParams
 
     server = RedisServer(port=free_port())  # not started yet
-    config = ServeConfig(
-        model="builtin", redis=server.url, metrics_port=None, engine={"num_blocks": 64, "max_model_len": 512}
+    config = ServeConfig.from_mapping(
+        {"model": "builtin", "redis": server.url, "engine": {"num_blocks": 64, "max_model_len": 512}}
     )
-    cluster = build_cluster(config, engine_config)
+    cluster = build_cluster(config)
     router, doc = cluster.router, [(7 * i + 2) % 1000 for i in range(64)]
 
     def ask(question: int):

@@ -33,8 +33,9 @@ from cluster.local_group import LocalGroup
 from cluster.ray.group import RayGroup, RayGroupConfig
 from pagefleet.client import Client
 from pagefleet.llm import engine_config
+from router.launch.config import ServeConfig
+from router.launch.local import router_side
 from router.router import Router, RouteRequest
-from router.serve import ServeConfig, router_side
 from worker.protocol import GenerationRequest
 from worker.sampling_params import SamplingParams
 
@@ -121,9 +122,9 @@ def test_a_stopped_ray_group_leaves_the_index(ray_and_local):
 
 
 def test_ray_placement_follows_the_serve_options():
-    assert not ServeConfig().uses_ray  # the embedded default: one in-process group
+    assert not ServeConfig().cluster.uses_ray  # the embedded default: one in-process group
     for options in ({"ray": True}, {"tp": 2}, {"groups": 2}, {"address": "auto"}):
-        assert ServeConfig(**options).uses_ray, options
+        assert ServeConfig.from_mapping(options).cluster.uses_ray, options
 
 
 # ---- `ray job submit -- pagefleet serve --address auto` against `ray start --head` ----------

@@ -546,7 +546,7 @@ def test_generated_modules_are_fresh():
 def test_router_side_hashes_like_the_engine(llm):
     """The router's hasher is built from the model directory (groups may be remote); it must
     name blocks exactly as the engine does."""
-    from router.serve import router_side
+    from router.launch.local import router_side
 
     hasher, tokenizer, info = router_side(llm.engine.config, "builtin-v1")
     assert hasher.fingerprint == llm.engine.hasher.fingerprint

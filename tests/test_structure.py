@@ -72,7 +72,7 @@ def test_the_router_loads_no_torch():
     unloaded."""
     code = (
         "import sys\n"
-        "import pagefleet.cli, pagefleet.client, router.serve, router.router, router.placement\n"
+        "import pagefleet.cli, pagefleet.client, router.launch.run, router.router, router.placement\n"
         "import router.door.server, router.door.http, router.ray_groups, cluster.ray.directory\n"
         "import worker.protocol, worker.config\n"
         "loaded = sorted(m for m in ('torch', 'triton', 'kernels') if m in sys.modules)\n"

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from decimal import Decimal, InvalidOperation
+from typing import Any
 
-from worker.model_source import check_model
+from worker.model_source import check_model, resolve_model
 
 POLICIES = ("fcfs", "priority")
 # "auto": the model's dtype; int8 and fp8 (float8 e4m3, "fp8_e4m3") are 8-bit caches with
@@ -88,6 +91,13 @@ class CacheConfig:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
 
 
+def take_cluster_secret() -> str:
+    """$PAGEFLEET_CLUSTER_SECRET, removed from this process's environment so that no process
+    started from here (a local Ray runtime and its workers) inherits it; a random one when it
+    is not set. Groups get it in their EngineConfig."""
+    return os.environ.pop(CLUSTER_SECRET_ENV, None) or os.urandom(32).hex()
+
+
 def cluster_secret(value: str | bytes | None = None) -> bytes:
     """The key of every block hash: given, else $PAGEFLEET_CLUSTER_SECRET, else random (a
     process of its own; a cluster passes one secret to all of its routers and groups)."""
@@ -126,3 +136,63 @@ class EngineConfig:
             raise ValueError(f"weight_dtype must be one of {WEIGHT_DTYPES}, got {self.weight_dtype!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+
+    @classmethod
+    def from_options(cls, model: str | None = None, **options: Any) -> EngineConfig:
+        """Flat keyword options (block_size, num_blocks, max_num_seqs, ...) -> EngineConfig, each
+        to the sub-config that owns it (`max_model_len` is the engine's). `model` is a model
+        directory or a .gguf file; None is the default model, "builtin" the random built-in one
+        (worker/model_source.py). Here, free of torch, so that a router builds its groups'
+        configs without loading it."""
+        unknown = set(options) - _CACHE_KEYS - _SCHED_KEYS - _ENGINE_KEYS
+        if unknown:
+            known = sorted(_CACHE_KEYS | _SCHED_KEYS | _ENGINE_KEYS)
+            raise ValueError(f"unknown engine option(s) {sorted(unknown)}; known: {known}")
+        for key in ("kv_host_bytes", "kv_disk_bytes"):
+            if isinstance(options.get(key), str):  # a size such as 16GiB (a YAML's)
+                options[key] = parse_size(options[key])
+        return cls(
+            model=resolve_model(model),
+            cache=CacheConfig(**{k: v for k, v in options.items() if k in _CACHE_KEYS}),
+            scheduler=SchedulerConfig(**{k: v for k, v in options.items() if k in _SCHED_KEYS}),
+            **{k: v for k, v in options.items() if k in _ENGINE_KEYS},
+        )
+
+
+_CACHE_KEYS = {f.name for f in fields(CacheConfig)}
+_SCHED_KEYS = {f.name for f in fields(SchedulerConfig)} - {"max_model_len"}
+_ENGINE_KEYS = {f.name for f in fields(EngineConfig)} - {"model", "cache", "scheduler"}
+
+
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-z]*)\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes in a size such as "24GiB", "1.5 MiB", "512MB" or "4096" (binary and SI units)."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        if text < 0:
+            raise ValueError(f"invalid size {text!r}: must not be negative")
+        return text
+    match = _SIZE_RE.match(str(text))
+    unit = match.group(2).lower() if match else None
+    if not match or unit not in _SIZE_UNITS:
+        raise ValueError(f"invalid size {text!r}: use bytes or a unit such as 24GiB, 512MB, 64KiB")
+    try:
+        value = Decimal(match.group(1)) * _SIZE_UNITS[unit]
+    except InvalidOperation as err:  # pragma: no cover - the regex admits only decimals
+        raise ValueError(f"invalid size {text!r}") from err
+    if value != value.to_integral_value():
+        raise ValueError(f"invalid size {text!r}: not a whole number of bytes")
+    return int(value)

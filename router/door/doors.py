@@ -6,12 +6,13 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING
 
-from router.door.auth import ApiKeys, TlsFiles, is_loopback
+from router.door.auth import ApiKeys, TlsFiles
 from router.door.http import HttpDoor
 from router.door.http_limits import HeaderLimits
 from router.door.server import FrontDoor
 
 if TYPE_CHECKING:
+    from router.door.limits import Limiter
     from router.door.metrics import ServerMetrics
     from router.router import Router
 
@@ -49,29 +50,16 @@ class Doors:
                 raise
         return where
 
-    async def set_ready(self, router: Router, metrics: ServerMetrics | None = None) -> None:
+    async def set_ready(
+        self, router: Router, metrics: ServerMetrics | None = None, limiter: Limiter | None = None
+    ) -> None:
+        """Serve `router` through both doors, observed by `metrics`, under the tenants' limits
+        of `limiter` (router/door/limits.py; None: none)."""
         if self.http is not None:
-            self.http.set_ready(router, metrics)
-        await self.grpc.set_ready(router, metrics)
+            self.http.set_ready(router, metrics, limiter)
+        await self.grpc.set_ready(router, metrics, limiter)
 
     async def stop(self, grace: float) -> None:
         """Both at once: each lets its requests finish for `grace`, then aborts the rest."""
         stops = [self.grpc.stop(grace)] + ([] if self.http is None else [self.http.stop(grace)])
         await asyncio.gather(*stops)
-
-
-def door_security(config) -> tuple[ApiKeys | None, TlsFiles | None]:
-    """The doors' keys and TLS files from a `ServeConfig`. Without a key, the doors bind
-    loopback only unless the operator says `allow_unauthenticated`: anyone who reaches an open
-    door may use it, and read what its cache holds."""
-    keys = ApiKeys.load(config.api_key, config.api_key_file)
-    tls = None
-    if config.tls_cert is not None:
-        tls = TlsFiles(config.tls_cert, config.tls_key, config.tls_client_ca)
-    if keys is None and not config.allow_unauthenticated and not is_loopback(config.host):
-        raise ValueError(
-            f"host {config.host} is not a loopback address and no API key is configured: give "
-            "--api-key-file (or --api-key), or --allow-unauthenticated to serve anyone who "
-            "reaches the port"
-        )
-    return keys, tls
