@@ -75,6 +75,18 @@ def test_requests_per_second_in_the_process_and_in_redis_alike(redis_server):
         assert refused(lim, "acme", "r4") is None
 
 
+def test_a_rate_under_one_a_second_admits_one_request_per_its_window(redis_server):
+    """0.05 requests/s is one request per 20 s (a one-second window would never admit one)."""
+    clock = Clock()
+    for lim in limiters(redis_server, {"trial": TenantLimits(requests_per_s=0.05)}, clock)[:2]:
+        clock.now = 1_000_000.0 + 5.0  # 5 s into a 20 s window (1_000_000 is a multiple of 20)
+        assert refused(lim, "trial", "a") is None
+        e = refused(lim, "trial", "b")
+        assert e is not None and e.limit == "requests_per_s" and e.retry_after_s == pytest.approx(15.0)
+        clock.now += 15.0  # the next window
+        assert refused(lim, "trial", "c") is None
+
+
 def test_tokens_per_minute_count_prompt_and_output(redis_server):
     clock = Clock()
     for lim in limiters(redis_server, {"acme": TenantLimits(tokens_per_min=100)}, clock)[:2]:

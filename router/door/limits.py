@@ -41,6 +41,17 @@ class TenantLimits:
     concurrent: int | None = None
 
     @property
+    def request_window_s(self) -> float:
+        """The window `requests_per_s` is counted over: one second, or as long as one request
+        takes at a rate under one a second (0.05/s: one request per 20 s)."""
+        rps = self.requests_per_s
+        return 1.0 if rps is None or rps >= 1 else 1.0 / rps
+
+    @property
+    def requests_per_window(self) -> float:
+        return (self.requests_per_s or 0.0) * self.request_window_s
+
+    @property
     def limited(self) -> bool:
         return any(v is not None for v in (self.requests_per_s, self.tokens_per_min, self.concurrent))
 
@@ -121,7 +132,7 @@ def _refusal(tenant: str, lim: TenantLimits, verdict: str, now: float) -> RateLi
             tenant,
             verdict,
             f"tenant {tenant} is over its limit of {lim.requests_per_s:g} requests per second",
-            max(0.001, math.floor(now) + 1 - now),
+            max(0.001, (math.floor(now / lim.request_window_s) + 1) * lim.request_window_s - now),
         )
     if verdict == "tokens_per_min":
         return RateLimited(
@@ -146,14 +157,14 @@ class LocalLimiter(Limiter):
         self._flight: dict[str, set[str]] = {}  # tenant -> request ids in flight
 
     def _admit(self, tenant, request_id, prompt_tokens, lim, now) -> str | None:
-        sec, minute = int(now), int(now // 60)
+        sec, minute = int(now // lim.request_window_s), int(now // 60)
         with self._lock:
             s_at, s_n = self._second.get(tenant, (sec, 0))
             s_n = s_n if s_at == sec else 0
             m_at, m_n = self._minute.get(tenant, (minute, 0))
             m_n = m_n if m_at == minute else 0
             flight = self._flight.setdefault(tenant, set())
-            if lim.requests_per_s is not None and s_n + 1 > lim.requests_per_s:
+            if lim.requests_per_s is not None and s_n + 1 > lim.requests_per_window + 1e-9:
                 return "requests_per_s"
             if lim.tokens_per_min is not None and m_n >= lim.tokens_per_min:
                 return "tokens_per_min"
@@ -172,9 +183,9 @@ class LocalLimiter(Limiter):
             self._minute[tenant] = (minute, (m_n if m_at == minute else 0) + output_tokens)
 
 
-# KEYS: the tenant's second, minute and in-flight keys. ARGV: limits (requests per second,
-# tokens per minute, in flight; -1 for none), the prompt's tokens, the request id, now, the
-# in-flight deadline. Returns "" when admitted, else the limit it is over.
+# KEYS: the tenant's request window, minute and in-flight keys. ARGV: limits (requests per
+# window, tokens per minute, in flight; -1 for none), the prompt's tokens, the request id, now,
+# the in-flight deadline, the request window's key lifetime (s). Returns "" when admitted, else the limit it is over.
 _ADMIT = """
 local rps, tpm, conc = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 local now = tonumber(ARGV[6])
@@ -183,7 +194,7 @@ if rps >= 0 and tonumber(redis.call('GET', KEYS[1]) or '0') + 1 > rps then retur
 if tpm >= 0 and tonumber(redis.call('GET', KEYS[2]) or '0') >= tpm then return 'tokens_per_min' end
 if conc >= 0 and redis.call('ZCARD', KEYS[3]) >= conc then return 'concurrent' end
 redis.call('INCR', KEYS[1])
-redis.call('EXPIRE', KEYS[1], 2)
+redis.call('EXPIRE', KEYS[1], ARGV[8])
 redis.call('INCRBY', KEYS[2], ARGV[4])
 redis.call('EXPIRE', KEYS[2], 120)
 redis.call('ZADD', KEYS[3], ARGV[7], ARGV[5])
@@ -219,22 +230,23 @@ class RedisLimiter(Limiter):
         self._admit_script = client.register_script(_ADMIT)
         self._finish_script = client.register_script(_FINISH)
 
-    def _keys(self, tenant: str, now: float) -> tuple[str, str, str]:
+    def _keys(self, tenant: str, now: float, window_s: float = 1.0) -> tuple[str, str, str]:
         p = f"{self.prefix}{tenant}:"
-        return f"{p}s:{int(now)}", f"{p}m:{int(now // 60)}", f"{p}flight"
+        return f"{p}s:{int(now // window_s)}", f"{p}m:{int(now // 60)}", f"{p}flight"
 
     def _admit(self, tenant, request_id, prompt_tokens, lim, now) -> str | None:
         none = -1
         args = [
-            none if lim.requests_per_s is None else lim.requests_per_s,
+            none if lim.requests_per_s is None else lim.requests_per_window + 1e-9,
             none if lim.tokens_per_min is None else lim.tokens_per_min,
             none if lim.concurrent is None else lim.concurrent,
             prompt_tokens,
             request_id,
             now,
             now + HELD_S,
+            math.ceil(lim.request_window_s) + 1,
         ]
-        got = self._admit_script(keys=list(self._keys(tenant, now)), args=args)
+        got = self._admit_script(keys=list(self._keys(tenant, now, lim.request_window_s)), args=args)
         got = got.decode() if isinstance(got, bytes) else got
         return got or None
 
