@@ -179,6 +179,20 @@ def test_kv_accuracy_benchmark_smoke():
     assert all(c["positions"] == 63 and c["kl_mean"] >= 0 for c in lines)
 
 
+def test_decode_bound_benchmark_counts_fewer_weight_bytes_per_format():
+    lines = run(
+        "-m", "benchmarks.decode_bound", "--model", "builtin", "--tokens", "4", "--repeats", "1", "--buffer-mib", "32"
+    )
+    bw, *decode = lines
+    assert bw["case"] == "bandwidth" and bw["read_gb_s"] > 0 and bw["copy_gb_s"] > 0
+    by = {c["weight_dtype"]: c for c in decode}
+    assert set(by) == {"float", "int8", "int4"}
+    # the bound follows the bytes the weights take as loaded: int4 < int8 < float
+    assert by["int4"]["weight_mb"] < by["int8"]["weight_mb"] < by["float"]["weight_mb"]
+    assert by["int4"]["bound_tpot_ms"] < by["int8"]["bound_tpot_ms"] < by["float"]["bound_tpot_ms"]
+    assert all(c["achieved_over_bound"] > 0 and c["tpot_ms"] > 0 for c in decode)
+
+
 def test_serving_benchmark_smoke():
     lines = run("-m", "benchmarks.serving", "--quick", timeout=400)
     assert [(line["door"], line["rate"]) for line in lines] == [("grpc", 1.0), ("http", 1.0)]
