@@ -160,8 +160,8 @@ def test_serve_takes_weight_dtype_from_the_flag_and_the_config(tmp_path):
     config = tmp_path / "serve.yaml"
     config.write_text("engine:\n  weight_dtype: int8\n")
     parser = build_parser()
-    assert serve_config(parser.parse_args(["serve", "--config", str(config)])).engine["weight_dtype"] == "int8"
+    assert serve_config(parser.parse_args(["serve", "--config", str(config)])).engine.options["weight_dtype"] == "int8"
     args = parser.parse_args(["serve", "--config", str(config), "--weight-dtype", "int4"])
-    assert serve_config(args).engine["weight_dtype"] == "int4"
+    assert serve_config(args).engine.options["weight_dtype"] == "int4"
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "--weight-dtype", "int3"])
