@@ -47,31 +47,21 @@ def pagefleet(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     )
 
 
+def start_serve(log: Path, *args: str) -> subprocess.Popen:
+    """`pagefleet serve ARGS` as a user starts it, its output to `log`."""
+    with open(log, "w") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "pagefleet", "serve", *args], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT
+        )
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     port, metrics_port, http_port = free_port(), free_port(), free_port()
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     started = time.monotonic()
-    with open(log, "w") as out:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "pagefleet",
-                "serve",
-                "--model",
-                "builtin",
-                "--port",
-                str(port),
-                "--metrics-port",
-                str(metrics_port),
-                "--http-port",
-                str(http_port),
-            ],
-            cwd=ROOT,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
+    args = ("--model", "builtin", "--port", str(port), "--metrics-port", str(metrics_port))
+    proc = start_serve(log, *args, "--http-port", str(http_port))
     client = Client(f"127.0.0.1:{port}", timeout=60)
     timings = {}
     try:

@@ -9,14 +9,12 @@ bad `tenants:` section stops the server at start, naming the tenant and the fiel
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 
 import grpc
 import openai
 import pytest
-from test_cli_serve import READY_WITHIN_S, ROOT, free_port, pagefleet
+from test_cli_serve import READY_WITHIN_S, free_port, pagefleet, start_serve
 
 from pagefleet.client import Client
 
@@ -34,29 +32,11 @@ def limited(tmp_path_factory):
     (tmp / "keys").write_text("trial k-trial\nacme k-acme\n")
     port, http_port = free_port(), free_port()
     log = tmp / "serve.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "pagefleet",
-                "serve",
-                "--model",
-                "builtin",
-                "--config",
-                str(tmp / "serve.yaml"),
-                "--api-key-file",
-                str(tmp / "keys"),
-                "--port",
-                str(port),
-                "--http-port",
-                str(http_port),
-                "--no-metrics",
-            ],
-            cwd=ROOT,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
+    proc = start_serve(
+        log,
+        *("--model", "builtin", "--config", str(tmp / "serve.yaml"), "--api-key-file", str(tmp / "keys")),
+        *("--port", str(port), "--http-port", str(http_port), "--no-metrics"),
+    )
     try:
         probe = Client(f"127.0.0.1:{port}", timeout=60, api_key="k-acme")
         try:
