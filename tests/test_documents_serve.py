@@ -201,3 +201,18 @@ def test_grpc_bad_inputs_are_invalid_argument_naming_the_field(served):
         assert unknown.value.code() == grpc.StatusCode.NOT_FOUND and "document_id" in unknown.value.details()
     finally:
         channel.close()
+
+
+def test_pins_over_the_groups_share_are_429(served):
+    _, http_port, _ = served
+    rival = http(http_port, "k-rival")
+    big = rival.post("/v1/documents", json={"text": DOC + " " + CONTROL, "ttl_seconds": 60})
+    assert big.status_code == 200 and big.json()["blocks"] > 16, big.text
+    # the group pins at most 32 of its 64 blocks (half, and never one whole context's 32)
+    over = rival.post("/v1/documents", json={"text": CONTROL + " " + DOC, "ttl_seconds": 60})
+    assert over.status_code == 429, over.text
+    assert "cannot be pinned" in over.json()["error"]["message"]
+    rival.delete(f"/v1/documents/{big.json()['id']}")
+    again = rival.post("/v1/documents", json={"text": CONTROL + " " + DOC, "ttl_seconds": 60})
+    assert again.status_code == 200  # room again once the first is deleted
+    rival.delete(f"/v1/documents/{again.json()['id']}")
