@@ -4,6 +4,7 @@ the same checks, router, metrics, aborts and shutdown.
 
     POST /v1/completions, /v1/chat/completions   (stream: server-sent events, `data: [DONE]`)
     GET  /v1/models, /health;  POST /tokenize, /detokenize
+    POST /v1/documents;  GET, DELETE /v1/documents/{id}   (router/door/documents.py)
 
 Like the gRPC door, it binds before the cluster loads (everything but /health answers 503
 until `set_ready`), takes a bearer key per tenant (`keys`, router/door/auth.py) and TLS
