@@ -108,3 +108,27 @@ def test_a_ray_group_pins_reports_and_unpins_a_document(ray_runtime):
         asyncio.run(run())
     finally:
         group.shutdown()
+
+
+def test_documents_benchmark_smoke():
+    """benchmarks/documents.py: under a flood the unpinned document is evicted, the pinned one
+    is hit whole (one JSON line per case)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks.documents", "--quick"],
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    cases = {c["case"]: c for c in map(json.loads, out.stdout.splitlines())}
+    assert cases["pinned"]["hit_rate"] == 1.0 and cases["unpinned"]["hit_rate"] < 0.5
+    assert cases["pinned"]["ratio_vs_peer"] > 0 and cases["pinned"]["peer"] == "unpinned"
