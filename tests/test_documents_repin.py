@@ -132,3 +132,12 @@ def test_documents_benchmark_smoke():
     cases = {c["case"]: c for c in map(json.loads, out.stdout.splitlines())}
     assert cases["pinned"]["hit_rate"] == 1.0 and cases["unpinned"]["hit_rate"] < 0.5
     assert cases["pinned"]["ratio_vs_peer"] > 0 and cases["pinned"]["peer"] == "unpinned"
+
+
+def test_max_documents_is_checked_at_start_naming_the_tenant():
+    from router.launch.config import TenantsConfig
+
+    assert TenantsConfig.parse({"acme": {"max_documents": 3}}).max_documents == {"acme": 3}
+    for bad in (0, 1.5, True, "3"):
+        with pytest.raises(ValueError, match=r"tenants\.acme\.max_documents must be an integer > 0"):
+            TenantsConfig.parse({"acme": {"max_documents": bad}})
