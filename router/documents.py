@@ -23,7 +23,6 @@ The registry lives in this router's process: another router replica does not kno
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 import uuid
@@ -133,15 +132,15 @@ class Documents:
         ids = ids["input_ids"] if isinstance(ids, Mapping) else ids
         return check_token_ids(list(ids), router.model_info.vocab_size)[1]
 
-    def check(self, ids: CheckedIds, ttl_s: int, groups: Sequence[str], tier: str, owner: str | None) -> None:
-        """ValueError naming the field for a document that cannot be pinned as asked;
-        DocumentLimitError when its tenant holds its limit already."""
+    def check(self, ids: CheckedIds, ttl_s: int, groups: Sequence[str], tier: str) -> None:
+        """DocumentFieldError (a ValueError) naming the field of a document that cannot be
+        pinned as asked."""
         bs, context = self.router.model_info.block_size, self.router.model_info.max_model_len
         if not 1 <= ttl_s <= MAX_TTL_S:
             raise DocumentFieldError("ttl_seconds", f"ttl_seconds must be in [1, {MAX_TTL_S}], got {ttl_s}")
         if len(ids) < bs:
             raise DocumentFieldError(
-                "text", f"the document is {len(ids)} tokens; a pin holds whole blocks of {bs} tokens"
+                "text", f"the document is {len(ids)} tokens, less than one block of {bs}: a pin holds whole blocks"
             )
         if len(ids) >= context:
             raise DocumentFieldError(
@@ -158,6 +157,7 @@ class Documents:
                 )
 
     def check_quota(self, owner: str | None, tenant: str) -> None:
+        """DocumentLimitError when the owner holds its tenant's limit of live documents."""
         limit = self.max_documents.get(tenant, DEFAULT_MAX_DOCUMENTS)
         held = sum(1 for d in self.docs.values() if d.owner == owner and not d.expired())
         if held >= limit:
@@ -178,12 +178,20 @@ class Documents:
         """Register a document and prefill it pinned on its groups; returns it once every
         target holds it. Errors: ValueError (a field), DocumentLimitError, and what a group
         answers (PinRefusedError: its pins are full; EngineDeadError; NoGroupAvailableError)."""
-        self.check(ids, ttl_s, groups, tier, owner)
+        self.check(ids, ttl_s, groups, tier)
         self._forget_expired()
         self.check_quota(owner, tenant)
         hashes = self.router.hash_cache.hash_prompt(ids, cache_salt=owner)
         doc = Document(
-            f"doc-{uuid.uuid4().hex[:24]}", owner, tenant, ids, tuple(hashes), ttl_s, time.time() + ttl_s, tuple(groups)
+            f"doc-{uuid.uuid4().hex[:24]}",
+            owner,
+            tenant,
+            ids,
+            tuple(hashes),
+            ttl_s,
+            time.time() + ttl_s,
+            tuple(groups),
+            tier,
         )
         self.docs[doc.document_id] = doc
         self._start_reconciler()
@@ -304,8 +312,10 @@ class Documents:
                 missing = [] if held or not live else [self.router.place(doc.hashes).group_id]
             for gid in missing:
                 log.info("document %s is not pinned on %s any more; pinning it again", doc.document_id, gid)
-                with contextlib.suppress(Exception):  # (logged by the group; tried again next round)
+                try:
                     await self._prefill(doc, gid)
+                except Exception as e:  # (tried again next round)
+                    log.warning("pinning document %s again on %s failed: %s", doc.document_id, gid, e)
 
     def _forget_expired(self) -> None:
         now = time.time()
