@@ -35,7 +35,7 @@ class LocalGroup(GroupHandle):
         self.tokenizer = engine.tokenizer
         self.publisher = None
         if index is not None:
-            self.publisher = GroupPublisher(index, self.group_id, engine.cached_hashes)
+            self.publisher = GroupPublisher(index, self.group_id, engine.tier_hashes)
             engine.on_kv_events = self.publisher.collect
         self.engine = AsyncEngine(engine, on_step=self._tick)
 

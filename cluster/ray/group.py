@@ -153,9 +153,9 @@ class RayGroup(GroupHandle):
         self._pump_thread.start()
         threading.Thread(target=self._watch, name="pagefleet-watch", daemon=True).start()
 
-    def _inventory(self) -> list[bytes]:
+    def _inventory(self) -> dict[str, list[bytes]]:
         timeout = self.group_config.collective_timeout_s  # (between two steps of rank 0)
-        return ray.get(self._rank0.cached_hashes.remote(), timeout=timeout)
+        return ray.get(self._rank0.tier_hashes.remote(), timeout=timeout)
 
     # ---- GroupHandle -------------------------------------------------------------------
     async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:

@@ -45,6 +45,7 @@ from cluster.ray.output_delta import OutputDelta
 from cluster.ray.runtime import ray
 from worker.config import EngineConfig
 from worker.heap import settle_heap
+from worker.kv_events import DEVICE
 from worker.outputs import RequestOutput
 from worker.protocol import GenerationRequest
 
@@ -150,7 +151,7 @@ class RankActor:
             if self._publisher is not None or self._events_to is not None:
                 engine.on_kv_events = self._kv_events
             self.facts = engine.facts()  # (before the engine thread uses the tokenizer)
-            self._inventory = engine.cached_hashes  # (called between steps, on its thread)
+            self._inventory = engine.tier_hashes  # (called between steps, on its thread)
             self.engine = AsyncEngine(engine, self._tick)
             layout = self.executor.layout
         else:
@@ -192,7 +193,7 @@ class RankActor:
         self._publisher = GroupPublisher(
             redis,
             index.group_id,
-            engine.cached_hashes,
+            engine.tier_hashes,
             on_fenced=lambda: end_process(fenced),
         )
 
@@ -302,7 +303,11 @@ class RankActor:
         return await self._between_steps(lambda: self.executor.probe_broadcast(rounds))
 
     async def cached_hashes(self) -> list[bytes]:
-        """Every block hash in the engine's prefix cache (the group's index inventory)."""
+        """Every block hash in the engine's prefix cache on the device."""
+        return (await self._between_steps(self._inventory))[DEVICE]
+
+    async def tier_hashes(self) -> dict[str, list[bytes]]:
+        """Every block hash of every tier of the engine, by medium (the group's index inventory)."""
         return await self._between_steps(self._inventory)
 
     async def _between_steps(self, fn):

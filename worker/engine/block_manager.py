@@ -36,6 +36,7 @@ from worker.engine.request import Request
 from worker.engine.tier_index import TierIndex
 from worker.hashing import BlockHasher
 from worker.kv_events import (
+    DEVICE,
     DISK,
     HOST,
     AllBlocksCleared,
@@ -135,8 +136,16 @@ class BlockManager:
         return self._req_block_ids.get(request_id, [])
 
     def cached_hashes(self) -> Iterator[bytes]:
-        """Every hash in the prefix cache: the inventory a publisher republishes."""
+        """Every hash in the prefix cache on the device."""
         return iter(list(self.cached))
+
+    def tier_hashes(self) -> dict[str, list[bytes]]:
+        """Every hash of every tier, by medium: the inventory a publisher republishes."""
+        out = {DEVICE: list(self.cached)}
+        for tier in (self.host, self.disk):
+            if tier is not None:
+                out[tier.medium] = list(tier.hashes())
+        return out
 
     # ---- admit -------------------------------------------------------------------------
     def match_prefix(self, request: Request) -> PrefixMatch:

@@ -306,9 +306,13 @@ class LLMEngine:
 
     # ---- introspection -----------------------------------------------------------------
     def cached_hashes(self) -> list[bytes]:
-        """Every block hash in the prefix cache: the group's inventory, which a publisher
-        republishes whole when an index lost it."""
+        """Every block hash in the prefix cache on the device."""
         return list(self.scheduler.bm.cached_hashes())
+
+    def tier_hashes(self) -> dict[str, list[bytes]]:
+        """Every block hash of every tier, by medium: the group's inventory, which a publisher
+        republishes whole when an index lost it."""
+        return self.scheduler.bm.tier_hashes()
 
     def facts(self) -> ModelFacts:
         """This engine's model as a router of another process needs it."""
