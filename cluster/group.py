@@ -43,6 +43,7 @@ class GroupStatus:
     state: str = ""  # the supervisor's view (cluster/ray/supervisor.py); "" for a local group
     generation: int = 0
     restarts: int = 0
+    pinned: dict[str, int] = field(default_factory=dict, compare=False)  # document id -> blocks pinned
     # unique to this snapshot (a new one, `replace`d ones included, gets the next): what a
     # cache of figures worked out from a status compares to know it is stale
     version: int = field(default_factory=lambda: next(_versions), init=False, compare=False)
@@ -77,6 +78,7 @@ def status_from_stats(
         preemptions=stats.get("preemptions", 0),
         error=error,
         draining=bool(stats.get("draining", False)),
+        pinned=dict(stats.get("pinned", {})),
     )
 
 
@@ -109,6 +111,10 @@ class GroupHandle(ABC):
     @abstractmethod
     def status(self) -> GroupStatus:
         """Latest load and liveness."""
+
+    def unpin(self, document_id: str) -> None:  # noqa: B027  (a group without pins ignores it)
+        """Release a document's pinned blocks (worker/protocol.py: Pin); no answer is awaited:
+        the group's status stops listing it."""
 
     @abstractmethod
     def shutdown(self) -> None:

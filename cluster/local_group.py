@@ -49,6 +49,9 @@ class LocalGroup(GroupHandle):
     def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
 
+    def unpin(self, document_id: str) -> None:
+        self.engine.unpin(document_id)
+
     def status(self) -> GroupStatus:
         dead = self.engine.dead
         return status_from_stats(

@@ -28,6 +28,17 @@ class GenerationRequest:
     block_hashes: Sequence[bytes] | None = None  # the router's hashes of the prompt, if any
     resume: Resume | None = None  # continuing a request whose first group died
     tenant: str = ""  # whose fair share of the group it counts against ("": the only one)
+    pin: Pin | None = None  # keep the prompt's blocks pinned once prefilled (a document)
+
+
+@dataclass(frozen=True)
+class Pin:
+    """A document the group keeps warm: once the request that carries it is prefilled, the
+    prompt's full blocks stay pinned in the device pool (never evicted) under `document_id`
+    until `expires_at` (time.time(), so that it means the same on every node) or an unpin."""
+
+    document_id: str
+    expires_at: float
 
 
 @dataclass(frozen=True)
@@ -45,6 +56,10 @@ class Resume:
 
 class EngineDeadError(RuntimeError):
     """The engine loop stopped; in-flight requests fail with this."""
+
+
+class PinRefusedError(RuntimeError):
+    """A pin the group cannot hold: its pinned blocks would pass their share of the pool."""
 
 
 class QueueFullError(RuntimeError):

@@ -255,6 +255,10 @@ class RayGroup(GroupHandle):
         if not self._closed:
             self._rank0.abort.remote(request_id)
 
+    def unpin(self, document_id: str) -> None:
+        if not self._closed:
+            self._rank0.unpin.remote(document_id)
+
     def status(self) -> GroupStatus:
         """Load as of rank 0's latest batch and liveness as the watcher last saw it; never
         waits on a rank (see the module docstring)."""

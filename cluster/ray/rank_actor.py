@@ -274,6 +274,11 @@ class RankActor:
         if request_id in self._streams:
             self.engine.abort(request_id)
 
+    async def unpin(self, document_id: str) -> None:
+        """Release a document's pinned blocks (worker/protocol.py: Pin)."""
+        if self.engine is not None:
+            self.engine.unpin(document_id)
+
     def stats(self) -> dict:
         if self.engine is None:
             return {"error": "rank 0 has not started its engine", "draining": self._draining}

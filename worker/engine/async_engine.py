@@ -88,6 +88,10 @@ class AsyncEngine:
         finish_reason is "abort"."""
         self._send(("abort", request_id, None))
 
+    def unpin(self, document_id: str) -> None:
+        """Release a document's pinned blocks (worker/protocol.py: Pin), between steps."""
+        self._send(("unpin", document_id, None))
+
     def stats(self) -> dict:
         """The engine's stats as of the latest step."""
         return dict(self._stats)
@@ -119,6 +123,7 @@ class AsyncEngine:
                 else:
                     self._wake.wait(0.05)
                     self._wake.clear()
+                self.engine.expire_pins()
                 self._stats = self.engine.stats()
                 if self.on_step is not None:
                     self.on_step(self.engine)
@@ -137,6 +142,9 @@ class AsyncEngine:
             if kind == "abort":  # a stream still open gets its final output ("abort")
                 self._deliver([(out.request_id, out) for out in self.engine.abort(rid)])
                 continue
+            if kind == "unpin":  # (`rid`: the document's id)
+                self.engine.unpin(rid)
+                continue
             try:
                 self.engine.add_request(
                     request.prompt,
@@ -147,6 +155,7 @@ class AsyncEngine:
                     block_hashes=request.block_hashes,
                     resume=request.resume,
                     tenant=request.tenant,
+                    pin=request.pin,
                 )
             except Exception as e:  # bad input or a full queue: that caller's error only
                 self._deliver([(rid, e)])

@@ -19,6 +19,11 @@ lookup goes on from the host to the disk: disk hits are fetched into host slots 
 a block that any rank fails to read whole ends the match there, a miss), then loaded as host
 hits.
 
+Pins (`pin`, `unpin`) hold cached blocks by hash for a document the group keeps warm: each pin
+is a reference like a request's, so a pinned block never reaches the free queue, and so is
+neither evicted nor written down to a lower tier; several pins of one block (two documents that
+share a prefix) count each. `pinned` holds each pinned hash's count.
+
 Write-back rather than write-through: a save costs a copy only for a block the pool is about
 to lose, which under no memory pressure is never, and the host holds what the device does not
 (a write-through host mirrors the device, so its first pool's worth of blocks adds nothing).
@@ -28,7 +33,7 @@ in benchmarks/RESULTS.md (KV tiers).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from worker.engine.block_pool import Block, FreeBlockQueue
@@ -112,6 +117,7 @@ class BlockManager:
         self.moves = KVMoves()  # this step's copies between tiers, so far
         self.host_hits = 0  # tokens of prefix hits restored from the host tier
         self.host_saves = 0  # blocks written back to the host tier
+        self.pinned: dict[bytes, int] = {}  # block hash -> pins holding it (see `pin`)
 
     # ---- state -------------------------------------------------------------------------
     @property
@@ -339,6 +345,37 @@ class BlockManager:
                     self.free_queue.appendleft(block)
                 else:
                     self.free_queue.append(block)
+
+    # ---- pins --------------------------------------------------------------------------
+    def pin(self, hashes: Sequence[bytes]) -> int:
+        """Hold the leading device-cached blocks of the chain `hashes` (a reference each, so
+        they are never evicted); returns how many were pinned. Release them with `unpin` of
+        the same leading hashes."""
+        n = 0
+        for h in hashes:
+            block = self.cached.get(h)
+            if block is None:
+                break
+            self._touch(block)
+            self.pinned[h] = self.pinned.get(h, 0) + 1
+            n += 1
+        return n
+
+    def unpin(self, hashes: Sequence[bytes]) -> None:
+        """Drop one pin of each hash (as `pin` returned them), tail first: an unpinned chain is
+        then evicted tail before head, as a freed request's is."""
+        for h in reversed(hashes):
+            count = self.pinned.pop(h)
+            if count > 1:
+                self.pinned[h] = count - 1
+            block = self.cached[h]  # (held: it cannot have been evicted)
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_queue.append(block)
+
+    @property
+    def num_pinned_blocks(self) -> int:
+        return len(self.pinned)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block; refused (False) while any block is in use."""

@@ -27,13 +27,17 @@ from worker.model.dtypes import resolve_dtype, resolve_weight_dtype
 from worker.model.model_config import ModelConfig
 from worker.model_source import is_gguf
 from worker.outputs import RequestMetrics, RequestOutput, TokenLogprobs
-from worker.protocol import ModelFacts, Resume
+from worker.protocol import ModelFacts, Pin, PinRefusedError, Resume
 from worker.sampling_params import SamplingParams
 from worker.step import SchedulerOutput
 from worker.token_ids import token_list
 
 KVEventsCallback = Callable[[list[KVEvent]], None]
 COMPILE_WAIT_S = 0.01  # an engine with only compiling requests waits this long for one
+# Documents' pins hold at most this share of the pool, and never the blocks one sequence of the
+# whole context needs: the rest serves requests, so that pins can never starve the group (a
+# pin over it is refused, PinRefusedError).
+PINNED_SHARE = 0.5
 
 
 @dataclass
@@ -55,6 +59,14 @@ class _Tracked:
     logprobs: list[TokenLogprobs] | None
     prompt: str | None
     cumulative_logprob: float = 0.0
+
+
+@dataclass
+class _Pinned:
+    """A document's pinned blocks: the leading hashes `BlockManager.pin` held, and until when."""
+
+    hashes: list[bytes]
+    expires_at: float
 
 
 class LLMEngine:
@@ -103,6 +115,8 @@ class LLMEngine:
         self.grammars = GrammarCompiler(self.tokenizer, mc.vocab_size, self.eos_token_ids)
         self._compiling: dict[str, _Compiling] = {}
         self._failed: list[tuple[str, Exception]] = []  # refused after add_request returned
+        self._pin_on_finish: dict[str, tuple[Pin, int]] = {}  # request id -> its pin, blocks
+        self.pins: dict[str, _Pinned] = {}  # document id -> its pinned blocks
 
     # ---- requests ----------------------------------------------------------------------
     def add_request(
@@ -117,9 +131,11 @@ class LLMEngine:
         arrival_time: float | None = None,
         resume: Resume | None = None,
         tenant: str = "",
+        pin: Pin | None = None,
     ) -> str:
         """Queue a prompt (text, when the model has a tokenizer, or token ids); `resume`: the
-        output it already had on a group that died (worker/protocol.py: Resume)."""
+        output it already had on a group that died (worker/protocol.py: Resume); `pin`: keep
+        the prompt's full blocks pinned once it is prefilled (see `pin_blocks`)."""
         params = params or SamplingParams()
         if params.n != 1:
             raise ValueError(
@@ -164,9 +180,13 @@ class LLMEngine:
             if tracked.logprobs is not None:
                 tracked.logprobs.extend(resume.logprobs)
                 tracked.cumulative_logprob = sum(lp.logprob for lp in resume.logprobs)
+        if pin is not None:
+            self._check_pin(pin, len(token_ids) // self.scheduler.bm.block_size)
         constraint = params.structured_outputs
         if constraint is None:
             self.scheduler.add_request(req)
+            if pin is not None:
+                self._pin_on_finish[rid] = (pin, len(token_ids) // self.scheduler.bm.block_size)
             self._tracked[rid] = tracked
             return rid
         if rid in self._compiling:
@@ -199,6 +219,53 @@ class LLMEngine:
                 except Exception as e:  # (ValueError: the constraint; QueueFullError)
                     self._failed.append((rid, e))
 
+    # ---- pins --------------------------------------------------------------------------
+    def _check_pin(self, pin: Pin, num_blocks: int) -> None:
+        """PinRefusedError unless the pins, those to come included, stay within PINNED_SHARE
+        of the pool once this one is held (a pin of a document held already replaces it)."""
+        bm = self.scheduler.bm
+        if bm.hasher is None:
+            raise ValueError("documents need the prefix cache (enable_prefix_caching)")
+        held = bm.num_pinned_blocks + sum(n for _, n in self._pin_on_finish.values()) + num_blocks
+        old = self.pins.get(pin.document_id)
+        held -= len(old.hashes) if old is not None else 0
+        longest = -(-self.max_model_len // bm.block_size)  # (blocks of one whole context)
+        cap = min(int(bm.num_blocks * PINNED_SHARE), bm.num_blocks - longest)
+        if held > cap:
+            raise PinRefusedError(
+                f"pinning {num_blocks} blocks would hold {held} of the group's {bm.num_blocks}; "
+                f"documents may pin at most {max(cap, 0)} (half the pool, less one whole context)"
+            )
+
+    def _pin_prefilled(self, req: Request) -> None:
+        """A finished request's pin, if it carries one: its prompt's full blocks, cached now
+        (freed in this very step: nothing was evicted since), pinned under the document."""
+        entry = self._pin_on_finish.pop(req.request_id, None)
+        if entry is None or req.status is RequestStatus.FINISHED_ABORTED:
+            return
+        pin, num_blocks = entry
+        self.unpin(pin.document_id)  # (a document pinned again: its new pin replaces the old)
+        hashes = req.block_hashes[:num_blocks]
+        held = self.scheduler.bm.pin(hashes)
+        self.pins[pin.document_id] = _Pinned(hashes[:held], pin.expires_at)
+
+    def unpin(self, document_id: str) -> bool:
+        """Release a document's blocks (evictable again, tail first); False if none is held."""
+        pinned = self.pins.pop(document_id, None)
+        if pinned is not None:
+            self.scheduler.bm.unpin(pinned.hashes)
+        return pinned is not None
+
+    def expire_pins(self, now: float | None = None) -> list[str]:
+        """Unpin the documents whose time has passed; returns their ids."""
+        if not self.pins:
+            return []
+        now = time.time() if now is None else now
+        expired = [d for d, p in self.pins.items() if p.expires_at <= now]
+        for d in expired:
+            self.unpin(d)
+        return expired
+
     def take_failures(self) -> list[tuple[str, Exception]]:
         """The requests refused since the last call (their constraint did not compile, or
         the queue filled while it did), with their errors; each is gone from the engine."""
@@ -224,6 +291,7 @@ class LLMEngine:
                 no_lps = None if c.tracked.logprobs is None else []
                 outputs.append(_output(c.request, c.tracked, [], "", True, None, no_lps))
         for req in self.scheduler.abort(request_ids):
+            self._pin_on_finish.pop(req.request_id, None)
             tracked = self._tracked.pop(req.request_id, None)
             if tracked is None:
                 continue
@@ -295,6 +363,8 @@ class LLMEngine:
             delta += detok.flush()
             m.finished_time = now
             del self._tracked[req.request_id]
+            if self._pin_on_finish:
+                self._pin_prefilled(req)
             self._flush_events()
         return _output(req, tracked, [token], delta, finished, now, None if lps is None else [lp])
 
@@ -349,6 +419,8 @@ class LLMEngine:
             "kv_disk_hits": bm.disk_hits,  # prompt tokens fetched from the disk tier
             "kv_disk_failures": bm.disk_failures,  # reads that failed (misses, never KV)
             **self._tier_bytes(),
+            "blocks_pinned": bm.num_pinned_blocks,
+            "pinned": {d: len(p.hashes) for d, p in self.pins.items()},  # document -> blocks
             # tenant -> tokens processed over its weight (worker/engine/fair_queue.py); empty
             # while one tenant sends
             "tenant_tokens": dict(sched.waiting.served),
