@@ -109,6 +109,7 @@ class RequestGrammar:
         import xgrammar as xgr
 
         self.matcher = xgr.GrammarMatcher(compiled)
+        self.mask_words = (compiled.tokenizer_info.vocab_size + 31) // 32  # a bitmask row's int32 words
         for i, token in enumerate(output_token_ids):
             if not self.matcher.accept_token(token):
                 raise ValueError(f"resume.token_ids[{i}] ({token}) does not follow the request's structured output")
@@ -116,12 +117,13 @@ class RequestGrammar:
     def accept(self, token: int) -> bool:
         """Advance over a sampled token; False when the grammar does not allow it (never for
         a token sampled under this row's mask) or has ended (an `ignore_eos` request goes on
-        unconstrained past its stop token)."""
+        unconstrained past its stop token). The model runner that sampled the token calls it
+        (worker/exec/model_runner.py: `advance`), on the thread that fills the next mask."""
         return not self.matcher.is_terminated() and self.matcher.accept_token(token)
 
     def fill(self, bitmask: Any, index: int) -> bool:
-        """Write the allowed next tokens into row `index` of `bitmask` ((n, ceil(vocab / 32))
-        int32); False (the row left as it is) when the grammar has ended: only a stop token
+        """Write the allowed next tokens into row `index` of `bitmask` ((n, mask_words) int32);
+        False (the row left as it is) when the grammar has ended: only a stop token
         could follow, and the request ends with it."""
         if self.matcher.is_terminated():
             return False

@@ -327,9 +327,7 @@ class LLMEngine:
             req = s.request
             entry = sampled.get(req.request_id)
             if entry is not None and req.status is running:  # (sampled, not aborted meanwhile)
-                token, lp = entry
-                if req.grammar is not None:  # (before the stop checks: EOS ends the grammar too)
-                    req.grammar.accept(token)
+                token, lp = entry  # (a grammar took it already: the runner that sampled it)
                 finished = append(req, token)
                 outputs.append(self._progress(req, tracked[req.request_id], token, lp, finished, now))
         self._flush_events()
