@@ -9,6 +9,7 @@ the request, so its blocks are freed at once.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
@@ -88,6 +89,16 @@ class AsyncEngine:
         finish_reason is "abort"."""
         self._send(("abort", request_id, None))
 
+    def call(self, fn: Callable[[LLMEngine], Any]) -> concurrent.futures.Future:
+        """Run `fn(engine)` on the loop thread between two steps, in order with the requests
+        sent before and after it; its result (or error) in the future."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        if self.dead is not None:
+            done.set_exception(EngineDeadError(f"engine is dead: {self.dead}"))
+        else:
+            self._send(("call", None, (fn, done)))
+        return done
+
     def stats(self) -> dict:
         """The engine's stats as of the latest step."""
         return dict(self._stats)
@@ -136,6 +147,13 @@ class AsyncEngine:
                 return
             if kind == "abort":  # a stream still open gets its final output ("abort")
                 self._deliver([(out.request_id, out) for out in self.engine.abort(rid)])
+                continue
+            if kind == "call":
+                fn, done = request
+                try:
+                    done.set_result(fn(self.engine))
+                except Exception as e:  # (the caller's to handle)
+                    done.set_exception(e)
                 continue
             try:
                 self.engine.add_request(
