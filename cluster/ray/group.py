@@ -259,6 +259,23 @@ class RayGroup(GroupHandle):
         if not self._closed:
             self._rank0.unpin.remote(document_id)
 
+    async def pull_from(self, holder: GroupHandle, block_hashes: Sequence[bytes], timeout_s: float) -> int:
+        """From another group on Ray: this group's rank 0 asks the holder's for an export (each
+        holder rank copies its shard between two steps), every rank r fetches rank r's shard
+        through the object store, and rank 0 writes them into the host tiers between two steps
+        (cluster/ray/rank_actor.py: `pull`). A holder that is gone, slow or of another format
+        brings 0: the request recomputes."""
+        if not isinstance(holder, RayGroup) or holder is self or self._closed or holder._closed:
+            return 0
+        hashes = tuple(block_hashes)
+        try:
+            return await asyncio.wait_for(self._rank0.pull.remote(holder._rank0, hashes, timeout_s), timeout_s)
+        except Exception as e:  # (TimeoutError, RayActorError, KVTransferError): recompute instead
+            log.warning(
+                "group %s: pulling %d blocks from %s failed (%s)", self.group_id, len(hashes), holder.group_id, e
+            )
+            return 0
+
     def status(self) -> GroupStatus:
         """Load as of rank 0's latest batch and liveness as the watcher last saw it; never
         waits on a rank (see the module docstring)."""

@@ -9,6 +9,7 @@ the request, so its blocks are freed at once.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
@@ -92,6 +93,16 @@ class AsyncEngine:
         """Release a document's pinned blocks (worker/protocol.py: Pin), between steps."""
         self._send(("unpin", document_id, None))
 
+    def call(self, fn: Callable[[LLMEngine], Any]) -> concurrent.futures.Future:
+        """Run `fn(engine)` on the loop thread between two steps, in order with the requests
+        sent before and after it; its result (or error) in the future."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        if self.dead is not None:
+            done.set_exception(EngineDeadError(f"engine is dead: {self.dead}"))
+        else:
+            self._send(("call", None, (fn, done)))
+        return done
+
     def stats(self) -> dict:
         """The engine's stats as of the latest step."""
         return dict(self._stats)
@@ -144,6 +155,13 @@ class AsyncEngine:
                 continue
             if kind == "unpin":  # (`rid`: the document's id)
                 self.engine.unpin(rid)
+                continue
+            if kind == "call":
+                fn, done = request
+                try:
+                    done.set_result(fn(self.engine))
+                except Exception as e:  # (the caller's to handle)
+                    done.set_exception(e)
                 continue
             try:
                 self.engine.add_request(

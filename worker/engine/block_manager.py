@@ -118,6 +118,7 @@ class BlockManager:
         self.host_hits = 0  # tokens of prefix hits restored from the host tier
         self.host_saves = 0  # blocks written back to the host tier
         self.pinned: dict[bytes, int] = {}  # block hash -> pins holding it (see `pin`)
+        self.blocks_imported = 0  # blocks pulled from another group into the host tier
 
     # ---- state -------------------------------------------------------------------------
     @property
@@ -391,6 +392,58 @@ class BlockManager:
             self.disk.clear()
         self.emit(AllBlocksCleared())
         return True
+
+    # ---- blocks moved between groups (worker/kv_transfer.py) ----------------------------
+    def held_chain(self, block_hashes: Sequence[bytes]) -> list[tuple[bool, int]]:
+        """The leading blocks of a chain held here, each (on the device, its block id) or
+        (on the host, its slot), up to the first held nowhere: what another group may pull."""
+        held = []
+        for h in block_hashes:
+            block = self.cached.get(h)
+            if block is not None:
+                held.append((True, block.block_id))
+            elif self.host is not None and (slot := self.host.get(h)) is not None:
+                held.append((False, slot))
+            else:
+                break
+        return held
+
+    def host_slots_for(self, block_hashes: Sequence[bytes]) -> tuple[list[tuple[int, bytes, int]], KVMoves]:
+        """Host slots for a pulled chain's blocks that this group holds nowhere, each (its
+        position in the chain, hash, slot), stopping where the host has no slot free this step;
+        and the disk writes of the slots' victims, to make before the slots are written."""
+        if self.host is None:
+            return [], KVMoves()
+        host, rows, victims = self.host, [], []
+        for i, h in enumerate(block_hashes):
+            if h in self.cached or h in host:
+                continue
+            put = host.put(h)
+            if put is None:
+                break
+            slot, victim = put
+            if victim is not None:
+                victims.append(victim)
+                if self.disk is not None:
+                    self._demote(victim, slot)
+            rows.append((i, h, slot))
+        if victims:
+            self.emit(BlockRemoved(tuple(victims), HOST))
+        early = KVMoves(demotes=self.moves.demotes, drops=self.moves.drops)
+        self.moves.demotes, self.moves.drops = [], []
+        return rows, early
+
+    def imported(self, rows: list[tuple[int, bytes, int]], ok: bool) -> None:
+        """The pulled rows were written into their host slots (a store on the host), or not
+        (`ok` False: the slots are free again)."""
+        hashes = tuple(h for _, h, _ in rows)
+        if not ok:
+            for h in hashes:
+                self.host.drop(h)
+            return
+        self.blocks_imported += len(hashes)
+        if hashes:
+            self.emit(BlockStored(hashes, None, HOST))
 
     # ---- internals ---------------------------------------------------------------------
     def _blocks_to_grow(self, request: Request, num_new_tokens: int) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, replace
@@ -21,8 +22,10 @@ from worker.engine.tier_index import TierIndex
 from worker.exec.executor import Executor, LocalExecutor
 from worker.exec.host_tier import host_blocks
 from worker.exec.kv_pool import check_pool_fits, kv_torch_dtype
+from worker.exec.kv_transfer import DEVICE_ROW, HOST_ROW
 from worker.hashing import BlockHasher, ModelFingerprint
 from worker.kv_events import DISK, HOST, KVEvent
+from worker.kv_transfer import BlockExport, KVFormat, KVTransferError
 from worker.model.dtypes import resolve_dtype, resolve_weight_dtype
 from worker.model.model_config import ModelConfig
 from worker.model_source import is_gguf
@@ -112,6 +115,7 @@ class LLMEngine:
         self._tracked: dict[str, _Tracked] = {}
         self._ids = itertools.count()
         self.tokens_computed = 0  # tokens run through the model (prompt, recomputed and decoded)
+        self.blocks_exported = 0  # blocks copied out for another group
         self.grammars = GrammarCompiler(self.tokenizer, mc.vocab_size, self.eos_token_ids)
         self._compiling: dict[str, _Compiling] = {}
         self._failed: list[tuple[str, Exception]] = []  # refused after add_request returned
@@ -372,6 +376,44 @@ class LLMEngine:
             if self.on_kv_events is not None:
                 self.on_kv_events(batch)
 
+    # ---- KV blocks moved between groups (worker/kv_transfer.py) --------------------------
+    def kv_format(self) -> KVFormat:
+        """What a group must share with this one to exchange KV blocks."""
+        worker = self.executor.worker  # rank 0's device (every rank has its shape)
+        return KVFormat(
+            self.hasher.fingerprint,
+            getattr(self.executor, "world_size", 1),
+            worker.kv_row_shapes(),
+            worker.kv_tensor_scales(),
+        )
+
+    def export_blocks(self, block_hashes: Sequence[bytes]) -> BlockExport:
+        """The leading blocks of the chain held here (device or host), copied now, between two
+        steps: rank 0's shard, the other ranks' kept for a peer under the export's id."""
+        held = self.scheduler.bm.held_chain(block_hashes)
+        export_id = uuid.uuid4().bytes
+        sources = [(DEVICE_ROW if on_device else HOST_ROW, x) for on_device, x in held]
+        shards = self.executor.export_blocks(export_id, sources) if held else []
+        self.blocks_exported += len(held)
+        return BlockExport(self.kv_format(), tuple(block_hashes[: len(held)]), shards, export_id)
+
+    def import_blocks(self, export: BlockExport, shard=None, import_id: bytes = b"") -> int:
+        """Another group's blocks into this group's host tier, where the next request's prefix
+        lookup finds them (a host hit, restored with its step); returns how many were written.
+        `shard`: rank 0's (default: the export's own); every other rank's is kept under
+        `import_id`. KVTransferError for another format or no host tier."""
+        self.kv_format().check_compatible(export.format)
+        bm = self.scheduler.bm
+        if bm.host is None:
+            raise KVTransferError("this group has no host tier to import KV blocks into (kv_host_bytes)")
+        rows, early = bm.host_slots_for(export.block_hashes)
+        pairs = [(i, slot) for i, _, slot in rows]
+        shard = export.shards[0] if shard is None and export.shards else shard
+        ok = self.executor.import_blocks(import_id, early, pairs, shard) if rows or early else True
+        bm.imported(rows, ok)
+        self._flush_events()
+        return len(rows) if ok else 0
+
     # ---- introspection -----------------------------------------------------------------
     def cached_hashes(self) -> list[bytes]:
         """Every block hash in the prefix cache on the device."""
@@ -416,6 +458,8 @@ class LLMEngine:
             "kv_disk_blocks_cached": len(bm.disk) if bm.disk is not None else 0,
             "kv_disk_hits": bm.disk_hits,  # prompt tokens fetched from the disk tier
             "kv_disk_failures": bm.disk_failures,  # reads that failed (misses, never KV)
+            "kv_blocks_imported": bm.blocks_imported,  # pulled from another group (host tier)
+            "kv_blocks_exported": self.blocks_exported,  # copied out for another group
             **self._tier_bytes(),
             "blocks_pinned": bm.num_pinned_blocks,
             "pinned": {d: len(p.hashes) for d, p in self.pins.items()},  # document -> blocks

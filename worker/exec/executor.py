@@ -15,6 +15,7 @@ from worker.exec.disk_tier import DiskTier, disk_directory
 from worker.exec.host_tier import HostTier, host_blocks
 from worker.exec.kv_calibration import calibrate_tensor_scales
 from worker.exec.kv_pool import KVLayout, KVPool, layout_for, num_blocks_from_memory
+from worker.exec.kv_transfer import export_rows, import_rows
 from worker.exec.model_runner import ModelRunner, Sampled
 from worker.exec.overlap import OverlapRunner, wants_overlap
 from worker.model.model_config import ModelConfig
@@ -104,6 +105,29 @@ class DeviceWorker:
         self.disk_tier.remove([h for h, _ in fetches[got:]])
         return got
 
+    def export_rows(self, sources: list[tuple[int, int]]) -> list[torch.Tensor]:
+        """This rank's shard of blocks another group pulls (worker/exec/kv_transfer.py)."""
+        host = self.host_tier.host_tensors if self.host_tier is not None else None
+        return export_rows(self.pool.block_tensors, host, sources)
+
+    def import_rows(self, early: KVMoves, rows: list[tuple[int, int]], shard: list[torch.Tensor] | None) -> bool:
+        """The disk writes in `early` (the slots' victims), then a pulled shard's rows (row,
+        host slot) into the host tier; False when there is no shard of this tier's shape."""
+        self.move(early)
+        if self.host_tier is None or shard is None:
+            return False
+        return import_rows(self.host_tier.host_tensors, shard, rows)
+
+    def kv_row_shapes(self) -> tuple[tuple[int, ...], ...]:
+        """One block's shape in each of the pool's block tensors (bytes)."""
+        return tuple(tuple(t.shape[1:]) for t in self.pool.block_tensors)
+
+    def kv_tensor_scales(self) -> tuple[float, ...]:
+        """A float8 pool's per-tensor scales, K then V of every layer; () otherwise."""
+        if not self.layout.tensor_scales:
+            return ()
+        return tuple(float(t.item()) for t in (*self.pool.k_scales, *self.pool.v_scales))
+
     def execute(self, out: SchedulerOutput, sample: bool = True) -> Sampled:
         self.move(out.moves)
         return self.runner.execute(out, sample=sample)
@@ -147,6 +171,17 @@ class Executor(ABC):
         the disk writes in `early` first, then the reads; how many, in order, every rank read."""
         raise NotImplementedError(f"{type(self).__name__} has no disk tier")
 
+    def export_blocks(self, export_id: bytes, sources: list[tuple[int, int]]) -> list:
+        """Every rank's shard of the blocks at `sources` (worker/exec/kv_transfer.py), copied
+        now: rank 0's, and None for each rank that keeps its own under `export_id` for a peer."""
+        raise NotImplementedError(f"{type(self).__name__} cannot export KV blocks")
+
+    def import_blocks(self, import_id: bytes, early: KVMoves, rows: list[tuple[int, int]], shard) -> bool:
+        """Pulled shards' rows (row, host slot) into every rank's host tier: rank 0's `shard`,
+        each other rank's kept under `import_id`; the disk writes in `early` first. True when
+        every rank wrote its rows."""
+        raise NotImplementedError(f"{type(self).__name__} cannot import KV blocks")
+
 
 class LocalExecutor(Executor):
     """A group of one device in this process."""
@@ -173,6 +208,12 @@ class LocalExecutor(Executor):
 
     def fetch(self, early: KVMoves, fetches: list[tuple[bytes, int]]) -> int:
         return self.worker.fetch(early, fetches)
+
+    def export_blocks(self, export_id: bytes, sources: list[tuple[int, int]]) -> list:
+        return [self.worker.export_rows(sources)]
+
+    def import_blocks(self, import_id: bytes, early: KVMoves, rows: list[tuple[int, int]], shard) -> bool:
+        return self.worker.import_rows(early, rows, shard)
 
     def shutdown(self) -> None:
         if self.overlap is not None:

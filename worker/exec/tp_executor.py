@@ -17,6 +17,7 @@ import time
 
 from worker.exec.distributed import ByteChannel, startup_barrier
 from worker.exec.executor import DeviceWorker, Executor
+from worker.exec.kv_transfer import encode_export, encode_import
 from worker.exec.model_runner import Sampled
 from worker.exec.step_codec import FETCH, HEARTBEAT, SHUTDOWN, encode_moves, encode_step, probe_message
 from worker.model.parallel import Collectives
@@ -86,6 +87,19 @@ class TPExecutor(Executor):
         self._collective(self.channel.send, encode_moves(early, fetches, kind=FETCH))
         self._last_sent = time.monotonic()
         return self._collective(self.worker.fetch, early, fetches, self.channel.all_reduce_min)
+
+    def export_blocks(self, export_id: bytes, sources: list[tuple[int, int]]) -> list:
+        """Every rank copies its shard of the blocks now (the others keep theirs for a peer)."""
+        self._collective(self.channel.send, encode_export(export_id, sources))
+        self._last_sent = time.monotonic()
+        return [self.worker.export_rows(sources), *[None] * (self.world_size - 1)]
+
+    def import_blocks(self, import_id: bytes, early: KVMoves, rows: list[tuple[int, int]], shard) -> bool:
+        """Every rank writes its pulled shard's rows; True when all of them could."""
+        self._collective(self.channel.send, encode_import(import_id, early, rows))
+        self._last_sent = time.monotonic()
+        ok = self._collective(self.worker.import_rows, early, rows, shard)
+        return bool(self._collective(self.channel.all_reduce_min, int(ok)))
 
     def keepalive(self) -> None:
         """Called while idle: a heartbeat round trip when nothing was sent for heartbeat_s."""
