@@ -132,6 +132,7 @@ class AsyncEngine:
                     self._deliver([(out.request_id, out) for out in self.engine.step()])
                     self._deliver(self.engine.take_failures())  # (a constraint refused, say)
                 else:
+                    self.engine.flush_events()  # (what it reopened at start-up, say)
                     self._wake.wait(0.05)
                     self._wake.clear()
                 self.engine.expire_pins()

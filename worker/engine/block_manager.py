@@ -233,6 +233,16 @@ class BlockManager:
         self.disk_hits += got * self.block_size
         return got
 
+    def adopt_disk(self, hashes: list[bytes]) -> None:
+        """The disk tier's blocks from before this start (least recently written first), in
+        its index and stored on "disk" in one event, so that the prefix index learns them."""
+        if self.disk is None or not hashes:
+            return
+        for h in hashes[-self.disk.num_slots :]:
+            self.disk.put(h)
+        self.disk.unpin_all()
+        self.emit(BlockStored(tuple(self.disk.hashes()), None, DISK))
+
     def can_allocate(self, request: Request, match: PrefixMatch, num_new_tokens: int, reserve_blocks: int = 0) -> bool:
         """Whether `request` fits with its cached prefix plus `num_new_tokens`, leaving
         `reserve_blocks` free (the admission watermark)."""

@@ -19,14 +19,14 @@ from worker.engine.grammar import GrammarCompiler, RequestGrammar
 from worker.engine.request import Request, RequestStatus
 from worker.engine.scheduler import Scheduler
 from worker.engine.tier_index import TierIndex
+from worker.exec.disk_tier import disk_blocks
 from worker.exec.executor import Executor, LocalExecutor
 from worker.exec.host_tier import host_blocks
-from worker.exec.kv_pool import check_pool_fits, kv_torch_dtype
+from worker.exec.kv_pool import check_pool_fits, kv_fingerprint
 from worker.exec.kv_transfer import DEVICE_ROW, HOST_ROW
-from worker.hashing import BlockHasher, ModelFingerprint
+from worker.hashing import BlockHasher
 from worker.kv_events import DISK, HOST, KVEvent
 from worker.kv_transfer import BlockExport, KVFormat, KVTransferError
-from worker.model.dtypes import resolve_dtype, resolve_weight_dtype
 from worker.model.model_config import ModelConfig
 from worker.model_source import is_gguf
 from worker.outputs import RequestMetrics, RequestOutput, TokenLogprobs
@@ -82,6 +82,8 @@ class LLMEngine:
         executor: Executor | None = None,
     ) -> None:
         torch.manual_seed(config.seed)
+        # one secret for the hashes and the disk tier's directory, even a random one
+        config = replace(config, cluster_secret=cluster_secret(config.cluster_secret))
         self.config = config
         self.executor = executor or LocalExecutor(config)
         mc = self.model_config = self.executor.model_config
@@ -105,8 +107,10 @@ class LLMEngine:
         host = TierIndex(host_slots, HOST) if host_slots and hasher is not None else None
         disk = None
         if host is not None and cache.kv_disk_bytes:
-            disk = TierIndex(max(1, cache.kv_disk_bytes // self.layout.block_bytes), DISK)
+            disk = TierIndex(disk_blocks(cache, self.layout), DISK)
         bm = BlockManager(num_blocks, cache.block_size, hasher, self._events.append, host, disk, self.executor.fetch)
+        if disk is not None:  # what an earlier owner of the directory left, under the same names
+            bm.adopt_disk(self.executor.disk_inventory())
         self.scheduler = Scheduler(
             replace(config.scheduler, max_model_len=self.max_model_len),
             bm,
@@ -315,7 +319,7 @@ class LLMEngine:
         if self._compiling:
             self._admit_compiled()
         out = self.scheduler.schedule()
-        self._flush_events()
+        self.flush_events()
         now = time.monotonic()
         tracked = self._tracked
         for s in out.admitted:  # (or back from preemption: scheduled before if so)
@@ -334,7 +338,7 @@ class LLMEngine:
                 token, lp = entry  # (a grammar took it already: the runner that sampled it)
                 finished = append(req, token)
                 outputs.append(self._progress(req, tracked[req.request_id], token, lp, finished, now))
-        self._flush_events()
+        self.flush_events()
         return outputs
 
     def _progress(
@@ -367,10 +371,12 @@ class LLMEngine:
             del self._tracked[req.request_id]
             if self._pin_on_finish:
                 self._pin_prefilled(req)
-            self._flush_events()
+            self.flush_events()
         return _output(req, tracked, [token], delta, finished, now, None if lps is None else [lp])
 
-    def _flush_events(self) -> None:
+    def flush_events(self) -> None:
+        """Hand the KV events so far to `on_kv_events` (each step does; an idle engine's
+        loop too, so that what it reopened at start-up reaches the index before any request)."""
         if self._events:
             batch, self._events[:] = list(self._events), []
             if self.on_kv_events is not None:
@@ -411,7 +417,7 @@ class LLMEngine:
         shard = export.shards[0] if shard is None and export.shards else shard
         ok = self.executor.import_blocks(import_id, early, pairs, shard) if rows or early else True
         bm.imported(rows, ok)
-        self._flush_events()
+        self.flush_events()
         return len(rows) if ok else 0
 
     # ---- introspection -----------------------------------------------------------------
@@ -521,17 +527,7 @@ def _output(
 def block_hasher(config: EngineConfig, mc: ModelConfig) -> BlockHasher:
     """The keyed hasher of this model and cache layout. The engine and the router both build
     theirs here, so that they name every block alike."""
-    model_dtype = resolve_dtype(config.dtype, mc, config.device)
-    kv_dtype = kv_torch_dtype(config.cache.kv_cache_dtype, model_dtype)
-    fingerprint = ModelFingerprint(
-        model_id=mc.model_id,
-        revision=mc.revision,
-        dtype=str(model_dtype).removeprefix("torch."),
-        kv_cache_dtype=str(kv_dtype).removeprefix("torch."),
-        block_size=config.cache.block_size,
-        weight_dtype=resolve_weight_dtype(config.weight_dtype, config.model, config.device),
-    )
-    return BlockHasher(cluster_secret(config.cluster_secret), fingerprint)
+    return BlockHasher(cluster_secret(config.cluster_secret), kv_fingerprint(config, mc))
 
 
 def load_tokenizer(model_dir: str):

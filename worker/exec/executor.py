@@ -11,10 +11,11 @@ from abc import ABC, abstractmethod
 import torch
 
 from kernels.registry import get_backend
-from worker.exec.disk_tier import DiskTier, disk_directory
+from worker.config import cluster_secret
+from worker.exec.disk_tier import DiskTier, disk_blocks, disk_directory
 from worker.exec.host_tier import HostTier, host_blocks
 from worker.exec.kv_calibration import calibrate_tensor_scales
-from worker.exec.kv_pool import KVLayout, KVPool, layout_for, num_blocks_from_memory
+from worker.exec.kv_pool import KVLayout, KVPool, kv_fingerprint, layout_for, num_blocks_from_memory
 from worker.exec.kv_transfer import export_rows, import_rows
 from worker.exec.model_runner import ModelRunner, Sampled
 from worker.exec.overlap import OverlapRunner, wants_overlap
@@ -76,8 +77,18 @@ class DeviceWorker:
             self.host_tier = HostTier(self.pool, slots)
             if cache.kv_disk_bytes:
                 c = self.collectives
-                key = repr((self.config.model, self.layout, c.world_size)).encode()
-                self.disk_tier = DiskTier(disk_directory(cache.kv_disk_dir, key, c.rank), self.host_tier)
+                fingerprint = kv_fingerprint(self.config, self.model_config).encode() + b"tp%d" % c.world_size
+                key = cluster_secret(self.config.cluster_secret)
+                directory = disk_directory(cache.kv_disk_dir, fingerprint, key, c.rank)
+                self.disk_tier = DiskTier(directory, self.host_tier, disk_blocks(cache, self.layout))
+
+    def disk_inventory(self, agree=None) -> list[bytes]:
+        """The blocks this rank's disk tier reopened (oldest first), with `agree` only those
+        every rank holds, up to the tier's capacity; the rest of its files are removed."""
+        if self.disk_tier is None:
+            return []
+        hashes = self.disk_tier.inventory
+        return self.disk_tier.adopt(agree(hashes) if agree is not None else hashes)
 
     def move(self, moves: KVMoves | None) -> None:
         """A step's copies between the pool and the tiers under it, before its forward: the
@@ -166,6 +177,11 @@ class Executor(ABC):
     def shutdown(self) -> None:  # noqa: B027  (nothing to release by default)
         """Release the devices."""
 
+    def disk_inventory(self) -> list[bytes]:
+        """The blocks the group's disk tier reopened at start-up, oldest first: those every
+        rank holds whole, up to its capacity (worker/exec/disk_tier.py); none without one."""
+        return []
+
     def fetch(self, early: KVMoves, fetches: list[tuple[bytes, int]]) -> int:
         """Disk blocks into the host tier's slots on every rank (worker/exec/disk_tier.py):
         the disk writes in `early` first, then the reads; how many, in order, every rank read."""
@@ -214,6 +230,9 @@ class LocalExecutor(Executor):
 
     def import_blocks(self, import_id: bytes, early: KVMoves, rows: list[tuple[int, int]], shard) -> bool:
         return self.worker.import_rows(early, rows, shard)
+
+    def disk_inventory(self) -> list[bytes]:
+        return self.worker.disk_inventory()
 
     def shutdown(self) -> None:
         if self.overlap is not None:

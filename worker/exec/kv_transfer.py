@@ -24,7 +24,7 @@ import torch
 from worker.exec.step_codec import decode_moves, encode_moves
 from worker.step import KVMoves
 
-EXPORT, IMPORT = b"e", b"i"  # message kinds on the step channel (worker/exec/step_codec.py has the others)
+EXPORT, IMPORT = b"e", b"n"  # message kinds on the step channel (worker/exec/step_codec.py has the others)
 DEVICE_ROW, HOST_ROW = 0, 1  # where an exported block is: the pool (block id) or the host tier (slot)
 STASH_KEPT = 8  # shards a rank keeps for peers; an older one was abandoned (its pull timed out)
 

@@ -20,15 +20,17 @@ from worker.exec.kv_transfer import EXPORT, IMPORT, ShardStash, decode_export, d
 from worker.exec.step_codec import (
     FETCH,
     HEARTBEAT,
+    INVENTORY,
     MOVES,
     PROBE,
     SHUTDOWN,
     STEP,
+    decode_inventory,
     decode_moves,
     decode_step,
     probe_rounds,
 )
-from worker.exec.tp_executor import TIMINGS_KEPT, GroupFailedError
+from worker.exec.tp_executor import TIMINGS_KEPT, GroupFailedError, held_by_all
 from worker.model.parallel import Collectives
 
 
@@ -51,12 +53,18 @@ class TPWorker:
         self.stash = ShardStash()  # KV shards kept for another group's rank, or pulled from one
 
     def init_pool(self) -> int:
-        """Agree with rank 0 on the group's block count (the smallest over ranks); allocate."""
+        """Agree with rank 0 on the group's block count (the smallest over ranks); allocate;
+        then on the disk blocks every rank reopened (rank 0 sends its own)."""
         try:
             num_blocks = self.channel.all_reduce_min(self.worker.determine_num_blocks())
+            self.worker.init_pool(num_blocks)
+            if self.worker.disk_tier is not None:
+                message = self.channel.recv()
+                assert message[:1] == INVENTORY, "rank 0 sent no disk inventory"
+                hashes = decode_inventory(message)
+                self.worker.disk_inventory(lambda mine: held_by_all(self.channel, hashes, mine))
         except RuntimeError as e:
             raise GroupFailedError(f"rank {self._rank} could not agree on the pool: {e}") from e
-        self.worker.init_pool(num_blocks)
         return num_blocks
 
     def run(self) -> int:
