@@ -7,7 +7,7 @@ naming it, as OpenAI's API answers. Fields OpenAI defines that pagefleet does no
 (`logit_bias`, `echo`, `best_of` > 1, `suffix`) are refused by name. pagefleet's extensions
 take vLLM's names (`top_k`, `min_p`, `repetition_penalty`, `stop_token_ids`, `ignore_eos`,
 `include_stop_str_in_output`, `cache_salt`, `priority`, `return_token_ids`, and
-`structured_outputs`: {json, regex, grammar, choice, json_object}), for clients that send
+`structured_outputs`: {json, regex, grammar, choice, json_object, structural_tag}), for clients that send
 them through the SDK's `extra_body`.
 
 `parse_body` reads a body in one pass of pydantic's JSON parser: token ids arrive as numpy
@@ -153,6 +153,7 @@ class StructuredOutputsBody(_Body):
     grammar: Text | None = None
     choice: Texts | None = None
     json_object: bool | None = None
+    structural_tag: dict | Text | None = None  # an xgrammar structural tag (as vLLM takes it)
 
 
 class JsonSchemaFormat(_Body):

@@ -157,12 +157,11 @@ def chat_messages(messages: list[ChatMessage], context: int) -> list[dict]:
     for i, m in enumerate(messages):
         if not m.role.strip():
             raise invalid(f"messages[{i}].role must not be empty", f"messages[{i}].role")
+        if m.tool_calls is not None and m.role != "assistant":
+            where = f"messages[{i}].tool_calls"
+            raise invalid(f"{where} is only allowed on an assistant message", where)
         message = {"role": m.role, "content": _content(i, m)}
         if m.tool_calls is not None:
-            if m.role != "assistant":
-                raise invalid(
-                    f"messages[{i}].tool_calls is only allowed on an assistant message", f"messages[{i}].tool_calls"
-                )
             message["tool_calls"] = [c.model_dump() for c in m.tool_calls]
             calls.update(c.id for c in m.tool_calls)
         if (m.role == "tool") != (m.tool_call_id is not None):
