@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
 import logging
 import math
 import time
@@ -28,7 +29,7 @@ from cluster.group import GroupHandle, GroupStatus
 from cluster.index import GroupMatch, IndexReader, touched_ids
 from router.hash_cache import PrefixHashCache
 from router.placement import Ledger, Placement, Policy, make_policy
-from worker.chat import check_messages, render_chat
+from worker.chat import check_messages, message_chars, render_chat
 from worker.hashing import BlockHasher
 from worker.outputs import RequestMetrics, RequestOutput
 from worker.protocol import (
@@ -40,6 +41,7 @@ from worker.protocol import (
 )
 from worker.sampling_params import SamplingParams
 from worker.token_ids import CheckedIds, check_token_ids
+from worker.tools import Tool
 
 log = logging.getLogger(__name__)
 
@@ -272,26 +274,30 @@ class Router:
             check_message_count(len(request.messages), self.model_info.max_model_len)
         return self.tokenized(request.prompt, request.messages)
 
-    def tokenized(self, prompt: str | None, messages: Sequence[dict] | None = None) -> tuple[list[int], CheckedIds]:
+    def tokenized(
+        self, prompt: str | None, messages: Sequence[dict] | None = None, tools: Sequence[Tool] | None = None
+    ) -> tuple[list[int], CheckedIds]:
         """The ids of a text `prompt` or of chat `messages` (given one, and the messages
         counted: a door does both before it builds them), rendered with the model's chat
-        template; the one tokenizing function of every door."""
+        template (with `tools`, worker/chat.py); the one tokenizing function of every door."""
         if self.tokenizer is None:
             raise ValueError("the model has no tokenizer: send prompt_token_ids")
         if messages is not None:
             messages = check_messages(messages)
-        self.check_text_size(prompt, messages)
+        self.check_text_size(prompt, messages, tools)
         if messages is not None:
-            ids = render_chat(self.tokenizer, messages, checked=True)
+            ids = render_chat(self.tokenizer, messages, checked=True, tools=tools)
         else:
             ids = self.tokenizer.encode(prompt)
         return check_token_ids(ids, self.model_info.vocab_size)
 
-    def check_text_size(self, prompt: str | None, messages: Sequence[dict] | None) -> None:
+    def check_text_size(
+        self, prompt: str | None, messages: Sequence[dict] | None, tools: Sequence[Tool] | None = None
+    ) -> None:
         """PromptTooLongError for text that cannot fit the context (see `max_prompt_chars`)."""
         limit, context = self.max_prompt_chars, self.model_info.max_model_len
         if messages is not None:
-            chars = sum(len(m["content"]) + len(m["role"]) for m in messages)
+            chars = message_chars(messages) + sum(len(json.dumps(t.as_openai())) for t in tools or ())
         else:
             chars = len(prompt or "")
         if limit is not None and chars > limit:
