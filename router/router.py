@@ -27,6 +27,7 @@ import numpy as np
 
 from cluster.group import GroupHandle, GroupStatus
 from cluster.index import GroupMatch, IndexReader, touched_ids
+from router.documents import Documents
 from router.hash_cache import PrefixHashCache
 from router.placement import Ledger, Placement, Policy, make_policy
 from worker.chat import check_messages, message_chars, render_chat
@@ -234,6 +235,7 @@ class Router:
         self._live: dict[str, GroupStatus] = {}
         self.absent_statuses: Callable[[], list[GroupStatus]] | None = None
         self.set_groups(groups)
+        self.documents = Documents(self)  # documents pinned through this router (router/documents.py)
 
     def set_groups(self, groups: Sequence[GroupHandle]) -> None:
         """Route over these groups from now on (a router follows groups coming and going; call

@@ -4,6 +4,7 @@ the same checks, router, metrics, aborts and shutdown.
 
     POST /v1/completions, /v1/chat/completions   (stream: server-sent events, `data: [DONE]`)
     GET  /v1/models, /health;  POST /tokenize, /detokenize
+    POST /v1/documents;  GET, DELETE /v1/documents/{id}   (router/door/documents.py)
 
 Like the gRPC door, it binds before the cluster loads (everything but /health answers 503
 until `set_ready`), takes a bearer key per tenant (`keys`, router/door/auth.py) and TLS
@@ -43,6 +44,7 @@ from starlette.exceptions import HTTPException
 
 from router.door.auth import ApiKeys, TlsFiles
 from router.door.choices import ClientGone, Merged, until_disconnected
+from router.door.documents import add_document_routes
 from router.door.http_limits import BoundedHttpToolsProtocol, HeaderLimits
 from router.door.limits import Limiter
 from router.door.openai_format import Choice, Formatter
@@ -422,6 +424,7 @@ def build_app(door: HttpDoor, max_body_bytes: int) -> FastAPI:
             raise invalid(f"tokens[{i}] = {tokens[i]} is outside the vocabulary [0, {vocab})", "tokens")
         return {"prompt": await asyncio.to_thread(router.tokenizer.decode, tokens.tolist())}
 
+    add_document_routes(app, door)  # (router/door/documents.py)
     _add_error_handlers(app, door, max_body_bytes)
     return app
 

@@ -7,7 +7,8 @@ share (worker/engine/fair_queue.py) and, each optional,
 - `requests_per_s`: requests admitted in any one second (a window of whole seconds);
 - `tokens_per_min`: prompt tokens at admission plus output tokens at the end, in any one minute
   (a window of whole minutes; a request admitted under the limit runs to its end);
-- `concurrent`: requests of the tenant in flight at once.
+- `concurrent`: requests of the tenant in flight at once;
+- `max_documents`: documents it may keep pinned at once (router/documents.py; 16 unless given).
 
 A request over a limit is refused before it reaches a group: gRPC RESOURCE_EXHAUSTED, HTTP 429,
 each with when to retry (the end of the window; 1 s for the concurrency limit), counted per
@@ -39,6 +40,7 @@ class TenantLimits:
     requests_per_s: float | None = None
     tokens_per_min: int | None = None
     concurrent: int | None = None
+    max_documents: int | None = None  # live documents at once (router/documents.py)
 
     @property
     def request_window_s(self) -> float:
@@ -75,7 +77,7 @@ def parse_tenants(section: Mapping[str, Any] | None) -> dict[str, TenantLimits]:
         if unknown:
             raise ValueError(f"tenants.{tenant}: unknown field(s) {unknown}; known: {sorted(known)}")
         for name, value in spec.items():
-            whole = name in ("tokens_per_min", "concurrent")
+            whole = name in ("tokens_per_min", "concurrent", "max_documents")
             ok = isinstance(value, int) if whole else isinstance(value, int | float)
             if isinstance(value, bool) or not ok or not value > 0 or not math.isfinite(value):
                 kind = "an integer" if whole else "a number"

@@ -41,6 +41,7 @@ from grpc_reflection.v1alpha import reflection
 
 from protos.pagefleet.v1 import pagefleet_pb2 as pb
 from protos.pagefleet.v1 import pagefleet_pb2_grpc as pb_grpc
+from router.door import documents
 from router.door.api import (
     constraint_named,
     model_info_message,
@@ -138,6 +139,15 @@ class PageFleetServicer(pb_grpc.PageFleetServicer):
     async def GetClusterStatus(self, request, context) -> pb.ClusterStatus:
         router, _ = await self._ready(request, context)
         return pb.ClusterStatus(groups=[status_message(s) for s in router.cluster_status()])
+
+    async def PutDocument(self, request, context) -> pb.Document:
+        return await documents.grpc_put(self, request, context)
+
+    async def GetDocument(self, request, context) -> pb.Document:
+        return await documents.grpc_get(self, request, context)
+
+    async def DeleteDocument(self, request, context) -> pb.DeleteDocumentResponse:
+        return await documents.grpc_get(self, request, context, delete=True)
 
     async def _ready(self, request, context) -> tuple[Router, str | None]:
         """The router and the caller's tenant (None without keys), once the caller has shown a

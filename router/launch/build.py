@@ -171,6 +171,7 @@ def _assemble(config, groups, index, ray_groups, policy, hasher, tokenizer, info
     metrics.tenants = config.tenants.names
     reader = metrics.timed_index(index.reader)
     router = Router(groups, reader, hasher, info, tokenizer=tokenizer, policy=policy)
+    router.documents.max_documents = config.tenants.max_documents
     metrics.watch_groups(router.cluster_status)
     metrics.watch_index(reader)
     return Cluster(router, groups, index, metrics, make_limiter(config), ray_groups)

@@ -164,6 +164,11 @@ class TenantsConfig:
         return any(lim.limited for lim in self.limits.values())
 
     @property
+    def max_documents(self) -> dict[str, int]:
+        """The tenants whose number of documents is limited, with their limits."""
+        return {t: lim.max_documents for t, lim in self.limits.items() if lim.max_documents is not None}
+
+    @property
     def weights(self) -> dict[str, float]:
         """Each named tenant's weight in a group's fair share (SchedulerConfig.tenant_weights)."""
         return {t: lim.weight for t, lim in self.limits.items()}

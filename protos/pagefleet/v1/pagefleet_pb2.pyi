@@ -19,6 +19,13 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_STOP: _ClassVar[FinishReason]
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
     FINISH_REASON_ABORT: _ClassVar[FinishReason]
+
+class DocumentState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DOCUMENT_STATE_UNSPECIFIED: _ClassVar[DocumentState]
+    DOCUMENT_STATE_PREFILLING: _ClassVar[DocumentState]
+    DOCUMENT_STATE_READY: _ClassVar[DocumentState]
+    DOCUMENT_STATE_EXPIRED: _ClassVar[DocumentState]
 OUTPUT_KIND_UNSPECIFIED: OutputKind
 OUTPUT_KIND_DELTA: OutputKind
 OUTPUT_KIND_FINAL_ONLY: OutputKind
@@ -26,6 +33,10 @@ FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_ABORT: FinishReason
+DOCUMENT_STATE_UNSPECIFIED: DocumentState
+DOCUMENT_STATE_PREFILLING: DocumentState
+DOCUMENT_STATE_READY: DocumentState
+DOCUMENT_STATE_EXPIRED: DocumentState
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")
@@ -278,3 +289,87 @@ class ClusterStatus(_message.Message):
     GROUPS_FIELD_NUMBER: _ClassVar[int]
     groups: _containers.RepeatedCompositeFieldContainer[GroupStatus]
     def __init__(self, groups: _Optional[_Iterable[_Union[GroupStatus, _Mapping]]] = ...) -> None: ...
+
+class PutDocumentRequest(_message.Message):
+    __slots__ = ("text", "token_ids", "messages", "ttl_seconds", "groups", "tier", "cache_salt", "tenant")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
+    ttl_seconds: int
+    groups: _containers.RepeatedScalarFieldContainer[str]
+    tier: str
+    cache_salt: str
+    tenant: str
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., ttl_seconds: _Optional[int] = ..., groups: _Optional[_Iterable[str]] = ..., tier: _Optional[str] = ..., cache_salt: _Optional[str] = ..., tenant: _Optional[str] = ...) -> None: ...
+
+class GetDocumentRequest(_message.Message):
+    __slots__ = ("document_id", "cache_salt", "tenant")
+    DOCUMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    document_id: str
+    cache_salt: str
+    tenant: str
+    def __init__(self, document_id: _Optional[str] = ..., cache_salt: _Optional[str] = ..., tenant: _Optional[str] = ...) -> None: ...
+
+class DeleteDocumentRequest(_message.Message):
+    __slots__ = ("document_id", "cache_salt", "tenant")
+    DOCUMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    document_id: str
+    cache_salt: str
+    tenant: str
+    def __init__(self, document_id: _Optional[str] = ..., cache_salt: _Optional[str] = ..., tenant: _Optional[str] = ...) -> None: ...
+
+class DeleteDocumentResponse(_message.Message):
+    __slots__ = ("document_id", "deleted")
+    DOCUMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    DELETED_FIELD_NUMBER: _ClassVar[int]
+    document_id: str
+    deleted: bool
+    def __init__(self, document_id: _Optional[str] = ..., deleted: _Optional[bool] = ...) -> None: ...
+
+class DocumentLocation(_message.Message):
+    __slots__ = ("group_id", "tier", "blocks_pinned", "blocks_cached")
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_PINNED_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_CACHED_FIELD_NUMBER: _ClassVar[int]
+    group_id: str
+    tier: str
+    blocks_pinned: int
+    blocks_cached: int
+    def __init__(self, group_id: _Optional[str] = ..., tier: _Optional[str] = ..., blocks_pinned: _Optional[int] = ..., blocks_cached: _Optional[int] = ...) -> None: ...
+
+class Document(_message.Message):
+    __slots__ = ("document_id", "state", "tokens", "blocks", "ttl_seconds", "created_at", "expires_at", "tier", "groups", "locations")
+    DOCUMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    LOCATIONS_FIELD_NUMBER: _ClassVar[int]
+    document_id: str
+    state: DocumentState
+    tokens: int
+    blocks: int
+    ttl_seconds: int
+    created_at: float
+    expires_at: float
+    tier: str
+    groups: _containers.RepeatedScalarFieldContainer[str]
+    locations: _containers.RepeatedCompositeFieldContainer[DocumentLocation]
+    def __init__(self, document_id: _Optional[str] = ..., state: _Optional[_Union[DocumentState, str]] = ..., tokens: _Optional[int] = ..., blocks: _Optional[int] = ..., ttl_seconds: _Optional[int] = ..., created_at: _Optional[float] = ..., expires_at: _Optional[float] = ..., tier: _Optional[str] = ..., groups: _Optional[_Iterable[str]] = ..., locations: _Optional[_Iterable[_Union[DocumentLocation, _Mapping]]] = ...) -> None: ...

@@ -56,6 +56,21 @@ class PageFleetStub:
                 request_serializer=pagefleet_dot_v1_dot_pagefleet__pb2.GetClusterStatusRequest.SerializeToString,
                 response_deserializer=pagefleet_dot_v1_dot_pagefleet__pb2.ClusterStatus.FromString,
                 _registered_method=True)
+        self.PutDocument = channel.unary_unary(
+                '/pagefleet.v1.PageFleet/PutDocument',
+                request_serializer=pagefleet_dot_v1_dot_pagefleet__pb2.PutDocumentRequest.SerializeToString,
+                response_deserializer=pagefleet_dot_v1_dot_pagefleet__pb2.Document.FromString,
+                _registered_method=True)
+        self.GetDocument = channel.unary_unary(
+                '/pagefleet.v1.PageFleet/GetDocument',
+                request_serializer=pagefleet_dot_v1_dot_pagefleet__pb2.GetDocumentRequest.SerializeToString,
+                response_deserializer=pagefleet_dot_v1_dot_pagefleet__pb2.Document.FromString,
+                _registered_method=True)
+        self.DeleteDocument = channel.unary_unary(
+                '/pagefleet.v1.PageFleet/DeleteDocument',
+                request_serializer=pagefleet_dot_v1_dot_pagefleet__pb2.DeleteDocumentRequest.SerializeToString,
+                response_deserializer=pagefleet_dot_v1_dot_pagefleet__pb2.DeleteDocumentResponse.FromString,
+                _registered_method=True)
 
 
 class PageFleetServicer:
@@ -94,6 +109,32 @@ class PageFleetServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PutDocument(self, request, context):
+        """Register a document for the caller's tenant and keep it warm: the cluster prefills it
+        once and keeps its blocks pinned (never evicted) until its TTL passes or DeleteDocument.
+        A Generate whose prompt starts with the document hits it (usage.cached_tokens). Answers
+        once every target group holds it (state READY). A bad field is INVALID_ARGUMENT naming
+        it; too many documents for the tenant (max_documents) or pins over a group's share,
+        RESOURCE_EXHAUSTED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetDocument(self, request, context):
+        """Where a document is. Another tenant's id answers NOT_FOUND, as an unknown one does.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteDocument(self, request, context):
+        """Forget a document and unpin its blocks (evictable again) on every group.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PageFleetServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -116,6 +157,21 @@ def add_PageFleetServicer_to_server(servicer, server):
                     servicer.GetClusterStatus,
                     request_deserializer=pagefleet_dot_v1_dot_pagefleet__pb2.GetClusterStatusRequest.FromString,
                     response_serializer=pagefleet_dot_v1_dot_pagefleet__pb2.ClusterStatus.SerializeToString,
+            ),
+            'PutDocument': grpc.unary_unary_rpc_method_handler(
+                    servicer.PutDocument,
+                    request_deserializer=pagefleet_dot_v1_dot_pagefleet__pb2.PutDocumentRequest.FromString,
+                    response_serializer=pagefleet_dot_v1_dot_pagefleet__pb2.Document.SerializeToString,
+            ),
+            'GetDocument': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetDocument,
+                    request_deserializer=pagefleet_dot_v1_dot_pagefleet__pb2.GetDocumentRequest.FromString,
+                    response_serializer=pagefleet_dot_v1_dot_pagefleet__pb2.Document.SerializeToString,
+            ),
+            'DeleteDocument': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteDocument,
+                    request_deserializer=pagefleet_dot_v1_dot_pagefleet__pb2.DeleteDocumentRequest.FromString,
+                    response_serializer=pagefleet_dot_v1_dot_pagefleet__pb2.DeleteDocumentResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -228,6 +284,87 @@ class PageFleet:
             '/pagefleet.v1.PageFleet/GetClusterStatus',
             pagefleet_dot_v1_dot_pagefleet__pb2.GetClusterStatusRequest.SerializeToString,
             pagefleet_dot_v1_dot_pagefleet__pb2.ClusterStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PutDocument(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagefleet.v1.PageFleet/PutDocument',
+            pagefleet_dot_v1_dot_pagefleet__pb2.PutDocumentRequest.SerializeToString,
+            pagefleet_dot_v1_dot_pagefleet__pb2.Document.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetDocument(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagefleet.v1.PageFleet/GetDocument',
+            pagefleet_dot_v1_dot_pagefleet__pb2.GetDocumentRequest.SerializeToString,
+            pagefleet_dot_v1_dot_pagefleet__pb2.Document.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteDocument(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagefleet.v1.PageFleet/DeleteDocument',
+            pagefleet_dot_v1_dot_pagefleet__pb2.DeleteDocumentRequest.SerializeToString,
+            pagefleet_dot_v1_dot_pagefleet__pb2.DeleteDocumentResponse.FromString,
             options,
             channel_credentials,
             insecure,

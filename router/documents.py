@@ -1,0 +1,317 @@
+"""Documents as objects: a tenant's prefix that the cluster prefills once and keeps pinned.
+
+A document (text, token ids, or chat messages rendered as the start of a conversation) is
+registered for its owner (the salt its blocks are keyed by: an API key's tenant, or the
+namespace a keyless caller names), with a time to live and optionally the groups to hold it.
+`put` prefills it on each target group (or on the group the placement policy picks) with a
+one-token request that carries a `Pin` (worker/protocol.py): once prefilled, the group keeps
+the prompt's full blocks pinned (never evicted) until the deadline, which the group enforces
+itself, or until `delete` unpins them. Its blocks are ordinary cached blocks otherwise: their
+KV events reach the prefix index, so the router places a request that starts with the document
+on a group that holds it, and the request's usage counts them as cached tokens.
+
+Where a document is comes from the groups themselves: each group's status lists the documents
+it holds pinned (`GroupStatus.pinned`), and the prefix index how many of its blocks each group
+caches. A document no live group holds any more (its group died, or was replaced under the same
+id by a fresh process) is pinned again, by prefilling it again (`reconcile`, every
+RECONCILE_S): a reachable copy in a tier under the new group's pool is found by that prefill as
+any prompt's blocks are.
+
+The registry lives in this router's process: another router replica does not know its ids.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from cluster.index import PrefixIndexError
+from worker.chat import check_messages
+from worker.protocol import GenerationRequest, Pin
+from worker.sampling_params import SamplingParams
+from worker.token_ids import check_token_ids
+
+if TYPE_CHECKING:
+    from router.router import Router
+    from worker.token_ids import CheckedIds
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TTL_S = 3600
+MAX_TTL_S = 7 * 24 * 3600  # a week: a pin longer than that is a deployment's job, not a cache's
+DEFAULT_MAX_DOCUMENTS = 16  # live documents per tenant, unless its `max_documents` says
+TIERS = ("device",)  # where a pin may hold a document (lower tiers: not in this version)
+RECONCILE_S = 1.0  # how often documents that no live group holds are pinned again
+REPIN_GRACE_S = 3.0  # a group's status may lag its pin by a batch: wait this long before re-pinning
+REPORT_WAIT_S = 5.0  # a put waits this long for its groups' statuses to list the pin
+EXPIRED_KEPT_S = 600.0  # an expired document answers "expired" this long, then is forgotten
+
+PREFILLING, READY, EXPIRED = "prefilling", "ready", "expired"
+
+
+class DocumentFieldError(ValueError):
+    """A field of a document that cannot be pinned as asked (`field`: its name)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class DocumentNotFoundError(LookupError):
+    """No document of this id for this caller (another owner's answers the same: ids do not
+    leak)."""
+
+
+class DocumentLimitError(RuntimeError):
+    """The owner holds as many live documents as its tenant may (`max_documents`)."""
+
+
+@dataclass(frozen=True)
+class Location:
+    """Where a document's blocks are: on one group, in one tier."""
+
+    group_id: str
+    tier: str
+    blocks_pinned: int  # blocks the group holds pinned for the document
+    blocks_cached: int  # leading blocks of the document the prefix index says the group caches
+
+
+@dataclass
+class Document:
+    """One registered document and what the router knows of its pins."""
+
+    document_id: str
+    owner: str | None  # the salt its blocks are keyed by (None: the shared namespace)
+    tenant: str  # whose limits and fair share it counts against
+    ids: CheckedIds
+    hashes: Sequence[bytes]  # the chain of its full blocks, as requests that start with it hash
+    ttl_s: int
+    expires_at: float  # time.time()
+    groups: tuple[str, ...] = ()  # the groups the caller named (empty: the router places it)
+    tier: str = "device"
+    created_at: float = field(default_factory=time.time)
+    prefills: int = 0  # prefills in flight
+    settled_at: float = 0.0  # time.monotonic() when the last prefill ended
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.hashes)
+
+    def expired(self, now: float | None = None) -> bool:
+        return (time.time() if now is None else now) >= self.expires_at
+
+
+class Documents:
+    """The documents registered through this router; see the module docstring."""
+
+    def __init__(self, router: Router, max_documents: Mapping[str, int] | None = None) -> None:
+        """`max_documents`: each tenant's limit (DEFAULT_MAX_DOCUMENTS for a tenant not in it)."""
+        self.router = router
+        self.max_documents: Mapping[str, int] = max_documents or {}
+        self.docs: dict[str, Document] = {}
+        self._reconciler: asyncio.Task | None = None
+
+    # ---- put ---------------------------------------------------------------------------
+    def document_ids(self, text: str | None, messages: Sequence[dict] | None) -> CheckedIds:
+        """A document's ids: its text tokenized, or its chat messages rendered as the start of
+        a conversation (no assistant turn opened: a request goes on with more messages). Slow
+        for a long text: call it on a worker thread."""
+        router = self.router
+        if messages is None:
+            return router.tokenized(text)[1]
+        if router.tokenizer is None:
+            raise ValueError("the model has no tokenizer: send token_ids")
+        checked = check_messages(messages)
+        router.check_text_size(None, checked)
+        ids = router.tokenizer.apply_chat_template(checked, add_generation_prompt=False, tokenize=True)
+        ids = ids["input_ids"] if isinstance(ids, Mapping) else ids
+        return check_token_ids(list(ids), router.model_info.vocab_size)[1]
+
+    def check(self, ids: CheckedIds, ttl_s: int, groups: Sequence[str], tier: str, owner: str | None) -> None:
+        """ValueError naming the field for a document that cannot be pinned as asked;
+        DocumentLimitError when its tenant holds its limit already."""
+        bs, context = self.router.model_info.block_size, self.router.model_info.max_model_len
+        if not 1 <= ttl_s <= MAX_TTL_S:
+            raise DocumentFieldError("ttl_seconds", f"ttl_seconds must be in [1, {MAX_TTL_S}], got {ttl_s}")
+        if len(ids) < bs:
+            raise DocumentFieldError(
+                "text", f"the document is {len(ids)} tokens; a pin holds whole blocks of {bs} tokens"
+            )
+        if len(ids) >= context:
+            raise DocumentFieldError(
+                "text", f"the document is {len(ids)} tokens; the model's context is {context} tokens"
+            )
+        if tier not in TIERS:
+            raise DocumentFieldError("tier", f"tier must be one of {list(TIERS)}, got {tier[:64]!r}")
+        if len(set(groups)) != len(groups):
+            raise DocumentFieldError("groups", "groups names a group twice")
+        for i, gid in enumerate(groups):
+            if gid not in self.router.groups:
+                raise DocumentFieldError(
+                    f"groups[{i}]", f"groups[{i}]: no group {gid[:128]!r} (GetClusterStatus lists them)"
+                )
+
+    def check_quota(self, owner: str | None, tenant: str) -> None:
+        limit = self.max_documents.get(tenant, DEFAULT_MAX_DOCUMENTS)
+        held = sum(1 for d in self.docs.values() if d.owner == owner and not d.expired())
+        if held >= limit:
+            raise DocumentLimitError(
+                f"max_documents: tenant {tenant or 'default'!r} holds {held} live documents, its limit; "
+                "delete one or let one expire"
+            )
+
+    async def put(
+        self,
+        ids: CheckedIds,
+        owner: str | None,
+        tenant: str,
+        ttl_s: int = DEFAULT_TTL_S,
+        groups: Sequence[str] = (),
+        tier: str = "device",
+    ) -> Document:
+        """Register a document and prefill it pinned on its groups; returns it once every
+        target holds it. Errors: ValueError (a field), DocumentLimitError, and what a group
+        answers (PinRefusedError: its pins are full; EngineDeadError; NoGroupAvailableError)."""
+        self.check(ids, ttl_s, groups, tier, owner)
+        self._forget_expired()
+        self.check_quota(owner, tenant)
+        hashes = self.router.hash_cache.hash_prompt(ids, cache_salt=owner)
+        doc = Document(
+            f"doc-{uuid.uuid4().hex[:24]}", owner, tenant, ids, tuple(hashes), ttl_s, time.time() + ttl_s, tuple(groups)
+        )
+        self.docs[doc.document_id] = doc
+        self._start_reconciler()
+        try:
+            targets = list(groups) or [self.router.place(doc.hashes).group_id]
+            await asyncio.gather(*(self._prefill(doc, gid) for gid in targets))
+        except BaseException:
+            self._drop(doc)
+            raise
+        await self._reported(doc, targets)
+        return doc
+
+    async def _reported(self, doc: Document, targets: Sequence[str]) -> None:
+        """Wait (up to REPORT_WAIT_S) for the targets' statuses to list the pin: a group's
+        status follows its step by a moment (and across Ray, by a batch)."""
+        deadline = time.monotonic() + REPORT_WAIT_S
+        while not set(targets) <= set(self.holders(doc)) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+
+    async def _prefill(self, doc: Document, group_id: str) -> None:
+        """Run the document's prompt on a group, one token, pinned once prefilled."""
+        group = self.router.groups[group_id]
+        request = GenerationRequest(
+            doc.ids,
+            SamplingParams(max_tokens=1, temperature=0.0),
+            request_id=f"{doc.document_id}-{uuid.uuid4().hex[:8]}",
+            cache_salt=doc.owner,
+            block_hashes=doc.hashes,
+            tenant=doc.tenant,
+            pin=Pin(doc.document_id, doc.expires_at),
+        )
+        doc.prefills += 1
+        try:
+            async for out in group.generate(request):
+                if out.finished:
+                    break
+        finally:
+            doc.prefills -= 1
+            doc.settled_at = time.monotonic()
+
+    # ---- get, delete -------------------------------------------------------------------
+    def get(self, document_id: str, owner: str | None) -> Document:
+        """The caller's document; DocumentNotFoundError for an unknown id or another owner's."""
+        doc = self.docs.get(document_id)
+        if doc is None or doc.owner != owner:
+            raise DocumentNotFoundError(f"document_id: no document {document_id[:64]!r}")
+        return doc
+
+    def delete(self, document_id: str, owner: str | None) -> Document:
+        """Forget the caller's document and unpin it on every group."""
+        doc = self.get(document_id, owner)
+        self._drop(doc)
+        return doc
+
+    def _drop(self, doc: Document) -> None:
+        self.docs.pop(doc.document_id, None)
+        for group in self.router.groups.values():
+            group.unpin(doc.document_id)
+
+    def state(self, doc: Document) -> str:
+        if doc.expired():
+            return EXPIRED
+        if doc.prefills or not self.holders(doc):
+            return PREFILLING
+        return READY
+
+    def holders(self, doc: Document) -> dict[str, int]:
+        """Live groups holding the document pinned: group id -> blocks."""
+        out = {}
+        for g in list(self.router.groups.values()):
+            s = g.status()
+            if s.alive and doc.document_id in s.pinned:
+                out[g.group_id] = s.pinned[doc.document_id]
+        return out
+
+    async def locate(self, doc: Document) -> list[Location]:
+        """Where the document's blocks are: each group that pins it or caches any of it."""
+        if doc.expired():
+            return []
+        pinned = self.holders(doc)
+        index = self.router.index
+        try:
+            matches = index.match(doc.hashes) if index.in_process else await asyncio.to_thread(index.match, doc.hashes)
+        except PrefixIndexError as e:
+            log.warning("prefix index unavailable (%s); documents located by their pins", e)
+            matches = {}
+        cached = {gid: m.blocks for gid, m in matches.items() if m.blocks}
+        return [
+            Location(gid, "device", pinned.get(gid, 0), cached.get(gid, 0)) for gid in sorted(set(pinned) | set(cached))
+        ]
+
+    # ---- keeping pins ------------------------------------------------------------------
+    def _start_reconciler(self) -> None:
+        if self._reconciler is None or self._reconciler.done():
+            self._reconciler = asyncio.ensure_future(self._reconcile_forever())
+
+    async def _reconcile_forever(self) -> None:
+        while self.docs:
+            await asyncio.sleep(RECONCILE_S)
+            try:
+                await self.reconcile()
+            except Exception:  # (the next round tries again)
+                log.exception("re-pinning documents failed")
+
+    async def reconcile(self) -> None:
+        """Pin again each live document that lost its pin: on each named group that is live and
+        does not hold it, or, without named groups, on a placed group once none holds it."""
+        self._forget_expired()
+        now = time.monotonic()
+        for doc in list(self.docs.values()):
+            if doc.expired() or doc.prefills or now - doc.settled_at < REPIN_GRACE_S:
+                continue
+            held = self.holders(doc)
+            live = {gid for gid, g in self.router.groups.items() if g.status().alive}
+            if doc.groups:
+                missing = [gid for gid in doc.groups if gid in live and gid not in held]
+            else:
+                missing = [] if held or not live else [self.router.place(doc.hashes).group_id]
+            for gid in missing:
+                log.info("document %s is not pinned on %s any more; pinning it again", doc.document_id, gid)
+                with contextlib.suppress(Exception):  # (logged by the group; tried again next round)
+                    await self._prefill(doc, gid)
+
+    def _forget_expired(self) -> None:
+        now = time.time()
+        for doc in [d for d in self.docs.values() if now - d.expires_at > EXPIRED_KEPT_S]:
+            del self.docs[doc.document_id]
+
+    def close(self) -> None:
+        if self._reconciler is not None:
+            self._reconciler.cancel()
