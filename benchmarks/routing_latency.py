@@ -32,7 +32,7 @@ from tests.redis_server import RedisServer
 from worker.config import SchedulerConfig
 from worker.hashing import BlockHasher, ModelFingerprint
 from worker.heap import settle_heap
-from worker.kv_events import BlockStored
+from worker.kv_events import HOST, BlockStored
 
 SECRET = b"routing-benchmark-secret"
 
@@ -121,7 +121,9 @@ def _background_cpu_s() -> float:
 def run_latency(args, server: RedisServer, n_groups: int, cost: CostModel, index_kind: str = "mirror") -> dict:
     """Decision latency over Redis with `n_groups` groups: each holds `args.blocks` blocks of
     its own documents; group 0 and one other also hold the document that every timed prompt
-    extends (a hit on two groups, a miss on the rest). `index_kind`: "redis" (one round trip
+    extends (a hit on two groups, a miss on the rest). With `args.host_capacity` X, each group
+    also has a host tier of X * blocks of other documents, and two more groups hold the timed
+    document there (a hit below the device, counted through the tiers). `index_kind`: "redis" (one round trip
     per match), "mirror" (the router's local copy, cluster/index/mirror.py) or "memory" (the
     in-process index of `pagefleet serve` without --redis; Redis unused)."""
     hasher = BlockHasher(SECRET, ModelFingerprint("bench", block_size=args.block_size))
@@ -139,11 +141,19 @@ def run_latency(args, server: RedisServer, n_groups: int, cost: CostModel, index
     rng = random.Random(n_groups)
     doc = rng.choices(range(1000), k=32768 - QUESTION_TOKENS)
     doc_hashes = hasher.hash_prompt(doc)
+    host_blocks = round(getattr(args, "host_capacity", 0.0) * args.blocks)
+    if host_blocks:
+        host_blocks = max(host_blocks, len(doc_hashes))
     for i, g in enumerate(groups):
         epoch = index.register_group(g.group_id)
         own = hasher.hash_prompt(rng.choices(range(1000), k=args.blocks * args.block_size))
         held = own[: args.blocks - len(doc_hashes)] + doc_hashes if i in (0, n_groups // 2) else own
         index.publish(g.group_id, epoch, [BlockStored(tuple(held), None)])
+        if host_blocks:
+            below = hasher.hash_prompt(rng.choices(range(1000), k=host_blocks * args.block_size))
+            if i in (1, n_groups // 2 + 1):
+                below = below[: host_blocks - len(doc_hashes)] + doc_hashes
+            index.publish(g.group_id, epoch, [BlockStored(tuple(below), None, HOST)])
     policy = PrefixAware(PrefixAwareConfig(cost=cost), args.block_size, args.batch_tokens)
     info = ModelInfo(
         "bench", max_model_len=1 << 20, block_size=args.block_size, kv_cache_dtype="auto", vocab_size=1 << 20
@@ -158,6 +168,8 @@ def run_latency(args, server: RedisServer, n_groups: int, cost: CostModel, index
     router = Router(groups, routed, hasher, info, policy=policy)
     settle_heap()  # as `pagefleet serve` does once its cluster is up
     out = {"latency_groups": n_groups, "index": index_kind, "blocks_per_group": args.blocks}
+    if host_blocks:
+        out["host_blocks_per_group"] = host_blocks
     out.update(decision_latency(router, doc, hasher))
     router.ledger.pending.flush()
     routed.close()

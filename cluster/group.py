@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import itertools
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
 from worker.outputs import RequestOutput
@@ -119,3 +119,10 @@ class GroupHandle(ABC):
     @abstractmethod
     def shutdown(self) -> None:
         """Stop the group and release its devices."""
+
+    async def pull_from(self, holder: GroupHandle, block_hashes: Sequence[bytes], timeout_s: float) -> int:
+        """Copy the leading blocks of the chain that `holder` has into this group's host tier,
+        where the next request's lookup finds them; returns how many came. Never raises: a
+        pull that fails or takes longer than `timeout_s` brings 0, and the request recomputes
+        what did not come. A handle that cannot pull from `holder` brings 0."""
+        return 0

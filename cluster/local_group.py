@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
+import logging
 from collections.abc import AsyncIterator, Sequence
 
 from cluster.group import GroupHandle, GroupStatus, status_from_stats
@@ -14,6 +16,7 @@ from worker.engine.llm_engine import LLMEngine
 from worker.outputs import RequestOutput
 from worker.protocol import GenerationRequest
 
+log = logging.getLogger(__name__)
 _group_ids = itertools.count()
 
 
@@ -35,7 +38,7 @@ class LocalGroup(GroupHandle):
         self.tokenizer = engine.tokenizer
         self.publisher = None
         if index is not None:
-            self.publisher = GroupPublisher(index, self.group_id, engine.cached_hashes)
+            self.publisher = GroupPublisher(index, self.group_id, engine.tier_hashes)
             engine.on_kv_events = self.publisher.collect
         self.engine = AsyncEngine(engine, on_step=self._tick)
 
@@ -51,6 +54,25 @@ class LocalGroup(GroupHandle):
 
     def unpin(self, document_id: str) -> None:
         self.engine.unpin(document_id)
+
+    async def pull_from(self, holder: GroupHandle, block_hashes: Sequence[bytes], timeout_s: float) -> int:
+        """From another group of this process: the holder's engine copies the blocks out
+        between two of its steps, this one's writes them into its host tier between two of its
+        own (worker/kv_transfer.py); the tensors pass directly."""
+        if not isinstance(holder, LocalGroup) or holder is self:
+            return 0
+        hashes = tuple(block_hashes)
+        try:
+            async with asyncio.timeout(timeout_s):
+                export = await asyncio.wrap_future(holder.engine.call(lambda e: e.export_blocks(hashes)))
+                if not export.num_blocks:
+                    return 0
+                return await asyncio.wrap_future(self.engine.call(lambda e: e.import_blocks(export)))
+        except Exception as e:  # (TimeoutError, a dead engine, another format): recompute instead
+            log.warning(
+                "group %s: pulling %d blocks from %s failed (%s)", self.group_id, len(hashes), holder.group_id, e
+            )
+            return 0
 
     def status(self) -> GroupStatus:
         dead = self.engine.dead

@@ -26,6 +26,12 @@ devices, heads are replicated: tp must be a multiple of kv_heads and each device
 All devices share one block table, so a block is the same number of tokens everywhere and
 per-device figures use the local head count.
 
+Tiers: the device pool, a host-memory tier of `kv_host_bytes` and a disk tier of `kv_disk_bytes`
+under it, each per device, hold whole blocks of the device's shard (the engine sizes them as
+`bytes // per_device_block_bytes`, worker/exec/host_tier.py); a tier's capacity in tokens is its
+blocks x block_size, and in documents of D tokens, its blocks over the blocks of one (a document
+held whole, its tail block included). A group's tiers hold the same tokens on every device.
+
 Pure Python (no torch). The engine's pool (worker/exec/kv_pool.py) counts the same bytes from its
 tensors' dtypes, and tests hold the two equal byte for byte for every KV dtype. Block-table
 bookkeeping is not counted.
@@ -210,6 +216,17 @@ class RequestPlan:
 
 
 @dataclass(frozen=True)
+class TierPlan:
+    """What one tier of a group holds (per device: each device holds its shard of every block)."""
+
+    medium: str  # "device", "host" or "disk" (worker/kv_events.py)
+    bytes: int  # the tier's bytes on one device (the device's: its pool)
+    blocks: int
+    tokens: int  # blocks x block_size
+    documents: int  # documents of `Plan.document_tokens` tokens held whole
+
+
+@dataclass(frozen=True)
 class Plan:
     """A capacity plan. Request and total figures are whole-model (all KV heads, tp=1);
     `per_device_*`, the pool and `max_sequences` are for one device of the tp group."""
@@ -238,6 +255,10 @@ class Plan:
     pool_blocks: int | None
     blocks_per_sequence: int  # blocks of one max_len sequence
     max_sequences: int | None  # max_len sequences that fit in one device's pool
+    document_tokens: int  # the document length `tiers` counts in (default: max_len)
+    blocks_per_document: int
+    # the device pool (when device_memory is given), then the host and disk tiers (when given)
+    tiers: tuple[TierPlan, ...] = ()
 
     def to_dict(self) -> dict:
         """Plain, JSON-ready fields."""
@@ -257,12 +278,17 @@ def plan(
     device_memory: int | str | None = None,
     reserved: int | str = 0,
     tp: int = 1,
+    kv_host_bytes: int | str | None = None,
+    kv_disk_bytes: int | str | None = None,
+    document_tokens: int | None = None,
 ) -> Plan:
     """Plan `lengths` (cached tokens per request) on `shape` for a `tp`-way group.
 
     `max_len` (default: the longest length) sizes the contiguous reservation and the
     sequences counted by `max_sequences`. A `shared_prefix` of P tokens is held once by the
-    requests at least P tokens long. `device_memory` and `reserved` are per device.
+    requests at least P tokens long. `device_memory` and `reserved` are per device, as are
+    the host and disk tiers' `kv_host_bytes` and `kv_disk_bytes`; `tiers` counts each tier's
+    capacity in tokens and in documents of `document_tokens` (default: max_len).
     """
     lengths = tuple(lengths)
     for n in lengths:
@@ -279,6 +305,9 @@ def plan(
     pool = _pool_bytes(device_memory, reserved)
     seq_blocks = blocks_for_tokens(max_len, shape.block_size)
     pool_blocks = None if pool is None else shape.num_blocks(pool, tp)
+    doc = max_len if document_tokens is None else document_tokens
+    _check_positive("document_tokens", doc)
+    tiers = _tiers(shape, tp, pool, pool_blocks, kv_host_bytes, kv_disk_bytes, blocks_for_tokens(doc, shape.block_size))
     return Plan(
         shape=shape,
         tp=tp,
@@ -304,7 +333,33 @@ def plan(
         pool_blocks=pool_blocks,
         blocks_per_sequence=seq_blocks,
         max_sequences=None if pool_blocks is None else pool_blocks // seq_blocks,
+        document_tokens=doc,
+        blocks_per_document=blocks_for_tokens(doc, shape.block_size),
+        tiers=tiers,
     )
+
+
+def _tiers(
+    shape: KVShape,
+    tp: int,
+    pool: int | None,
+    pool_blocks: int | None,
+    kv_host_bytes: int | str | None,
+    kv_disk_bytes: int | str | None,
+    doc_blocks: int,
+) -> tuple[TierPlan, ...]:
+    """The device pool's, the host's and the disk's capacity, for those given."""
+    if kv_disk_bytes is not None and kv_host_bytes is None:
+        raise ValueError("kv_disk_bytes: a disk tier sits under a host tier: give kv_host_bytes too")
+    block, bs = shape.block_bytes(tp), shape.block_size
+    sized = [] if pool is None else [("device", pool, pool_blocks)]
+    for medium, given in (("host", kv_host_bytes), ("disk", kv_disk_bytes)):
+        if given is not None:
+            n = parse_size(given)
+            if n < block:
+                raise ValueError(f"kv_{medium}_bytes={n} holds no block of {block} bytes")
+            sized.append((medium, n, n // block))
+    return tuple(TierPlan(m, n, blocks, blocks * bs, blocks // doc_blocks) for m, n, blocks in sized)
 
 
 def _request(tokens: int, block_size: int, bpt: int) -> RequestPlan:

@@ -110,7 +110,7 @@ class SimGroup(GroupHandle):
         bm = BlockManager(config.num_blocks, config.block_size, hasher, self._on_event, host, disk, self._fetch)
         self.scheduler = Scheduler(config.scheduler, bm)
         if index is not None:
-            self.publisher = IndexPublisher(index, group_id, bm.cached_hashes, clock=clock)
+            self.publisher = IndexPublisher(index, group_id, bm.tier_hashes, clock=clock)
         self.records: dict[str, SimRecord] = {}
         self.started: list[SimRecord] = []  # first tokens since the simulation last took them
         self.busy_until: float | None = None  # end of the step in flight; None when idle

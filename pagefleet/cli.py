@@ -75,6 +75,13 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     load.add_argument("--device-memory", type=size, help="memory of one device, e.g. 24GiB")
     load.add_argument("--reserved", type=size, default=0, help="weights + workspace + reserve, e.g. 17GiB")
     load.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel devices")
+    load.add_argument("--kv-host-bytes", type=size, help="host-memory KV tier per device, e.g. 64GiB")
+    load.add_argument("--kv-disk-bytes", type=size, help="disk KV tier per device (under the host tier), e.g. 1TiB")
+    load.add_argument(
+        "--document-tokens",
+        type=positive_int,
+        help="count each tier's capacity in documents of this many tokens (default: the longest length)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -88,6 +95,9 @@ def run_plan(args: argparse.Namespace) -> int:
         device_memory=args.device_memory,
         reserved=args.reserved,
         tp=args.tp,
+        kv_host_bytes=args.kv_host_bytes,
+        kv_disk_bytes=args.kv_disk_bytes,
+        document_tokens=args.document_tokens,
     )
     print(result.to_json() if args.json else render_plan(result))
     return 0
@@ -148,6 +158,16 @@ def render_plan(p: Plan) -> str:
             f"fits         {p.max_sequences:,} sequences of {p.max_len:,} tokens"
             f" ({p.blocks_per_sequence:,} blocks each)",
         ]
+    if p.tiers:
+        lines += [
+            "",
+            f"{'tier':>8} {'bytes':>12} {'blocks':>12} {'tokens':>16} {'documents':>10}"
+            f"   (per device; documents of {p.document_tokens:,} tokens, {p.blocks_per_document:,} blocks)",
+        ]
+        for t in p.tiers:
+            lines.append(
+                f"{t.medium:>8} {format_bytes(t.bytes):>12} {t.blocks:>12,} {t.tokens:>16,} {t.documents:>10,}"
+            )
     return "\n".join(lines)
 
 

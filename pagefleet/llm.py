@@ -12,6 +12,7 @@ from worker.engine.llm_engine import LLMEngine, load_tokenizer
 from worker.outputs import RequestOutput, merge_completions
 from worker.protocol import GenerationRequest
 from worker.sampling_params import SamplingParams
+from worker.tools import check_tools
 
 
 def engine_config(model: str | None = None, **options) -> EngineConfig:
@@ -96,15 +97,18 @@ class LLM:
         *,
         cache_salt: str | None = None,
         use_tqdm: bool = False,
+        tools: Sequence[dict] | None = None,
     ) -> list[RequestOutput]:
         """Generate a reply to one conversation or to each of a list of them; a conversation is
         a list of {"role", "content"} messages, rendered with the model's chat template exactly
-        as the router renders a gRPC request's messages (worker/chat.py)."""
+        as the router renders a gRPC request's messages (worker/chat.py); `tools`: OpenAI's
+        tools, rendered with them as the HTTP door renders a request's (worker/tools.py)."""
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else messages
-        ids = [render_chat(self.tokenizer, c) for c in conversations]
+        offered = check_tools(tools) if tools else None
+        ids = [render_chat(self.tokenizer, c, tools=offered) for c in conversations]
         outputs = self.generate(ids, sampling_params, cache_salt=cache_salt, use_tqdm=use_tqdm)
         for out, conversation in zip(outputs, conversations, strict=True):
-            out.prompt = render_chat_text(self.tokenizer, conversation)
+            out.prompt = render_chat_text(self.tokenizer, conversation, offered)
         return outputs
 
     def _generate_here(self, runs, cache_salt, use_tqdm) -> list[RequestOutput]:

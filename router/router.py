@@ -14,22 +14,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
 import logging
 import math
 import time
 from array import array
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Collection, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from cluster.group import GroupHandle, GroupStatus
-from cluster.index import IndexReader
+from cluster.index import GroupMatch, IndexReader, touched_ids
 from router.documents import Documents
 from router.hash_cache import PrefixHashCache
 from router.placement import Ledger, Placement, Policy, make_policy
-from worker.chat import check_messages, render_chat
+from worker.chat import check_messages, message_chars, render_chat
 from worker.hashing import BlockHasher
 from worker.outputs import RequestMetrics, RequestOutput
 from worker.protocol import (
@@ -41,6 +42,7 @@ from worker.protocol import (
 )
 from worker.sampling_params import SamplingParams
 from worker.token_ids import CheckedIds, check_token_ids
+from worker.tools import Tool
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +50,12 @@ STATUS_REFRESH_S = 1.0  # every group's status is read at least this often (see 
 MAX_RESUMES = 3  # a stream moves to another group at most this often
 RESUME_WAIT_S = 30.0  # a stream to resume waits this long for a live group (a replacement)
 MAX_RECORDS = 10_000  # route records kept (Router.records): those of the newest requests
+# A group chosen for a prompt pulls the prefix from another live group that holds at least this
+# many more of its leading blocks (128 tokens at 16 a block): a pull costs a few Ray round trips
+# and a copy of the blocks (benchmarks/RESULTS.md, "KV pull between groups"), which fewer
+# blocks' recompute does not repay.
+PULL_MIN_BLOCKS = 8
+PULL_TIMEOUT_S = 5.0  # a pull not done by then is given up: the group recomputes the prefix
 
 
 class NoGroupAvailableError(RuntimeError):
@@ -122,6 +130,8 @@ class RouteRecord:
     actual_cached_tokens: int | None = None
     decision_seconds: float = 0.0
     resumes: int = 0  # times the request moved to another group mid-stream
+    pulled_from: str | None = None  # the group whose KV blocks the chosen group pulled first
+    pulled_blocks: int = 0  # how many blocks came
 
     def moved(self, placement: Placement, predicted: int, decided: float, resumes: int) -> None:
         """The request went to another group (a retry, a spill, a resume)."""
@@ -266,26 +276,30 @@ class Router:
             check_message_count(len(request.messages), self.model_info.max_model_len)
         return self.tokenized(request.prompt, request.messages)
 
-    def tokenized(self, prompt: str | None, messages: Sequence[dict] | None = None) -> tuple[list[int], CheckedIds]:
+    def tokenized(
+        self, prompt: str | None, messages: Sequence[dict] | None = None, tools: Sequence[Tool] | None = None
+    ) -> tuple[list[int], CheckedIds]:
         """The ids of a text `prompt` or of chat `messages` (given one, and the messages
         counted: a door does both before it builds them), rendered with the model's chat
-        template; the one tokenizing function of every door."""
+        template (with `tools`, worker/chat.py); the one tokenizing function of every door."""
         if self.tokenizer is None:
             raise ValueError("the model has no tokenizer: send prompt_token_ids")
         if messages is not None:
             messages = check_messages(messages)
-        self.check_text_size(prompt, messages)
+        self.check_text_size(prompt, messages, tools)
         if messages is not None:
-            ids = render_chat(self.tokenizer, messages, checked=True)
+            ids = render_chat(self.tokenizer, messages, checked=True, tools=tools)
         else:
             ids = self.tokenizer.encode(prompt)
         return check_token_ids(ids, self.model_info.vocab_size)
 
-    def check_text_size(self, prompt: str | None, messages: Sequence[dict] | None) -> None:
+    def check_text_size(
+        self, prompt: str | None, messages: Sequence[dict] | None, tools: Sequence[Tool] | None = None
+    ) -> None:
         """PromptTooLongError for text that cannot fit the context (see `max_prompt_chars`)."""
         limit, context = self.max_prompt_chars, self.model_info.max_model_len
         if messages is not None:
-            chars = sum(len(m["content"]) + len(m["role"]) for m in messages)
+            chars = message_chars(messages) + sum(len(json.dumps(t.as_openai())) for t in tools or ())
         else:
             chars = len(prompt or "")
         if limit is not None and chars > limit:
@@ -335,7 +349,7 @@ class Router:
         matches = self.ledger.matches(block_hashes)
         placement = self.policy.choose(block_hashes, statuses, matches, self.ledger.placed)
         self.ledger.record(placement, block_hashes, len(statuses))
-        return placement
+        return pull_source(placement, matches, statuses)
 
     # ---- one request -------------------------------------------------------------------
     async def generate(self, request: RouteRequest | CheckedRequest) -> AsyncIterator[RequestOutput]:
@@ -360,8 +374,11 @@ class Router:
         while True:
             t0 = time.perf_counter()
             placement = await self._place_for(hashes, state)
-            predicted = placement.cached_tokens(len(ids), self.model_info.block_size)
             decided = time.perf_counter() - t0
+            pulled = 0
+            if placement.pull_from is not None:
+                placement, pulled = await self._pull(placement, hashes)
+            predicted = placement.cached_tokens(len(ids), self.model_info.block_size)
             if state.record is None:  # one record per request, updated when it moves
                 state.record = RouteRecord(
                     rid,
@@ -374,6 +391,7 @@ class Router:
             else:
                 state.record.moved(placement, predicted, decided, state.resumes)
             record = self.records[rid] = state.record
+            record.pulled_from, record.pulled_blocks = placement.pull_from, pulled
             group = self.groups[placement.group_id]
             forwarded = GenerationRequest(
                 ids,
@@ -431,6 +449,18 @@ class Router:
                     self.ledger.add_in_flight(placement.group_id, -sent, -hits)
                 self._trim_records()
 
+    async def _pull(self, placement: Placement, hashes: Sequence[bytes]) -> tuple[Placement, int]:
+        """Have the chosen group pull the prefix from `placement.pull_from` before the request
+        goes there; the placement then predicts the pulled blocks as cached. A pull that
+        fails brings nothing (the group recomputes): the placement without its source."""
+        holder = self.groups.get(placement.pull_from)
+        group = self.groups[placement.group_id]
+        chain = hashes[: placement.pull_blocks]
+        pulled = 0 if holder is None else await group.pull_from(holder, chain, PULL_TIMEOUT_S)
+        if not pulled:
+            return replace(placement, pull_from=None, pull_blocks=0), 0
+        return replace(placement, cached_blocks=max(placement.cached_blocks, placement.pull_blocks)), pulled
+
     async def _place_for(self, hashes: Sequence[bytes], state: _Stream) -> Placement:
         """A placement among the groups this request has not tried (by handle: a group
         replaced under the same id is new). A stream to resume waits up to RESUME_WAIT_S for a
@@ -465,6 +495,19 @@ class Router:
         records = self.records
         while len(records) > self.max_records:
             del records[next(iter(records))]
+
+
+def pull_source(placement: Placement, matches: Mapping[str, GroupMatch], statuses: Collection[str]) -> Placement:
+    """The placement with the live group to pull the prefix from: the one whose committed
+    leading blocks exceed the chosen group's by the most, at least PULL_MIN_BLOCKS (the index's
+    match tells who holds how many); unchanged when none does."""
+    chosen = matches.get(placement.group_id)
+    best, most = None, (chosen.blocks if chosen is not None else 0) + PULL_MIN_BLOCKS - 1
+    for gid in touched_ids(matches):
+        m = matches[gid]
+        if m.blocks > most and gid != placement.group_id and gid in statuses:
+            best, most = gid, m.blocks
+    return placement if best is None else replace(placement, pull_from=best, pull_blocks=most)
 
 
 def max_prompt_chars(tokenizer, max_model_len: int) -> int:

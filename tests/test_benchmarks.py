@@ -116,10 +116,11 @@ def test_routing_benchmark_smoke(tmp_path):
     assert sim["oracle"]["hit_rate"] >= sim["round_robin"]["hit_rate"]
     (real,) = run(*common, "--policy", "prefix_aware", "--mode", "real", "--time-scale", "0.2")
     assert real["mode"] == "real" and real["requests"] == 30 and real["hit_rate"] > 0
-    lines = run("-m", "benchmarks.routing", "--latency", "2")
+    lines = run("-m", "benchmarks.routing", "--latency", "2", "--host-capacity", "1")
     assert [c["index"] for c in lines] == ["redis", "mirror", "memory"]
-    for c in lines:
+    for c in lines:  # with host tiers in the index: every group's, and the document on two
         assert c["decision_ms_p50_32k"] > 0 and c["hash_uncached_ms_p50_32k"] > 0
+        assert c["host_blocks_per_group"] >= 2048
 
 
 def trace_request(i: int, doc: str | None, doc_tokens: int = 0) -> TraceRequest:

@@ -214,3 +214,62 @@ def test_groups_drain_with_its_group_last_reaches_a_real_cluster(ray_runtime):
     done = pagefleet("groups", "drain", "--cluster", "none", "--address", ray_runtime.address, "group-1")
     assert done.returncode == 1, done.stderr
     assert "no pagefleet groups run in Ray namespace 'pagefleet-none'" in done.stderr
+
+
+def test_plan_reports_each_tiers_capacity_in_tokens_and_documents():
+    """Seed 000's device (7 GiB of pool: 3,584 blocks of 2 MiB) over a 64 GiB host tier and a
+    1 TiB disk tier, in documents of 8,192 tokens (512 blocks)."""
+    tiers = ("--kv-host-bytes", "64GiB", "--kv-disk-bytes", "1TiB", "--document-tokens", "8192")
+    out = plan_json(*SEED_SHAPE, "--lengths", "2048", "--device-memory", "24GiB", "--reserved", "17GiB", *tiers)
+    got = {t["medium"]: (t["blocks"], t["tokens"], t["documents"]) for t in out["tiers"]}
+    assert got == {
+        "device": (3584, 3584 * 16, 7),
+        "host": (32 * 1024, 32 * 1024 * 16, 64),
+        "disk": (512 * 1024, 512 * 1024 * 16, 1024),
+    }
+    assert out["blocks_per_document"] == 512
+    # per device: two devices hold half the KV heads each, so twice the blocks in the same bytes
+    sharded = plan_json(*SEED_SHAPE, "--lengths", "2048", "--tp", "2", *tiers)
+    assert [(t["medium"], t["blocks"]) for t in sharded["tiers"]] == [("host", 64 * 1024), ("disk", 1024 * 1024)]
+    table = pagefleet("plan", *SEED_SHAPE, "--lengths", "2048", *tiers)
+    assert table.returncode == 0, table.stderr
+    assert "documents of 8,192 tokens" in table.stdout
+    assert "    host       64 GiB       32,768          524,288         64" in table.stdout
+
+
+def test_plan_host_tier_holds_what_the_engine_allocates(tmp_path):
+    """The plan of a model's host tier counts the blocks the engine's host tier has."""
+    from pagefleet.llm import LLM
+    from worker.model.builtin_model import make_model_dir
+
+    model = make_model_dir(tmp_path, seed=1)
+    host = 300_000
+    out = plan_json(
+        "--model",
+        str(model),
+        "--dtype",
+        "float32",
+        "--block-size",
+        "8",
+        "--lengths",
+        "64",
+        "--kv-host-bytes",
+        str(host),
+    )
+    (tier,) = out["tiers"]
+    stats = LLM(str(model), dtype="float32", block_size=8, num_blocks=16, max_model_len=64, kv_host_bytes=host).stats()
+    assert tier["medium"] == "host" and tier["blocks"] == stats["kv_host_blocks_total"] > 0
+    assert tier["tokens"] == tier["blocks"] * 8 and tier["documents"] == tier["blocks"] // 8
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (("--kv-disk-bytes", "1GiB"), "kv_disk_bytes: a disk tier sits under a host tier"),
+        (("--kv-host-bytes", "1KiB"), "kv_host_bytes=1024 holds no block"),
+        (("--kv-host-bytes", "1GiB", "--document-tokens", "0"), "--document-tokens"),
+    ],
+)
+def test_plan_refuses_tiers_it_cannot_count(flags, message):
+    done = pagefleet("plan", *SEED_SHAPE, "--lengths", "16", *flags)
+    assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr

@@ -21,6 +21,7 @@ import yaml
 from pagefleet.cli import build_parser, serve_config
 from router.door.server import LIVENESS_SERVICE
 from router.launch.config import DEFAULT_HTTP_PORT, DEFAULT_METRICS_PORT, DEFAULT_PORT
+from worker.config import parse_size
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -294,3 +295,29 @@ def test_promtool_checks_the_scrape_configuration_and_the_rules(tmp_path):
 def test_promtool_unit_tests_of_the_alert_rules_pass():
     out = run_promtool("test", "rules", str(DEPLOY / "prometheus" / "tests" / "pagefleet.rules.test.yml"))
     assert "SUCCESS" in out
+
+
+def test_the_kv_tiers_disk_directory_is_a_volume_sized_for_them():
+    """The groups' disk KV tier is written to a volume (not the container's layer) large enough
+    for every device's tier, and the GPU pods' memory leaves room for the host tier."""
+    job = groups_start()
+    assert job.kv_host_bytes and job.kv_disk_bytes and job.kv_disk_dir
+    for group in (w for w in kind("RayCluster")["spec"]["workerGroupSpecs"] if w["groupName"].startswith("gpu-")):
+        pod = group["template"]["spec"]
+        (ray,) = pod["containers"]
+        mounts = {m["mountPath"]: m["name"] for m in ray["volumeMounts"]}
+        volume = {v["name"]: v for v in pod["volumes"]}[mounts[job.kv_disk_dir]]
+        assert parse_size(volume["emptyDir"]["sizeLimit"].replace("Gi", "GiB")) >= job.tp * job.kv_disk_bytes
+        for side in ("requests", "limits"):
+            memory = parse_size(ray["resources"][side]["memory"].replace("Gi", "GiB"))
+            assert memory - job.tp * job.kv_host_bytes >= 128 * 2**30
+    compose = yaml.safe_load((DEPLOY / "docker" / "compose.yaml").read_text())
+    service = compose["services"]["pagefleet"]
+    engine = parse(service["command"][1:]).engine.options
+    disk_dir = engine["kv_disk_dir"]
+    assert engine["kv_host_bytes"] and engine["kv_disk_bytes"] and disk_dir
+    (volume,) = [v.split(":")[0] for v in service["volumes"] if v.split(":")[1] == disk_dir]
+    assert volume in compose["volumes"]  # a named volume
+    for name in ("Dockerfile.cpu", "Dockerfile.cuda"):  # the image's user owns it
+        text = (DEPLOY / "docker" / name).read_text()
+        assert re.search(rf"mkdir -p [^\n]*{disk_dir}", text) and re.search(rf"chown pagefleet [^\n]*{disk_dir}", text)

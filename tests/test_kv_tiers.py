@@ -244,11 +244,15 @@ def block_bytes(model_dir) -> int:
     return stats["kv_bytes_per_token"] * stats["block_size"]
 
 
-def disk_tiered(model_dir, directory, host_blocks: int = 12) -> LLM:
-    """A SMALL pool over a host tier too small for two documents, over a disk tier."""
+SECRET = "tiers-test-secret"
+
+
+def disk_tiered(model_dir, directory, host_blocks: int = 12, disk_blocks: int = 200, secret: str = SECRET) -> LLM:
+    """A SMALL pool over a host tier too small for two documents, over a disk tier (its
+    directory named by the model and `secret`)."""
     b = block_bytes(model_dir)
-    options = {**SMALL, "kv_host_bytes": host_blocks * b, "kv_disk_bytes": 200 * b, "kv_disk_dir": str(directory)}
-    return LLM(str(model_dir), **options)
+    options = {**SMALL, "kv_host_bytes": host_blocks * b, "kv_disk_bytes": disk_blocks * b}
+    return LLM(str(model_dir), kv_disk_dir=str(directory), cluster_secret=secret, **options)
 
 
 def check_events_complete(llm: LLM, events: list) -> None:
@@ -312,6 +316,72 @@ def test_a_damaged_block_file_is_a_miss_never_wrong_kv(model_dir, tmp_path, dama
     if damage != "missing":  # the blocks that failed are forgotten, their files removed
         assert len(list(tmp_path.rglob("*.kv"))) == stats["kv_disk_blocks_cached"]
     tier.engine.executor.shutdown()
+
+
+def disk_files(directory) -> dict[bytes, object]:
+    return {bytes.fromhex(f.name[:32]): f for f in directory.rglob("*.kv")}
+
+
+def down_to_disk(docs) -> list[list[int]]:
+    """Document 0, then four others: document 0 goes down to the disk; then 0 again."""
+    return [docs[0] + [5, 6, 7]] + [d + [5] for d in docs[1:5]] + [docs[0] + [9, 10, 11]]
+
+
+def test_a_restarted_engine_reopens_its_disk_inventory_and_restores_from_it(model_dir, tmp_path):
+    prompts = down_to_disk(documents(5, seed=13))
+    first = disk_tiered(model_dir, tmp_path)
+    before = one_by_one(first, prompts[:5])
+    held = set(first.engine.scheduler.bm.disk.hashes())
+    doc0 = first.engine.hasher.hash_prompt(prompts[5])[:10]
+    assert set(doc0) <= held  # the document is on the disk, and more besides
+    first.engine.executor.shutdown()  # (as a process's end releases the lock)
+    # what a process killed mid-write leaves: a torn temporary file, a short block file, a
+    # stranger; and a block whose payload rotted (its header whole: a miss only when read)
+    files = disk_files(tmp_path)
+    other = sorted(held - set(doc0))
+    torn, short, rotten = files[other[0]], files[other[1]], files[other[2]]
+    torn.rename(torn.with_suffix(".kv.tmp"))
+    short.write_bytes(short.read_bytes()[:-7])
+    data = bytearray(rotten.read_bytes())
+    data[-3] ^= 0x01
+    rotten.write_bytes(bytes(data))
+    (short.parent / "notes.txt").write_text("not a block")
+
+    again = disk_tiered(model_dir, tmp_path)
+    events: list = []
+    again.engine.on_kv_events = events.extend
+    again.engine.flush_events()
+    bm = again.engine.scheduler.bm
+    reopened = held - {other[0], other[1]}
+    assert set(bm.disk.hashes()) == reopened == set(disk_files(tmp_path))
+    assert {p.name for p in short.parent.iterdir()} == {"lock", *(f"{h.hex()}.kv" for h in reopened)}
+    assert [(e.medium, set(e.block_hashes)) for e in events] == [(DISK, reopened)]  # the index learns them
+    last = again.generate([prompts[5]], GREEDY)[0]
+    stats = again.engine.stats()
+    assert last.num_cached_tokens == 80 and stats["kv_disk_hits"] == 80
+    assert stats["tokens_computed"] == 3 + GREEDY.max_tokens - 1  # the question, then decodes
+    device = one_by_one(LLM(str(model_dir), **BIG), prompts)
+    assert tokens([*before, last]) == tokens(device)
+    check_events_complete(again, events)
+    again.engine.executor.shutdown()
+
+
+def test_a_reopened_disk_keeps_its_newest_blocks_and_another_secret_none(model_dir, tmp_path):
+    prompts = visits(documents(4, seed=17))
+    first = disk_tiered(model_dir, tmp_path)
+    one_by_one(first, prompts[:4])
+    written = list(first.engine.scheduler.bm.disk.hashes())  # oldest first
+    first.engine.executor.shutdown()
+    assert len(written) > 5
+    smaller = disk_tiered(model_dir, tmp_path, disk_blocks=5)
+    assert list(smaller.engine.scheduler.bm.disk.hashes()) == written[-5:]
+    assert set(disk_files(tmp_path)) == set(written[-5:])
+    smaller.engine.executor.shutdown()
+    # another secret names other blocks: its directory starts empty, the old one is emptied
+    other = disk_tiered(model_dir, tmp_path, secret="another secret")
+    assert len(other.engine.scheduler.bm.disk) == 0 and not disk_files(tmp_path)
+    assert len({f.parent.parent for f in tmp_path.rglob("lock")}) == 2
+    other.engine.executor.shutdown()
 
 
 # ---- the simulated group ------------------------------------------------------------------

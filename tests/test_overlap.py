@@ -149,3 +149,69 @@ def test_a_failing_forward_is_raised_by_the_step_not_hung():
         for _ in range(20):
             engine.step()
     engine.executor.shutdown()
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"word": {"type": "string", "maxLength": 10}, "n": {"type": "integer", "minimum": 0, "maximum": 999}},
+    "required": ["word", "n"],
+}
+REGEX = "[a-z]{3,6}-[0-9]{2}"
+
+
+def constrained_script(ignore_eos: bool, constrained: bool = True):
+    """Eight requests, a quarter under a JSON Schema, greedy and seeded at temperature 1; then
+    a regex-constrained one arriving while they decode, and an abort."""
+
+    def script(steps: int, engine: LLMEngine) -> None:
+        if steps == 0:
+            if constrained:  # compiled first: each request joins its batch at the step it is added
+                for so in ({"json": SCHEMA}, {"regex": REGEX}):
+                    engine.grammars.compile(SamplingParams(structured_outputs=so).structured_outputs).result()
+            for i in range(8):
+                so = {"json": SCHEMA} if constrained and i % 4 == 0 else None
+                seeded = dict(temperature=1.0, seed=40 + i) if i % 2 else dict(temperature=0.0)
+                params = SamplingParams(max_tokens=24 + 3 * i, ignore_eos=ignore_eos, structured_outputs=so, **seeded)
+                engine.add_request(prompt(i, 12 + 3 * i), params, request_id=f"m{i}")
+        if steps == 9:
+            so = {"regex": REGEX} if constrained else None
+            params = SamplingParams(
+                max_tokens=30, temperature=1.0, seed=7, ignore_eos=ignore_eos, structured_outputs=so
+            )
+            engine.add_request(prompt(20, 16), params, request_id="late")
+        if steps == 15:
+            engine.abort("m5")
+
+    return script
+
+
+def test_mixed_constrained_batches_run_ahead_with_the_serial_tokens():
+    """Constrained rows beside unconstrained ones, greedy and seeded: each row's grammar and
+    seeded position are advanced by the runner that samples, once a forward run ahead is
+    adopted, so the tokens are the serial steps' and the outputs follow their constraints."""
+    import json
+    import re
+
+    import jsonschema
+
+    script = constrained_script(ignore_eos=False)
+    serial = drive(make_engine(False), script)
+    engine = make_engine(True)
+    assert drive(engine, script) == serial
+    for rid in ("m0", "m4"):
+        if serial[rid][2] == "stop":  # (the grammar ended before max_tokens)
+            jsonschema.validate(json.loads(serial[rid][1]), SCHEMA)
+    assert serial["late"][2] != "stop" or re.fullmatch(REGEX, serial["late"][1])
+    ahead = engine.executor.overlap
+    assert ahead.confirmed > 20 and ahead.discarded >= 1, (ahead.confirmed, ahead.discarded)
+
+
+def test_constrained_rows_do_not_stop_their_neighbours_running_ahead():
+    """The same batch with and without its constraints (every request to max_tokens, so the
+    steps are the same): as many forwards run ahead and are adopted either way."""
+    free = make_engine(True)
+    drive(free, constrained_script(ignore_eos=True, constrained=False))
+    constrained = make_engine(True)
+    drive(constrained, constrained_script(ignore_eos=True))
+    counts = [(e.executor.overlap.confirmed, e.executor.overlap.discarded) for e in (free, constrained)]
+    assert counts[0] == counts[1] and counts[0][0] > 30, counts

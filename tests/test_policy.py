@@ -7,6 +7,7 @@ from dataclasses import replace
 
 import pytest
 
+from cluster.cost_model import CostModel
 from cluster.group import GroupStatus
 from cluster.index import GroupMatch, InMemoryPrefixIndex, Matches, RedisPrefixIndex
 from router.placement import Ledger, PendingPlacements, PrefixAware, PrefixAwareConfig, make_policy
@@ -14,6 +15,8 @@ from tests.redis_server import RedisServer
 from worker.hashing import BlockHasher, ModelFingerprint
 
 HASHER = BlockHasher(b"policy-secret", ModelFingerprint("m", block_size=16))
+# a restore from the host at 1.6% of a block's recompute, a disk read at 1e-4 s (benchmarks/RESULTS.md)
+TIER_COSTS = CostModel(load_block_s=1.3e-5, fetch_block_s=1e-4)
 
 
 class Placer:
@@ -251,7 +254,7 @@ def test_the_fast_loop_chooses_as_the_formula_does(monkeypatch):
             ]
         )
         policy, gids = (
-            Placer(PrefixAware(PrefixAwareConfig(**options)), formula),
+            Placer(PrefixAware(PrefixAwareConfig(cost=TIER_COSTS, **options)), formula),
             [f"g{i}" for i in range(rng.choice([1, 3, 16, 64]))],
         )
         statuses, out = {}, []
@@ -267,7 +270,9 @@ def test_the_fast_loop_chooses_as_the_formula_does(monkeypatch):
                 )
             n = rng.choice(list(chains))
             matches = {
-                g: match(g, rng.randint(0, n + 2), rng.choice([0, rng.randint(0, n)]))
+                g: match(g, rng.randint(0, n + 2), rng.choice([0, rng.randint(0, n)]))._replace(
+                    host_blocks=rng.choice([0, 0, rng.randint(0, n)]), disk_blocks=rng.choice([0, 0, rng.randint(0, n)])
+                )
                 for g in gids
                 if rng.random() < 0.2
             }
@@ -285,6 +290,29 @@ def test_the_fast_loop_chooses_as_the_formula_does(monkeypatch):
 
     monkeypatch.setattr(policy_module, "_held", every)
     assert [decisions(seed) for seed in range(12)] == fast
+
+
+def test_a_prefix_restored_from_a_tier_costs_its_restore_not_its_recompute():
+    """A document on g0's host tier, g1 idle and cold: g0 restores it for less than g1 computes
+    it, unless the restore is dearer than the recompute; and the blocks on the host count as
+    the hit that the ledger predicts cached."""
+    doc = chain(200)
+    statuses = {"g0": status("g0", 4000, 2), "g1": status("g1", 0, 0)}
+    on_host = {"g0": match("g0", 20, 0)._replace(host_blocks=180)}
+    cheap = Placer(PrefixAware(PrefixAwareConfig(cost=TIER_COSTS)))
+    p = cheap.choose(doc, statuses, on_host)
+    assert (p.group_id, p.reason, p.cached_blocks) == ("g0", "prefix_hit", 200)
+    # the same blocks on the disk tier: a restore still, through the host
+    on_disk = {"g0": match("g0", 20, 0)._replace(disk_blocks=180)}
+    assert cheap.choose(doc, statuses, on_disk).group_id == "g0"
+    policy = PrefixAware(PrefixAwareConfig(cost=TIER_COSTS))
+    s = statuses["g0"]
+    host, disk, device = (policy.cost(200, s, 200, 0, 0, 1.0, 0, r) for r in ((180, 0), (0, 180), (0, 0)))
+    assert device < host < disk
+    assert host - device == pytest.approx(180 * TIER_COSTS.load_block_s)
+    assert disk - device == pytest.approx(180 * (TIER_COSTS.load_block_s + TIER_COSTS.fetch_block_s))
+    slow = Placer(PrefixAware(PrefixAwareConfig(cost=replace(TIER_COSTS, fetch_block_s=1.0))))
+    assert slow.choose(doc, statuses, on_disk).group_id == "g1"
 
 
 def test_load_bound_config_is_validated():
@@ -394,3 +422,26 @@ def test_a_prediction_stops_before_the_block_of_the_last_token():
     assert Placement("g", "prefix_hit", 4).cached_tokens(65, 16) == 64
     assert Placement("g", "prefix_hit", 2).cached_tokens(64, 16) == 32
     assert Placement("g", "new_prefix", 0).cached_tokens(1, 16) == 0
+
+
+def test_the_index_per_tier_match_leads_a_revisit_to_the_host_that_holds_it():
+    """Real KV events into the in-process index: a document evicted from g0's pool to its host
+    tier still draws its questions to g0 (restored, not recomputed on idle g1), and once the host
+    drops it too the hit is only what the device keeps."""
+    from worker.kv_events import HOST, BlockRemoved, BlockStored
+
+    index, doc = InMemoryPrefixIndex(), chain(200)
+    e0, e1 = index.register_group("g0"), index.register_group("g1")
+    index.publish("g1", e1, [])
+    index.publish("g0", e0, [BlockStored(tuple(doc), None)])
+    index.publish("g0", e0, [BlockRemoved(tuple(doc[20:])), BlockStored(tuple(doc[20:]), None, HOST)])
+    policy = PrefixAware(PrefixAwareConfig(cost=TIER_COSTS))
+    ledger = Ledger(index, 16, policy.placed_window())
+    statuses = {"g0": status("g0", 4000, 2), "g1": status("g1")}
+    question = chain(201)  # the document and one more block
+    assert question[:200] == doc
+    p = policy.choose(question, statuses, ledger.matches(question), ledger.placed)
+    assert (p.group_id, p.cached_blocks) == ("g0", 200)
+    index.publish("g0", e0, [BlockRemoved(tuple(doc[20:]), HOST)])
+    p = policy.choose(question, statuses, ledger.matches(question), ledger.placed)
+    assert p.cached_blocks == (20 if p.group_id == "g0" else 0)

@@ -193,7 +193,7 @@ def test_overlap_preemption_and_resume_keep_the_tokens(llm):
         jsonschema.validate(json.loads(tok.decode(serial[f"r{i}"], skip_special_tokens=True)), PERSON)
     overlapped = LLMEngine(engine_config("builtin", num_blocks=128, max_model_len=512, overlap=True))
     assert run(overlapped, reqs) == serial
-    assert overlapped.executor.overlap.confirmed == 0  # constrained rows never ran ahead
+    assert overlapped.executor.overlap.confirmed > 20  # constrained and seeded rows ran ahead
     tight = LLMEngine(engine_config("builtin", num_blocks=40, block_size=4, max_model_len=112))
     assert run(tight, reqs) == serial and tight.scheduler.num_preemptions > 0
     # a resume of each request after its first 7 tokens goes on as the undisturbed run did

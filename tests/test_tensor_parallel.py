@@ -114,7 +114,12 @@ def expected(model_dirs):
 
 
 @pytest.fixture(scope="module")
-def groups(request, ray_runtime, model_dirs, tmp_path_factory):
+def tier_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("kv-disk")
+
+
+@pytest.fixture(scope="module")
+def groups(request, ray_runtime, model_dirs, tier_dir):
     """kv4 at TP=2 on node_a, kv2 at TP=2 on node_b, kv2 at TP=4 on node_a, and kv1 at TP=2
     through pagefleet.LLM(tensor_parallel_size=2) wherever it fits, all starting at once while
     this process computes the expected outputs."""
@@ -137,7 +142,7 @@ def groups(request, ray_runtime, model_dirs, tmp_path_factory):
         started["kv4"] = start("kv4", 2, node_a, cpu_binding=f"0|{min(1, last)}")  # bound ranks
         started["kv2"] = start("kv2", 2, node_b)
         started["kv2-tp4"] = start("kv2", 4, node_a, timeout_s=HANG_TIMEOUT_S)
-        started["kv2-tiers"] = start("kv2", 2, node_b, **tiers(tmp_path_factory.mktemp("kv-disk")))
+        started["kv2-tiers"] = start("kv2", 2, node_b, **tiers(tier_dir))
         llm_started = pool.submit(LLM, str(model_dirs["kv1"]), tensor_parallel_size=2, **OPTIONS)
         request.getfixturevalue("expected")  # meanwhile, transformers and TP=1 here
         for g in started.values():
@@ -241,11 +246,16 @@ def test_tp2_equals_tp1_and_transformers_with_prefix_hits_and_preemption(name, g
     assert s["blocks_free"] == s["blocks_total"] and s["running"] == s["waiting"] == 0
 
 
+TIER_SECRET = "tp-tiers-secret"  # (a restarted group names its blocks alike)
+
+
 def tiers(directory) -> dict:
     """A host tier of 6 blocks over a disk tier, per rank (kv2 at TP=2: one KV head of 16
     float32 values per layer and rank, 2 layers: 2 KiB a block of 8 tokens)."""
     block = 2 * 2 * 1 * 16 * 4 * 8
-    return dict(kv_host_bytes=6 * block, kv_disk_bytes=100 * block, kv_disk_dir=str(directory))
+    return dict(
+        kv_host_bytes=6 * block, kv_disk_bytes=100 * block, kv_disk_dir=str(directory), cluster_secret=TIER_SECRET
+    )
 
 
 def test_tp2_restores_evicted_documents_from_the_host_and_disk_tiers(groups, model_dirs):
@@ -258,6 +268,35 @@ def test_tp2_restores_evicted_documents_from_the_host_and_disk_tiers(groups, mod
     assert got == [tp1.generate([p], GREEDY)[0].token_ids for p in prompts]
     s = settled_stats(group)
     assert s["kv_host_hits"] == 40 and s["kv_disk_hits"] > 0 and s["kv_disk_failures"] == 0, s
+
+
+def test_a_restarted_tp2_group_reopens_the_disk_blocks_every_rank_holds(ray_runtime, groups, model_dirs, tier_dir):
+    """Each rank reopens its own directory; rank 0 keeps the blocks that both ranks hold."""
+    docs = prompts_of([40] * 5, seed=78)
+    prompts = [d + [5] for d in docs] + [docs[0] + [9, 10]]  # document 0 goes down to the disk
+    group = groups[0]["kv2-tiers"]
+    for p in prompts[:5]:
+        asyncio.run(stream_all(group, [p]))
+    group.shutdown()
+    rank_dirs = sorted(tier_dir.glob("*/rank*"))
+    assert [d.name for d in rank_dirs] == ["rank0", "rank1"]
+    files = [{f.name for f in d.glob("*.kv")} for d in rank_dirs]
+    hasher = LLM(str(model_dirs["kv2"]), cluster_secret=TIER_SECRET, **OPTIONS).engine.hasher
+    doc0 = [h.hex() + ".kv" for h in hasher.hash_prompt(prompts[5])[:5]]
+    assert set(doc0) <= files[0] and files[0] == files[1]
+    (rank_dirs[1] / doc0[3]).unlink()  # rank 1 lost the document's fourth block
+    gc = RayGroupConfig(tensor_parallel_size=2, bundle_resources={ray_runtime.node_labels[1]: 1}, heartbeat_s=0.5)
+    again = RayGroup(engine_config(model_dirs["kv2"], **OPTIONS, **tiers(tier_dir)), gc)
+    try:
+        got = asyncio.run(stream_all(again, [prompts[5]]))
+        s = settled_stats(again)
+        assert s["kv_disk_blocks_cached"] == len(files[0]) - 1 and s["kv_disk_hits"] == 3 * 8, s
+        kept = [{f.name for f in d.glob("*.kv")} for d in rank_dirs]
+        assert kept[0] == kept[1] == files[0] - {doc0[3]}  # rank 0 let the block go too
+        tp1 = LLM(str(model_dirs["kv2"]), **OPTIONS)
+        assert got == [tp1.generate([prompts[5]], GREEDY)[0].token_ids]
+    finally:
+        again.shutdown()
 
 
 def test_tp4_with_replicated_kv_heads(groups, expected):

@@ -1,5 +1,6 @@
-"""What a request's output must match: a JSON Schema, any JSON object, a regex, an EBNF grammar
-or one of a list of strings (vLLM's `StructuredOutputsParams`, spelled as vLLM spells it).
+"""What a request's output must match: a JSON Schema, any JSON object, a regex, an EBNF grammar,
+one of a list of strings, or an xgrammar structural tag (vLLM's `StructuredOutputsParams`,
+spelled as vLLM spells it; tool calls are enforced by a structural tag, worker/tools.py).
 
 Torch-free and free of the grammar engine: a router builds and checks these; the group's engine
 compiles them (worker/engine/grammar.py), where a constraint the grammar engine refuses is
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 MAX_CONSTRAINT_CHARS = 64 * 1024  # a schema, regex or grammar, as text
 MAX_CHOICES = 256
 MAX_CHOICE_CHARS = 1024
-KINDS = ("json", "regex", "grammar", "choice", "json_object")
+KINDS = ("json", "regex", "grammar", "choice", "json_object", "structural_tag")
 
 
 @dataclass(frozen=True)
@@ -25,7 +26,9 @@ class StructuredOutputs:
 
     json: a JSON Schema (a dict, or its text); regex: a regular expression the whole output
     matches; grammar: an EBNF (GBNF) grammar whose `root` rule the output derives; choice: the
-    output is one of these strings; json_object: any JSON object. Every bad value raises a
+    output is one of these strings; json_object: any JSON object; structural_tag: an xgrammar
+    structural tag (a dict, or its text: `{"type": "structural_tag", "format": {...}}`), whose
+    JSON Schemas are written without free whitespace as `json`'s are. Every bad value raises a
     ValueError naming the field.
     """
 
@@ -34,6 +37,7 @@ class StructuredOutputs:
     grammar: str | None = None
     choice: tuple[str, ...] | None = None
     json_object: bool = False
+    structural_tag: dict | str | None = None
 
     def __post_init__(self) -> None:
         if self.choice is not None and not isinstance(self.choice, str):
@@ -50,6 +54,7 @@ class StructuredOutputs:
             "grammar": self._check_text,
             "choice": self._check_choice,
             "json_object": self._check_flag,
+            "structural_tag": self._check_json,
         }
         check[given[0]](given[0])
 
@@ -65,8 +70,8 @@ class StructuredOutputs:
         whitespace dropped; not its keys' order, which is the order the output's properties
         are written in)."""
         kind = self.kind
-        if kind == "json":
-            return kind, canonical_json(self.schema)
+        if kind in ("json", "structural_tag"):
+            return kind, canonical_json(self._object(kind))
         if kind == "choice":
             return kind, json.dumps(list(self.choice), ensure_ascii=False)
         if kind == "json_object":
@@ -76,22 +81,27 @@ class StructuredOutputs:
     @property
     def schema(self) -> dict:
         """The JSON Schema as a dict (json only)."""
-        return json.loads(self.json) if isinstance(self.json, str) else self.json
+        return self._object("json")
+
+    def _object(self, name: str) -> dict:
+        value = getattr(self, name)
+        return json.loads(value) if isinstance(value, str) else value
 
     def _check_json(self, name: str) -> None:
-        value = self.json
+        value = getattr(self, name)
+        what = "a JSON Schema object" if name == "json" else "a JSON object"
         if isinstance(value, str):
             _check_size(name, value)
             try:
                 value = json.loads(value)
             except ValueError as e:
-                raise ValueError(f"StructuredOutputs.json is not valid JSON: {e}") from None
+                raise ValueError(f"StructuredOutputs.{name} is not valid JSON: {e}") from None
         if not isinstance(value, dict):
-            raise ValueError(f"StructuredOutputs.json must be a JSON Schema object, got {type(value).__name__}")
+            raise ValueError(f"StructuredOutputs.{name} must be {what}, got {type(value).__name__}")
         try:
             text = canonical_json(value)
         except (TypeError, ValueError) as e:
-            raise ValueError(f"StructuredOutputs.json cannot be written as JSON: {e}") from None
+            raise ValueError(f"StructuredOutputs.{name} cannot be written as JSON: {e}") from None
         _check_size(name, text)
 
     def _check_text(self, name: str) -> None:

@@ -16,6 +16,12 @@ prefix-closed, which the block manager keeps), and leading pending blocks at pro
 (deadlines never grow along a chain, so the unexpired probes are a prefix). A pending probe
 leaves its masks when its deadline passes: every entry's deadline also goes on a heap, popped
 before each match, so a match never reads a deadline.
+
+Each registration's tiers under the pool (host, disk) are kept beside its device inventory, each
+with masks of its own; a match that finds a chain's head in a lower tier counts, the same way,
+the leading blocks held on the device or the host, and those held in any tier: the blocks past
+the device's lead restored from the host, then those fetched from the disk. Without lower
+tiers in the copy, a match costs what it cost before them.
 Liveness is on the caller's clock: a registration lives until `ttl_s` after its last `touch`;
 the clock passed to the calls must not go back. Not thread-safe: its owners hold their lock
 around every call.
@@ -29,7 +35,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from cluster.index.probes import prefix_length, probe_hashes, probe_positions
-from cluster.index.types import GroupMatch, Matches
+from cluster.index.types import GroupMatch, Matches, TierInventory
+from worker.kv_events import DEVICE, DISK, HOST
 
 
 @dataclass
@@ -44,6 +51,16 @@ class CopiedGroup:
     inventory: dict[bytes, None] = field(default_factory=dict)
     pending: dict[bytes, float] = field(default_factory=dict)  # probe hash -> deadline
     nothing: GroupMatch | None = None  # the group's match of nothing
+    host: dict[bytes, None] = field(default_factory=dict)  # the host tier's hashes
+    disk: dict[bytes, None] = field(default_factory=dict)  # the disk tier's hashes
+
+    def tier(self, medium: str) -> dict[bytes, None]:
+        """The hashes of one medium's inventory."""
+        return self.inventory if medium == DEVICE else self.host if medium == HOST else self.disk
+
+    def tiers(self) -> TierInventory:
+        """Every medium's hashes."""
+        return {DEVICE: frozenset(self.inventory), HOST: frozenset(self.host), DISK: frozenset(self.disk)}
 
     def empty_match(self, group_id: str) -> GroupMatch:
         if self.nothing is None:
@@ -62,6 +79,8 @@ class IndexCopy:
         self._next_bit = 1
         self._held: dict[bytes, int] = {}  # block hash -> registrations holding it
         self._pending: dict[bytes, int] = {}  # probe hash -> registrations with an entry
+        self._host: dict[bytes, int] = {}  # block hash -> registrations whose host tier holds it
+        self._disk: dict[bytes, int] = {}  # block hash -> registrations whose disk tier holds it
         # (deadline, seq, registration, probes given that deadline): popped when it passes
         self._expiry: list[tuple[float, int, CopiedGroup, list[bytes]]] = []
         self._seq = itertools.count()
@@ -79,10 +98,14 @@ class IndexCopy:
         return len(self._held), len(self._pending)
 
     def live_inventory(self, now: float) -> tuple[int, int, int]:
-        """(entries, distinct blocks, groups) of the live registrations, without a pass over
-        the blocks: the distinct count is of every registration not yet dropped."""
+        """(entries, distinct blocks, groups) of the live registrations' device tiers, without
+        a pass over the blocks: the distinct count is of every registration not yet dropped."""
         live = [g for g in self.groups.values() if g.deadline > now]
         return sum(len(g.inventory) for g in live), len(self._held), len(live)
+
+    def lower_entries(self, now: float) -> int:
+        """(group, block) pairs of the live registrations' host and disk tiers."""
+        return sum(len(g.host) + len(g.disk) for g in self.groups.values() if g.deadline > now)
 
     # ---- registrations ----------------------------------------------------------------
     def register(self, group_id: str, epoch: int, now: float) -> CopiedGroup:
@@ -104,6 +127,8 @@ class IndexCopy:
         """Forget a registration and everything it held."""
         g = self.groups.pop(group_id)
         _unset(self._held, g.inventory, g.bit)
+        _unset(self._host, g.host, g.bit)
+        _unset(self._disk, g.disk, g.bit)
         _unset(self._pending, g.pending, g.bit)
         del self._by_bit[g.bit]
         self._free_bits.append(g.bit)
@@ -116,22 +141,33 @@ class IndexCopy:
             self._live_until = float("-inf")  # counted dead before: count again
 
     # ---- cached blocks ------------------------------------------------------------------
-    def store(self, g: CopiedGroup, hashes: Sequence[bytes]) -> None:
-        new = [h for h in hashes if h not in g.inventory]
-        g.inventory.update(dict.fromkeys(new))
-        held, get, bit = self._held, self._held.get, g.bit
-        for h in new:
-            held[h] = get(h, 0) | bit
+    def _masks(self, medium: str) -> dict[bytes, int]:
+        return self._held if medium == DEVICE else self._host if medium == HOST else self._disk
 
-    def remove(self, g: CopiedGroup, hashes: Sequence[bytes]) -> None:
-        gone = [h for h in hashes if h in g.inventory]
+    def store(self, g: CopiedGroup, hashes: Sequence[bytes], medium: str = DEVICE) -> None:
+        """`hashes` entered the registration's tier `medium`."""
+        inventory = g.tier(medium)
+        new = [h for h in hashes if h not in inventory]
+        inventory.update(dict.fromkeys(new))
+        masks = self._masks(medium)
+        get, bit = masks.get, g.bit
+        for h in new:
+            masks[h] = get(h, 0) | bit
+
+    def remove(self, g: CopiedGroup, hashes: Sequence[bytes], medium: str = DEVICE) -> None:
+        """`hashes` left the registration's tier `medium`."""
+        inventory = g.tier(medium)
+        gone = [h for h in hashes if h in inventory]
         for h in gone:
-            del g.inventory[h]
-        _unset(self._held, gone, g.bit)
+            del inventory[h]
+        _unset(self._masks(medium), gone, g.bit)
 
     def clear(self, g: CopiedGroup) -> None:
+        """Every tier of the registration emptied."""
         _unset(self._held, g.inventory, g.bit)
-        g.inventory = {}
+        _unset(self._host, g.host, g.bit)
+        _unset(self._disk, g.disk, g.bit)
+        g.inventory, g.host, g.disk = {}, {}, {}
 
     # ---- pending probes -----------------------------------------------------------------
     def add_pending(self, g: CopiedGroup, probes: Sequence[bytes], deadline: float, now: float) -> None:
@@ -196,40 +232,69 @@ class IndexCopy:
         out = Matches(self._empty)
         if not block_hashes:
             return out
-        h0 = block_hashes[0]
-        held = self._held.get(h0, 0) & self._live
-        pend = self._pending.get(h0, 0) & self._live
-        if not held | pend:
+        h0, live = block_hashes[0], self._live
+        held = self._held.get(h0, 0) & live
+        pend = self._pending.get(h0, 0) & live
+        lower_tiers = bool(self._host or self._disk)
+        lower = (self._host.get(h0, 0) | self._disk.get(h0, 0)) & live if lower_tiers else 0
+        if not held | pend | lower:
             return out  # the usual case for a new prompt: no group touched at all
         pos, probed = probe_positions(len(block_hashes)), probe_hashes(block_hashes)
-        cached = self._cached(block_hashes, pos, probed, held) if held else {}
-        pop, touched = cached.pop, out.touched
+        cached = self._cached(block_hashes, pos, probed, held, self._held.get) if held else {}
+        tiers = self._tiers(block_hashes, pos, probed, held | lower, cached) if lower_tiers and held | lower else {}
+        pop, below, touched = cached.pop, tiers.pop, out.touched
         if pend:  # leading pending blocks, at probe granularity
             for k, groups in _leading(pend, probed, self._pending.get):
                 p = pos[k - 1] + 1 if k else 0
                 while groups:
                     bit = groups & -groups
                     groups ^= bit
-                    a = self._answer(bit, pop(bit, 0), p)
+                    a = self._answer(bit, pop(bit, 0), p, *below(bit, _NONE_BELOW))
                     out[a[0]] = a
                     touched.append(a[0])
         for bit, c in cached.items():
-            a = self._answer(bit, c, 0)
+            a = self._answer(bit, c, 0, *below(bit, _NONE_BELOW))
+            out[a[0]] = a
+            touched.append(a[0])
+        for bit, (host, disk) in tiers.items():  # held only under the device
+            a = self._answer(bit, 0, 0, host, disk)
             out[a[0]] = a
             touched.append(a[0])
         return out
 
-    def _answer(self, bit: int, blocks: int, pending: int) -> GroupMatch:
+    def _answer(self, bit: int, blocks: int, pending: int, host: int = 0, disk: int = 0) -> GroupMatch:
         """The registration's answer with these counts: the last one built, if it had them."""
         a = self._answers.get(bit)
-        if a is None or a[2] != blocks or a[3] != pending:
+        if a is None or a[2] != blocks or a[3] != pending or a[4] != host or a[5] != disk:
             gid, g = self._by_bit[bit]
-            a = self._answers[bit] = _new_answer(GroupMatch, (gid, g.epoch, blocks, pending))
+            a = self._answers[bit] = _new_answer(GroupMatch, (gid, g.epoch, blocks, pending, host, disk))
         return a
 
-    def _cached(self, chain, pos, probed, held: int) -> dict[int, int]:
-        """bit -> leading cached blocks, for the registrations in `held`."""
-        get, n, out = self._held.get, len(chain), {}
+    def _tiers(self, chain, pos, probed, groups: int, cached: dict[int, int]) -> dict[int, tuple[int, int]]:
+        """bit -> (host blocks, disk blocks) after each registration's device lead (`cached`),
+        for those of `groups` whose chain goes on below the device: the lead held on the device
+        or the host, then the lead held in any tier, counted as the device's is."""
+        dev, host, disk = self._held.get, self._host.get, self._disk.get
+
+        def upper(h: bytes, default: int) -> int:
+            return dev(h, 0) | host(h, 0)
+
+        def every(h: bytes, default: int) -> int:
+            return dev(h, 0) | host(h, 0) | disk(h, 0)
+
+        up_groups = groups & upper(chain[0], 0)
+        up = self._cached(chain, pos, probed, up_groups, upper) if up_groups else {}
+        out = {}
+        for bit, a in self._cached(chain, pos, probed, groups, every).items():
+            d = cached.get(bit, 0)
+            u = max(up.get(bit, 0), d)
+            if a > d:
+                out[bit] = (u - d, max(a, u) - u)
+        return out
+
+    def _cached(self, chain, pos, probed, held: int, get: Callable[[bytes, int], int]) -> dict[int, int]:
+        """bit -> leading blocks of the registrations in `held` whose masks `get` answers."""
+        n, out = len(chain), {}
         for k, groups in _leading(held, probed, get):
             if k == len(pos):
                 out.update(dict.fromkeys(_bits(groups), n))
@@ -276,6 +341,8 @@ def _leading(
                 hi = mid - 1
         yield lo, groups
 
+
+_NONE_BELOW = (0, 0)  # no blocks under the device: (host, disk)
 
 # A match builds an answer per group it touches: tuple.__new__ skips the named tuple's
 # Python-level __new__, half the cost.

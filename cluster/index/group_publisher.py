@@ -16,11 +16,11 @@ it.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 
 from cluster.index.base import IndexWriter
 from cluster.index.publish_thread import PublisherThread
-from cluster.index.publisher import IndexPublisher, PublisherConfig
+from cluster.index.publisher import IndexPublisher, Inventory, PublisherConfig
 from worker.kv_events import KVEvent
 
 
@@ -31,7 +31,7 @@ class GroupPublisher:
         self,
         indexes: IndexWriter | Sequence[IndexWriter],
         group_id: str,
-        inventory: Callable[[], Iterable[bytes]],
+        inventory: Callable[[], Inventory],
         config: PublisherConfig | None = None,
         on_fenced: Callable[[], None] | None = None,
     ) -> None:

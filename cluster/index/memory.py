@@ -4,7 +4,8 @@ It answers as the Redis backend does (cluster/index/redis_index.py): pending pla
 kept at the chain's probe positions (cluster/index/probes.py) and cached blocks are counted by
 probes, then between the last probe held and the first missed, so a match costs about the same
 at any group count and prompt length. Liveness and fencing are the interface's
-(cluster/index/base.py), on this process's clock (or a simulated one).
+(cluster/index/base.py), on this process's clock (or a simulated one). Each group's blocks are
+kept per medium (device, host, disk), as its KV events name them.
 """
 
 from __future__ import annotations
@@ -23,9 +24,11 @@ from cluster.index.types import (
     PendingWrite,
     PrefixIndexConfig,
     StaleEpochError,
+    TierInventory,
+    check_medium,
     check_name,
 )
-from worker.kv_events import DEVICE, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from worker.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 
 class InMemoryPrefixIndex(PrefixIndex):
@@ -62,12 +65,10 @@ class InMemoryPrefixIndex(PrefixIndex):
         with self._lock:
             g = self._live(group_id, epoch)
             for event in events:
-                if isinstance(event, BlockStored | BlockRemoved) and event.medium != DEVICE:
-                    continue  # the index follows the device tier
                 if isinstance(event, BlockStored):
-                    self._copy.store(g, event.block_hashes)
+                    self._copy.store(g, event.block_hashes, check_medium(event.medium))
                 elif isinstance(event, BlockRemoved):
-                    self._copy.remove(g, event.block_hashes)
+                    self._copy.remove(g, event.block_hashes, check_medium(event.medium))
                 elif isinstance(event, AllBlocksCleared):
                     self._copy.clear(g)
                 else:
@@ -113,14 +114,18 @@ class InMemoryPrefixIndex(PrefixIndex):
             return self._sweep_dead(self._clock())
 
     def snapshot(self, group_id: str) -> tuple[int, frozenset[bytes]] | None:
-        """(epoch, cached hashes) of the group's live registration; None when not live.
-
-        What a failover index republishes into the shared index once it is back."""
+        """(epoch, device hashes) of the group's live registration; None when not live."""
         with self._lock:
             g = self._copy.groups.get(group_id)
             if g is None or g.deadline <= self._clock():
                 return None
             return g.epoch, frozenset(g.inventory)
+
+    def inventory(self, group_id: str) -> TierInventory | None:
+        """The group's live registration's hashes per medium; None when not live."""
+        with self._lock:
+            g = self._copy.groups.get(group_id)
+            return None if g is None or g.deadline <= self._clock() else g.tiers()
 
     def live_groups(self) -> list[str]:
         with self._lock:
@@ -133,7 +138,8 @@ class InMemoryPrefixIndex(PrefixIndex):
             live = [g for g in self._copy.groups.values() if g.deadline > now]
             entries = sum(len(g.inventory) for g in live)
             distinct = len(set().union(*(g.inventory for g in live)))
-            return InventoryStats(entries=entries, blocks=distinct, groups=len(live))
+            lower = self._copy.lower_entries(now)
+            return InventoryStats(entries=entries, blocks=distinct, groups=len(live), lower_entries=lower)
 
     def health(self) -> IndexHealth:
         with self._lock:

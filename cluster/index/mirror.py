@@ -10,7 +10,8 @@ write, the way every router of one cluster sees the same Redis.
 The copy (cluster/index/copy.py, kept inverted so that a match costs about the same at any
 group count) answers what `RedisPrefixIndex.match` answers: the leading cached blocks of the
 chain on each live group (at the chain's probe positions, then between the last probe held and
-the first missed) and the leading pending blocks at probe granularity. Liveness is kept on this process's clock: a group is live until `heartbeat_ttl_s` after
+the first missed) and the leading pending blocks at probe granularity, and below the device
+the blocks that continue on each group's host and disk tiers. Liveness is kept on this process's clock: a group is live until `heartbeat_ttl_s` after
 the last log entry of its registration arrived.
 
 When the follower cannot read the log (Redis down, or the copy fell behind the log's trimmed
@@ -36,10 +37,15 @@ from cluster.index.copy import IndexCopy
 from cluster.index.outage import Outage
 from cluster.index.probes import probe_hashes
 from cluster.index.redis_index import RedisPrefixIndex, to_ms
-from cluster.index.types import IndexHealth, InventoryStats, Matches, PendingWrite
+from cluster.index.types import IndexHealth, InventoryStats, Matches, PendingWrite, TierInventory
 from worker.hashing import HashChain
+from worker.kv_events import DEVICE, DISK, HOST, MEDIUMS
 
 log = logging.getLogger(__name__)
+
+# Log kinds of blocks stored / removed, by medium (redis_scripts.py: "The log").
+_STORES = {b"S": DEVICE, b"SH": HOST, b"SD": DISK}
+_REMOVALS = {b"R": DEVICE, b"RH": HOST, b"RD": DISK}
 
 
 class MirroredPrefixIndex(IndexReader):
@@ -112,6 +118,12 @@ class MirroredPrefixIndex(IndexReader):
         with self._lock:
             return self._copy.match(block_hashes, self._clock())
 
+    def inventory(self, group_id: str) -> TierInventory | None:
+        """The copy's hashes per medium of the group's live registration; None when not live."""
+        with self._lock:
+            g = self._copy.groups.get(group_id)
+            return None if g is None or g.deadline <= self._clock() else g.tiers()
+
     # ---- a router's writes: Redis, then the copy ------------------------------------------
     def inventory_stats(self) -> InventoryStats:
         return self.shared.inventory_stats()
@@ -159,10 +171,11 @@ class MirroredPrefixIndex(IndexReader):
         from (the stream's last id at the snapshot: entries after it have larger seqs)."""
         seq, last_id, *rows, pend = self.shared.snapshot()
         now, copy = self._clock(), IndexCopy(self._ttl)
-        for i in range(0, len(rows), 3):
-            gid, epoch, inventory = rows[i : i + 3]
+        for i in range(0, len(rows), 5):
+            gid, epoch, *inventories = rows[i : i + 5]  # device, host, disk
             g = copy.register(gid.decode(), int(epoch), now)
-            copy.store(g, HashChain(inventory))
+            for medium, inventory in zip(MEDIUMS, inventories, strict=True):
+                copy.store(g, HashChain(inventory), medium)
         for line in pend:
             gid, epoch, ttl_ms, h = line.split(b"\t", 3)
             g = copy.groups.get(gid.decode())
@@ -214,10 +227,10 @@ class MirroredPrefixIndex(IndexReader):
             copy.drop(name)
             return True
         copy.touch(g, now)
-        if kind == b"S":
-            copy.store(g, HashChain(payload))
-        elif kind == b"R":
-            copy.remove(g, HashChain(payload))
+        if kind in _STORES:
+            copy.store(g, HashChain(payload), _STORES[kind])
+        elif kind in _REMOVALS:
+            copy.remove(g, HashChain(payload), _REMOVALS[kind])
         elif kind == b"C":
             copy.clear(g)
         elif kind == b"Q":

@@ -23,11 +23,11 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from cluster.index.base import IndexWriter
-from cluster.index.publisher import IndexPublisher, PublisherConfig
+from cluster.index.publisher import IndexPublisher, Inventory, PublisherConfig, by_medium
 from worker.kv_events import AllBlocksCleared, BlockStored, KVEvent
 
 logger = logging.getLogger(__name__)
@@ -39,9 +39,10 @@ SNAPSHOT_WAIT_S = 30.0
 
 @dataclass(frozen=True)
 class _Snapshot:
-    """The prefix cache's hashes at one point between two steps; queued events are after it."""
+    """The prefix cache's hashes per medium at one point between two steps; queued events are
+    after it."""
 
-    hashes: tuple[bytes, ...]
+    hashes: dict[str, tuple[bytes, ...]]
 
 
 class PublisherThread:
@@ -51,7 +52,7 @@ class PublisherThread:
         self,
         index: IndexWriter,
         group_id: str,
-        inventory: Callable[[], Iterable[bytes]],
+        inventory: Callable[[], Inventory],
         config: PublisherConfig | None = None,
         on_fenced: Callable[[], None] | None = None,
     ) -> None:
@@ -104,12 +105,12 @@ class PublisherThread:
     def _take_snapshot(self) -> None:
         # Engine thread, under the lock: the queue's events are all in the cache now.
         self._queue.clear()
-        self._queue.append(_Snapshot(tuple(self._inventory())))
+        self._queue.append(_Snapshot(by_medium(self._inventory())))
         self._queued = 0
         self._want_snapshot = self._cut_off = False
         self._cond.notify_all()
 
-    def _await_snapshot(self) -> tuple[bytes, ...]:
+    def _await_snapshot(self) -> dict[str, tuple[bytes, ...]]:
         """The publisher's inventory (its thread, resyncing): the next snapshot the engine's
         thread takes, or the one already queued first; TimeoutError if none comes."""
         with self._cond:
@@ -153,5 +154,5 @@ class PublisherThread:
 def _as_events(item: Sequence[KVEvent] | _Snapshot) -> Sequence[KVEvent]:
     """A queued step's events; a snapshot as the events that make the index hold just it."""
     if isinstance(item, _Snapshot):
-        return (AllBlocksCleared(), BlockStored(item.hashes, None))
+        return (AllBlocksCleared(), *(BlockStored(h, None, medium) for medium, h in item.hashes.items()))
     return item

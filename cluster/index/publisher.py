@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from cluster.index.base import IndexWriter
@@ -31,7 +31,19 @@ from cluster.index.types import (
     PrefixIndexError,
     StaleEpochError,
 )
-from worker.kv_events import BlockStored, KVEvent
+from worker.kv_events import DEVICE, BlockStored, KVEvent
+
+# What a group's `inventory` callable returns: its device pool's hashes, or every medium's
+# hashes by name (worker/kv_events.py), so that a republished index holds each tier.
+Inventory = Iterable[bytes] | Mapping[str, Iterable[bytes]]
+
+
+def by_medium(inventory: Inventory) -> dict[str, tuple[bytes, ...]]:
+    """An inventory as hashes per medium (a plain iterable is the device's)."""
+    if isinstance(inventory, Mapping):
+        return {medium: tuple(hashes) for medium, hashes in inventory.items()}
+    return {DEVICE: tuple(inventory)}
+
 
 logger = logging.getLogger(__name__)
 
@@ -71,13 +83,14 @@ class IndexPublisher:
         self,
         index: IndexWriter,
         group_id: str,
-        inventory: Callable[[], Iterable[bytes]],
+        inventory: Callable[[], Inventory],
         config: PublisherConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
         on_fenced: Callable[[], None] | None = None,
     ) -> None:
-        """`inventory` returns the hashes of every block the group's prefix cache holds now
-        (called on the publishing thread; its owner may replace it); `on_fenced` is called once
+        """`inventory` returns the hashes of every block the group's prefix cache holds now,
+        the device's alone or every tier's by medium (called on the publishing thread; its
+        owner may replace it); `on_fenced` is called once
         when a newer registration of the group fences this publisher off."""
         self.index = index
         self.group_id = group_id
@@ -193,7 +206,7 @@ class IndexPublisher:
         try:
             # The snapshot first: taking it may wait for the engine's step (publish_thread.py),
             # which must not eat into the new registration's first TTL.
-            hashes = tuple(self.inventory())
+            hashes = by_medium(self.inventory())
             epoch = self.index.register_group(self.group_id, self._epoch)
         except StaleEpochError as e:
             self._fence(e)
@@ -233,12 +246,14 @@ def republish(
     index: IndexWriter,
     group_id: str,
     epoch: int,
-    hashes: Iterable[bytes],
+    hashes: Inventory,
     chunk: int = 4096,
 ) -> int:
-    """Publish a group's whole inventory under a new registration, `chunk` blocks per call;
-    returns the number of blocks."""
-    hashes = tuple(hashes)
-    for i in range(0, len(hashes), chunk):
-        index.publish(group_id, epoch, [BlockStored(hashes[i : i + chunk], None)])
-    return len(hashes)
+    """Publish a group's whole inventory (every medium's) under a new registration, `chunk`
+    blocks per call; returns the number of blocks."""
+    total = 0
+    for medium, tier in by_medium(hashes).items():
+        for i in range(0, len(tier), chunk):
+            index.publish(group_id, epoch, [BlockStored(tier[i : i + chunk], None, medium)])
+        total += len(tier)
+    return total

@@ -29,10 +29,12 @@ from cluster.index.types import (
     PendingWrite,
     PrefixIndexConfig,
     StaleEpochError,
+    TierInventory,
+    check_medium,
     check_name,
 )
 from worker.hashing import DIGEST_SIZE, HashChain
-from worker.kv_events import DEVICE, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from worker.kv_events import DEVICE, DISK, HOST, MEDIUMS, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 # Parsed hb rows a client keeps: a few registrations of each of hundreds of groups.
 _MAX_ROWS = 4096
@@ -137,11 +139,21 @@ class RedisPrefixIndex(PrefixIndex):
             m = known.get(row) or self._parse_row(row)
             out[m.group_id] = m
         for line in counts.split(b"\n") if counts else ():
-            gid, cached, pending = line.split(b"\t")
+            gid, *numbers = line.split(b"\t")  # cached, pending [, host, disk]
             m = out[gid.decode()]
-            out[m.group_id] = GroupMatch(m.group_id, m.epoch, int(cached), int(pending))
+            out[m.group_id] = GroupMatch(m.group_id, m.epoch, *map(int, numbers))
             out.touched.append(m.group_id)
         return out
+
+    def inventory(self, group_id: str) -> TierInventory | None:
+        """The group's live registration's hashes per medium; None when not live. Reads whole
+        sets: for tests and tools, not for the hot path."""
+        c, p = self.client, self.prefix
+        with _unavailable_as_index_error():
+            epoch, row = c.hget(p + "groups", group_id), c.get(f"{p}hb:{group_id}")
+            if epoch is None or row is None or not row.startswith(group_id.encode() + b"\t" + epoch + b"\t"):
+                return None
+            return {m: frozenset(c.smembers(f"{p}{_TIER_KEYS[m]}{group_id}")) for m in MEDIUMS}
 
     def _parse_row(self, row: bytes) -> GroupMatch:
         """A live group's hb row as a match of nothing; kept while the registration lives."""
@@ -191,13 +203,14 @@ class RedisPrefixIndex(PrefixIndex):
             live = [g for (g, h), r in zip(heads.items(), rows, strict=True) if r and r.startswith(h)]
             inv_keys = [f"{p}inv:{g}" for g in live]
             entries = sum(c.scard(k) for k in inv_keys)
+            lower = sum(c.scard(f"{p}{_TIER_KEYS[m]}{g}") for g in live for m in (HOST, DISK))
             blocks = len(c.sunion(inv_keys)) if inv_keys else 0
             samples = self.config.stats_sample_keys
             total = sum(c.memory_usage(k, samples=samples) or 0 for k in inv_keys)
             log_bytes = c.memory_usage(p + "log", samples=samples) or 0
         if not entries:
-            return InventoryStats(0, 0, len(live), log_bytes=log_bytes)
-        return InventoryStats(entries, blocks, len(live), total / entries, total, log_bytes)
+            return InventoryStats(0, 0, len(live), log_bytes=log_bytes, lower_entries=lower)
+        return InventoryStats(entries, blocks, len(live), total / entries, total, log_bytes, lower)
 
     def close(self) -> None:
         with self._idle_lock:
@@ -249,14 +262,18 @@ class RedisPrefixIndex(PrefixIndex):
             raise StaleEpochError(f"{what}: group {group_id!r} epoch {epoch} is not live")
 
 
+# The set of each medium: P inv:<group>, host:<group>, disk:<group> (redis_scripts.py).
+_TIER_KEYS = {DEVICE: "inv:", HOST: "host:", DISK: "disk:"}
+# A publish op's suffix by medium: S / R on the device, SH / RH on the host, SD / RD on disk.
+_OP_SUFFIX = {DEVICE: "", HOST: "H", DISK: "D"}
+
+
 def _encode_events(events: Sequence[KVEvent]) -> list[str]:
-    """The publish script's ARGV tail: 'S' blob | 'R' blob | 'C', in event order."""
+    """The publish script's ARGV tail: op blob | 'C', in event order (see PUBLISH)."""
     out: list[str | bytes] = []
     for event in events:
         if isinstance(event, BlockStored | BlockRemoved):
-            if event.medium != DEVICE:
-                continue  # the index follows the device tier
-            op = "S" if isinstance(event, BlockStored) else "R"
+            op = ("S" if isinstance(event, BlockStored) else "R") + _OP_SUFFIX[check_medium(event.medium)]
             out += [op, _blob(event.block_hashes)]
         elif isinstance(event, AllBlocksCleared):
             out.append("C")

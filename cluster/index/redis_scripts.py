@@ -8,6 +8,8 @@ raw 16 bytes (set members, hash fields and script arguments are binary-safe):
     P hb:<group>      string  the group's row of the match reply, `group TAB epoch TAB`,
                       PX heartbeat_ttl
     P inv:<group>     set   every block hash the current registration caches, PX heartbeat_ttl
+    P host:<group>    set   every block hash its host tier holds, PX heartbeat_ttl
+    P disk:<group>    set   every block hash its disk tier holds, PX heartbeat_ttl
     P pendh           hash  block hash .. `group TAB epoch TAB` -> deadline (Redis TIME, ms)
     P pendq           zset  the same members, scored by their deadline, PX the longest pending TTL
     P log             stream  every change above, in order (see "The log" below), MAXLEN ~LOG_MAX
@@ -29,7 +31,9 @@ has no per-field expiry). Only a chain's probe positions are recorded (see `prob
 chain's first block: a group that does not hold it holds none of the chain. A
 group that holds it gets one SMISMEMBER of all the chain's probe positions (every block up to
 32, then every 32nd, then the last) and one of the blocks between the last probe hit and the
-first miss. Pending: one HMGET of the first block for every live group, then a binary search
+first miss. A group with a lower tier (its `host` or `disk` set exists) is asked the same of
+the union of its device and host sets, then of all three: the chain's blocks past the device's
+lead that the host restores, then those the disk adds (as the in-process copy counts them). Pending: one HMGET of the first block for every live group, then a binary search
 for each group's last pending probe, run for all those groups together: one HMGET per step
 (about 7 for 96 probes), where a binary search per group in per-group zsets would make a
 redis.call per group and step (benchmarks/RESULTS.md).
@@ -37,7 +41,8 @@ redis.call per group and step (benchmarks/RESULTS.md).
 The log: every script that changes what a match answers also appends one entry per change to
 `log`, a stream with one field `v` = `kind TAB seq TAB group TAB epoch TAB payload`, where seq is
 `INCR logseq`. Kinds: G register, D deregister, B heartbeat (no payload),
-S / R blocks stored / removed (payload: their hashes concatenated), C cleared, Q pending (payload:
+S / R blocks stored / removed on the device, SH / RH on the host tier, SD / RD on the disk
+tier (payload: their hashes concatenated), C cleared (every tier), Q pending (payload:
 `ttl_ms TAB probe hashes`). A router's mirror (cluster/index/mirror.py) loads a `snapshot`, then
 follows the log from the snapshot's seq; a seq that is not the next one (the log was trimmed, or
 Redis restarted and lost it) sends it back to the snapshot. Both log keys expire after an hour
@@ -93,12 +98,13 @@ end
 -- Pending entries are keyed by the registration's head: a new epoch never sees them.
 local function drop_registration(g)
   redis.call('HDEL', P .. 'groups', g)
-  redis.call('DEL', P .. 'hb:' .. g, P .. 'inv:' .. g)
+  redis.call('DEL', P .. 'hb:' .. g, P .. 'inv:' .. g, P .. 'host:' .. g, P .. 'disk:' .. g)
 end
 local function refresh(g, ttl)
-  redis.call('PEXPIRE', P .. 'hb:' .. g, ttl)
-  redis.call('PEXPIRE', P .. 'inv:' .. g, ttl)
+  for _, k in ipairs({'hb:', 'inv:', 'host:', 'disk:'}) do redis.call('PEXPIRE', P .. k .. g, ttl) end
 end
+-- A publish op's set: S/R the device's `inv`, SH/RH the host's, SD/RD the disk's.
+local TIER_KEY = {S = 'inv:', R = 'inv:', SH = 'host:', RH = 'host:', SD = 'disk:', RD = 'disk:'}
 local function now_ms()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -110,15 +116,20 @@ local function each_chunk(cmd, key, blob)
     redis.call(cmd, key, unpack(slice(blob, i, math.min(i + CHUNK - 1, total))))
   end
 end
--- How many leading hashes of the list `hs` pass `ok` on the replies of `cmd key hash...`, asked
--- in chunks of `size` hashes, then twice as many, ...
-local function leading(cmd, key, hs, ok, size)
+-- How many leading hashes of the list `hs` are members of one of the sets `keys`, asked
+-- in chunks of `size` hashes (one SMISMEMBER per set), then twice as many, ...
+local function leading(keys, hs, size)
   local n, i = 0, 1
   while i <= #hs do
     local last = math.min(i + size - 1, #hs)
-    local replies = redis.call(cmd, key, unpack(hs, i, last))
+    local replies = redis.call('SMISMEMBER', keys[1], unpack(hs, i, last))
+    for k = 2, #keys do
+      for j, r in ipairs(redis.call('SMISMEMBER', keys[k], unpack(hs, i, last))) do
+        if r == 1 then replies[j] = 1 end
+      end
+    end
     for _, r in ipairs(replies) do
-      if not ok(r) then return n end
+      if r ~= 1 then return n end
       n = n + 1
     end
     i, size = last + 1, math.min(2 * size, CHUNK)
@@ -140,19 +151,20 @@ local function hashes_at(blob, positions)
   for _, p in ipairs(positions) do t[#t + 1] = string.sub(blob, (p - 1) * W + 1, p * W) end
   return t
 end
--- Leading blocks of the chain held in `key`, known to hold the first block: all probes in one
--- call (one call per chunk costs more than the lookups), then the blocks between the last probe
--- hit and the first probe miss. Exact within the first DENSE blocks; beyond, exact when the
--- holdings are prefix-closed between two probes, which the block manager keeps (a request
--- frees its blocks tail first, so a chain's tail is evicted before its head).
-local function leading_blocks(cmd, key, blob, pos, probe_hs, ok)
-  local k = leading(cmd, key, probe_hs, ok, CHUNK)
+-- Leading blocks of the chain held in the union of the sets `keys`, known to hold the first
+-- block: all probes in one call per set (one call per chunk costs more than the lookups), then
+-- the blocks between the last probe hit and the first probe miss. Exact within the first DENSE
+-- blocks; beyond, exact when the holdings are prefix-closed between two probes, which the block
+-- manager keeps (a request frees its blocks tail first, so a chain's tail is evicted before its
+-- head).
+local function leading_blocks(keys, blob, pos, probe_hs)
+  local k = leading(keys, probe_hs, CHUNK)
   if k == #pos then return pos[k] or 0 end
   local lo, hi = pos[k] or 0, pos[k + 1]
   if hi - lo <= 1 then return lo end
   local between = {}
   for p = lo + 1, hi - 1 do between[#between + 1] = p end
-  return lo + leading(cmd, key, hashes_at(blob, between), ok, CHUNK)
+  return lo + leading(keys, hashes_at(blob, between), CHUNK)
 end
 """.replace("DIGEST_SIZE", str(DIGEST_SIZE))
     .replace("PROBE_DENSE", str(PROBE_DENSE))
@@ -189,20 +201,21 @@ log('B', g, e)
 return 1
 """
 
-# ARGV: P, group, epoch, ttl_ms, then events in order: 'S' blob | 'R' blob | 'C'.
+# ARGV: P, group, epoch, ttl_ms, then events in order: op blob (op: S / R on the device, SH / RH
+# on the host tier, SD / RD on the disk tier) | 'C' (every tier cleared).
 PUBLISH = """
 local g, e, ttl = ARGV[2], ARGV[3], ARGV[4]
 if live_epoch(g) ~= e then return 0 end
-local inv = P .. 'inv:' .. g
 local i = 5
 while i <= #ARGV do
   local op = ARGV[i]
   if op == 'C' then
-    redis.call('DEL', inv)
+    redis.call('DEL', P .. 'inv:' .. g, P .. 'host:' .. g, P .. 'disk:' .. g)
     log('C', g, e)
     i = i + 1
   else
-    each_chunk(op == 'S' and 'SADD' or 'SREM', inv, ARGV[i + 1])
+    local key = P .. TIER_KEY[op] .. g
+    each_chunk(string.sub(op, 1, 1) == 'S' and 'SADD' or 'SREM', key, ARGV[i + 1])
     log(op, g, e, ARGV[i + 1])
     i = i + 2
   end
@@ -298,8 +311,8 @@ end
 return written
 """
 
-# ARGV: P, blob -> one string: a line `group TAB cached TAB pending` per live group that holds
-# or has pending the chain's first block, an empty line, then every live group's hb row (see the
+# ARGV: P, blob -> one string: a line `group TAB cached TAB pending [TAB host TAB disk]` per live
+# group that holds (in any tier) or has pending the chain's first block, an empty line, then every live group's hb row (see the
 # module docstring). Rows change only with a group's registration, so the client keeps the
 # parsed rows and parses only the new ones; one bulk string because redis-py parses each element of a
 # multi-bulk reply in Python.
@@ -315,15 +328,28 @@ end
 if #live == 0 then return '' end
 local blob = ARGV[2]
 local n = #blob / W
-local cached, pending, counts = {}, {}, {}
+local cached, pending, counts, below = {}, {}, {}, {}
 if n > 0 then
   local h0, pos, probe_hs = string.sub(blob, 1, W), nil, nil
-  local function is_member(r) return r == 1 end
   for j, g in ipairs(live) do
-    if redis.call('SISMEMBER', P .. 'inv:' .. g, h0) == 1 then
+    local inv, host, disk = P .. 'inv:' .. g, P .. 'host:' .. g, P .. 'disk:' .. g
+    local on_device = redis.call('SISMEMBER', inv, h0) == 1
+    if on_device then
       pos = pos or probes(n)
       probe_hs = probe_hs or hashes_at(blob, pos)
-      cached[j] = leading_blocks('SMISMEMBER', P .. 'inv:' .. g, blob, pos, probe_hs, is_member)
+      cached[j] = leading_blocks({inv}, blob, pos, probe_hs)
+    end
+    if redis.call('EXISTS', host, disk) > 0 then
+      local on_host = redis.call('SISMEMBER', host, h0) == 1
+      if on_device or on_host or redis.call('SISMEMBER', disk, h0) == 1 then
+        pos = pos or probes(n)
+        probe_hs = probe_hs or hashes_at(blob, pos)
+        local d = cached[j] or 0
+        local u = d
+        if on_device or on_host then u = math.max(d, leading_blocks({inv, host}, blob, pos, probe_hs)) end
+        local a = math.max(u, leading_blocks({inv, host, disk}, blob, pos, probe_hs))
+        if a > d then below[j] = (u - d) .. '\\t' .. (a - u) end
+      end
     end
   end
   if redis.call('EXISTS', PENDH) == 1 then
@@ -359,14 +385,18 @@ if n > 0 then
   end
   for j, g in ipairs(live) do
     local c, p = cached[j] or 0, pending[j] or 0
-    if c + p > 0 then counts[#counts + 1] = g .. '\\t' .. c .. '\\t' .. p end
+    if below[j] then
+      counts[#counts + 1] = g .. '\\t' .. c .. '\\t' .. p .. '\\t' .. below[j]
+    elseif c + p > 0 then
+      counts[#counts + 1] = g .. '\\t' .. c .. '\\t' .. p
+    end
   end
 end
 return table.concat(counts, '\\n') .. '\\n\\n' .. table.concat(rows, '\\n')
 """
 
 # ARGV: P -> {seq, the log's last entry id or '0-0', then per live group: group, epoch, its
-# inventory's hashes concatenated; last, a list of the live registrations' unexpired pending probes as lines
+# device, host and disk inventories' hashes concatenated (three strings); last, a list of the live registrations' unexpired pending probes as lines
 # `group TAB epoch TAB ttl_ms TAB hash`}. Consistent with the log at `seq` (a script runs alone):
 # a mirror that loads it follows the log from entry seq + 1.
 SNAPSHOT = """
@@ -379,7 +409,9 @@ for _, g in ipairs(redis.call('HKEYS', P .. 'groups')) do
     heads[row_head(g, e)] = true
     out[#out + 1] = g
     out[#out + 1] = e
-    out[#out + 1] = table.concat(redis.call('SMEMBERS', P .. 'inv:' .. g))
+    for _, k in ipairs({'inv:', 'host:', 'disk:'}) do
+      out[#out + 1] = table.concat(redis.call('SMEMBERS', P .. k .. g))
+    end
   end
 end
 -- Pending: `head TAB ttl_ms TAB hash` lines of every live registration (the hash is last: binary).

@@ -11,20 +11,34 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from worker.kv_events import MEDIUMS
+
 
 class GroupMatch(NamedTuple):
     """What one live group holds of a queried chain. A named tuple: a match builds one per
-    group it touches, at a quarter of a frozen dataclass's cost; `_replace` for a changed copy."""
+    group it touches, at a quarter of a frozen dataclass's cost; `_replace` for a changed copy.
+
+    The chain is followed across the group's tiers as its block manager follows it: `blocks`
+    lead on the device; after them, `host_blocks` more continue with every block on the
+    device or the host tier, then `disk_blocks` more with every block in some tier. A reader
+    that knows no tiers reads `blocks` alone (the two lower counts default to 0)."""
 
     group_id: str
     epoch: int
-    blocks: int  # leading blocks of the chain cached on the group
+    blocks: int  # leading blocks of the chain cached on the group's device pool
     pending_blocks: int  # leading blocks of the chain pending (recently placed) on the group
+    host_blocks: int = 0  # blocks after `blocks` restored from the host tier (or on the device)
+    disk_blocks: int = 0  # blocks after those fetched from the disk tier (or above it)
 
     @property
     def expected_blocks(self) -> int:
-        """Leading blocks the group holds or is about to hold."""
+        """Leading blocks the group holds on its device or is about to hold."""
         return max(self.blocks, self.pending_blocks)
+
+    @property
+    def tier_blocks(self) -> int:
+        """Leading blocks of the chain the group holds in any tier."""
+        return self.blocks + self.host_blocks + self.disk_blocks
 
 
 class Matches(dict[str, GroupMatch]):
@@ -53,6 +67,13 @@ def check_name(field_name: str, value: str) -> str:
     if not isinstance(value, str) or not _NAME.fullmatch(value):
         raise ValueError(f"{field_name} must match {_NAME.pattern}, got {value!r}")
     return value
+
+
+def check_medium(medium: str) -> str:
+    """`medium` if a KV event may name it (worker/kv_events.py), else ValueError."""
+    if medium not in MEDIUMS:
+        raise ValueError(f"medium must be one of {', '.join(MEDIUMS)}, got {medium!r}")
+    return medium
 
 
 class PrefixIndexError(Exception):
@@ -112,6 +133,12 @@ class InventoryStats:
     # Redis memory of the change log that routers' mirrors follow (cluster/index/mirror.py):
     # recent writes, about LOG_MAX_ENTRIES of them, not part of bytes_total.
     log_bytes: int | None = None
+    # (group, block) pairs of the live groups' tiers under the pool: host and disk
+    lower_entries: int = 0
+
+
+# One group's inventory per medium (worker/kv_events.py: "device", "host", "disk").
+TierInventory = Mapping[str, frozenset[bytes]]
 
 
 @dataclass(frozen=True)

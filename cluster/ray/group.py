@@ -153,9 +153,9 @@ class RayGroup(GroupHandle):
         self._pump_thread.start()
         threading.Thread(target=self._watch, name="pagefleet-watch", daemon=True).start()
 
-    def _inventory(self) -> list[bytes]:
+    def _inventory(self) -> dict[str, list[bytes]]:
         timeout = self.group_config.collective_timeout_s  # (between two steps of rank 0)
-        return ray.get(self._rank0.cached_hashes.remote(), timeout=timeout)
+        return ray.get(self._rank0.tier_hashes.remote(), timeout=timeout)
 
     # ---- GroupHandle -------------------------------------------------------------------
     async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
@@ -258,6 +258,23 @@ class RayGroup(GroupHandle):
     def unpin(self, document_id: str) -> None:
         if not self._closed:
             self._rank0.unpin.remote(document_id)
+
+    async def pull_from(self, holder: GroupHandle, block_hashes: Sequence[bytes], timeout_s: float) -> int:
+        """From another group on Ray: this group's rank 0 asks the holder's for an export (each
+        holder rank copies its shard between two steps), every rank r fetches rank r's shard
+        through the object store, and rank 0 writes them into the host tiers between two steps
+        (cluster/ray/rank_actor.py: `pull`). A holder that is gone, slow or of another format
+        brings 0: the request recomputes."""
+        if not isinstance(holder, RayGroup) or holder is self or self._closed or holder._closed:
+            return 0
+        hashes = tuple(block_hashes)
+        try:
+            return await asyncio.wait_for(self._rank0.pull.remote(holder._rank0, hashes, timeout_s), timeout_s)
+        except Exception as e:  # (TimeoutError, RayActorError, KVTransferError): recompute instead
+            log.warning(
+                "group %s: pulling %d blocks from %s failed (%s)", self.group_id, len(hashes), holder.group_id, e
+            )
+            return 0
 
     def status(self) -> GroupStatus:
         """Load as of rank 0's latest batch and liveness as the watcher last saw it; never

@@ -38,6 +38,7 @@ import logging
 import os
 import queue
 import sys
+import uuid
 from dataclasses import dataclass, replace
 
 from cluster.ray.node_watch import NodeWatch
@@ -45,6 +46,8 @@ from cluster.ray.output_delta import OutputDelta
 from cluster.ray.runtime import ray
 from worker.config import EngineConfig
 from worker.heap import settle_heap
+from worker.kv_events import DEVICE
+from worker.kv_transfer import BlockExport
 from worker.outputs import RequestOutput
 from worker.protocol import GenerationRequest
 
@@ -98,6 +101,8 @@ class RankActor:
         self._description: dict = {}
         self._loop: asyncio.AbstractEventLoop | None = None  # the actor's event loop
         self._node_watch: NodeWatch | None = None
+        self._peers: list = []  # rank 0: the other ranks' actors, rank 1 first (for KV pulls)
+        self._kv_format = None  # rank 0: what another group must share to exchange KV blocks
 
     def store_path(self) -> str:
         """A fresh store file on this node for the group's rendezvous (worker/exec/distributed.py:
@@ -150,7 +155,8 @@ class RankActor:
             if self._publisher is not None or self._events_to is not None:
                 engine.on_kv_events = self._kv_events
             self.facts = engine.facts()  # (before the engine thread uses the tokenizer)
-            self._inventory = engine.cached_hashes  # (called between steps, on its thread)
+            self._inventory = engine.tier_hashes  # (called between steps, on its thread)
+            self._kv_format = engine.kv_format()
             self.engine = AsyncEngine(engine, self._tick)
             layout = self.executor.layout
         else:
@@ -192,7 +198,7 @@ class RankActor:
         self._publisher = GroupPublisher(
             redis,
             index.group_id,
-            engine.cached_hashes,
+            engine.tier_hashes,
             on_fenced=lambda: end_process(fenced),
         )
 
@@ -307,13 +313,58 @@ class RankActor:
         return await self._between_steps(lambda: self.executor.probe_broadcast(rounds))
 
     async def cached_hashes(self) -> list[bytes]:
-        """Every block hash in the engine's prefix cache (the group's index inventory)."""
+        """Every block hash in the engine's prefix cache on the device."""
+        return (await self._between_steps(self._inventory))[DEVICE]
+
+    async def tier_hashes(self) -> dict[str, list[bytes]]:
+        """Every block hash of every tier of the engine, by medium (the group's index inventory)."""
         return await self._between_steps(self._inventory)
 
     async def _between_steps(self, fn):
         done: concurrent.futures.Future = concurrent.futures.Future()
         self._calls.put((fn, done))
         return await asyncio.wrap_future(done)
+
+    # ---- KV blocks moved between groups (worker/kv_transfer.py) --------------------------
+    def set_peers(self, peers: list) -> None:
+        """Rank 0: the actors of ranks 1.. of this group, whose KV shards travel on their own."""
+        self._peers = list(peers)
+
+    async def export_blocks(self, block_hashes: tuple[bytes, ...], timeout_s: float) -> BlockExport:
+        """Rank 0 of a holder: the leading blocks of the chain it has, copied between two steps
+        on every rank; each rank's shard as an ObjectRef (rank 0's put in the object store now,
+        rank r's the result of its `take_export`), so that the puller's rank r fetches rank r's."""
+        export = await asyncio.wrap_future(self.engine.call(lambda e: e.export_blocks(block_hashes)))
+        if export.num_blocks:
+            rest = [p.take_export.remote(export.export_id, timeout_s) for p in self._peers]
+            export.shards = [ray.put(export.shards[0]), *rest]
+        return export
+
+    async def take_export(self, export_id: bytes, timeout_s: float) -> list:
+        """Rank r > 0 of a holder: its shard of an export (waiting for rank 0's message)."""
+        shard = await asyncio.to_thread(self.worker.stash.take, export_id, timeout_s)
+        if shard is None:
+            raise TimeoutError(f"rank {self._description.get('rank')}: no KV shard for export {export_id.hex()}")
+        return shard
+
+    async def stage(self, import_id: bytes, shard_ref: list) -> None:
+        """Rank r > 0 of a puller: fetch rank r's shard from the holder's rank r (the object
+        store moves it, across nodes if need be), kept for rank 0's IMPORT message."""
+        self.worker.stash.put(import_id, await shard_ref[0])
+
+    async def pull(self, holder_rank0, block_hashes: tuple[bytes, ...], timeout_s: float) -> int:
+        """Rank 0 of a puller: the holder's leading blocks of the chain into this group's host
+        tier (every rank its own shard); returns how many were written. Raises when the holder
+        is gone, has another format, or a shard does not come within `timeout_s`."""
+        export = await holder_rank0.export_blocks.remote(block_hashes, timeout_s)
+        if not export.num_blocks:
+            return 0
+        self._kv_format.check_compatible(export.format)  # (before a byte is copied)
+        import_id = uuid.uuid4().bytes
+        staged = [p.stage.remote(import_id, [ref]) for p, ref in zip(self._peers, export.shards[1:], strict=True)]
+        shard = await export.shards[0]
+        await asyncio.gather(*staged)
+        return await asyncio.wrap_future(self.engine.call(lambda e: e.import_blocks(export, shard, import_id)))
 
     async def shutdown(self) -> None:
         self._closing = True

@@ -117,6 +117,8 @@ class RankSet:
                 for rank, a in enumerate(self.actors)
             ]
             self.ranks = _first_error(refs, gc.start_timeout_s)
+            if self.tp > 1:  # (rank 0 hands its peers' KV shards to another group's)
+                ray.get(self.rank0.set_peers.remote(self.actors[1:]), timeout=gc.start_timeout_s)
         except BaseException:
             self.shutdown()
             raise

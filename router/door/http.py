@@ -214,7 +214,7 @@ class HttpDoor:
         streams = [outputs(router, r, self.metrics, self.in_flight, t0, limiter=self.limiter) for r in routes.routes]
         merged = Merged(streams, routes.n)
         choices = [Choice(i, i // routes.n) for i in range(len(streams))]
-        fmt = Formatter(chat, rid, router.model_info.model, self.token_text, body.return_token_ids)
+        fmt = Formatter(chat, rid, router.model_info.model, self.token_text, body.return_token_ids, routes.tool_calls)
         prompts = [len(p) for p in routes.prompts]
         try:
             if not body.stream:

@@ -15,6 +15,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from router.door.openai_tools import ToolCalls
+
 if TYPE_CHECKING:
     from router.router import RouteRecord
     from worker.outputs import RequestOutput
@@ -30,6 +32,7 @@ class Choice:
     last: RequestOutput | None = None
     text_length: int = 0  # characters sent so far (completions' logprobs.text_offset)
     sent_role: bool = False  # chat: the first delta carries the role
+    tools: ToolCalls | None = None  # its tool calls, read as its output streams
 
 
 @dataclass
@@ -41,6 +44,7 @@ class Formatter:
     model: str
     token_text: Callable[[int], str]  # one token's text, for logprobs
     return_token_ids: bool = False
+    tool_calls: bool = False  # chat: read tool calls from the outputs (router/door/openai_tools.py)
     created: int = field(default_factory=lambda: int(time.time()))
 
     # ---- whole responses ------------------------------------------------------------------
@@ -56,11 +60,19 @@ class Formatter:
         out = c.last
         lps = self._logprobs(out.logprobs, out.token_ids, 0) if out.logprobs is not None else None
         choice = {"index": c.index}
-        if self.chat:
+        finish = out.finish_reason
+        if self.tool_calls:
+            c.tools = ToolCalls()
+            content, calls = c.tools.whole(out.text)
+            choice["message"] = {"role": "assistant", "content": (content or None) if calls else content}
+            if calls:
+                choice["message"]["tool_calls"] = calls
+            finish = c.tools.finish_reason(finish)
+        elif self.chat:
             choice["message"] = {"role": "assistant", "content": out.text}
         else:
             choice["text"] = out.text
-        choice |= {"logprobs": lps, "finish_reason": out.finish_reason, "stop_reason": out.stop_reason}
+        choice |= {"logprobs": lps, "finish_reason": finish, "stop_reason": out.stop_reason}
         if self.return_token_ids:
             choice["token_ids"] = list(out.token_ids)
         return choice
@@ -74,15 +86,18 @@ class Formatter:
         if out.new_logprobs is not None:  # this step's (the whole list grows on)
             lps = self._logprobs(out.new_logprobs, new_ids, c.text_length)
         choice = {"index": c.index}
+        finish = out.finish_reason if out.finished else None
         if self.chat:
             delta = {"content": out.new_text}
+            if self.tool_calls:
+                delta, finish = self._tool_delta(c, out, finish)
             if not c.sent_role:
                 delta = {"role": "assistant", **delta}
                 c.sent_role = True
             choice["delta"] = delta
         else:
             choice["text"] = out.new_text
-        choice |= {"logprobs": lps, "finish_reason": out.finish_reason if out.finished else None}
+        choice |= {"logprobs": lps, "finish_reason": finish}
         if out.finished:
             choice["stop_reason"] = out.stop_reason
         if self.return_token_ids:
@@ -92,6 +107,16 @@ class Formatter:
         if record is not None:
             body["pagefleet"] = {"choices": [{"index": c.index, **placement(record)}]}
         return body
+
+    def _tool_delta(self, c: Choice, out: RequestOutput, finish: str | None) -> tuple[dict, str | None]:
+        """A chunk's delta with its tool calls' pieces, and its finish reason."""
+        if c.tools is None:
+            c.tools = ToolCalls()
+        content, calls = c.tools.delta(out.new_text, out.finished)
+        delta = {"content": content} if content else {}
+        if calls:
+            delta["tool_calls"] = calls
+        return delta, c.tools.finish_reason(finish)
 
     def usage_chunk(self, choices: Sequence[Choice], num_prompts: Sequence[int]) -> dict:
         """The last chunk with `stream_options.include_usage`: no choices, the usage."""

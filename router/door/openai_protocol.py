@@ -7,7 +7,7 @@ naming it, as OpenAI's API answers. Fields OpenAI defines that pagefleet does no
 (`logit_bias`, `echo`, `best_of` > 1, `suffix`) are refused by name. pagefleet's extensions
 take vLLM's names (`top_k`, `min_p`, `repetition_penalty`, `stop_token_ids`, `ignore_eos`,
 `include_stop_str_in_output`, `cache_salt`, `priority`, `return_token_ids`, and
-`structured_outputs`: {json, regex, grammar, choice, json_object}), for clients that send
+`structured_outputs`: {json, regex, grammar, choice, json_object, structural_tag}), for clients that send
 them through the SDK's `extra_body`.
 
 `parse_body` reads a body in one pass of pydantic's JSON parser: token ids arrive as numpy
@@ -92,7 +92,7 @@ def _is_field_name(p: Any) -> bool:
     return isinstance(p, str) and p.isidentifier() and not p[:1].isupper() and p not in _TAGS
 
 
-_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "function"}
+_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 Body = TypeVar("Body", bound=BaseModel)
 
@@ -153,6 +153,7 @@ class StructuredOutputsBody(_Body):
     grammar: Text | None = None
     choice: Texts | None = None
     json_object: bool | None = None
+    structural_tag: dict | Text | None = None  # an xgrammar structural tag (as vLLM takes it)
 
 
 class JsonSchemaFormat(_Body):
@@ -217,10 +218,51 @@ class TextPart(_Body):
     text: Text
 
 
+class CalledFunction(_Body):
+    name: Text
+    arguments: Text  # the arguments' JSON text, as the model wrote it
+
+
+class ToolCallBody(_Body):
+    """An assistant's call of a tool, sent back in the conversation."""
+
+    id: Text
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(_Body):
     role: Text
-    content: Text | list[TextPart]
+    content: Text | list[TextPart] | None = None  # None: an assistant's message of tool calls
     name: Text | None = None  # accepted and unused
+    tool_calls: list[ToolCallBody] | None = None  # an assistant's calls
+    tool_call_id: Text | None = None  # a tool message: the call it answers
+    refusal: Text | None = None  # accepted (a message sent back as the SDK read it) and unused
+
+
+class FunctionDefinition(_Body):
+    name: Text
+    description: Text | None = None
+    parameters: dict | None = None  # the arguments' JSON Schema (an object); None: no arguments
+    strict: bool | None = None  # accepted: a forced call's arguments always follow the schema
+
+
+class ToolDefinition(_Body):
+    """OpenAI's `tools[i]`: a function the model may call."""
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Body):
+    name: Text
+
+
+class NamedToolChoice(_Body):
+    """`tool_choice: {"type": "function", "function": {"name": ...}}`: call this one."""
+
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_Generation):
@@ -230,8 +272,11 @@ class ChatCompletionRequest(_Generation):
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
-    tools: list[Any] | None = None  # refused unless empty
     response_format: ResponseFormat | None = None
+    # tool calling (router/door/openai_routes.py: chat_tools)
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class TokenizeRequest(_Body):

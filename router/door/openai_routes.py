@@ -19,6 +19,7 @@ from router.door.openai_protocol import (
     ChatMessage,
     CompletionRequest,
 )
+from router.door.openai_tools import tool_use
 from router.door.serving import check_message_count, checked_request, invalid, request_salt, tokenize
 from router.router import CheckedRequest
 from worker.sampling_params import SamplingParams
@@ -55,6 +56,7 @@ class Routes:
     prompts: list[CheckedIds]
     n: int
     constraint_field: str | None = None  # the body's field that set a structured output
+    tool_calls: bool = False  # read tool calls from the outputs (router/door/openai_tools.py)
 
     def named(self, message: str, param: str | None) -> tuple[str, str | None]:
         """An error's message and param with a group's name for the constraint
@@ -88,9 +90,7 @@ async def completion_routes(body: CompletionRequest, router: Router, request_id:
 
 
 async def chat_routes(body: ChatCompletionRequest, router: Router, request_id: str, tenant: str | None) -> Routes:
-    """`/v1/chat/completions`: the messages rendered with the model's chat template."""
-    if body.tools:
-        raise invalid("tools are not supported", "tools")
+    """`/v1/chat/completions`: the messages (and tools) rendered with the model's chat template."""
     if body.top_logprobs is not None and not body.logprobs:
         raise invalid("top_logprobs needs logprobs to be true", "top_logprobs")
     if body.max_tokens is not None and body.max_completion_tokens is not None:
@@ -99,9 +99,17 @@ async def chat_routes(body: ChatCompletionRequest, router: Router, request_id: s
     limit = body.max_tokens or body.max_completion_tokens  # None: up to the context
     top = (body.top_logprobs or 0) if body.logprobs else None
     constraint, where = structured_outputs(body)
+    tools = tool_use(body)
+    if tools.constraint is not None:
+        if constraint is not None:
+            raise invalid(f"tool_choice cannot force a call with {where.split('.')[0]} given too", "tool_choice")
+        constraint, where = tools.constraint, tools.constraint_field
     params = sampling_params(body, limit, limit_field, top, "top_logprobs", constraint)
-    ids = await tokenize(router, messages=chat_messages(body.messages, router.model_info.max_model_len))
-    return _routes(body, [ids], params, limit_field, router, request_id, tenant, where)
+    messages = chat_messages(body.messages, router.model_info.max_model_len)
+    ids = await tokenize(router, messages=messages, tools=tools.tools)
+    routes = _routes(body, [ids], params, limit_field, router, request_id, tenant, where)
+    routes.tool_calls = tools.parse
+    return routes
 
 
 def structured_outputs(body) -> tuple[StructuredOutputs | None, str | None]:
@@ -141,18 +149,43 @@ def _as_field(message: str, where: str) -> str:
 
 
 def chat_messages(messages: list[ChatMessage], context: int) -> list[dict]:
-    """The router's {"role", "content"} dicts; text parts are joined by newlines. More
-    messages than the `context` has tokens are refused before any is built."""
+    """The router's {"role", "content"} dicts (an assistant's with its `tool_calls`, a tool's
+    with its `tool_call_id`, which must answer an earlier call); text parts are joined by
+    newlines. More messages than the `context` has tokens are refused before any is built."""
     check_message_count(len(messages), context)
-    out = []
+    out, calls = [], set()
     for i, m in enumerate(messages):
         if not m.role.strip():
             raise invalid(f"messages[{i}].role must not be empty", f"messages[{i}].role")
-        content = m.content if isinstance(m.content, str) else "\n".join(p.text for p in m.content)
-        out.append({"role": m.role, "content": content})
+        if m.tool_calls is not None and m.role != "assistant":
+            where = f"messages[{i}].tool_calls"
+            raise invalid(f"{where} is only allowed on an assistant message", where)
+        message = {"role": m.role, "content": _content(i, m)}
+        if m.tool_calls is not None:
+            message["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+            calls.update(c.id for c in m.tool_calls)
+        if (m.role == "tool") != (m.tool_call_id is not None):
+            what = "is required on a tool message" if m.role == "tool" else "is only allowed on a tool message"
+            raise invalid(f"messages[{i}].tool_call_id {what}", f"messages[{i}].tool_call_id")
+        if m.tool_call_id is not None:
+            if m.tool_call_id not in calls:
+                raise invalid(
+                    f"messages[{i}].tool_call_id {m.tool_call_id[:64]!r} answers no earlier assistant message's tool call",
+                    f"messages[{i}].tool_call_id",
+                )
+            message["tool_call_id"] = m.tool_call_id
+        out.append(message)
     if not out:
         raise invalid("messages must not be empty", "messages")
     return out
+
+
+def _content(i: int, m: ChatMessage) -> str:
+    if m.content is None:
+        if m.role == "assistant" and m.tool_calls:
+            return ""
+        raise invalid(f"messages[{i}].content is required", f"messages[{i}].content")
+    return m.content if isinstance(m.content, str) else "\n".join(p.text for p in m.content)
 
 
 def sampling_params(

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from router.door.metrics import ServerMetrics
     from router.router import Router, RouteRecord
     from worker.outputs import RequestOutput
+    from worker.tools import Tool
 
 log = logging.getLogger(__name__)
 
@@ -110,13 +111,16 @@ def request_salt(key_tenant: str | None, cache_salt: str | None = None, tenant: 
     return cache_namespace(cache_salt=cache_salt, tenant=tenant)
 
 
-async def tokenize(router: Router, text: str | None = None, messages: Sequence[dict] | None = None) -> CheckedIds:
+async def tokenize(
+    router: Router, text: str | None = None, messages: Sequence[dict] | None = None, tools: Sequence[Tool] | None = None
+) -> CheckedIds:
     """The token ids of `text` or chat `messages` (one of them; messages counted with
-    `check_message_count` before they were built), rendered with the model's chat template,
+    `check_message_count` before they were built), rendered with the model's chat template
+    (with `tools`),
     computed on a worker thread after the checks that refuse at once what cannot fit the
     context: a long prompt must not stall the event loop, which serves every other call."""
     try:
-        return (await asyncio.to_thread(router.tokenized, text, messages))[1]
+        return (await asyncio.to_thread(router.tokenized, text, messages, tools))[1]
     except PromptTooLongError as e:
         raise Reject(grpc.StatusCode.OUT_OF_RANGE, str(e)) from None
     except ValueError as e:

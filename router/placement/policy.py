@@ -18,6 +18,10 @@ class Placement:
     group_id: str
     reason: str  # why: "prefix_hit", "spill", "new_prefix", "least_loaded", "round_robin", ...
     cached_blocks: int = 0  # leading blocks the index says the group holds (or has pending)
+    # another live group holding more of the prefix, which the chosen one pulls it from first
+    # (router/router.py: `pull_source`), and the leading blocks that group holds
+    pull_from: str | None = None
+    pull_blocks: int = 0
 
     def cached_tokens(self, prompt_tokens: int, block_size: int) -> int:
         """The prompt tokens the placement predicts the group serves from its cache: whole

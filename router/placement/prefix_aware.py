@@ -2,15 +2,19 @@
 where the candidates are those under a load bound.
 
 The cost of placing an n-block prompt on group g that holds (or has pending) its first h
-blocks, in seconds (`PrefixAware.cost`, one term per line):
+blocks, in seconds (`PrefixAware.cost`, one term per line). A block costs nothing on g's
+device, a restore from g's host tier (load_block_s) or disk tier (fetch_block_s, then the
+host's load), or its recompute: h counts the leading blocks g holds in any tier (the prefix
+index's per-tier match), of which `host` and `disk` blocks are restored:
 
     new         = (n - h) * block_size + block_size / 2    tokens g must compute (with the tail)
     ttft        = (g's queued prefill + new) * prefill_token_s
                   + steps of that work * (step_s + g's running decodes * decode_seq_s)
+    restore     = host * load_block_s + disk * (fetch_block_s + load_block_s)
     recompute   = (1 + delayed) * new * prefill_token_s
                   where delayed = the fewest requests running and waiting on any live group
-    eviction    = eviction_weight * pressure(g) * (new blocks beyond g's empty ones)
-                  * block_size * prefill_token_s
+    eviction    = eviction_weight * pressure(g) * (new and restored blocks beyond g's empty
+                  ones) * block_size * prefill_token_s
     neighbours  = request_weight * (g's running + waiting requests) * decode_seq_s
     balance     = balance_weight * decode_seq_s * (g's recent placements - their mean)
 
@@ -178,27 +182,38 @@ class PrefixAware(Policy):
 
     # ---- the formula ------------------------------------------------------------------
     def cost(
-        self, n: int, s: GroupStatus, hit: int, placements: float, mean: float, pressure: float, delayed: int
+        self,
+        n: int,
+        s: GroupStatus,
+        hit: int,
+        placements: float,
+        mean: float,
+        pressure: float,
+        delayed: int,
+        restored: tuple[int, int] = (0, 0),
     ) -> float:
         """Seconds: this request's time to first token on the group, plus what placing it
         there costs the rest of the cluster (module docstring). `placements`: the group's
         recent placements, `mean` theirs over the live groups; `pressure`: the group's recent
         uncached tokens over the mean (1 when nothing was sent); `delayed`: the fewest requests
-        running and waiting on any live group (`_delayed`)."""
+        running and waiting on any live group (`_delayed`); `restored`: of the `hit` blocks,
+        those restored from the host and from the disk tier (`_restored`)."""
         cfg, c, bs = self.config, self.config.cost, self.block_size
         st = self._status_terms(s)
-        ht = hit_terms(n, hit, bs, 1.0 + delayed, c.prefill_token_s)
+        ht = hit_terms(n, hit, bs, 1.0 + delayed, c, restored)
         ttft = ttft_s(st.queued + ht.new, c.prefill_token_s, self.batch_tokens, st.step_s)
+        restore = ht.restore
         recompute = ht.recompute
         eviction = eviction_s(cfg.eviction_weight, pressure, max(0, ht.new_blocks - st.room), bs, c.prefill_token_s)
         neighbours = st.neighbours
         balance = cfg.balance_weight * c.decode_seq_s * (placements - mean)
-        return ttft + recompute + eviction + neighbours + balance
+        return ttft + restore + recompute + eviction + neighbours + balance
 
     def choose_by_formula(self, block_hashes, statuses, matches, placed) -> Placement:
         """The placement by the formula over every candidate (what `choose` answers faster)."""
         n, live = len(block_hashes), len(statuses)
         held = _held(n, statuses, matches)
+        restored = _restored(matches, held)
         requests, tokens, scale = placed.raw()
         share = _Placed(requests, scale, live)
         mean = share.mean(statuses)
@@ -214,6 +229,7 @@ class PrefixAware(Policy):
                     mean,
                     tokens.get(g, 0.0) * live / total if total > 0 else 1.0,
                     delayed,
+                    restored.get(g, _NOT_RESTORED),
                 )
                 for g, s in statuses.items()
                 if limits.admits(held.get(g, 0), share[g])
@@ -231,7 +247,7 @@ class PrefixAware(Policy):
         share = _Placed(requests, scale, live)  # read per candidate, not built for every group
         mean = share.mean(statuses)
         bound = LoadBound.of(self.config, held, share, mean)
-        rows = statuses, held, share, mean, tokens, 1.0 + _delayed(statuses)
+        rows = statuses, held, share, mean, tokens, 1.0 + _delayed(statuses), _restored(matches, held)
         tied = self._lowest(n, rows, bound)
         if not tied:  # every candidate is over the bound
             for limits in bound.relaxed():
@@ -252,7 +268,7 @@ class PrefixAware(Policy):
     def _lowest(self, n, rows, limits: LoadBound) -> list[str]:
         """The candidates of lowest `cost`, several on a tie (e.g. idle groups, a new prefix).
         `rows`: (statuses, held, placed share, mean, recent uncached tokens, recompute's
-        weight), see `choose`.
+        weight, restored blocks), see `choose`.
 
         The groups with a hit are scored first. The rest (hit 0) all pay the same recompute, so
         none of them can cost less than `floor`, the whole prompt's prefill and recompute with
@@ -265,10 +281,10 @@ class PrefixAware(Policy):
         cfg, c, bs = self.config, self.config.cost, self.block_size
         prefill_s, budget, eviction_w = c.prefill_token_s, self.batch_tokens, cfg.eviction_weight
         unit = cfg.balance_weight * c.decode_seq_s
-        half, (statuses, held, placed, mean, tokens, recompute_w), live = bs // 2, rows, len(rows[0])
+        half, (statuses, held, placed, mean, tokens, recompute_w, restored), live = bs // 2, rows, len(rows[0])
         placements, scale = placed.requests.get, placed.scale
         min_hit, bound, high, best_hit = limits.min_hit, limits.bound, limits.high, limits.best_hit
-        terms, by_hit, total = self._terms, {}, None  # by_hit: hit -> its HitTerms
+        terms, by_hit, total = self._terms, {}, None  # by_hit: (hit, restored) -> its HitTerms
         low, tied = math.inf, []
         todo = [(g, h) for g, h in held.items() if h >= min_hit]
         for rest in (False, True):
@@ -286,10 +302,11 @@ class PrefixAware(Policy):
                 t = terms.get(g)
                 if t is None or t.version != s.version:
                     t = terms[g] = self._status_terms(s)
-                ht = by_hit.get(h)
+                key = (h, restored.get(g, _NOT_RESTORED)) if restored else (h, _NOT_RESTORED)
+                ht = by_hit.get(key)
                 if ht is None:
-                    ht = by_hit[h] = hit_terms(n, h, bs, recompute_w, prefill_s)
-                cost = ttft_s(t.queued + ht.new, prefill_s, budget, t.step_s) + ht.recompute
+                    ht = by_hit[key] = hit_terms(n, h, bs, recompute_w, c, key[1])
+                cost = ttft_s(t.queued + ht.new, prefill_s, budget, t.step_s) + ht.restore + ht.recompute
                 evicted = ht.new_blocks - t.room
                 if evicted > 0:  # else the eviction charge is 0
                     if total is None:  # pressure 1 for all when nothing was sent
@@ -317,15 +334,21 @@ class HitTerms(NamedTuple):
     """The terms of a group's score that only its hit sets, worked out once per hit."""
 
     new: int  # tokens the group must compute (with the tail's half block)
-    new_blocks: int  # blocks they fill
+    new_blocks: int  # blocks they fill, and the restored ones
+    restore: float  # the restore term: host * load_block_s + disk * (fetch_block_s + load_block_s)
     recompute: float  # the recompute charge: (1 + delayed) * new * prefill_token_s
 
 
-def hit_terms(n: int, hit: int, block_size: int, recompute_weight: float, prefill_token_s: float) -> HitTerms:
-    """`HitTerms` of an n-block prompt on a group holding its first `hit` blocks;
-    `recompute_weight`: 1 + delayed."""
+def hit_terms(
+    n: int, hit: int, block_size: int, recompute_weight: float, cost: CostModel, restored: tuple[int, int] = (0, 0)
+) -> HitTerms:
+    """`HitTerms` of an n-block prompt on a group holding its first `hit` blocks, of which
+    `restored` (host, disk) come from its tiers; `recompute_weight`: 1 + delayed."""
     new = (n - hit) * block_size + block_size // 2
-    return HitTerms(new, math.ceil(new / block_size), recompute_weight * new * prefill_token_s)
+    host, disk = restored
+    restore = host * cost.load_block_s + disk * (cost.fetch_block_s + cost.load_block_s)
+    recompute = recompute_weight * new * cost.prefill_token_s
+    return HitTerms(new, math.ceil(new / block_size) + host + disk, restore, recompute)
 
 
 def ttft_s(work: int, prefill_token_s: float, batch_tokens: int, step_s: float) -> float:
@@ -362,16 +385,38 @@ def _empty_blocks(s: GroupStatus) -> int:
 
 
 def _held(n: int, statuses: Mapping[str, GroupStatus], matches: Mapping[str, GroupMatch]) -> dict[str, int]:
-    """The live groups that hold or have pending any leading block, with how many
-    (`cached_blocks`, at most `n`). A match answers for every live group, most of them with
-    nothing: only the ones it says it touched are read."""
+    """The live groups that hold (in any tier) or have pending any leading block, with how
+    many (at most `n`). A match answers for every live group, most of them with nothing: only
+    the ones it says it touched are read."""
     held = {}
     for gid in touched_ids(matches):
         m = matches[gid]
         h = m[2] if m[2] > m[3] else m[3]  # blocks, pending_blocks
+        below = m[2] + m[4] + m[5]  # blocks, host_blocks, disk_blocks: the lead in any tier
+        if below > h:
+            h = below
         if h and gid in statuses:
             held[gid] = h if h < n else n
     return held
+
+
+_NOT_RESTORED = (0, 0)  # (host, disk) blocks restored of a hit
+
+
+def _restored(matches: Mapping[str, GroupMatch], held: Mapping[str, int]) -> dict[str, tuple[int, int]]:
+    """The groups whose hit (`held`) goes on below the device, with how many of its blocks
+    they restore from the host and from the disk (a pending block is counted as on the
+    device: it is being computed or restored there already)."""
+    out = {}
+    for gid, h in held.items():
+        m = matches.get(gid)
+        if m is None or not (m[4] or m[5]):
+            continue
+        device = min(max(m[2], m[3]), h)
+        host = max(device, min(m[2] + m[4], h))  # the lead on the device or the host
+        if h > device:
+            out[gid] = (host - device, h - host)
+    return out
 
 
 class _Placed:

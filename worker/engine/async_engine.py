@@ -9,6 +9,7 @@ the request, so its blocks are freed at once.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
@@ -92,6 +93,16 @@ class AsyncEngine:
         """Release a document's pinned blocks (worker/protocol.py: Pin), between steps."""
         self._send(("unpin", document_id, None))
 
+    def call(self, fn: Callable[[LLMEngine], Any]) -> concurrent.futures.Future:
+        """Run `fn(engine)` on the loop thread between two steps, in order with the requests
+        sent before and after it; its result (or error) in the future."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        if self.dead is not None:
+            done.set_exception(EngineDeadError(f"engine is dead: {self.dead}"))
+        else:
+            self._send(("call", None, (fn, done)))
+        return done
+
     def stats(self) -> dict:
         """The engine's stats as of the latest step."""
         return dict(self._stats)
@@ -121,6 +132,7 @@ class AsyncEngine:
                     self._deliver([(out.request_id, out) for out in self.engine.step()])
                     self._deliver(self.engine.take_failures())  # (a constraint refused, say)
                 else:
+                    self.engine.flush_events()  # (what it reopened at start-up, say)
                     self._wake.wait(0.05)
                     self._wake.clear()
                 self.engine.expire_pins()
@@ -144,6 +156,13 @@ class AsyncEngine:
                 continue
             if kind == "unpin":  # (`rid`: the document's id)
                 self.engine.unpin(rid)
+                continue
+            if kind == "call":
+                fn, done = request
+                try:
+                    done.set_result(fn(self.engine))
+                except Exception as e:  # (the caller's to handle)
+                    done.set_exception(e)
                 continue
             try:
                 self.engine.add_request(

@@ -41,6 +41,7 @@ from worker.engine.request import Request
 from worker.engine.tier_index import TierIndex
 from worker.hashing import BlockHasher
 from worker.kv_events import (
+    DEVICE,
     DISK,
     HOST,
     AllBlocksCleared,
@@ -117,6 +118,7 @@ class BlockManager:
         self.host_hits = 0  # tokens of prefix hits restored from the host tier
         self.host_saves = 0  # blocks written back to the host tier
         self.pinned: dict[bytes, int] = {}  # block hash -> pins holding it (see `pin`)
+        self.blocks_imported = 0  # blocks pulled from another group into the host tier
 
     # ---- state -------------------------------------------------------------------------
     @property
@@ -141,8 +143,16 @@ class BlockManager:
         return self._req_block_ids.get(request_id, [])
 
     def cached_hashes(self) -> Iterator[bytes]:
-        """Every hash in the prefix cache: the inventory a publisher republishes."""
+        """Every hash in the prefix cache on the device."""
         return iter(list(self.cached))
+
+    def tier_hashes(self) -> dict[str, list[bytes]]:
+        """Every hash of every tier, by medium: the inventory a publisher republishes."""
+        out = {DEVICE: list(self.cached)}
+        for tier in (self.host, self.disk):
+            if tier is not None:
+                out[tier.medium] = list(tier.hashes())
+        return out
 
     # ---- admit -------------------------------------------------------------------------
     def match_prefix(self, request: Request) -> PrefixMatch:
@@ -222,6 +232,16 @@ class BlockManager:
             self.emit(BlockStored(tuple(h for h, _ in slots[:got]), None, HOST))
         self.disk_hits += got * self.block_size
         return got
+
+    def adopt_disk(self, hashes: list[bytes]) -> None:
+        """The disk tier's blocks from before this start (least recently written first), in
+        its index and stored on "disk" in one event, so that the prefix index learns them."""
+        if self.disk is None or not hashes:
+            return
+        for h in hashes[-self.disk.num_slots :]:
+            self.disk.put(h)
+        self.disk.unpin_all()
+        self.emit(BlockStored(tuple(self.disk.hashes()), None, DISK))
 
     def can_allocate(self, request: Request, match: PrefixMatch, num_new_tokens: int, reserve_blocks: int = 0) -> bool:
         """Whether `request` fits with its cached prefix plus `num_new_tokens`, leaving
@@ -382,6 +402,58 @@ class BlockManager:
             self.disk.clear()
         self.emit(AllBlocksCleared())
         return True
+
+    # ---- blocks moved between groups (worker/kv_transfer.py) ----------------------------
+    def held_chain(self, block_hashes: Sequence[bytes]) -> list[tuple[bool, int]]:
+        """The leading blocks of a chain held here, each (on the device, its block id) or
+        (on the host, its slot), up to the first held nowhere: what another group may pull."""
+        held = []
+        for h in block_hashes:
+            block = self.cached.get(h)
+            if block is not None:
+                held.append((True, block.block_id))
+            elif self.host is not None and (slot := self.host.get(h)) is not None:
+                held.append((False, slot))
+            else:
+                break
+        return held
+
+    def host_slots_for(self, block_hashes: Sequence[bytes]) -> tuple[list[tuple[int, bytes, int]], KVMoves]:
+        """Host slots for a pulled chain's blocks that this group holds nowhere, each (its
+        position in the chain, hash, slot), stopping where the host has no slot free this step;
+        and the disk writes of the slots' victims, to make before the slots are written."""
+        if self.host is None:
+            return [], KVMoves()
+        host, rows, victims = self.host, [], []
+        for i, h in enumerate(block_hashes):
+            if h in self.cached or h in host:
+                continue
+            put = host.put(h)
+            if put is None:
+                break
+            slot, victim = put
+            if victim is not None:
+                victims.append(victim)
+                if self.disk is not None:
+                    self._demote(victim, slot)
+            rows.append((i, h, slot))
+        if victims:
+            self.emit(BlockRemoved(tuple(victims), HOST))
+        early = KVMoves(demotes=self.moves.demotes, drops=self.moves.drops)
+        self.moves.demotes, self.moves.drops = [], []
+        return rows, early
+
+    def imported(self, rows: list[tuple[int, bytes, int]], ok: bool) -> None:
+        """The pulled rows were written into their host slots (a store on the host), or not
+        (`ok` False: the slots are free again)."""
+        hashes = tuple(h for _, h, _ in rows)
+        if not ok:
+            for h in hashes:
+                self.host.drop(h)
+            return
+        self.blocks_imported += len(hashes)
+        if hashes:
+            self.emit(BlockStored(hashes, None, HOST))
 
     # ---- internals ---------------------------------------------------------------------
     def _blocks_to_grow(self, request: Request, num_new_tokens: int) -> int:

@@ -84,6 +84,9 @@ class GrammarCompiler:
                 return compiler.compile_regex(text)
             if kind == "grammar":
                 return compiler.compile_grammar(text)
+            if kind == "structural_tag":
+                tag = json.dumps(strict_tag(xgr, json.loads(text)))
+                return compiler.compile_grammar(json_strings(str(xgr.Grammar.from_structural_tag(tag))))
             return compiler.compile_grammar(choice_grammar(constraint.choice))
         except RuntimeError as e:  # xgrammar's refusals (a bad schema, regex or grammar)
             raise ValueError(f"StructuredOutputs.{kind} is refused: {engine_message(e)}") from None
@@ -109,6 +112,7 @@ class RequestGrammar:
         import xgrammar as xgr
 
         self.matcher = xgr.GrammarMatcher(compiled)
+        self.mask_words = (compiled.tokenizer_info.vocab_size + 31) // 32  # a bitmask row's int32 words
         for i, token in enumerate(output_token_ids):
             if not self.matcher.accept_token(token):
                 raise ValueError(f"resume.token_ids[{i}] ({token}) does not follow the request's structured output")
@@ -116,12 +120,13 @@ class RequestGrammar:
     def accept(self, token: int) -> bool:
         """Advance over a sampled token; False when the grammar does not allow it (never for
         a token sampled under this row's mask) or has ended (an `ignore_eos` request goes on
-        unconstrained past its stop token)."""
+        unconstrained past its stop token). The model runner that sampled the token calls it
+        (worker/exec/model_runner.py: `advance`), on the thread that fills the next mask."""
         return not self.matcher.is_terminated() and self.matcher.accept_token(token)
 
     def fill(self, bitmask: Any, index: int) -> bool:
-        """Write the allowed next tokens into row `index` of `bitmask` ((n, ceil(vocab / 32))
-        int32); False (the row left as it is) when the grammar has ended: only a stop token
+        """Write the allowed next tokens into row `index` of `bitmask` ((n, mask_words) int32);
+        False (the row left as it is) when the grammar has ended: only a stop token
         could follow, and the request ends with it."""
         if self.matcher.is_terminated():
             return False
@@ -131,6 +136,21 @@ class RequestGrammar:
     @property
     def is_terminated(self) -> bool:
         return self.matcher.is_terminated()
+
+
+def strict_tag(xgr: Any, node: Any) -> Any:
+    """A structural tag with each JSON Schema in it replaced by the schema's grammar as `json`
+    compiles it (no free whitespace, strict, JSON's string characters): xgrammar's own
+    rendering of a schema inside a tag allows whitespace anywhere, which a small model fills."""
+    if isinstance(node, list):
+        return [strict_tag(xgr, n) for n in node]
+    if not isinstance(node, dict):
+        return node
+    if node.get("type") == "json_schema" and "json_schema" in node and node.get("style", "json") == "json":
+        schema = json.dumps(node["json_schema"])
+        ebnf = str(xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=True))
+        return {"type": "grammar", "grammar": json_strings(ebnf)}
+    return {k: strict_tag(xgr, v) for k, v in node.items()}
 
 
 def choice_grammar(choices: Sequence[str]) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, replace
@@ -18,12 +19,14 @@ from worker.engine.grammar import GrammarCompiler, RequestGrammar
 from worker.engine.request import Request, RequestStatus
 from worker.engine.scheduler import Scheduler
 from worker.engine.tier_index import TierIndex
+from worker.exec.disk_tier import disk_blocks
 from worker.exec.executor import Executor, LocalExecutor
 from worker.exec.host_tier import host_blocks
-from worker.exec.kv_pool import check_pool_fits, kv_torch_dtype
-from worker.hashing import BlockHasher, ModelFingerprint
+from worker.exec.kv_pool import check_pool_fits, kv_fingerprint
+from worker.exec.kv_transfer import DEVICE_ROW, HOST_ROW
+from worker.hashing import BlockHasher
 from worker.kv_events import DISK, HOST, KVEvent
-from worker.model.dtypes import resolve_dtype, resolve_weight_dtype
+from worker.kv_transfer import BlockExport, KVFormat, KVTransferError
 from worker.model.model_config import ModelConfig
 from worker.model_source import is_gguf
 from worker.outputs import RequestMetrics, RequestOutput, TokenLogprobs
@@ -79,6 +82,8 @@ class LLMEngine:
         executor: Executor | None = None,
     ) -> None:
         torch.manual_seed(config.seed)
+        # one secret for the hashes and the disk tier's directory, even a random one
+        config = replace(config, cluster_secret=cluster_secret(config.cluster_secret))
         self.config = config
         self.executor = executor or LocalExecutor(config)
         mc = self.model_config = self.executor.model_config
@@ -102,8 +107,10 @@ class LLMEngine:
         host = TierIndex(host_slots, HOST) if host_slots and hasher is not None else None
         disk = None
         if host is not None and cache.kv_disk_bytes:
-            disk = TierIndex(max(1, cache.kv_disk_bytes // self.layout.block_bytes), DISK)
+            disk = TierIndex(disk_blocks(cache, self.layout), DISK)
         bm = BlockManager(num_blocks, cache.block_size, hasher, self._events.append, host, disk, self.executor.fetch)
+        if disk is not None:  # what an earlier owner of the directory left, under the same names
+            bm.adopt_disk(self.executor.disk_inventory())
         self.scheduler = Scheduler(
             replace(config.scheduler, max_model_len=self.max_model_len),
             bm,
@@ -112,6 +119,7 @@ class LLMEngine:
         self._tracked: dict[str, _Tracked] = {}
         self._ids = itertools.count()
         self.tokens_computed = 0  # tokens run through the model (prompt, recomputed and decoded)
+        self.blocks_exported = 0  # blocks copied out for another group
         self.grammars = GrammarCompiler(self.tokenizer, mc.vocab_size, self.eos_token_ids)
         self._compiling: dict[str, _Compiling] = {}
         self._failed: list[tuple[str, Exception]] = []  # refused after add_request returned
@@ -311,7 +319,7 @@ class LLMEngine:
         if self._compiling:
             self._admit_compiled()
         out = self.scheduler.schedule()
-        self._flush_events()
+        self.flush_events()
         now = time.monotonic()
         tracked = self._tracked
         for s in out.admitted:  # (or back from preemption: scheduled before if so)
@@ -327,12 +335,10 @@ class LLMEngine:
             req = s.request
             entry = sampled.get(req.request_id)
             if entry is not None and req.status is running:  # (sampled, not aborted meanwhile)
-                token, lp = entry
-                if req.grammar is not None:  # (before the stop checks: EOS ends the grammar too)
-                    req.grammar.accept(token)
+                token, lp = entry  # (a grammar took it already: the runner that sampled it)
                 finished = append(req, token)
                 outputs.append(self._progress(req, tracked[req.request_id], token, lp, finished, now))
-        self._flush_events()
+        self.flush_events()
         return outputs
 
     def _progress(
@@ -365,20 +371,64 @@ class LLMEngine:
             del self._tracked[req.request_id]
             if self._pin_on_finish:
                 self._pin_prefilled(req)
-            self._flush_events()
+            self.flush_events()
         return _output(req, tracked, [token], delta, finished, now, None if lps is None else [lp])
 
-    def _flush_events(self) -> None:
+    def flush_events(self) -> None:
+        """Hand the KV events so far to `on_kv_events` (each step does; an idle engine's
+        loop too, so that what it reopened at start-up reaches the index before any request)."""
         if self._events:
             batch, self._events[:] = list(self._events), []
             if self.on_kv_events is not None:
                 self.on_kv_events(batch)
 
+    # ---- KV blocks moved between groups (worker/kv_transfer.py) --------------------------
+    def kv_format(self) -> KVFormat:
+        """What a group must share with this one to exchange KV blocks."""
+        worker = self.executor.worker  # rank 0's device (every rank has its shape)
+        return KVFormat(
+            self.hasher.fingerprint,
+            getattr(self.executor, "world_size", 1),
+            worker.kv_row_shapes(),
+            worker.kv_tensor_scales(),
+        )
+
+    def export_blocks(self, block_hashes: Sequence[bytes]) -> BlockExport:
+        """The leading blocks of the chain held here (device or host), copied now, between two
+        steps: rank 0's shard, the other ranks' kept for a peer under the export's id."""
+        held = self.scheduler.bm.held_chain(block_hashes)
+        export_id = uuid.uuid4().bytes
+        sources = [(DEVICE_ROW if on_device else HOST_ROW, x) for on_device, x in held]
+        shards = self.executor.export_blocks(export_id, sources) if held else []
+        self.blocks_exported += len(held)
+        return BlockExport(self.kv_format(), tuple(block_hashes[: len(held)]), shards, export_id)
+
+    def import_blocks(self, export: BlockExport, shard=None, import_id: bytes = b"") -> int:
+        """Another group's blocks into this group's host tier, where the next request's prefix
+        lookup finds them (a host hit, restored with its step); returns how many were written.
+        `shard`: rank 0's (default: the export's own); every other rank's is kept under
+        `import_id`. KVTransferError for another format or no host tier."""
+        self.kv_format().check_compatible(export.format)
+        bm = self.scheduler.bm
+        if bm.host is None:
+            raise KVTransferError("this group has no host tier to import KV blocks into (kv_host_bytes)")
+        rows, early = bm.host_slots_for(export.block_hashes)
+        pairs = [(i, slot) for i, _, slot in rows]
+        shard = export.shards[0] if shard is None and export.shards else shard
+        ok = self.executor.import_blocks(import_id, early, pairs, shard) if rows or early else True
+        bm.imported(rows, ok)
+        self.flush_events()
+        return len(rows) if ok else 0
+
     # ---- introspection -----------------------------------------------------------------
     def cached_hashes(self) -> list[bytes]:
-        """Every block hash in the prefix cache: the group's inventory, which a publisher
-        republishes whole when an index lost it."""
+        """Every block hash in the prefix cache on the device."""
         return list(self.scheduler.bm.cached_hashes())
+
+    def tier_hashes(self) -> dict[str, list[bytes]]:
+        """Every block hash of every tier, by medium: the group's inventory, which a publisher
+        republishes whole when an index lost it."""
+        return self.scheduler.bm.tier_hashes()
 
     def facts(self) -> ModelFacts:
         """This engine's model as a router of another process needs it."""
@@ -414,6 +464,8 @@ class LLMEngine:
             "kv_disk_blocks_cached": len(bm.disk) if bm.disk is not None else 0,
             "kv_disk_hits": bm.disk_hits,  # prompt tokens fetched from the disk tier
             "kv_disk_failures": bm.disk_failures,  # reads that failed (misses, never KV)
+            "kv_blocks_imported": bm.blocks_imported,  # pulled from another group (host tier)
+            "kv_blocks_exported": self.blocks_exported,  # copied out for another group
             **self._tier_bytes(),
             "blocks_pinned": bm.num_pinned_blocks,
             "pinned": {d: len(p.hashes) for d, p in self.pins.items()},  # document -> blocks
@@ -475,17 +527,7 @@ def _output(
 def block_hasher(config: EngineConfig, mc: ModelConfig) -> BlockHasher:
     """The keyed hasher of this model and cache layout. The engine and the router both build
     theirs here, so that they name every block alike."""
-    model_dtype = resolve_dtype(config.dtype, mc, config.device)
-    kv_dtype = kv_torch_dtype(config.cache.kv_cache_dtype, model_dtype)
-    fingerprint = ModelFingerprint(
-        model_id=mc.model_id,
-        revision=mc.revision,
-        dtype=str(model_dtype).removeprefix("torch."),
-        kv_cache_dtype=str(kv_dtype).removeprefix("torch."),
-        block_size=config.cache.block_size,
-        weight_dtype=resolve_weight_dtype(config.weight_dtype, config.model, config.device),
-    )
-    return BlockHasher(cluster_secret(config.cluster_secret), fingerprint)
+    return BlockHasher(cluster_secret(config.cluster_secret), kv_fingerprint(config, mc))
 
 
 def load_tokenizer(model_dir: str):

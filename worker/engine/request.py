@@ -73,7 +73,7 @@ class Request:
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
         # the matcher of a structured output (worker/engine/grammar.py: RequestGrammar), set
-        # before the request is scheduled; the engine advances it with each sampled token
+        # before the request is scheduled; the model runner that samples a token advances it
         self.grammar = None
 
     @property

@@ -11,8 +11,15 @@ Fetches are synchronous in this version: the engine's thread waits for the reads
 admits the request whose prefix they hold (between two steps), and a tensor-parallel group
 agrees on the leading blocks that every rank read whole (the smallest count over the ranks).
 
-The directory, `<kv_disk_dir>/<fingerprint digest>/rank<r>`, is locked by its owner
-(`flock`); what an earlier owner left in it is removed at start-up.
+The directory survives its owner. It is `<kv_disk_dir>/<digest>/rank<r>`, the digest keyed by
+the cluster secret over the model's fingerprint and the group's size: a block's name (its
+hash) means the same K/V exactly under that secret and fingerprint, so a group restarted with
+both finds its blocks where it left them. At open the owner locks it (`flock`), removes torn
+temporary files, and lists the block files whose header is whole (name, size, magic, version,
+hash: no payload read; the checksum is checked when a block is read) as its `inventory`,
+oldest first; the block manager then adopts what every rank holds, up to the tier's capacity
+(`adopt`). Blocks in sibling directories (another secret or fingerprint, whose owner is gone)
+can never be named again and are removed.
 """
 
 from __future__ import annotations
@@ -21,50 +28,100 @@ import fcntl
 import hashlib
 import logging
 import os
+import re
 import struct
+import time
 import zlib
 from pathlib import Path
 
 import torch
 
+from worker.config import CacheConfig
 from worker.exec.host_tier import HostTier
+from worker.exec.kv_pool import KVLayout
 
 log = logging.getLogger(__name__)
 
 _MAGIC = b"PFKV"
 _HEADER = struct.Struct("<4sI16sQI")  # magic, version, block hash, payload bytes, crc32
 _VERSION = 1
+_BLOCK_FILE = re.compile(r"[0-9a-f]{32}\.kv")  # a 16-byte hash in hex
+_TIER_DIR = re.compile(r"[0-9a-f]{16}")  # a digest of `disk_directory`
+LOCK_WAIT_S = 5.0  # locked this long: another owner (a predecessor still exiting, or a cleaner, holds it briefly)
 
 
 class DiskDirectoryInUse(RuntimeError):
     """Another process owns the tier's directory."""
 
 
-def disk_directory(root: str | os.PathLike, fingerprint: bytes, rank: int) -> Path:
-    """This rank's directory under `root`, one per model fingerprint (model, dtypes, block size)."""
-    digest = hashlib.blake2b(fingerprint, digest_size=8).hexdigest()
+def disk_directory(root: str | os.PathLike, fingerprint: bytes, key: bytes, rank: int) -> Path:
+    """This rank's directory under `root`: one per model fingerprint (model, dtypes, block size,
+    group size) and cluster secret `key`, whose digest names it (keyed: it tells nothing of
+    the secret)."""
+    digest = hashlib.blake2b(b"kv-disk\x00" + fingerprint, key=key[:64], digest_size=8).hexdigest()
     return Path(root) / digest / f"rank{rank}"
+
+
+def disk_blocks(cache: CacheConfig, layout: KVLayout) -> int:
+    """Blocks the disk tier holds: `kv_disk_bytes` over one block's bytes on this rank (every
+    rank of a group has the same layout, hence the same count); 0 without a disk tier."""
+    return max(1, cache.kv_disk_bytes // layout.block_bytes) if cache.kv_disk_bytes else 0
 
 
 class DiskTier:
     """Block files in one locked directory, read into and written from a host tier's slots."""
 
-    def __init__(self, directory: Path, host: HostTier) -> None:
+    def __init__(self, directory: Path, host: HostTier, capacity: int) -> None:
         directory.mkdir(parents=True, exist_ok=True)
         self.directory = directory
         self.host = host
-        self._lock = open(directory / "lock", "a+b")  # noqa: SIM115  (held for the tier's life)
-        try:
-            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            self._lock.close()
-            raise DiskDirectoryInUse(f"KV disk directory {directory} is in use by another process") from None
-        for stale in directory.glob("*.kv*"):  # an earlier owner's blocks (hashed under its key)
-            stale.unlink(missing_ok=True)
+        self.capacity = capacity  # blocks the tier may hold (`disk_blocks`)
+        self._lock = _lock(directory / "lock", LOCK_WAIT_S)
+        if self._lock is None:
+            raise DiskDirectoryInUse(
+                f"KV disk directory {directory} is in use by another process: give each group its own --kv-disk-dir"
+            )
+        _remove_orphans(directory)
+        self.inventory = self._scan()  # whole block files, oldest first
         self.bytes_written = 0
         self.bytes_read = 0
         self.failed_reads = 0
         self.failed_writes = 0
+
+    def _scan(self) -> list[bytes]:
+        """The hashes of the block files whose header is whole, by modification time; torn
+        (temporary) and invalid files are removed."""
+        found = []
+        want = _HEADER.size + self.host.block_bytes
+        for f in self.directory.iterdir():
+            if f.name == "lock":
+                continue
+            block_hash = bytes.fromhex(f.name[:32]) if _BLOCK_FILE.fullmatch(f.name) else None
+            try:
+                st = f.stat()
+                if block_hash is not None and st.st_size == want and self._header_ok(f, block_hash):
+                    found.append((st.st_mtime_ns, block_hash))
+                    continue
+                f.unlink()
+            except OSError:
+                continue
+        return [h for _, h in sorted(found)]
+
+    def _header_ok(self, f: Path, block_hash: bytes) -> bool:
+        with open(f, "rb") as fh:
+            head = fh.read(_HEADER.size)
+        if len(head) < _HEADER.size:
+            return False
+        magic, version, stored, length, _ = _HEADER.unpack(head)
+        return magic == _MAGIC and version == _VERSION and stored == block_hash and length == self.host.block_bytes
+
+    def adopt(self, agreed: list[bytes]) -> list[bytes]:
+        """Keep `agreed` (hashes of the inventory that every rank holds, oldest first), the
+        newest `capacity` of them, and remove every other block file; returns those kept."""
+        kept = agreed[-self.capacity :] if self.capacity else []
+        self.remove(set(self.inventory) - set(kept))
+        self.inventory = kept
+        return kept
 
     def path(self, block_hash: bytes) -> Path:
         return self.directory / f"{block_hash.hex()}.kv"
@@ -141,3 +198,40 @@ class DiskTier:
 
     def close(self) -> None:
         self._lock.close()
+
+
+def _lock(path: Path, wait_s: float):
+    """`path` opened and locked (exclusive, `flock`), waiting up to `wait_s`; None when another
+    process holds it."""
+    f = open(path, "a+b")  # noqa: SIM115  (held for the tier's life)
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return f
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                f.close()
+                return None
+            time.sleep(0.05)
+
+
+def _remove_orphans(directory: Path) -> None:
+    """Remove the block files of the sibling tier directories (`<root>/<other digest>/rank*`)
+    that no process holds: another secret or fingerprint named them, so no group can read
+    them again. Each is locked while its files go (its lock files stay: removing a lock file
+    lets two processes lock different files of one name)."""
+    mine = directory.parent
+    for tier in mine.parent.iterdir():
+        if tier == mine or not _TIER_DIR.fullmatch(tier.name) or not tier.is_dir():
+            continue
+        for rank in tier.glob("rank*"):
+            held = _lock(rank / "lock", 0.0) if rank.is_dir() else None
+            if held is None:
+                continue
+            with held:
+                files = list(rank.glob("*.kv*"))
+                for f in files:
+                    f.unlink(missing_ok=True)
+            if files:
+                log.info("KV disk tier: removed %d blocks of %s (another secret or model)", len(files), rank)

@@ -153,6 +153,12 @@ class ByteChannel:
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
         return int(t.item())
 
+    def all_reduce_min_many(self, values: list[int]) -> list[int]:
+        """Element-wise smallest of every rank's `values` (each rank gives as many)."""
+        t = torch.tensor(values, dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return t.tolist()
+
     def barrier(self) -> None:
         """A full round trip: returns once every rank has reached it (or the timeout fires)."""
         self.all_reduce_min(0)

@@ -11,10 +11,12 @@ from abc import ABC, abstractmethod
 import torch
 
 from kernels.registry import get_backend
-from worker.exec.disk_tier import DiskTier, disk_directory
+from worker.config import cluster_secret
+from worker.exec.disk_tier import DiskTier, disk_blocks, disk_directory
 from worker.exec.host_tier import HostTier, host_blocks
 from worker.exec.kv_calibration import calibrate_tensor_scales
-from worker.exec.kv_pool import KVLayout, KVPool, layout_for, num_blocks_from_memory
+from worker.exec.kv_pool import KVLayout, KVPool, kv_fingerprint, layout_for, num_blocks_from_memory
+from worker.exec.kv_transfer import export_rows, import_rows
 from worker.exec.model_runner import ModelRunner, Sampled
 from worker.exec.overlap import OverlapRunner, wants_overlap
 from worker.model.model_config import ModelConfig
@@ -75,8 +77,18 @@ class DeviceWorker:
             self.host_tier = HostTier(self.pool, slots)
             if cache.kv_disk_bytes:
                 c = self.collectives
-                key = repr((self.config.model, self.layout, c.world_size)).encode()
-                self.disk_tier = DiskTier(disk_directory(cache.kv_disk_dir, key, c.rank), self.host_tier)
+                fingerprint = kv_fingerprint(self.config, self.model_config).encode() + b"tp%d" % c.world_size
+                key = cluster_secret(self.config.cluster_secret)
+                directory = disk_directory(cache.kv_disk_dir, fingerprint, key, c.rank)
+                self.disk_tier = DiskTier(directory, self.host_tier, disk_blocks(cache, self.layout))
+
+    def disk_inventory(self, agree=None) -> list[bytes]:
+        """The blocks this rank's disk tier reopened (oldest first), with `agree` only those
+        every rank holds, up to the tier's capacity; the rest of its files are removed."""
+        if self.disk_tier is None:
+            return []
+        hashes = self.disk_tier.inventory
+        return self.disk_tier.adopt(agree(hashes) if agree is not None else hashes)
 
     def move(self, moves: KVMoves | None) -> None:
         """A step's copies between the pool and the tiers under it, before its forward: the
@@ -103,6 +115,29 @@ class DeviceWorker:
             got = agree(got)
         self.disk_tier.remove([h for h, _ in fetches[got:]])
         return got
+
+    def export_rows(self, sources: list[tuple[int, int]]) -> list[torch.Tensor]:
+        """This rank's shard of blocks another group pulls (worker/exec/kv_transfer.py)."""
+        host = self.host_tier.host_tensors if self.host_tier is not None else None
+        return export_rows(self.pool.block_tensors, host, sources)
+
+    def import_rows(self, early: KVMoves, rows: list[tuple[int, int]], shard: list[torch.Tensor] | None) -> bool:
+        """The disk writes in `early` (the slots' victims), then a pulled shard's rows (row,
+        host slot) into the host tier; False when there is no shard of this tier's shape."""
+        self.move(early)
+        if self.host_tier is None or shard is None:
+            return False
+        return import_rows(self.host_tier.host_tensors, shard, rows)
+
+    def kv_row_shapes(self) -> tuple[tuple[int, ...], ...]:
+        """One block's shape in each of the pool's block tensors (bytes)."""
+        return tuple(tuple(t.shape[1:]) for t in self.pool.block_tensors)
+
+    def kv_tensor_scales(self) -> tuple[float, ...]:
+        """A float8 pool's per-tensor scales, K then V of every layer; () otherwise."""
+        if not self.layout.tensor_scales:
+            return ()
+        return tuple(float(t.item()) for t in (*self.pool.k_scales, *self.pool.v_scales))
 
     def execute(self, out: SchedulerOutput, sample: bool = True) -> Sampled:
         self.move(out.moves)
@@ -142,10 +177,26 @@ class Executor(ABC):
     def shutdown(self) -> None:  # noqa: B027  (nothing to release by default)
         """Release the devices."""
 
+    def disk_inventory(self) -> list[bytes]:
+        """The blocks the group's disk tier reopened at start-up, oldest first: those every
+        rank holds whole, up to its capacity (worker/exec/disk_tier.py); none without one."""
+        return []
+
     def fetch(self, early: KVMoves, fetches: list[tuple[bytes, int]]) -> int:
         """Disk blocks into the host tier's slots on every rank (worker/exec/disk_tier.py):
         the disk writes in `early` first, then the reads; how many, in order, every rank read."""
         raise NotImplementedError(f"{type(self).__name__} has no disk tier")
+
+    def export_blocks(self, export_id: bytes, sources: list[tuple[int, int]]) -> list:
+        """Every rank's shard of the blocks at `sources` (worker/exec/kv_transfer.py), copied
+        now: rank 0's, and None for each rank that keeps its own under `export_id` for a peer."""
+        raise NotImplementedError(f"{type(self).__name__} cannot export KV blocks")
+
+    def import_blocks(self, import_id: bytes, early: KVMoves, rows: list[tuple[int, int]], shard) -> bool:
+        """Pulled shards' rows (row, host slot) into every rank's host tier: rank 0's `shard`,
+        each other rank's kept under `import_id`; the disk writes in `early` first. True when
+        every rank wrote its rows."""
+        raise NotImplementedError(f"{type(self).__name__} cannot import KV blocks")
 
 
 class LocalExecutor(Executor):
@@ -173,6 +224,15 @@ class LocalExecutor(Executor):
 
     def fetch(self, early: KVMoves, fetches: list[tuple[bytes, int]]) -> int:
         return self.worker.fetch(early, fetches)
+
+    def export_blocks(self, export_id: bytes, sources: list[tuple[int, int]]) -> list:
+        return [self.worker.export_rows(sources)]
+
+    def import_blocks(self, import_id: bytes, early: KVMoves, rows: list[tuple[int, int]], shard) -> bool:
+        return self.worker.import_rows(early, rows, shard)
+
+    def disk_inventory(self) -> list[bytes]:
+        return self.worker.disk_inventory()
 
     def shutdown(self) -> None:
         if self.overlap is not None:

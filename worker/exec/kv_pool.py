@@ -37,6 +37,8 @@ import torch
 
 from kernels.kv_quant import FP8_E4M3, TENSOR_SCALE_DTYPE, TOKEN_SCALE_DTYPE, is_quantized
 from worker.config import KV_CACHE_DTYPES, CacheConfig
+from worker.hashing import ModelFingerprint
+from worker.model.dtypes import resolve_dtype, resolve_weight_dtype
 from worker.model.layers.quant import QuantizedWeight
 from worker.model.model_config import ModelConfig
 
@@ -59,6 +61,22 @@ def kv_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype
     if kv_cache_dtype not in _KV_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
     return _KV_DTYPES[kv_cache_dtype]
+
+
+def kv_fingerprint(config, mc: ModelConfig) -> ModelFingerprint:
+    """Everything of an engine's `config` (an EngineConfig) and model `mc` that changes the
+    K/V values of a block: what block hashes are keyed over (worker/engine/llm_engine.py
+    `block_hasher`), and what names a disk tier's directory (worker/exec/disk_tier.py)."""
+    model_dtype = resolve_dtype(config.dtype, mc, config.device)
+    kv_dtype = kv_torch_dtype(config.cache.kv_cache_dtype, model_dtype)
+    return ModelFingerprint(
+        model_id=mc.model_id,
+        revision=mc.revision,
+        dtype=str(model_dtype).removeprefix("torch."),
+        kv_cache_dtype=str(kv_dtype).removeprefix("torch."),
+        block_size=config.cache.block_size,
+        weight_dtype=resolve_weight_dtype(config.weight_dtype, config.model, config.device),
+    )
 
 
 @dataclass(frozen=True)

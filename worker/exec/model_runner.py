@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from itertools import compress
 
@@ -22,7 +23,7 @@ import numpy as np
 import torch
 
 from worker.exec.persistent_batch import DecodeInputs
-from worker.exec.sampler import RowKinds, Sampler, SampleResult, SamplingRow, kinds_of
+from worker.exec.sampler import Masks, RowKinds, Sampler, SampleResult, SamplingRow, kinds_of
 from worker.exec.step_codec import BlockTable, FlatStep, RowPlanner
 from worker.model.attention_metadata import AttentionMetadata
 from worker.outputs import TokenLogprobs
@@ -69,6 +70,7 @@ class ModelRunner:
         # suppressed before min_tokens): a step that `continues` the one before samples the
         # same requests in the same order, with these rows
         self._rows: SamplingRows | None = None
+        self._mask_thread: ThreadPoolExecutor | None = None  # fills masks beside a forward
 
     def plan(self, out: SchedulerOutput) -> FlatStep:
         """Rank 0: the scheduler's step as flat arrays, for prepare here and on the other
@@ -201,11 +203,13 @@ class ModelRunner:
         if not step.num_seqs:
             return {}
         inputs = self.prepare(step)
-        hidden = self.forward(inputs)
         rows = None if out is None else self.rows_of(step, out)
-        sampled, tokens = self.sample(step, inputs, hidden, rows)
+        masks = self.start_masks(rows)  # (filled while the forward runs)
+        hidden = self.forward(inputs)
+        result, tokens = self.sample_tokens(step, inputs, hidden, rows, masks)
+        self.advance(rows, result)
         self.commit(tokens)
-        return sampled
+        return sampled_by_id(inputs.sample_ids, result)
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """The model over a prepared step: (T, hidden). Once the forward has its inputs, the
@@ -238,11 +242,13 @@ class ModelRunner:
         inputs: StepInputs,
         hidden: torch.Tensor,
         rows: SamplingRows | None,
+        masks: Future[Masks] | None = None,
     ) -> tuple[Sampled, np.ndarray | None]:
         """The LM head over the sampling rows (every rank joins its all-gather), then, with
         `rows` (rank 0), one token per row: (request id -> (token, logprobs), the tokens as an
-        (S,) int32 array when every sequence of a one-token step sampled, else None)."""
-        result, tokens = self.sample_tokens(step, inputs, hidden, rows)
+        (S,) int32 array when every sequence of a one-token step sampled, else None). The
+        caller advances the rows when it takes the tokens (`advance`)."""
+        result, tokens = self.sample_tokens(step, inputs, hidden, rows, masks)
         return sampled_by_id(inputs.sample_ids, result), tokens
 
     def sample_tokens(
@@ -251,9 +257,10 @@ class ModelRunner:
         inputs: StepInputs,
         hidden: torch.Tensor,
         rows: SamplingRows | None,
+        masks: Future[Masks] | None = None,
     ) -> tuple[SampleResult | None, np.ndarray | None]:
         """`sample` before its tokens are keyed by request id (the overlapped runner keys them
-        on the engine's thread, off the path between two forwards)."""
+        on the engine's thread, off the path between two forwards); `masks`: `start_masks`'."""
         if not len(inputs.sample_rows):
             return None, None
         # a decode batch samples every row: the hidden states as they are, not a gathered copy
@@ -261,11 +268,36 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden if every else hidden[inputs.sample_rows])
         if rows is None:
             return None, None
-        result = self.sampler(logits, rows.rows, rows.kinds)
+        result = self.sampler(logits, rows.rows, rows.kinds, None if masks is None else masks.result())
         tokens = None
         if step.samples is None and step.q_lens is None:  # the next step may continue this one
             tokens = result.ids.numpy()  # (S,) int32: the result's own memory
         return result, tokens
+
+    def start_masks(self, rows: SamplingRows | None) -> Future[Masks] | None:
+        """The constrained rows' masks for the step about to run, filled on a thread of their
+        own while its forward runs (on a CPU the forward holds the cores in torch, without the
+        GIL; on a GPU it is queued on the device): their matchers stand at the step's start,
+        advanced over every token before it by `advance`. None when no row is constrained."""
+        if rows is None or not rows.kinds.constrained:
+            return None
+        if self._mask_thread is None:
+            self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="pagefleet-mask")
+        return self._mask_thread.submit(Sampler.fill_masks, rows.rows, rows.kinds.constrained)
+
+    def advance(self, rows: SamplingRows | None, result: SampleResult | None) -> None:
+        """Once a step's tokens are taken (a forward run ahead: once it is adopted): each row
+        one output token further, and each constrained row's grammar over its token, so that
+        the rows serve the next step without a word from the engine, whose thread may still be
+        appending these tokens while a forward run ahead samples the next ones."""
+        if rows is None or result is None:
+            return
+        for row in rows.rows:
+            row.position += 1
+        if rows.kinds.constrained:
+            ids = result.token_ids
+            for i in rows.kinds.constrained:
+                rows.rows[i].grammar.accept(ids[i])
 
     def commit(self, tokens: np.ndarray | None) -> None:
         """After a step's forward and sampling: keep its tokens for the next plan and, when
@@ -278,7 +310,14 @@ class ModelRunner:
         if request.num_output_tokens < params.min_tokens:  # no stop before min_tokens
             eos = () if params.ignore_eos else request.eos_token_ids
             suppressed = (*eos, *params.stop_token_ids)
-        return SamplingRow(params, request.prompt_token_ids, request.output_token_ids, suppressed, request.grammar)
+        return SamplingRow(
+            params,
+            request.prompt_token_ids,
+            request.output_token_ids,
+            suppressed,
+            request.grammar,
+            request.num_output_tokens,
+        )
 
     @torch.inference_mode()
     def profile_step(self, num_tokens: int, vocab_size: int) -> None:

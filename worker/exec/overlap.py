@@ -21,11 +21,15 @@ every request sampled; no request reaching `max_tokens` in the step before; no p
 entering a block the table lacks (the scheduler allocates each decode's next block a step
 early, `Scheduler.lookahead`, and its entries travel with the step built ahead next, so that
 only a pool without a free block stops a forward there); and sampling rows that do not
-read the output so far (no penalties, no suppressed EOS before `min_tokens`, no seeded random
-draw, which depends on the position, no structured output's grammar, whose mask follows the
-last token), so that the same rows serve again. Greedy and seeded
-requests give the same tokens with and without overlap (tests/test_overlap.py); an unseeded
-random request draws from the global generator, whose draws a discarded forward consumes.
+read the output so far (no penalties, no suppressed EOS before `min_tokens`), so that the same
+rows serve again. What a row's sampling does follow, the runner keeps itself: a seeded draw's
+position and a structured output's matcher advance on the forward thread once a step's tokens
+are adopted (`ModelRunner.advance`), never with a discarded forward's; the next step's masks
+are filled on a thread of their own while its forward runs (`ModelRunner.start_masks`), so a
+constrained row costs its neighbours only the mask's application, and a batch with one runs
+ahead like any other. Greedy and seeded requests, constrained or not, give the same tokens
+with and without overlap (tests/test_overlap.py); an unseeded random request draws from the
+global generator, whose draws a discarded forward consumes.
 
 The engine's thread plans (it alone touches the planner while a forward is unconfirmed); the
 forward thread prepares, runs, samples and, once a step is confirmed, commits its tokens and
@@ -151,12 +155,14 @@ class OverlapRunner:
         inputs = runner.prepare(step)
         predicted = False
         while True:
+            masks = runner.start_masks(rows)  # the constrained rows', filled beside the forward
             hidden = runner.forward(inputs)
-            result, tokens = runner.sample_tokens(step, inputs, hidden, rows)
+            result, tokens = runner.sample_tokens(step, inputs, hidden, rows, masks)
             sampled = (inputs.sample_ids, result)  # keyed by id on the engine's thread
             if predicted and not self._verdicts.get():  # (None: closing)
                 self._results.put(_Result(_DISCARDED, None))
                 return
+            runner.advance(rows, result)  # the rows and grammars follow only adopted tokens
             runner.commit(tokens)
             nxt = None
             if tokens is not None and horizon > 1 and not self._closed:
@@ -185,15 +191,12 @@ def _no_moves(moves: KVMoves | None) -> None:
 
 
 def _plain(rows: SamplingRows) -> bool:
-    """Whether every row samples the same way whatever the output so far (so that the rows
-    serve the next step too): no penalties, nothing suppressed, no seeded random draw, and
-    no grammar: a constrained row's mask follows the token the engine has not yet read, so a
-    batch with one runs step by step."""
-    for row in rows.rows:
-        p = row.params
-        if row.suppressed or p.has_penalties or (p.seed is not None and not p.greedy) or row.grammar is not None:
-            return False
-    return True
+    """Whether the rows serve the next step too without reading the output so far, which the
+    engine's thread appends while a forward runs ahead: no penalties (they read the output's
+    tokens) and nothing suppressed (min_tokens: which ids changes with the output's length).
+    A seeded draw's position and a grammar's state are the runner's own, advanced with each
+    step it adopts (`ModelRunner.advance`)."""
+    return not any(row.suppressed or row.params.has_penalties for row in rows.rows)
 
 
 def wants_overlap(setting: bool | None, device: torch.device) -> bool:

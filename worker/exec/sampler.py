@@ -36,9 +36,16 @@ class RowGrammar(Protocol):
     """A constrained row's matcher, as the sampler reads it (worker/engine/grammar.py's
     `RequestGrammar`)."""
 
+    mask_words: int  # int32 words of a bitmask row: ceil(vocab / 32)
+
     def fill(self, bitmask: torch.Tensor, index: int) -> bool:
-        """Write row `index` of the (n, ceil(vocab / 32)) int32 bitmask of allowed tokens;
-        False when the row is unconstrained this step (the row left untouched)."""
+        """Write row `index` of the (n, mask_words) int32 bitmask of allowed tokens; False
+        when the row is unconstrained this step (the row left untouched)."""
+        ...
+
+    def accept(self, token: int) -> bool:
+        """Advance over the token sampled for the row (the model runner calls it once the
+        step's tokens are taken)."""
         ...
 
 
@@ -52,6 +59,10 @@ class SamplingRow:
     # Ids that must not be sampled this step: EOS and stop tokens before params.min_tokens.
     suppressed: tuple[int, ...] = ()
     grammar: RowGrammar | None = None  # what the output must match (structured outputs)
+    # output tokens before this step, the position of a seeded draw: kept by the model runner,
+    # which advances it with each step it samples (a forward run ahead samples before the
+    # engine has appended the last token to output_token_ids); None: len(output_token_ids)
+    position: int | None = None
 
 
 @dataclass
@@ -78,6 +89,16 @@ def kinds_of(rows: Sequence[SamplingRow]) -> RowKinds:
         logprobs=[i for i, r in enumerate(rows) if r.params.logprobs is not None],
         constrained=[i for i, r in enumerate(rows) if r.grammar is not None],
     )
+
+
+@dataclass
+class Masks:
+    """The constrained rows' allowed tokens for one step, filled from their grammars before
+    the step's logits exist (the model runner fills them while the forward runs)."""
+
+    bitmask: torch.Tensor  # (n, ceil(vocab / 32)) int32 on the CPU; -1 (all allowed) in other rows
+    filled: list[int]  # rows whose grammar wrote its row
+    seconds: float  # the time filling took
 
 
 @dataclass
@@ -110,13 +131,21 @@ class Sampler:
         if logprobs_mode not in ("raw", "processed"):
             raise ValueError(f"logprobs_mode must be 'raw' or 'processed', got {logprobs_mode!r}")
         self.logprobs_mode = logprobs_mode
-        self.mask_seconds = 0.0  # time spent filling and applying grammars' masks, in all
+        # time spent filling and applying grammars' masks, in all (updated on the sampling
+        # thread only); the filling's share, which may have run beside the forward
+        self.mask_seconds = 0.0
+        self.mask_fill_seconds = 0.0
 
     def __call__(
-        self, logits: torch.Tensor, rows: Sequence[SamplingRow], kinds: RowKinds | None = None
+        self,
+        logits: torch.Tensor,
+        rows: Sequence[SamplingRow],
+        kinds: RowKinds | None = None,
+        masks: Masks | None = None,
     ) -> SampleResult:
         """Sample one token per row. logits: (n, vocab) float, row i belongs to rows[i];
-        `kinds`: `kinds_of(rows)`, when the caller keeps it for rows it hands again."""
+        `kinds`: `kinds_of(rows)`, when the caller keeps it for rows it hands again; `masks`:
+        `fill_masks(rows, kinds.constrained)`, when the caller filled them ahead."""
         _check_inputs(logits, rows)
         if not rows:
             return SampleResult(ids=torch.zeros(0, dtype=torch.int32), logprobs=[])
@@ -126,7 +155,7 @@ class Sampler:
             return SampleResult(ids=ids, logprobs=[None] * len(rows))
         logits = logits.float()
         if kinds.constrained:  # before everything: logprobs report the masked distribution
-            logits = self.mask(logits, rows, kinds.constrained)
+            logits = self.apply_masks(logits, masks or self.fill_masks(rows, kinds.constrained))
         penalized = logits
         if kinds.penalized:
             penalized = apply_penalties(logits, rows)
@@ -160,26 +189,39 @@ class Sampler:
         return out
 
     def mask(self, logits: torch.Tensor, rows: Sequence[SamplingRow], idx: list[int]) -> torch.Tensor:
-        """The rows `idx`' forbidden tokens at -inf, in place: logits (n, vocab) float32. Each
-        row's grammar fills its row of one bitmask on the CPU (microseconds a row); xgrammar's
-        kernel applies it."""
+        """The rows `idx`' forbidden tokens at -inf, in place: logits (n, vocab) float32."""
+        return self.apply_masks(logits, self.fill_masks(rows, idx))
+
+    @staticmethod
+    def fill_masks(rows: Sequence[SamplingRow], idx: list[int]) -> Masks:
+        """The bitmask of the rows `idx` (constrained): each row's grammar fills its row on the
+        CPU (microseconds a row). Reads only the rows' matchers, so that it may run on another
+        thread while the step's forward runs (the matchers stand still until the step ends)."""
+        t0 = time.perf_counter()
+        bitmask = torch.full((len(rows), rows[idx[0]].grammar.mask_words), -1, dtype=torch.int32)  # (n, words)
+        filled = [i for i in idx if rows[i].grammar.fill(bitmask, i)]
+        return Masks(bitmask, filled, time.perf_counter() - t0)
+
+    def apply_masks(self, logits: torch.Tensor, masks: Masks) -> torch.Tensor:
+        """The forbidden tokens of `masks` at -inf, in place: logits (n, vocab) float32
+        (xgrammar's kernel applies the bitmask)."""
         import xgrammar as xgr
 
         t0 = time.perf_counter()
-        bitmask = torch.full((len(rows), (logits.shape[1] + 31) // 32), -1, dtype=torch.int32)  # (n, words)
-        filled = [i for i in idx if rows[i].grammar.fill(bitmask, i)]
-        if filled:
-            xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=filled)
-        self.mask_seconds += time.perf_counter() - t0
+        if masks.filled:
+            xgr.apply_token_bitmask_inplace(logits, masks.bitmask.to(logits.device), indices=masks.filled)
+        self.mask_fill_seconds += masks.seconds
+        self.mask_seconds += masks.seconds + time.perf_counter() - t0
         return logits
 
     def _sample_random(self, penalized: torch.Tensor, rows: Sequence[SamplingRow], idx: list[int]) -> torch.Tensor:
         warped = _warp(penalized[idx], [rows[i].params for i in idx])  # (r, vocab)
         uniforms = torch.rand(len(idx), dtype=torch.float64)  # (r,): the unseeded rows'
         for j, i in enumerate(idx):
-            seed = rows[i].params.seed
-            if seed is not None:  # the draw of this request at this position, wherever it runs
-                uniforms[j] = seeded_uniform(seed, len(rows[i].output_token_ids))
+            row = rows[i]
+            if row.params.seed is not None:  # the draw of this request at this position, wherever it runs
+                position = len(row.output_token_ids) if row.position is None else row.position
+                uniforms[j] = seeded_uniform(row.params.seed, position)
         return draw(warped.softmax(dim=-1), uniforms.to(warped.device))
 
     def _logprobs(

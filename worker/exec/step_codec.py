@@ -29,6 +29,7 @@ from worker.exec.persistent_batch import DecodeBatch, TableEntries
 from worker.step import KVMoves, SchedulerOutput
 
 STEP, HEARTBEAT, PROBE, SHUTDOWN, MOVES, FETCH = b"s", b"h", b"p", b"x", b"m", b"f"
+INVENTORY = b"i"  # rank 0's reopened disk blocks, for every rank to say which it holds too
 # kind, flags, S, T, R, K, rank 0's send time (for the control-overhead measurement); 32 bytes
 # so that the int32 arrays after it start aligned
 _HEADER = struct.Struct("<cB2xIIIId4x")
@@ -402,6 +403,15 @@ def decode_moves(message: bytes) -> tuple[KVMoves, list[tuple[bytes, int]]]:
         drops=hashes[demotes : demotes + drops],
     )
     return moves, list(zip(hashes[demotes + drops :], slots[demotes:], strict=True))
+
+
+def encode_inventory(hashes: Sequence[bytes]) -> bytes:
+    """An INVENTORY message: the kind, then rank 0's 16-byte block hashes in its order."""
+    return INVENTORY + b"".join(hashes)
+
+
+def decode_inventory(message: bytes) -> list[bytes]:
+    return [message[i : i + 16] for i in range(1, len(message), 16)]
 
 
 def kind_of(message: bytes) -> bytes:

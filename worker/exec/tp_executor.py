@@ -17,8 +17,17 @@ import time
 
 from worker.exec.distributed import ByteChannel, startup_barrier
 from worker.exec.executor import DeviceWorker, Executor
+from worker.exec.kv_transfer import encode_export, encode_import
 from worker.exec.model_runner import Sampled
-from worker.exec.step_codec import FETCH, HEARTBEAT, SHUTDOWN, encode_moves, encode_step, probe_message
+from worker.exec.step_codec import (
+    FETCH,
+    HEARTBEAT,
+    SHUTDOWN,
+    encode_inventory,
+    encode_moves,
+    encode_step,
+    probe_message,
+)
 from worker.model.parallel import Collectives
 from worker.step import KVMoves, SchedulerOutput
 
@@ -50,6 +59,7 @@ class TPExecutor(Executor):
         self.heartbeat_s = heartbeat_s
         self._last_sent = time.monotonic()
         self._closed = False
+        self._reopened: list[bytes] = []  # the disk blocks every rank reopened
         # (scheduled requests, seconds from the scheduler's decision to this rank's forward call,
         # its parts: plan, encode, send, prepare)
         self.timings: collections.deque[tuple] = collections.deque(maxlen=TIMINGS_KEPT)
@@ -60,6 +70,17 @@ class TPExecutor(Executor):
 
     def init_pool(self, num_blocks: int) -> None:
         self.worker.init_pool(num_blocks)
+        self._reopened = self._agree_on_disk()
+
+    def _agree_on_disk(self) -> list[bytes]:
+        """Rank 0's reopened disk blocks go to every rank (as each rank's `init_pool` ends),
+        which marks those it holds too; the blocks all of them hold are the group's (each rank
+        keeps only those files)."""
+        if self.worker.disk_tier is None:
+            return []
+        hashes = self.worker.disk_tier.inventory
+        self._collective(self.channel.send, encode_inventory(hashes))
+        return self._collective(self.worker.disk_inventory, lambda mine: held_by_all(self.channel, hashes, mine))
 
     def execute(self, out: SchedulerOutput) -> Sampled:
         decided = time.perf_counter()
@@ -86,6 +107,22 @@ class TPExecutor(Executor):
         self._collective(self.channel.send, encode_moves(early, fetches, kind=FETCH))
         self._last_sent = time.monotonic()
         return self._collective(self.worker.fetch, early, fetches, self.channel.all_reduce_min)
+
+    def export_blocks(self, export_id: bytes, sources: list[tuple[int, int]]) -> list:
+        """Every rank copies its shard of the blocks now (the others keep theirs for a peer)."""
+        self._collective(self.channel.send, encode_export(export_id, sources))
+        self._last_sent = time.monotonic()
+        return [self.worker.export_rows(sources), *[None] * (self.world_size - 1)]
+
+    def import_blocks(self, import_id: bytes, early: KVMoves, rows: list[tuple[int, int]], shard) -> bool:
+        """Every rank writes its pulled shard's rows; True when all of them could."""
+        self._collective(self.channel.send, encode_import(import_id, early, rows))
+        self._last_sent = time.monotonic()
+        ok = self._collective(self.worker.import_rows, early, rows, shard)
+        return bool(self._collective(self.channel.all_reduce_min, int(ok)))
+
+    def disk_inventory(self) -> list[bytes]:
+        return self._reopened
 
     def keepalive(self) -> None:
         """Called while idle: a heartbeat round trip when nothing was sent for heartbeat_s."""
@@ -127,3 +164,10 @@ class TPExecutor(Executor):
             raise GroupFailedError(
                 f"a rank of the tensor-parallel group failed or stopped answering ({self.world_size} ranks): {e}"
             ) from e
+
+
+def held_by_all(channel: ByteChannel, hashes: list[bytes], mine: list[bytes]) -> list[bytes]:
+    """Of rank 0's `hashes`, those that every rank holds (`mine`: this rank's), in their order."""
+    have = set(mine)
+    held = channel.all_reduce_min_many([1 if h in have else 0 for h in hashes]) if hashes else []
+    return [h for h, ok in zip(hashes, held, strict=True) if ok]

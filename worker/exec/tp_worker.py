@@ -16,18 +16,21 @@ import torch
 
 from worker.exec.distributed import ByteChannel, startup_barrier
 from worker.exec.executor import DeviceWorker
+from worker.exec.kv_transfer import EXPORT, IMPORT, ShardStash, decode_export, decode_import
 from worker.exec.step_codec import (
     FETCH,
     HEARTBEAT,
+    INVENTORY,
     MOVES,
     PROBE,
     SHUTDOWN,
     STEP,
+    decode_inventory,
     decode_moves,
     decode_step,
     probe_rounds,
 )
-from worker.exec.tp_executor import TIMINGS_KEPT, GroupFailedError
+from worker.exec.tp_executor import TIMINGS_KEPT, GroupFailedError, held_by_all
 from worker.model.parallel import Collectives
 
 
@@ -47,14 +50,21 @@ class TPWorker:
         # parts: until the message is received, decode, prepare)
         self.timings: collections.deque[tuple] = collections.deque(maxlen=TIMINGS_KEPT)
         self._received = 0.0  # perf_counter when the latest message arrived
+        self.stash = ShardStash()  # KV shards kept for another group's rank, or pulled from one
 
     def init_pool(self) -> int:
-        """Agree with rank 0 on the group's block count (the smallest over ranks); allocate."""
+        """Agree with rank 0 on the group's block count (the smallest over ranks); allocate;
+        then on the disk blocks every rank reopened (rank 0 sends its own)."""
         try:
             num_blocks = self.channel.all_reduce_min(self.worker.determine_num_blocks())
+            self.worker.init_pool(num_blocks)
+            if self.worker.disk_tier is not None:
+                message = self.channel.recv()
+                assert message[:1] == INVENTORY, "rank 0 sent no disk inventory"
+                hashes = decode_inventory(message)
+                self.worker.disk_inventory(lambda mine: held_by_all(self.channel, hashes, mine))
         except RuntimeError as e:
             raise GroupFailedError(f"rank {self._rank} could not agree on the pool: {e}") from e
-        self.worker.init_pool(num_blocks)
         return num_blocks
 
     def run(self) -> int:
@@ -65,6 +75,8 @@ class TPWorker:
             PROBE: self._probe,
             MOVES: self._moves,
             FETCH: self._fetch,
+            EXPORT: self._export,
+            IMPORT: self._import,
         }
         with torch.inference_mode():  # held across steps: entering it costs before each forward
             return self._serve(handlers)
@@ -102,6 +114,18 @@ class TPWorker:
     def _fetch(self, message: bytes) -> None:
         """Disk blocks into host slots, then agree with every rank on how many were read."""
         self.worker.fetch(*decode_moves(message), agree=self.channel.all_reduce_min)
+
+    def _export(self, message: bytes) -> None:
+        """Copy this rank's shard of the blocks another group pulls; kept for its rank r."""
+        export_id, sources = decode_export(message)
+        self.stash.put(export_id, self.worker.export_rows(sources))
+
+    def _import(self, message: bytes) -> None:
+        """Write the shard pulled for the import (kept here before rank 0 sent the message)
+        into the host slots, then agree with every rank on whether all could."""
+        import_id, early, rows = decode_import(message)
+        ok = self.worker.import_rows(early, rows, self.stash.take(import_id))
+        self.channel.all_reduce_min(int(ok))
 
     def _heartbeat(self, message: bytes) -> None:
         self.channel.barrier()

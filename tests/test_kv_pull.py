@@ -1,0 +1,192 @@
+"""KV pulled between groups: a question placed on a group that lacks its document is served
+from the document's KV copied from the group that computed it, not recomputed.
+
+In this process (LocalGroup: the tensors pass directly) and on the session's real two-node Ray
+cluster (RayGroup, one group per node: rank r's shard through Ray's object store), with the
+built-in model on CPU: the question's tokens equal the holder's own answer, the puller computes
+the question's tokens only (its engine's counter and the response's cached tokens), and a pull
+from a holder that is gone falls back to recompute with the same tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping, Sequence
+
+import pytest
+
+from cluster.group import GroupStatus
+from cluster.index import GroupMatch, InMemoryPrefixIndex
+from cluster.local_group import LocalGroup
+from cluster.ray.group import RayGroup, RayGroupConfig
+from cluster.ray.runtime import ray
+from pagefleet.llm import engine_config
+from router.launch.local import router_side
+from router.placement.policy import PlacedShare, Placement, Policy
+from router.router import PULL_MIN_BLOCKS, Router, RouteRequest
+from worker.kv_transfer import KVTransferError
+from worker.protocol import GenerationRequest
+from worker.sampling_params import SamplingParams
+
+SECRET = "kv-pull-test-secret"
+DOC = [(13 * i + 7) % 1000 for i in range(160)]  # 10 blocks of 16
+QUESTION = [4, 5, 6]
+PARAMS = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+OPTIONS = dict(num_blocks=64, max_model_len=512, cluster_secret=SECRET, kv_host_bytes=1 << 24)
+
+
+class Chosen(Policy):
+    """Places every request on one named group: a placement that lacks the prefix."""
+
+    name = "chosen"
+
+    def __init__(self, group_id: str, block_size: int) -> None:
+        super().__init__(block_size)
+        self.group_id = group_id
+
+    def choose(
+        self,
+        block_hashes: Sequence[bytes],
+        statuses: Mapping[str, GroupStatus],
+        matches: Mapping[str, GroupMatch],
+        placed: PlacedShare,
+    ) -> Placement:
+        m = matches.get(self.group_id)
+        return Placement(self.group_id, "chosen", m.expected_blocks if m is not None else 0)
+
+
+def last(group, ids: list[int], rid: str, hasher):
+    async def run():
+        request = GenerationRequest(ids, PARAMS, request_id=rid, block_hashes=hasher.hash_prompt(ids))
+        return [o async for o in group.generate(request)][-1]
+
+    return asyncio.run(run())
+
+
+def routed(router: Router, ids: list[int]):
+    async def run():
+        return [o async for o in router.generate(RouteRequest(prompt_token_ids=ids, params=PARAMS))][-1]
+
+    out = asyncio.run(run())
+    return out, router.records[out.request_id]
+
+
+def check_pulled(router, holder, puller, stats_of, hasher) -> None:
+    """The document computed on `holder`; a question routed to `puller` pulls it and computes
+    the question only, with the holder's tokens."""
+    first = last(holder, DOC + [1, 2, 3], "doc", hasher)
+    assert first.num_cached_tokens == 0
+    question = DOC + QUESTION
+    before = stats_of(puller)
+    out, record = routed(router, question)
+    after = stats_of(puller)
+    assert record.group_id == puller.group_id and record.pulled_from == holder.group_id
+    assert record.pulled_blocks == len(DOC) // 16
+    assert out.num_cached_tokens == record.predicted_cached_tokens == record.actual_cached_tokens == len(DOC)
+    # the question's prompt tokens, then a token per decode step after the first sampled one
+    assert after["tokens_computed"] - before["tokens_computed"] == len(QUESTION) + PARAMS.max_tokens - 1
+    assert after["kv_blocks_imported"] - before["kv_blocks_imported"] == len(DOC) // 16
+    own = last(holder, question, "own", hasher)  # the holder serving the question itself
+    assert out.outputs[0].token_ids == own.outputs[0].token_ids
+
+
+# ---- in this process -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def local_groups():
+    index = InMemoryPrefixIndex()
+    config = engine_config("builtin", **OPTIONS)
+    g0 = LocalGroup(config, index, group_id="g0")
+    g1 = LocalGroup(config, index, group_id="g1")
+    hasher, _, info = router_side(config, "builtin")
+    yield index, g0, g1, hasher, info
+    g0.shutdown()
+    g1.shutdown()
+
+
+def test_a_question_on_a_cold_group_pulls_the_document_in_process(local_groups):
+    index, g0, g1, hasher, info = local_groups
+    router = Router([g0, g1], index, hasher, info, policy=Chosen("g1", info.block_size))
+    check_pulled(router, g0, g1, lambda g: g.engine.engine.stats(), hasher)
+    # the pulled blocks were restored onto g1's device: the index now has them there too
+    assert index.match(hasher.hash_prompt(DOC))["g1"].blocks == len(DOC) // 16
+
+
+def test_a_short_prefix_is_recomputed_not_pulled(local_groups):
+    index, g0, g1, hasher, info = local_groups
+    short = [(17 * i + 3) % 1000 for i in range(16 * (PULL_MIN_BLOCKS - 1))]
+    last(g0, short + [9], "short", hasher)
+    router = Router([g0, g1], index, hasher, info, policy=Chosen("g1", info.block_size))
+    out, record = routed(router, short + [8])
+    assert record.pulled_from is None and out.num_cached_tokens == 0
+
+
+def test_a_pull_from_a_stopped_holder_recomputes_with_the_same_tokens():
+    config = engine_config("builtin", **OPTIONS)
+    g0, g1 = LocalGroup(config, group_id="h0"), LocalGroup(config, group_id="h1")
+    hasher = router_side(config, "builtin")[0]
+    try:
+        last(g0, DOC + [1, 2, 3], "doc", hasher)
+        question = DOC + QUESTION
+        own = last(g0, question, "own", hasher)
+        g0.shutdown()
+        pulled = asyncio.run(g1.pull_from(g0, hasher.hash_prompt(question), timeout_s=0.5))
+        assert pulled == 0
+        out = last(g1, question, "q", hasher)
+        assert out.num_cached_tokens == 0 and out.outputs[0].token_ids == own.outputs[0].token_ids
+    finally:
+        g1.shutdown()
+
+
+def test_blocks_of_another_format_are_refused_by_name(local_groups):
+    _, g0, _, hasher, _ = local_groups
+    other = LocalGroup(engine_config("builtin", **{**OPTIONS, "kv_cache_dtype": "int8"}), group_id="int8")
+    try:
+        chain = hasher.hash_prompt(DOC + QUESTION)
+        export = g0.engine.call(lambda e: e.export_blocks(chain)).result(timeout=30)
+        assert export.num_blocks == len(DOC) // 16
+        with pytest.raises(KVTransferError, match="kv_cache_dtype"):
+            other.engine.call(lambda e: e.import_blocks(export)).result(timeout=30)
+        assert asyncio.run(other.pull_from(g0, chain, timeout_s=10)) == 0  # a pull gives up
+    finally:
+        other.shutdown()
+
+
+# ---- on Ray: one group per node ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ray_groups(ray_runtime):
+    node_a, node_b = ray_runtime.node_labels
+    index = InMemoryPrefixIndex()
+    config = engine_config("builtin", **OPTIONS)
+    groups = []
+    try:
+        for gid, node in (("r0", node_a), ("r1", node_b)):
+            groups.append(RayGroup(config, RayGroupConfig(bundle_resources={node: 1}), group_id=gid, index=index))
+        hasher, _, info = router_side(config, "builtin")
+        yield index, *groups, hasher, info
+    finally:
+        for g in groups:
+            g.shutdown()
+
+
+def test_a_question_on_a_cold_group_pulls_the_document_across_nodes(ray_groups):
+    index, r0, r1, hasher, info = ray_groups
+    assert r0.node_ids != r1.node_ids
+    router = Router([r0, r1], index, hasher, info, policy=Chosen("r1", info.block_size))
+    check_pulled(router, r0, r1, lambda g: g.engine_stats(), hasher)
+
+
+def test_a_pull_from_a_dead_ray_holder_recomputes_with_the_same_tokens(ray_groups):
+    _, r0, r1, hasher, _ = ray_groups
+    doc = [(19 * i + 1) % 1000 for i in range(160)]
+    question = doc + QUESTION
+    last(r0, doc + [1, 2, 3], "doc2", hasher)
+    own = last(r0, question, "own2", hasher)
+    ray.kill(r0.ranks_owned.rank0)
+    pulled = asyncio.run(r1.pull_from(r0, hasher.hash_prompt(question), timeout_s=5))
+    assert pulled == 0
+    out = last(r1, question, "q2", hasher)
+    assert out.num_cached_tokens == 0 and out.outputs[0].token_ids == own.outputs[0].token_ids
