@@ -78,7 +78,7 @@ class Location:
     group_id: str
     tier: str
     blocks_pinned: int  # blocks the group holds pinned for the document
-    blocks_cached: int  # leading blocks of the document the prefix index says the group caches
+    blocks_cached: int  # the document's blocks the prefix index says the tier holds, after those above it
 
 
 @dataclass
@@ -268,7 +268,8 @@ class Documents:
         return out
 
     async def locate(self, doc: Document) -> list[Location]:
-        """Where the document's blocks are: each group that pins it or caches any of it."""
+        """Where the document's blocks are: each group that pins it or caches any of it, on the
+        device and, as the prefix index follows the chain further, in the tiers under it."""
         if doc.expired():
             return []
         pinned = self.holders(doc)
@@ -278,10 +279,17 @@ class Documents:
         except PrefixIndexError as e:
             log.warning("prefix index unavailable (%s); documents located by their pins", e)
             matches = {}
-        cached = {gid: m.blocks for gid, m in matches.items() if m.blocks}
-        return [
-            Location(gid, "device", pinned.get(gid, 0), cached.get(gid, 0)) for gid in sorted(set(pinned) | set(cached))
-        ]
+        out = []
+        for gid in sorted(set(pinned) | {gid for gid, m in matches.items() if m.blocks}):
+            m = matches.get(gid)
+            out.append(Location(gid, "device", pinned.get(gid, 0), m.blocks if m is not None else 0))
+            if m is None:
+                continue
+            # the chain's blocks after the device's, continued in the tiers under it
+            for tier, more in (("host", m.host_blocks), ("disk", m.disk_blocks)):
+                if more:
+                    out.append(Location(gid, tier, 0, more))
+        return out
 
     # ---- keeping pins ------------------------------------------------------------------
     def _start_reconciler(self) -> None:
