@@ -43,6 +43,9 @@ class GroupStatus:
     state: str = ""  # the supervisor's view (cluster/ray/supervisor.py); "" for a local group
     generation: int = 0
     restarts: int = 0
+    # the KV tiers' figures: the engine's `kv_*` stats (worker/engine/llm_engine.py), for the
+    # metrics (router/door/cluster_metrics.py)
+    tiers: dict = field(default_factory=dict, compare=False)
     # unique to this snapshot (a new one, `replace`d ones included, gets the next): what a
     # cache of figures worked out from a status compares to know it is stale
     version: int = field(default_factory=lambda: next(_versions), init=False, compare=False)
@@ -77,6 +80,7 @@ def status_from_stats(
         preemptions=stats.get("preemptions", 0),
         error=error,
         draining=bool(stats.get("draining", False)),
+        tiers={k: v for k, v in stats.items() if k.startswith("kv_")},
     )
 
 
