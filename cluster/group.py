@@ -44,6 +44,9 @@ class GroupStatus:
     generation: int = 0
     restarts: int = 0
     pinned: dict[str, int] = field(default_factory=dict, compare=False)  # document id -> blocks pinned
+    # the KV tiers' figures: the engine's `kv_*` stats (worker/engine/llm_engine.py), for the
+    # metrics (router/door/cluster_metrics.py)
+    tiers: dict = field(default_factory=dict, compare=False)
     # unique to this snapshot (a new one, `replace`d ones included, gets the next): what a
     # cache of figures worked out from a status compares to know it is stale
     version: int = field(default_factory=lambda: next(_versions), init=False, compare=False)
@@ -79,6 +82,7 @@ def status_from_stats(
         error=error,
         draining=bool(stats.get("draining", False)),
         pinned=dict(stats.get("pinned", {})),
+        tiers={k: v for k, v in stats.items() if k.startswith("kv_")},
     )
 
 

@@ -504,6 +504,7 @@ def test_metrics_expose_pagefleet_series(server):
     assert delta("pagefleet:prompt_tokens_total") == 130
     assert delta("pagefleet:prefix_cache_queries_total") == 130
     assert delta("pagefleet:prefix_cache_hits_total") == 64
+    assert delta("pagefleet:kv_tier_hit_tokens_total") == 64  # all on the device: no tier under it
     assert delta("pagefleet:routing_decisions_total") == 2
     match = 'pagefleet:prefix_index_round_trip_seconds_count{model_name="builtin-v1",operation="match"}'
     assert after[match] - before.get(match, 0) == 2  # one index round trip per placement

@@ -13,10 +13,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Sequence
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from cluster.index import IndexHealth, IndexReader, InventoryStats, Matches
+from worker.kv_events import DEVICE, DISK, HOST
 
 P = "pagefleet:"
 
@@ -77,6 +78,69 @@ class GroupCollector(Collector):
                 fams["used"].add_metric([*lab, device], used)
                 fams["free"].add_metric([*lab, device], s.blocks_free)
         return list(fams.values())
+
+
+class TierCollector(Collector):
+    """Per-group figures of the KV tiers under the device pool (device, host, disk), from the
+    groups' status (`GroupStatus.tiers`, the engine's `kv_*` stats): prompt tokens hit by
+    tier, bytes moved each way, restore latency, blocks used and held, failed loads."""
+
+    def __init__(self, model_name: str, statuses: Callable[[], Sequence]) -> None:
+        self.model_name = model_name
+        self.statuses = statuses
+
+    def collect(self) -> Iterable[Metric]:
+        gt, gd = ["model_name", "group", "tier"], ["model_name", "group", "direction"]
+        hits = CounterMetricFamily(f"{P}kv_tier_hit_tokens", "Prompt tokens served from each KV tier.", labels=gt)
+        moved = CounterMetricFamily(
+            f"{P}kv_tier_moved_bytes", "KV bytes copied between tiers, each way (rank 0's shard).", labels=gd
+        )
+        load = HistogramMetricFamily(
+            f"{P}kv_tier_load_seconds",
+            "Restores: host->device copies of a step's loads, disk->host reads of a fetch.",
+            labels=gt,
+        )
+        used = GaugeMetricFamily(f"{P}kv_tier_blocks_used", "KV blocks a tier holds (device: referenced).", labels=gt)
+        capacity = GaugeMetricFamily(f"{P}kv_tier_blocks_capacity", "KV blocks a tier can hold.", labels=gt)
+        failed = CounterMetricFamily(
+            f"{P}kv_tier_load_failures", "Blocks a tier could not read whole (misses, never KV).", labels=gt
+        )
+        for s in self.statuses():
+            t = s.tiers
+            if not t:
+                continue
+            lab = [self.model_name, s.group_id]
+            below = [m for m in (HOST, DISK) if t.get(f"kv_{m}_blocks_total")]  # the tiers it has
+            host_hits, disk_hits = t.get("kv_host_hits", 0), t.get("kv_disk_hits", 0)
+            # (every restored block reaches the pool through the host: its hits hold the disk's)
+            tier_hits = {DEVICE: s.prefix_cache_hits - host_hits, HOST: host_hits - disk_hits, DISK: disk_hits}
+            hits.add_metric([*lab, DEVICE], tier_hits[DEVICE])
+            used.add_metric([*lab, DEVICE], s.blocks_total - s.blocks_free)
+            capacity.add_metric([*lab, DEVICE], s.blocks_total)
+            for tier in below:
+                hits.add_metric([*lab, tier], tier_hits[tier])
+                used.add_metric([*lab, tier], t.get(f"kv_{tier}_blocks_cached", 0))
+                capacity.add_metric([*lab, tier], t[f"kv_{tier}_blocks_total"])
+                failed.add_metric([*lab, tier], t.get(f"kv_{tier}_failures", 0))
+                if (times := t.get(f"kv_{tier}_load_seconds")) is not None:
+                    load.add_metric([*lab, tier], [(_le(b), n) for b, n in times["buckets"]], times["sum"])
+            for direction, tier, key in _MOVES:
+                if tier in below:
+                    moved.add_metric([*lab, direction], t.get(key, 0))
+        return [hits, moved, load, used, capacity, failed]
+
+
+# (direction label, the tier it needs, the engine's stat): bytes of rank 0's shard, which every rank moves alike
+_MOVES = (
+    ("device_to_host", HOST, "kv_host_bytes_saved"),
+    ("host_to_device", HOST, "kv_host_bytes_loaded"),
+    ("host_to_disk", DISK, "kv_disk_bytes_written"),
+    ("disk_to_host", DISK, "kv_disk_bytes_read"),
+)
+
+
+def _le(bound: float) -> str:
+    return "+Inf" if bound == float("inf") else repr(bound)
 
 
 class IndexCollector(Collector):

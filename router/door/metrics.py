@@ -46,7 +46,7 @@ from prometheus_client import (
 from prometheus_client.exposition import ThreadingWSGIServer
 
 from cluster.index import IndexReader
-from router.door.cluster_metrics import GroupCollector, IndexCollector, TimedReader
+from router.door.cluster_metrics import GroupCollector, IndexCollector, TierCollector, TimedReader
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py), so histograms compare bucket for bucket.
 TTFT_BUCKETS = (
@@ -329,6 +329,7 @@ class ServerMetrics:
     def watch_groups(self, statuses: Callable[[], Sequence]) -> None:
         """Export per-group gauges and counters read from `statuses()` (GroupStatus list)."""
         self.registry.register(GroupCollector(self.model_name, statuses))
+        self.registry.register(TierCollector(self.model_name, statuses))
 
     def watch_index(self, index: IndexReader) -> None:
         """Export the prefix index's health as the router's reader sees it."""

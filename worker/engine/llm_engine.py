@@ -461,6 +461,7 @@ class LLMEngine:
             "kv_host_blocks_cached": len(bm.host) if bm.host is not None else 0,
             "kv_host_hits": bm.host_hits,  # prompt tokens restored from the host tier
             "kv_host_saves": bm.host_saves,  # blocks written back to the host tier
+            "kv_disk_blocks_total": bm.disk.num_slots if bm.disk is not None else 0,
             "kv_disk_blocks_cached": len(bm.disk) if bm.disk is not None else 0,
             "kv_disk_hits": bm.disk_hits,  # prompt tokens fetched from the disk tier
             "kv_disk_failures": bm.disk_failures,  # reads that failed (misses, never KV)
@@ -475,11 +476,15 @@ class LLMEngine:
         }
 
     def _tier_bytes(self) -> dict:
-        """Bytes rank 0 moved between its pool and the tiers under it, each way."""
+        """Bytes rank 0 moved between its pool and the tiers under it, each way, and how long
+        its restores took."""
         worker = getattr(self.executor, "worker", None)
         host = getattr(worker, "host_tier", None)
         disk = getattr(worker, "disk_tier", None)
+        times = getattr(worker, "load_times", {})
         return {
+            # restores' latencies (worker/exec/load_times.py): host -> device, disk -> host
+            **{f"kv_{tier}_load_seconds": t.as_dict() for tier, t in times.items()},
             "kv_host_bytes_saved": host.bytes_saved if host else 0,
             "kv_host_bytes_loaded": host.bytes_loaded if host else 0,
             "kv_disk_bytes_written": disk.bytes_written if disk else 0,

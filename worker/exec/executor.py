@@ -6,6 +6,7 @@ tensor-parallel group an executor that hands each step to every rank (see worker
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 
 import torch
@@ -17,8 +18,10 @@ from worker.exec.host_tier import HostTier, host_blocks
 from worker.exec.kv_calibration import calibrate_tensor_scales
 from worker.exec.kv_pool import KVLayout, KVPool, kv_fingerprint, layout_for, num_blocks_from_memory
 from worker.exec.kv_transfer import export_rows, import_rows
+from worker.exec.load_times import LoadTimes
 from worker.exec.model_runner import ModelRunner, Sampled
 from worker.exec.overlap import OverlapRunner, wants_overlap
+from worker.kv_events import DISK, HOST
 from worker.model.model_config import ModelConfig
 from worker.model.model_loader import load_model
 from worker.model.parallel import Collectives, SingleRank
@@ -43,6 +46,7 @@ class DeviceWorker:
         self.pool: KVPool | None = None
         self.host_tier: HostTier | None = None  # blocks under the pool, in host memory
         self.disk_tier: DiskTier | None = None  # and under the host tier, on disk
+        self.load_times = {HOST: LoadTimes(), DISK: LoadTimes()}  # restores' latencies, by tier
 
     def determine_num_blocks(self) -> int:
         """Blocks this device can hold under the configured budget."""
@@ -102,7 +106,14 @@ class DeviceWorker:
                 self.disk_tier.write(slot, block_hash)
         if moves.saves or moves.loads:
             assert self.host_tier is not None, "a step moved blocks to a host tier this rank lacks"
-            self.host_tier.apply(moves)
+            if not moves.loads:
+                self.host_tier.apply(moves)
+                return
+            if moves.saves:  # (first: a block saved may be the one a load fills)
+                self.host_tier.apply(KVMoves(saves=moves.saves))
+            t0 = time.perf_counter()
+            self.host_tier.apply(KVMoves(loads=moves.loads))
+            self.load_times[HOST].observe(time.perf_counter() - t0)
 
     def fetch(self, early: KVMoves, fetches: list[tuple[bytes, int]], agree=None) -> int:
         """The disk writes in `early`, then the disk blocks (hash, host slot) read in order;
@@ -110,7 +121,9 @@ class DeviceWorker:
         The files after those are removed: their blocks are misses now."""
         self.move(early)
         assert self.disk_tier is not None, "a fetch from a disk tier this rank lacks"
+        t0 = time.perf_counter()
         got = self.disk_tier.fetch(fetches)
+        self.load_times[DISK].observe(time.perf_counter() - t0)
         if agree is not None:
             got = agree(got)
         self.disk_tier.remove([h for h, _ in fetches[got:]])
