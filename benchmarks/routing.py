@@ -336,7 +336,8 @@ def run_real(args, policy_name: str, server: RedisServer, cost: CostModel) -> di
 
 # ---- calibration --------------------------------------------------------------------------
 def calibrate(block_size: int = 16) -> CostModel:
-    """Fit the cost model to steps of the real engine (built-in model, this CPU)."""
+    """Fit the cost model to steps of the real engine (built-in model, this CPU), and time a
+    restore from its host tier (`load_block_s`)."""
     from pagefleet.llm import engine_config
     from worker.engine.llm_engine import LLMEngine
 
@@ -361,7 +362,25 @@ def calibrate(block_size: int = 16) -> CostModel:
             engine.step()
             samples.append((prefill, decodes, time.perf_counter() - t0))
             engine.abort([r.request_id for r in list(engine.scheduler.requests.values())])
-    return CostModel.fit(samples)
+    return replace(CostModel.fit(samples), load_block_s=load_block_seconds(block_size))
+
+
+def load_block_seconds(block_size: int = 16, blocks: int = 128) -> float:
+    """Seconds to restore one block from the host tier into the pool: the median of timed
+    copies of `blocks` blocks (the copy a step with loads makes, worker/exec/host_tier.py)."""
+    from pagefleet.llm import LLM
+    from worker.step import KVMoves
+
+    llm = LLM("builtin", block_size=block_size, num_blocks=2 * blocks, kv_host_bytes=1 << 28)
+    tier = llm.engine.executor.worker.host_tier
+    moves = KVMoves(loads=[(i, i) for i in range(blocks)])
+    tier.apply(moves)  # warm
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        tier.apply(moves)
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[2] / blocks
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -7,8 +7,8 @@ Each store and removal names its `medium`, the tier the block entered or left (a
 `BlockStored.medium`): "device" (the paged pool), "host" (host memory under it) or "disk".
 A block evicted from the device and kept on the host is a removal on "device" and a store on
 "host"; a block restored from the host is a store on "device" (the host keeps its copy). The
-default, "device", is what a consumer that knows no tiers reads (the prefix index today
-follows the device tier alone: cluster/index/).
+default, "device", is what a consumer that knows no tiers reads (the prefix index keeps each
+tier's blocks: cluster/index/).
 """
 
 from __future__ import annotations
