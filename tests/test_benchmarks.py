@@ -455,3 +455,50 @@ def test_structured_benchmark_smoke():
     assert decode[0]["mask_ms_per_step"] == 0 and all(x["mask_ms_per_step"] > 0 for x in decode[1:])
     (ttft,) = [x for x in lines if x["case"] == "ttft"]
     assert ttft["compiled"] >= 2 and ttft["new_schema_ms"] > 0
+
+
+def test_the_llamacpp_peer_benchmark_runs_pagefleet_alone():
+    """benchmarks/peer_llamacpp.py with `--peer none` (no llama.cpp build): the trace through
+    the OpenAI client at each concurrency, every request's exact tokens, the documents' shared
+    prefixes served from the cache."""
+    lines = run(
+        "-m", "benchmarks.peer_llamacpp", "--peer", "none", "--model", "builtin", "--quick", "--concurrency", "1,2"
+    )
+    assert [(x["server"], x["concurrency"]) for x in lines] == [("pagefleet", 1), ("pagefleet", 2)]
+    for x in lines:
+        assert x["errors"] == 0 and x["requests"] == 5 and x["output_tokens"] == 5 * 4, x
+        assert x["ttft_ms_p50"] > 0 and x["tpot_ms_p50"] > 0 and x["output_tok_s"] > 0
+        assert 0 < x["cached_prompt_tokens"] < x["prompt_tokens"] and "vs_llamacpp" not in x
+
+
+def test_the_llamacpp_peer_benchmark_reuses_a_build_and_compares_same_run_figures(tmp_path):
+    from benchmarks.peer_llamacpp import compare, llama_server_binary
+
+    built = tmp_path / "build-9.9.9" / "bin" / "llama-server"
+    built.parent.mkdir(parents=True)
+    built.write_text("")
+    assert llama_server_binary(tmp_path, "9.9.9") == built  # (no source, no cmake: reused)
+    ours = {"output_tok_s": 30.0, "tpot_ms_p50": 10.0, "ttft_ms_p50": 50.0, "cached_prompt_tokens": 0}
+    peer = {"output_tok_s": 20.0, "tpot_ms_p50": 8.0, "ttft_ms_p50": 100.0, "cached_prompt_tokens": 10}
+    assert compare(ours, peer) == {"output_tok_s": 1.5, "tpot_ms_p50": 1.25, "ttft_ms_p50": 0.5}
+
+
+def test_weight_accuracy_benchmark_smoke():
+    lines = run("-m", "benchmarks.weight_accuracy", "--model", "builtin", "--tokens", "32", "--max-tokens", "4")
+    by = {x["weight_dtype"]: x for x in lines}
+    assert set(by) == {"int8", "int4"}
+    assert by["int4"]["weight_mb"] < by["int8"]["weight_mb"] < by["int8"]["float_weight_mb"]
+    for x in lines:
+        assert x["positions"] == 31 and x["kl_mean"] >= 0 and 0 <= x["argmax_agreement"] <= 1
+        assert x["ppl"] > 0 and x["ref_ppl"] > 0 and x["greedy_prompts"] == 12
+        assert 0 <= x["greedy_prefix_fraction"] <= 1
+
+
+def test_step_profile_accounts_for_the_time_between_two_forwards():
+    """benchmarks/step_profile.py on the built-in model: the decode intervals of two streamed
+    requests, the forward inside each, the event loop's work beside it, the client's view."""
+    (line,) = run("-m", "benchmarks.step_profile", "--model", "builtin", "--requests", "2", "--tokens", "12")
+    assert line["intervals"] >= 2 * 9  # (a request's decode forwards, less its first)
+    assert 0 < line["forward_ms"] < line["period_ms"] and line["loop_busy_ms"] > 0
+    assert line["client_itl_ms_p50"] > 0 and 0 < line["host_share"] < 1
+    assert line["detokenize_ms"] > 0 and line["sample_ms"] > 0 and line["schedule_ms"] > 0
