@@ -1,18 +1,31 @@
-"""The cost of structured outputs on the engine: decode throughput with constrained rows, the
-mask's time per step, and time to first token with a schema never seen before.
+"""The cost of structured outputs on the engine: decode throughput with constrained rows, serial
+and run ahead, the mask's time per step, time to first token with a schema never seen before,
+and the validity of outputs over the schema suite on a real model.
 
     python -m benchmarks.structured                 # the default model (SmolLM2-135M), CPU
-    python -m benchmarks.structured --model builtin --steps 8    # smoke
+    python -m benchmarks.structured --validity      # and the validity suite on that model
+    python -m benchmarks.structured --model builtin --steps 4 --rounds 1    # smoke
 
 Cases, one JSON line each:
-- `decode`: 32 requests decoding together, of which 0, 8 or 32 follow a JSON Schema (a string
-  of 60-80 characters, so that no row's grammar ends within the measured steps); tok_per_s over
-  `--steps` decode steps once every row has its first token, mask_ms_per_step the sampler's
-  time filling and applying the masks (worker/exec/sampler.py: `mask_seconds`), and
-  vs_unconstrained the same run's ratio to the 0-constrained batch.
+- `decode`: 32 requests decoding together at temperature 1 (seeded), of which 0, 8 or 32
+  follow a JSON Schema (a string of 60-80 characters, so that no row's grammar ends within the
+  measured steps), on an engine with overlap off (`serial`) and one with it on (`overlap`: the
+  next step's forward runs ahead, worker/exec/overlap.py). The cases are interleaved: each of
+  `--rounds` rounds runs every (engine, constrained) pair once, so load that drifts across the
+  run falls on every case alike. Figures are medians over the rounds: tok_per_s over `--steps`
+  decode steps once every row has its first token; mask_ms_per_step the sampler's time filling
+  and applying the masks (worker/exec/sampler.py: `mask_seconds`) and mask_fill_ms_per_step the
+  filling's part, which runs beside the forward (`ModelRunner.start_masks`); vs_unconstrained
+  the median over rounds of each round's ratio to the same engine's 0-constrained batch; ahead
+  the share of steps whose forward ran ahead and was adopted.
 - `ttft`: one request alone, with a schema new to the engine (compiled while it waits) and
-  unconstrained; the median of `--repeats`, and the ratio. The grammar engine's tokenizer
-  tables are built once per engine, by a first constrained request before the timing.
+  unconstrained, alternately; the median of `--repeats`, and the ratio. The grammar engine's
+  tokenizer tables are built once per engine, by a first constrained request before the timing.
+- `validity` (with `--validity`): every schema of tests/structured_schemas.py, 3 seeds each at
+  temperature 1, and regexes and choices, through the model: how many outputs parse and
+  validate (`jsonschema`) or match.
+- `backends` (with `--backends`): xgrammar, the engine's grammar engine, against llguidance
+  (the `bench` extra) on the schema suite: compile time and one step's mask time at batch 32.
 Goals: constrained rows cost <= 10% of step time at batch 32, unconstrained neighbours <= 3%;
 TTFT with a new schema <= 1.5x an unconstrained one.
 """
@@ -29,6 +42,7 @@ from worker.engine.llm_engine import LLMEngine
 from worker.sampling_params import SamplingParams
 
 BATCH = 32
+MIXED = (0, 8, 32)  # constrained rows of the batch, per case
 LONG = {
     "type": "object",
     "properties": {"text": {"type": "string", "minLength": 60, "maxLength": 80}},
@@ -38,31 +52,64 @@ PROMPT = "Write a short note about the library, the river and the old mill. Note
 
 
 def decode_case(engine: LLMEngine, constrained: int, steps: int) -> dict:
-    """tok/s and mask time of `steps` decode steps of BATCH rows, `constrained` of them under LONG."""
+    """Figures of `steps` decode steps of BATCH rows, `constrained` of them under LONG."""
     sampler = engine.executor.worker.runner.sampler
+    overlap = engine.executor.overlap
+    tag = f"c{constrained}-{time.perf_counter_ns()}"
     for i in range(BATCH):
         so = {"json": LONG} if i < constrained else None
         params = SamplingParams(temperature=1.0, seed=i, max_tokens=steps + 8, ignore_eos=True, structured_outputs=so)
-        engine.add_request(PROMPT.format(i), params, request_id=f"c{constrained}-{i}")
+        engine.add_request(PROMPT.format(i), params, request_id=f"{tag}-{i}")
     started = set()
     while len(started) < BATCH:  # prefill, until every row has its first token
         started |= {o.request_id for o in engine.step()}
-    mask0, t0 = sampler.mask_seconds, time.perf_counter()
+    mask0, fill0 = sampler.mask_seconds, sampler.mask_fill_seconds
+    ahead0 = overlap.confirmed if overlap is not None else 0
+    t0 = time.perf_counter()
     for _ in range(steps):
         assert len(engine.step()) == BATCH
     seconds = time.perf_counter() - t0
-    mask = sampler.mask_seconds - mask0
-    engine.abort([f"c{constrained}-{i}" for i in range(BATCH)])
+    engine.abort([f"{tag}-{i}" for i in range(BATCH)])
     return {
-        "case": "decode",
-        "batch": BATCH,
-        "constrained": constrained,
-        "steps": steps,
-        "tok_per_s": round(BATCH * steps / seconds, 1),
-        "step_ms": round(1e3 * seconds / steps, 2),
-        "mask_ms_per_step": round(1e3 * mask / steps, 3),
-        "mask_share": round(mask / seconds, 4),
+        "tok_per_s": BATCH * steps / seconds,
+        "step_ms": 1e3 * seconds / steps,
+        "mask_ms_per_step": 1e3 * (sampler.mask_seconds - mask0) / steps,
+        "mask_fill_ms_per_step": 1e3 * (sampler.mask_fill_seconds - fill0) / steps,
+        "ahead": ((overlap.confirmed if overlap is not None else 0) - ahead0) / steps,
     }
+
+
+def decode_cases(engines: dict[str, LLMEngine], steps: int, rounds: int) -> list[dict]:
+    """Every (engine, constrained) pair once a round, interleaved; medians over the rounds."""
+    runs: dict[tuple[str, int], list[dict]] = {(m, c): [] for m in engines for c in MIXED}
+    for _ in range(rounds):
+        for constrained in MIXED:
+            for mode, engine in engines.items():
+                runs[mode, constrained].append(decode_case(engine, constrained, steps))
+    lines = []
+    for (mode, constrained), got in runs.items():
+        base = runs[mode, 0]
+        med = {k: statistics.median(r[k] for r in got) for k in got[0]}
+        ratios = [r["tok_per_s"] / b["tok_per_s"] for r, b in zip(got, base, strict=True)]
+        lines.append(
+            {
+                "case": "decode",
+                "engine": mode,
+                "batch": BATCH,
+                "constrained": constrained,
+                "steps": steps,
+                "rounds": rounds,
+                "tok_per_s": round(med["tok_per_s"], 1),
+                "step_ms": round(med["step_ms"], 2),
+                "mask_ms_per_step": round(med["mask_ms_per_step"], 3),
+                "mask_fill_ms_per_step": round(med["mask_fill_ms_per_step"], 3),
+                "mask_share": round(med["mask_ms_per_step"] / med["step_ms"], 4),
+                "ahead": round(med["ahead"], 3),
+                "vs_unconstrained": round(statistics.median(ratios), 3),
+                "vs_unconstrained_min_max": [round(min(ratios), 3), round(max(ratios), 3)],
+            }
+        )
+    return lines
 
 
 def first_token_s(engine: LLMEngine, params: SamplingParams, rid: str) -> float:
@@ -92,22 +139,34 @@ def ttft_case(engine: LLMEngine, repeats: int) -> dict:
     }
 
 
+def make_engine(model: str | None, overlap: bool) -> LLMEngine:
+    return LLMEngine(engine_config(model, max_num_seqs=BATCH, max_model_len=1024, num_blocks=1024, overlap=overlap))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="model directory, .gguf, 'builtin' (default: the default model)")
-    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--validity", action="store_true", help="also the validity suite on the model")
+    ap.add_argument("--backends", action="store_true", help="also xgrammar against llguidance")
     args = ap.parse_args()
-    engine = LLMEngine(engine_config(args.model, max_num_seqs=BATCH, max_model_len=1024, num_blocks=1024))
-    first_token_s(engine, SamplingParams(max_tokens=2, structured_outputs={"json": LONG}), "warm")  # tables
-    decode_case(engine, 0, 2)  # warm the batch's code paths
-    base = None
-    for constrained in (0, 8, 32):
-        line = decode_case(engine, constrained, args.steps)
-        base = base or line["tok_per_s"]
-        line["vs_unconstrained"] = round(line["tok_per_s"] / base, 3)
+    engines = {"serial": make_engine(args.model, False), "overlap": make_engine(args.model, True)}
+    for engine in engines.values():
+        first_token_s(engine, SamplingParams(max_tokens=2, structured_outputs={"json": LONG}), "warm")  # tables
+        decode_case(engine, BATCH // 4, 2)  # warm the batch's code paths
+    for line in decode_cases(engines, args.steps, args.rounds):
         print(json.dumps(line), flush=True)
-    print(json.dumps(ttft_case(engine, args.repeats)), flush=True)
+    print(json.dumps(ttft_case(engines["serial"], args.repeats)), flush=True)
+    if args.validity:
+        from benchmarks.structured_validity import validity_case
+
+        print(json.dumps(validity_case(engines["serial"])), flush=True)
+    if args.backends:
+        from benchmarks.structured_backends import backends_case
+
+        print(json.dumps(backends_case(engines["serial"])), flush=True)
 
 
 if __name__ == "__main__":

@@ -439,10 +439,13 @@ def test_tenants_benchmark_smoke():
 
 def test_structured_benchmark_smoke():
     """benchmarks/structured.py on the built-in model: every decode case runs its steps with all
-    32 rows decoding (asserted there), constrained cases spend time in the mask, and the TTFT
-    case compiled a new schema per repeat."""
+    32 rows decoding (asserted there), serial and run ahead, constrained cases spend time in the
+    mask, a batch with constrained rows still runs ahead, the TTFT case compiled a new schema
+    per repeat, the validity suite's outputs all validate, and llguidance accepts the outputs
+    xgrammar allows on the same schemas."""
     out = subprocess.run(
-        [sys.executable, "-m", "benchmarks.structured", "--model", "builtin", "--steps", "2", "--repeats", "1"],
+        [sys.executable, "-m", "benchmarks.structured", "--model", "builtin", "--steps", "3", "--rounds", "1"]
+        + ["--repeats", "1", "--validity", "--backends"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -451,9 +454,20 @@ def test_structured_benchmark_smoke():
     assert out.returncode == 0, out.stderr[-2000:]
     lines = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     decode = [x for x in lines if x["case"] == "decode"]
-    assert [x["constrained"] for x in decode] == [0, 8, 32]
-    assert decode[0]["mask_ms_per_step"] == 0 and all(x["mask_ms_per_step"] > 0 for x in decode[1:])
+    assert [(x["engine"], x["constrained"]) for x in decode] == [
+        (e, c) for e in ("serial", "overlap") for c in (0, 8, 32)
+    ]
+    for x in decode:
+        assert (x["mask_ms_per_step"] > 0) == (x["constrained"] > 0), x
+        assert x["ahead"] == (0 if x["engine"] == "serial" else round(2 / 3, 3)), x  # all but the first
     (ttft,) = [x for x in lines if x["case"] == "ttft"]
+    (valid,) = [x for x in lines if x["case"] == "validity"]
+    assert valid["json_outputs_finished_valid"] == [3 * valid["schemas"]] * 3, valid
+    assert valid["regex_outputs_finished_valid"][2] == valid["regex_outputs_finished_valid"][0], valid
+    assert valid["choice_outputs_finished_valid"][2] == valid["choice_outputs_finished_valid"][0], valid
+    (backends,) = [x for x in lines if x["case"] == "backends"]
+    assert backends["agreed"] == backends["schemas"] and backends["full_steps"] > 0, backends
+    assert backends["xgrammar_mask_ms_per_step"] > 0 and backends["llguidance_mask_ms_per_step"] > 0
     assert ttft["compiled"] >= 2 and ttft["new_schema_ms"] > 0
 
 

@@ -95,7 +95,7 @@ def test_forwards_run_ahead_across_block_boundaries():
 
 def test_preemption_and_seeded_sampling_give_the_same_tokens():
     """A pool that cannot hold every request (preemption, recompute) and seeded random rows
-    (whose draw depends on the position: a batch holding one does not run ahead)."""
+    (whose draw depends on the position, which the runner advances with each adopted step)."""
 
     def script(steps: int, engine: LLMEngine) -> None:
         if steps == 0:

@@ -3,8 +3,9 @@ cached by their canonical form, and one matcher per request that follows its tok
 
 Why xgrammar: a maintained grammar engine (Apache-2.0, used by vLLM and SGLang) with a CPU
 wheel; it compiles a JSON Schema into a grammar whose token masks are precomputed per state,
-so that filling one row's mask is microseconds (benchmarks/RESULTS.md has the figures). We
-write no grammar compiler of our own.
+so that filling one row's mask is microseconds (benchmarks/RESULTS.md has the figures, and
+llguidance's on the same schemas: benchmarks/structured_backends.py). We write no grammar
+compiler of our own.
 
 Compilation runs on a thread of its own (xgrammar releases the GIL while it works): a request
 with a new constraint waits in the engine until its grammar is ready, and the batch goes on
