@@ -454,3 +454,11 @@ def test_structured_benchmark_smoke():
     assert decode[0]["mask_ms_per_step"] == 0 and all(x["mask_ms_per_step"] > 0 for x in decode[1:])
     (ttft,) = [x for x in lines if x["case"] == "ttft"]
     assert ttft["compiled"] >= 2 and ttft["new_schema_ms"] > 0
+
+
+def test_kv_pull_benchmark_smoke():
+    lines = run("-m", "benchmarks.kv_pull", "--doc-tokens", "256", "--repeats", "1", "--transport", "in_process")
+    recompute, pull = lines
+    assert recompute["case"] == "recompute" and pull["case"] == "pull"
+    assert pull["blocks_pulled"] == 16 and pull["cached_tokens"] == 256 and pull["same_output_as_holder"]
+    assert pull["question_tokens_computed"] < recompute["question_tokens_computed"]
