@@ -14,6 +14,11 @@ the moment the caller starts (the pull included) to the first token at the calle
 over the repeats, after one warm-up of each. One JSON line per transport and case, with the
 pull's own seconds and bytes, the prompt tokens g1 computed for the question, whether its
 tokens equal g0's for the same question, and the same-run ratio against `recompute`.
+
+    python -m benchmarks.kv_pull --model builtin --doc-tokens 2000 --cold-burst
+
+`--cold-burst`: 16 questions about one cold document sent at once through a router (default
+policy) to two in-process groups; one line with the copies of the document the groups computed.
 """
 
 from __future__ import annotations
@@ -169,6 +174,54 @@ def run(transport: str, args: argparse.Namespace) -> list[dict]:
     ]
 
 
+def cold_burst(args: argparse.Namespace, questions: int = 16) -> dict:
+    """`questions` questions about one cold document sent at once through a router (the
+    default policy, an in-process index) to two in-process groups: how many copies of the
+    document the groups computed (their prefill counters, less the questions' own tokens)."""
+    from cluster.index import InMemoryPrefixIndex
+    from cluster.local_group import LocalGroup
+    from router.launch.local import router_side
+    from router.router import Router, RouteRequest
+
+    model = None if args.model == "default" else args.model
+    config = engine_config(
+        model, num_blocks=4 * (args.doc_tokens // 16 + 2), max_model_len=args.doc_tokens + 64, cluster_secret="burst"
+    )
+    hasher, _, info = router_side(config, args.model)
+    index = InMemoryPrefixIndex()
+    groups = [LocalGroup(config, index, group_id=f"g{i}") for i in range(2)]
+    doc = documents(1, args.doc_tokens, 1000, seed=7)[0]
+    router = Router(groups, index, hasher, info)
+
+    async def burst() -> list:
+        async def ask(q: int):
+            request = RouteRequest(prompt_token_ids=doc + [q] * QUESTION_TOKENS, params=GREEDY)
+            return [o async for o in router.generate(request)][-1]
+
+        return await asyncio.gather(*(ask(3 + q) for q in range(questions)))
+
+    try:
+        t0 = time.perf_counter()
+        outs = asyncio.run(burst())
+        wall = time.perf_counter() - t0
+        computed = [g.engine.engine.stats()["tokens_computed"] for g in groups]
+    finally:
+        for g in groups:
+            g.shutdown()
+    own = questions * (QUESTION_TOKENS + GREEDY.max_tokens - 1)  # the questions' and decodes' tokens
+    placed = [sum(router.records[o.request_id].group_id == g.group_id for o in outs) for g in groups]
+    return {
+        "case": "cold_burst",
+        "model": args.model,
+        "doc_tokens": args.doc_tokens,
+        "questions": questions,
+        "placed_per_group": placed,
+        "document_copies_computed": round((sum(computed) - own) / args.doc_tokens, 2),
+        "cached_tokens": sorted(o.num_cached_tokens for o in outs),
+        "wall_s": round(wall, 3),
+    }
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="builtin", help="builtin, default, or a model directory")
@@ -176,11 +229,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--host-bytes", type=int, default=1 << 30, help="each group's host tier")
     p.add_argument("--transport", choices=("ray", "in_process", "both"), default="both")
+    p.add_argument("--cold-burst", action="store_true", help="only the cold-document burst (in process)")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
+    if args.cold_burst:
+        line = cold_burst(args)
+        print(json.dumps(line), flush=True)
+        return [line]
     transports = ("in_process", "ray") if args.transport == "both" else (args.transport,)
     lines = []
     for transport in transports:
