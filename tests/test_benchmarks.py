@@ -516,3 +516,11 @@ def test_step_profile_accounts_for_the_time_between_two_forwards():
     assert 0 < line["forward_ms"] < line["period_ms"] and line["loop_busy_ms"] > 0
     assert line["client_itl_ms_p50"] > 0 and 0 < line["host_share"] < 1
     assert line["detokenize_ms"] > 0 and line["sample_ms"] > 0 and line["schedule_ms"] > 0
+
+
+def test_kv_pull_benchmark_smoke():
+    lines = run("-m", "benchmarks.kv_pull", "--doc-tokens", "256", "--repeats", "1", "--transport", "in_process")
+    recompute, pull = lines
+    assert recompute["case"] == "recompute" and pull["case"] == "pull"
+    assert pull["blocks_pulled"] == 16 and pull["cached_tokens"] == 256 and pull["same_output_as_holder"]
+    assert pull["question_tokens_computed"] < recompute["question_tokens_computed"]

@@ -27,6 +27,7 @@ from cluster.ray.config import parse_cpu_binding
 from cluster.ray.group import RayGroup, RayGroupConfig
 from cluster.ray.runtime import ray
 from pagefleet.llm import LLM, engine_config
+from router.launch.local import router_side
 from worker.exec.model_runner import ModelRunner
 from worker.exec.step_codec import decode_step, encode_step
 from worker.model.builtin_model import make_model_dir
@@ -46,6 +47,7 @@ OPTIONS = dict(  # float32: the reference runs in it
 )
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
 HANG_TIMEOUT_S = 8.0  # collective timeout of the group used for the hang test
+SECRET = "tp-test-secret"  # the kv2 groups hash alike, so that one pulls another's blocks
 
 
 def prompts_of(lengths, seed, vocab=256):
@@ -140,8 +142,8 @@ def groups(request, ray_runtime, model_dirs, tier_dir):
     try:
         last = (os.cpu_count() or 1) - 1
         started["kv4"] = start("kv4", 2, node_a, cpu_binding=f"0|{min(1, last)}")  # bound ranks
-        started["kv2"] = start("kv2", 2, node_b)
-        started["kv2-tp4"] = start("kv2", 4, node_a, timeout_s=HANG_TIMEOUT_S)
+        started["kv2"] = start("kv2", 2, node_b, cluster_secret=SECRET)
+        started["kv2-tp4"] = start("kv2", 4, node_a, timeout_s=HANG_TIMEOUT_S, cluster_secret=SECRET)
         started["kv2-tiers"] = start("kv2", 2, node_b, **tiers(tier_dir))
         llm_started = pool.submit(LLM, str(model_dirs["kv1"]), tensor_parallel_size=2, **OPTIONS)
         request.getfixturevalue("expected")  # meanwhile, transformers and TP=1 here
@@ -246,7 +248,7 @@ def test_tp2_equals_tp1_and_transformers_with_prefix_hits_and_preemption(name, g
     assert s["blocks_free"] == s["blocks_total"] and s["running"] == s["waiting"] == 0
 
 
-TIER_SECRET = "tp-tiers-secret"  # (a restarted group names its blocks alike)
+TIER_SECRET = SECRET  # (a restarted group names its blocks alike; a puller as its holder)
 
 
 def tiers(directory) -> dict:
@@ -268,6 +270,30 @@ def test_tp2_restores_evicted_documents_from_the_host_and_disk_tiers(groups, mod
     assert got == [tp1.generate([p], GREEDY)[0].token_ids for p in prompts]
     s = settled_stats(group)
     assert s["kv_host_hits"] == 40 and s["kv_disk_hits"] > 0 and s["kv_disk_failures"] == 0, s
+
+
+def test_tp2_pulls_a_document_from_another_tp2_group_rank_by_rank(groups, model_dirs):
+    """kv2-tiers pulls a document kv2 computed: each rank fetches its own KV head's shard from
+    the holder's rank of the same number, and the question is served from them; a TP=4 group
+    is refused the same blocks, by name."""
+    by_name = groups[0]
+    holder, puller = by_name["kv2"], by_name["kv2-tiers"]
+    hasher = router_side(engine_config(model_dirs["kv2"], **OPTIONS, cluster_secret=SECRET), "kv2")[0]
+    doc = prompts_of([40], seed=91)[0]
+    asyncio.run(stream_all(holder, [doc + [3]]))
+    question = doc + [4, 5]
+    chain = hasher.hash_prompt(question)
+    before = settled_stats(puller)
+    assert asyncio.run(puller.pull_from(holder, chain, timeout_s=30)) == 5
+    got = asyncio.run(stream_all(puller, [question]))
+    after = settled_stats(puller)
+    assert got == asyncio.run(stream_all(holder, [question]))
+    assert after["kv_blocks_imported"] - before["kv_blocks_imported"] == 5
+    assert after["kv_host_hits"] - before["kv_host_hits"] == 40
+    assert after["tokens_computed"] - before["tokens_computed"] == 2 + GREEDY.max_tokens - 1
+    tp4 = by_name["kv2-tp4"]
+    with pytest.raises(ray.exceptions.RayTaskError, match="tensor-parallel ranks"):
+        ray.get(tp4._rank0.pull.remote(holder._rank0, tuple(chain), 10.0), timeout=30)
 
 
 def test_a_restarted_tp2_group_reopens_the_disk_blocks_every_rank_holds(ray_runtime, groups, model_dirs, tier_dir):

@@ -36,15 +36,19 @@ def export_rows(
     dev = [(i, x) for i, (m, x) in enumerate(sources) if m == DEVICE_ROW]
     host = [(i, x) for i, (m, x) in enumerate(sources) if m == HOST_ROW]
     assert not host or host_tensors is not None, "an export from a host tier this rank lacks"
+    dev_pos, ids = _split(dev) if dev else (None, None)
+    host_pos, slots = _split(host) if host else (None, None)
     out = []
     for k, d in enumerate(device_tensors):
+        if not host:  # (one gather, the common case: a holder's prefix on its device)
+            out.append(d.index_select(0, ids.to(d.device)).cpu())  # (n, ...)
+            continue
+        if not dev:
+            out.append(host_tensors[k].index_select(0, slots))
+            continue
         rows = torch.empty((len(sources), *d.shape[1:]), dtype=torch.uint8)  # (n, ...)
-        if dev:
-            pos, ids = _split(dev)
-            rows[pos] = d.index_select(0, ids.to(d.device)).cpu()
-        if host:
-            pos, slots = _split(host)
-            rows[pos] = host_tensors[k].index_select(0, slots)
+        rows[dev_pos] = d.index_select(0, ids.to(d.device)).cpu()
+        rows[host_pos] = host_tensors[k].index_select(0, slots)
         out.append(rows)
     return out
 
@@ -56,11 +60,21 @@ def import_rows(host_tensors: list[torch.Tensor], shard: list[torch.Tensor], row
         s.dtype != torch.uint8 or s.shape[1:] != h.shape[1:] for s, h in zip(shard, host_tensors, strict=True)
     ):
         return False
-    if rows:
-        src, slots = _split(rows)
+    for row, slot, n in _runs(rows):  # (a slice's copy runs at memory speed, an indexed one far below)
         for s, h in zip(shard, host_tensors, strict=True):
-            h.index_copy_(0, slots, s.index_select(0, src))  # (n, ...)
+            h[slot : slot + n].copy_(s[row : row + n])  # (n, ...)
     return True
+
+
+def _runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """(row, slot) pairs as runs in which both go up by one: (first row, first slot, length)."""
+    runs: list[list[int]] = []
+    for row, slot in pairs:
+        if runs and runs[-1][0] + runs[-1][2] == row and runs[-1][1] + runs[-1][2] == slot:
+            runs[-1][2] += 1
+        else:
+            runs.append([row, slot, 1])
+    return [tuple(r) for r in runs]
 
 
 def _split(pairs: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
