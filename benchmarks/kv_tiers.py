@@ -7,8 +7,13 @@ One engine per case, the same document and question: the document is read once, 
 the device pool by two others of its size, then asked about again. Cases: `recompute` (no
 tier: the question recomputes the document), `host` (a host tier: restored), `disk` (a host
 tier of one document over a disk tier: restored from files, synchronously, the other
-document's blocks demoted to make room in the same wait), and `device` (a pool that holds all
-three documents: the device hit every restore is measured against). One JSON line per case:
+document's blocks demoted to make room in the same wait), `restart` (as `disk`, but the
+engine is shut down once the document is on the disk and the question goes to a new engine on
+the same directory and secret: its host tier is empty, the disk inventory reopened; its peer,
+`restart_recompute_ttft_s`, a new engine with no tier asked the same first question: both
+pay a fresh engine's first steps), and
+`device` (a pool that holds all three documents: the device hit every restore is measured
+against). One JSON line per case:
 the question's TTFT, the prompt tokens the engine computed for it, the tokens restored by
 tier, and the same-run ratios against `recompute` and `device`; then a line with the restore
 copy alone (`HostTier.apply` over the document's blocks) per block against the recompute per
@@ -82,6 +87,51 @@ def run_case(model: str, case: str, docs, question, blocks: int, block_bytes: in
     }
 
 
+def restart_case(model: str, docs, question, blocks: int, block_bytes: int, repeats: int) -> dict:
+    """The document pushed down to the disk by an engine that then stops (the documents after
+    it push it out of the pool, then out of the host tier, whose content a stop loses), and the
+    question asked of a new engine on the same directory (`repeats` times, a fresh pair each);
+    the median TTFT of the new engine's first question."""
+    tmp = tempfile.TemporaryDirectory()
+    options = dict(
+        block_size=16,
+        num_blocks=blocks,
+        max_model_len=len(docs[0]) + 64,
+        watermark=0.0,
+        kv_host_bytes=blocks * block_bytes,  # one document: the next pushes it to the disk
+        kv_disk_bytes=8 * blocks * block_bytes,
+        kv_disk_dir=tmp.name,
+        cluster_secret="kv-tiers-benchmark",  # (the same names after the restart)
+    )
+    no_tiers = {k: v for k, v in options.items() if not k.startswith("kv_")}
+    ttfts, cold, computed, restored, out = [], [], [], [], None
+    for r in range(repeats):
+        first = LLM(model, **options)
+        for d in docs:
+            first.generate([d + [r + 3]], GREEDY)
+        first.engine.executor.shutdown()  # (the directory's lock goes with it)
+        again = LLM(model, **options)
+        t, c, out = question_ttft(again, docs[0] + question)
+        ttfts.append(t)
+        computed.append(c)
+        restored.append(again.engine.stats()["kv_disk_hits"])
+        again.engine.executor.shutdown()
+        # the peer: a new engine with no tier, whose first question recomputes the document
+        cold.append(question_ttft(LLM(model, **no_tiers), docs[0] + question)[0])
+    tmp.cleanup()
+    return {
+        "case": "restart",
+        "doc_tokens": len(docs[0]),
+        "ttft_s": round(statistics.median(ttfts), 4),
+        "question_tokens_computed": int(statistics.median(computed)),
+        "restored_tokens_host": 0,
+        "restored_tokens_disk": int(statistics.median(restored)),
+        "restart_recompute_ttft_s": round(statistics.median(cold), 4),
+        "ttft_over_restart_recompute": round(statistics.median(ttfts) / statistics.median(cold), 4),
+        "output": out,
+    }
+
+
 def restore_copy(model: str, blocks: int, doc_blocks: int, bb: int) -> tuple[float, int]:
     """Seconds of one HostTier.apply restoring `doc_blocks` blocks, and a block's bytes."""
     llm = LLM(model, block_size=16, num_blocks=blocks, max_model_len=blocks * 16, kv_host_bytes=doc_blocks * bb)
@@ -125,7 +175,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", default="builtin", help="builtin, default, or a model directory")
     p.add_argument("--doc-tokens", type=int, default=2048)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument(
+        "--cases",
+        default="recompute,host,disk,device,restart",
+        help="the TTFT cases to run (recompute and device always: the peers); restore_copy and "
+        "write_back run with all of them",
+    )
     args = p.parse_args(argv)
+    cases = ["recompute", *(c for c in ("host", "disk") if c in args.cases), "device"]
     model = None if args.model == "default" else args.model
     probe = LLM(model, block_size=16, num_blocks=8, max_model_len=64)
     stats, vocab = probe.engine.stats(), probe.engine.model_config.vocab_size
@@ -136,14 +193,19 @@ def main(argv: list[str] | None = None) -> None:
     docs = documents(3, args.doc_tokens, vocab)
     question = [7, 8, 9, 10]
     results = {}
-    for case in ("recompute", "host", "disk", "device"):
+    for case in cases:
         results[case] = run_case(model, case, docs, question, blocks, block_bytes, args.repeats)
+    if "restart" in args.cases:  # two more documents: the first one's head leaves the host too
+        pushed = docs + documents(2, args.doc_tokens, vocab, seed=1)
+        results["restart"] = restart_case(model, pushed, question, blocks, block_bytes, args.repeats)
     same = len({tuple(r.pop("output")) for r in results.values()}) == 1
     for r in results.values():
         r["same_output_as_others"] = same
         r["ttft_over_recompute"] = round(r["ttft_s"] / results["recompute"]["ttft_s"], 4)
         r["ttft_over_device_hit"] = round(r["ttft_s"] / results["device"]["ttft_s"], 3)
         print(json.dumps(r), flush=True)
+    if len(results) < 5:
+        return
     copy_s, bb = restore_copy(model, blocks, doc_blocks, block_bytes)
     recompute = results["recompute"]
     per_block_recompute = (recompute["ttft_s"] - results["device"]["ttft_s"]) / doc_blocks
