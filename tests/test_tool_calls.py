@@ -222,6 +222,19 @@ CASES = {
         ),
         "tools",
     ),
+    "too large": (
+        dict(
+            tools=[
+                {
+                    "type": "function",
+                    "function": {"name": f"f{i}", "parameters": {"type": "object", "title": "t" * 999}},
+                }
+                for i in range(80)
+            ],
+            tool_choice="required",
+        ),
+        "tools",
+    ),
     "no id": (dict(messages=[*ASK, CALLED, {"role": "tool", "content": "1"}]), "messages[2].tool_call_id"),
     "wrong id": (
         dict(messages=[*ASK, CALLED, {"role": "tool", "content": "1", "tool_call_id": "c2"}]),

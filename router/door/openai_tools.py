@@ -55,7 +55,7 @@ def tool_use(body) -> ToolUse:
     if choice == "auto":
         return ToolUse(tools, parse=True)
     if choice == "required":
-        return ToolUse(tools, tool_call_constraint(tools, body.parallel_tool_calls is not False), "tools", True)
+        return ToolUse(tools, _forced(tools, body.parallel_tool_calls is not False, "tools"), "tools", True)
     names = [t.name for t in tools]
     if choice.function.name not in names:
         raise invalid(
@@ -63,7 +63,16 @@ def tool_use(body) -> ToolUse:
             "tool_choice.function.name",
         )
     i = names.index(choice.function.name)
-    return ToolUse(tools, tool_call_constraint([tools[i]], False), f"tools[{i}].function.parameters", True)
+    where = f"tools[{i}].function.parameters"
+    return ToolUse(tools, _forced([tools[i]], False, where), where, True)
+
+
+def _forced(tools: list[Tool], parallel: bool, where: str) -> StructuredOutputs:
+    """The constraint of a forced call; a 400 naming `where` when it is too large."""
+    try:
+        return tool_call_constraint(tools, parallel)
+    except ValueError as e:
+        raise invalid(re.sub(r"StructuredOutputs\.\w+", where, str(e)), where) from None
 
 
 @dataclass
