@@ -190,3 +190,34 @@ def test_a_pull_from_a_dead_ray_holder_recomputes_with_the_same_tokens(ray_group
     assert pulled == 0
     out = last(r1, question, "q2", hasher)
     assert out.num_cached_tokens == 0 and out.outputs[0].token_ids == own.outputs[0].token_ids
+
+
+# ---- the block manager's side ----------------------------------------------------------------
+
+
+def test_an_import_takes_host_slots_for_the_blocks_held_nowhere_and_stores_them_on_the_host():
+    from factories import make_hasher, make_request
+
+    from worker.engine.block_manager import BlockManager
+    from worker.engine.tier_index import TierIndex
+    from worker.kv_events import HOST, BlockRemoved, BlockStored
+
+    events: list = []
+    bm = BlockManager(8, 4, make_hasher(4), events.append, TierIndex(3, HOST))
+    held = make_request(list(range(9)))  # 2 full blocks, cached on the device
+    match = bm.match_prefix(held)
+    bm.allocate(held, match, held.num_tokens)
+    chain = [*held.block_hashes[:2], b"c" * 16, b"d" * 16, b"e" * 16, b"f" * 16]
+    assert bm.held_chain(chain) == [(True, 0), (True, 1)]  # the device's, up to the first miss
+    rows, early = bm.host_slots_for(chain)
+    assert [i for i, _, _ in rows] == [2, 3, 4]  # the device's blocks skipped; 3 host slots
+    assert not early  # (no disk tier: nothing to write first)
+    bm.imported(rows, ok=True)
+    assert [e.block_hashes for e in events if isinstance(e, BlockStored) and e.medium == HOST] == [tuple(chain[2:5])]
+    assert [kind for kind, _ in bm.held_chain(chain)] == [True, True, False, False, False]
+    bm.take_moves()  # (the step is handed over: the slots may be reused)
+    rows, _ = bm.host_slots_for(chain)  # the last block takes the least recently used slot
+    assert [i for i, _, _ in rows] == [5]
+    assert [e.block_hashes for e in events if isinstance(e, BlockRemoved) and e.medium == HOST] == [(chain[2],)]
+    bm.imported(rows, ok=False)  # a rank could not write it: the slot is free again, nothing stored
+    assert chain[5] not in bm.host and bm.blocks_imported == 3
