@@ -27,9 +27,10 @@ share a prefix) count each. `pinned` holds each pinned hash's count.
 KV quotas (`quotas`, tenant -> blocks): each cached block belongs to the tenant whose request
 took it from the free queue (the first to commit its hash), and a tenant's unreferenced cached
 blocks count against its quota. An eviction takes an uncached free block first, else the least
-recently used block of the tenant furthest over its quota (a tenant not named has a quota of 0),
-else the least recently used block of all: so a tenant under its quota keeps its blocks against
-another's flood, whose own blocks are evicted instead. Per-tenant LRU lists make each eviction
+recently used block of the tenant furthest over its quota (a tenant not named has a quota of 0;
+when none is over, the one least under it): so a tenant under its quota keeps its blocks against
+another's flood, whose own blocks are evicted instead, and loses them only when no other tenant
+has an unreferenced block left (running requests need the pool). Per-tenant LRU lists make each eviction
 O(tenants with idle blocks); with no quotas (None) eviction is the global LRU, unchanged.
 `evictions_caused` and `evictions_suffered` count, per tenant, the cached blocks its requests
 evicted and the ones of its that were evicted (with quotas only).
@@ -517,21 +518,19 @@ class BlockManager:
 
     def _victim(self) -> Block:
         """The free block to reuse next, with quotas: an uncached one, else the least recently
-        used of the tenant furthest over its quota, else the least recently used of all."""
+        used of the tenant furthest over its quota (or, when none is over, the least under)."""
         head = self.free_queue.peek()
         if head is not None and head.block_hash is None:
             return self.free_queue.popleft()
         quotas, worst, over = self.quotas, None, 0
         for tenant, idle in self._idle.items():
-            excess = len(idle) - quotas.get(tenant, 0)
-            if excess > over:
-                worst, over = idle, excess
-        if worst is None:
-            block = self.free_queue.popleft()
-            del self._idle[block.tenant][block.block_id]
-        else:
-            block = worst.popitem(last=False)[1]
-            self.free_queue.remove(block)
+            if idle:
+                excess = len(idle) - quotas.get(tenant, 0)
+                if worst is None or excess > over:
+                    worst, over = idle, excess
+        assert worst is not None, "a cached free block belongs to no tenant"
+        block = worst.popitem(last=False)[1]
+        self.free_queue.remove(block)
         return block
 
     def _take_free(self, n: int, tenant: str = "") -> list[Block]:
