@@ -1,5 +1,7 @@
 """Foundation costs: block hashing per token, admit+free of an 8k-token request, and one
-scheduler step with 256 running requests. One JSON line per case.
+scheduler step with 256 running requests; and admit+free of 8k-token requests on a full cache
+(every block taken is an eviction), with no KV quotas (the global LRU) and with two tenants'
+quotas (worker/engine/block_manager.py), the same run's ratio of the two. One JSON line per case.
 
     python benchmarks/block_manager.py
 """
@@ -94,6 +96,45 @@ def bench_admit_free(hasher: BlockHasher, repeat: int) -> dict:
     }
 
 
+def bench_evict(hasher: BlockHasher, repeat: int) -> dict:
+    """Admit and free distinct 8k-token requests on a cache full of cached blocks: every block
+    taken is an eviction (512 per request), without quotas and with two tenants' quotas."""
+
+    def run(quotas: dict[str, int] | None) -> float:
+        random.seed(1)
+        bm = BlockManager(2048, hasher.block_size, hasher, quotas=quotas) if quotas else None
+        bm = bm or BlockManager(2048, hasher.block_size, hasher)
+        reqs = [make_request(hasher, f"e{i}", 8192) for i in range(8)]
+        for i, req in enumerate(reqs):
+            req.tenant = "A" if i % 4 else "B"  # A floods 3 of every 4
+            bm.match_prefix(req)  # (hashed once, outside the timing)
+        fill = reqs[:4]
+        for req in fill:  # the pool full of cached blocks
+            m = bm.match_prefix(req)
+            bm.allocate(req, m, req.num_tokens - m.num_tokens)
+            bm.free(req)
+        it = iter(range(1 << 30))
+
+        def once():
+            req = reqs[4 + next(it) % 4]  # each misses: evicted by the requests before it
+            m = bm.match_prefix(req)
+            bm.allocate(req, m, req.num_tokens - m.num_tokens)
+            bm.free(req)
+
+        return best_of(once, repeat)
+
+    plain = run(None)
+    quota = run({"A": 512, "B": 1024})
+    return {
+        "case": "evict_8k",
+        "blocks_evicted": 8192 // hasher.block_size,
+        "no_quota_us": round(plain * 1e6, 1),
+        "quota_us": round(quota * 1e6, 1),
+        "peer": "no quotas (global LRU)",
+        "ratio_vs_peer": round(plain / quota, 2),
+    }
+
+
 def bench_schedule(hasher: BlockHasher, n_running: int, repeat: int) -> dict:
     bm = BlockManager(n_running * 64, hasher.block_size, hasher)
     cfg = SchedulerConfig(max_num_seqs=n_running, max_num_batched_tokens=1 << 20, max_model_len=4096)
@@ -124,6 +165,7 @@ def main() -> None:
         bench_hashing(hasher, 50_000, max(3, args.repeat // 4)),
         bench_admit_free(hasher, args.repeat),
         bench_schedule(hasher, 256, args.repeat),
+        bench_evict(hasher, args.repeat),
     ):
         print(json.dumps(case), flush=True)
 

@@ -2,6 +2,7 @@
 
     python -m benchmarks.tenants
     python -m benchmarks.tenants --quick     # a shorter trace (smoke)
+    python -m benchmarks.tenants --quick --flood-docs 30 --ratio 2   # and the cache flood
 
 One simulated group (cluster/sim_group.py: the real scheduler and block manager, a cost model
 for the forward) serves the research-assistant trace (benchmarks/workloads.py) for two tenants:
@@ -11,7 +12,12 @@ serve, so that A's queue grows for the whole run. Cases, in the same run:
 - `b_alone`: B's requests with nobody else;
 - `fifo`: both, every request of the one tenant "" (what the group did before it knew tenants:
   first come, first served);
-- `fair`: both, as tenants A and B of equal weight (worker/engine/fair_queue.py).
+- `fair`: both, as tenants A and B of equal weight (worker/engine/fair_queue.py);
+- the cache flood (`--flood-docs`): B asks about its 3 documents while A's trace spans
+  documents totalling 10x A's KV quota, on a pool that holds B's and a part of A's:
+  `flood_b_alone`, `flood_lru` (no quotas: the global LRU) and `flood_quotas` (A's and B's
+  `kv_quota`, worker/engine/block_manager.py), with each tenant's prefix hit rate and the
+  cached blocks A's requests evicted of each tenant.
 
 One JSON line per case with each tenant's TTFT p50/p99 (simulated seconds), requests finished,
 output tokens/s and its share of the tokens the group computed, and B's TTFT p99 over
@@ -34,11 +40,13 @@ from worker.protocol import QueueFullError
 BLOCK_SIZE = 16
 
 
-def arrivals(rate: float, duration: float, tenant: str, seed: int) -> list[tuple[float, str, tuple, int]]:
+def arrivals(
+    rate: float, duration: float, tenant: str, seed: int, num_docs: int = 6
+) -> list[tuple[float, str, tuple, int]]:
     """Poisson arrivals of `tenant`'s research trace (its own documents), cycled to fill
     `duration` seconds: (time, tenant, prompt, output tokens)."""
     rng = random.Random(seed)
-    trace = research_requests(ResearchWorkload(num_docs=6, seed=seed))
+    trace = research_requests(ResearchWorkload(num_docs=num_docs, seed=seed))
     out, t, i = [], 0.0, 0
     while True:
         t += rng.expovariate(rate)
@@ -49,12 +57,16 @@ def arrivals(rate: float, duration: float, tenant: str, seed: int) -> list[tuple
         i += 1
 
 
-def run_case(requests: list, fair: bool, num_blocks: int, weights: dict[str, float]) -> dict[str, dict]:
+def run_case(
+    requests: list, fair: bool, num_blocks: int, weights: dict[str, float], kv_quotas: dict[str, int] | None = None
+) -> dict[str, dict]:
     """Replay `requests` (time-ordered) on one simulated group; per tenant of the trace: TTFTs,
-    tokens. Without `fair` every request reaches the group as the one tenant ""."""
+    tokens, prefix hits. Without `fair` every request reaches the group as the one tenant ""."""
     hasher = BlockHasher(b"bench", ModelFingerprint("bench", block_size=BLOCK_SIZE))
     sched = SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=64, tenant_weights=weights if fair else {})
-    group = SimGroup("g0", SimGroupConfig(num_blocks, BLOCK_SIZE, sched), hasher)
+    group = SimGroup("g0", SimGroupConfig(num_blocks, BLOCK_SIZE, sched, kv_quotas=kv_quotas), hasher)
+    prompts: dict[str, int] = {}
+    hits: dict[str, int] = {}
     tenant_of, output_of = {}, {}
     ttfts: dict[str, list[float]] = {}
     tokens: dict[str, int] = {}
@@ -70,9 +82,10 @@ def run_case(requests: list, fair: bool, num_blocks: int, weights: dict[str, flo
                 tokens[tenant_of[rec.request_id]] = tokens.get(tenant_of[rec.request_id], 0) + output_of[rec.request_id]
             for rec in group.started:
                 ttfts.setdefault(tenant_of[rec.request_id], []).append(rec.ttft_s)
-                computed[tenant_of[rec.request_id]] = computed.get(tenant_of[rec.request_id], 0) + (
-                    rec.prompt_tokens - max(rec.cached_tokens, 0)
-                )
+                t = tenant_of[rec.request_id]
+                computed[t] = computed.get(t, 0) + (rec.prompt_tokens - max(rec.cached_tokens, 0))
+                prompts[t] = prompts.get(t, 0) + rec.prompt_tokens
+                hits[t] = hits.get(t, 0) + max(rec.cached_tokens, 0)
             group.started.clear()
         else:
             now, tenant, prompt, max_tokens = pending.pop()
@@ -86,8 +99,11 @@ def run_case(requests: list, fair: bool, num_blocks: int, weights: dict[str, flo
             if now > end and not pending and not group.scheduler.has_unfinished():
                 break
             group.start_step(now)
+    bm = group.scheduler.bm
     return {
         t: {
+            "hit_rate": round(hits.get(t, 0) / max(prompts.get(t, 0), 1), 3),
+            "evictions_suffered": bm.evictions_suffered.get(t, 0),
             "ttft_s_p50": round(statistics.median(ttfts.get(t, [0.0])), 3),
             "ttft_s_p99": round(_pct(ttfts.get(t, [0.0]), 0.99), 3),
             "finished_output_tokens_per_s": round(tokens.get(t, 0) / max(now, 1e-9), 1),
@@ -110,6 +126,8 @@ def main() -> None:
     p.add_argument("--duration", type=float, default=30.0, help="simulated seconds of arrivals")
     p.add_argument("--blocks", type=int, default=8192, help="the group's KV blocks")
     p.add_argument("--quick", action="store_true", help="a shorter trace (smoke)")
+    p.add_argument("--flood-docs", type=int, default=0, help="A's documents in the cache flood (0: no flood)")
+    p.add_argument("--flood-blocks", type=int, default=1024, help="the group's KV blocks in the cache flood")
     args = p.parse_args()
     duration = 20.0 if args.quick else args.duration
     b = arrivals(args.rate_b, duration, "B", seed=1)
@@ -126,6 +144,28 @@ def main() -> None:
             v["computed_share"] = round(v["prompt_tokens_computed"] / total, 3)
         ratio = round(got["B"]["ttft_s_p99"] / max(alone["ttft_s_p99"], 1e-9), 2)
         print(json.dumps({**common, "case": case, "A": got["A"], "B": got["B"], "b_ttft_p99_vs_alone": ratio}))
+    if args.flood_docs:
+        flood(args, duration)
+
+
+def flood(args: argparse.Namespace, duration: float) -> None:
+    """The cache flood cases: B's 3 documents against A's `--flood-docs`, A at `--ratio`x B's
+    rate; quotas: B 3/8 of the pool (its documents fit), A a tenth of its documents' blocks."""
+    b = arrivals(args.rate_b, duration, "B", seed=1, num_docs=3)
+    a = arrivals(args.rate_b * args.ratio, duration, "A", seed=2, num_docs=args.flood_docs)
+    both = sorted(a + b, key=lambda r: r[0])
+    a_blocks = args.flood_docs * 1250 // BLOCK_SIZE  # (the trace's documents: 1,000-1,500 tokens)
+    quotas = {"A": min(args.flood_blocks // 4, a_blocks // 10), "B": args.flood_blocks * 3 // 8}
+    weights = {"A": 1.0, "B": 1.0}
+    common = {"bench": "tenants", "rate_b": args.rate_b, "ratio": args.ratio, "duration_s": duration}
+    common |= {"blocks": args.flood_blocks, "a_docs": args.flood_docs, "b_docs": 3, "kv_quotas": quotas}
+    alone = run_case(b, True, args.flood_blocks, weights)["B"]
+    print(json.dumps({**common, "case": "flood_b_alone", "B": alone}))
+    lru = run_case(both, True, args.flood_blocks, weights)
+    print(json.dumps({**common, "case": "flood_lru", "A": lru["A"], "B": lru["B"]}))
+    got = run_case(both, True, args.flood_blocks, weights, quotas)
+    ratio = round(got["B"]["hit_rate"] / max(lru["B"]["hit_rate"], 1e-9), 2)
+    print(json.dumps({**common, "case": "flood_quotas", "A": got["A"], "B": got["B"], "b_hit_rate_vs_lru": ratio}))
 
 
 if __name__ == "__main__":

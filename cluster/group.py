@@ -47,6 +47,9 @@ class GroupStatus:
     # the KV tiers' figures: the engine's `kv_*` stats (worker/engine/llm_engine.py), for the
     # metrics (router/door/cluster_metrics.py)
     tiers: dict = field(default_factory=dict, compare=False)
+    # with KV quotas: tenant -> its "blocks" cached on the device, their "bytes", and the cached
+    # blocks its requests evicted ("evictions_caused") and it lost ("evictions_suffered")
+    tenant_kv: dict[str, dict[str, int]] = field(default_factory=dict, compare=False)
     # unique to this snapshot (a new one, `replace`d ones included, gets the next): what a
     # cache of figures worked out from a status compares to know it is stale
     version: int = field(default_factory=lambda: next(_versions), init=False, compare=False)
@@ -83,7 +86,25 @@ def status_from_stats(
         draining=bool(stats.get("draining", False)),
         pinned=dict(stats.get("pinned", {})),
         tiers={k: v for k, v in stats.items() if k.startswith("kv_")},
+        tenant_kv=tenant_kv_of(stats),
     )
+
+
+def tenant_kv_of(stats: dict) -> dict[str, dict[str, int]]:
+    """The engine's per-tenant KV figures (worker/engine/llm_engine.py `stats`), by tenant."""
+    blocks = stats.get("tenant_kv_blocks", {})
+    caused = stats.get("tenant_kv_evictions_caused", {})
+    suffered = stats.get("tenant_kv_evictions_suffered", {})
+    block_bytes = stats.get("kv_block_bytes", 0)
+    return {
+        t: {
+            "blocks": blocks.get(t, 0),
+            "bytes": blocks.get(t, 0) * block_bytes,
+            "evictions_caused": caused.get(t, 0),
+            "evictions_suffered": suffered.get(t, 0),
+        }
+        for t in {*blocks, *caused, *suffered}
+    }
 
 
 class GroupHandle(ABC):

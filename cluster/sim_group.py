@@ -76,6 +76,8 @@ class SimGroupConfig:
     cost: CostModel = field(default_factory=CostModel)
     host_blocks: int = 0  # a host tier under the pool (restores cost cost.load_block_s each)
     disk_blocks: int = 0  # a disk tier under the host's (reads cost cost.fetch_block_s each)
+    # tenant -> its KV quota in blocks (worker/engine/block_manager.py); None: the global LRU
+    kv_quotas: dict[str, int] | None = field(default=None, hash=False)
 
     def __post_init__(self) -> None:
         if self.num_blocks < 1:
@@ -107,7 +109,9 @@ class SimGroup(GroupHandle):
         host = TierIndex(config.host_blocks, HOST) if config.host_blocks else None
         disk = TierIndex(config.disk_blocks, DISK) if config.disk_blocks and host is not None else None
         self._fetched = 0  # disk blocks read since the last step began (into its time)
-        bm = BlockManager(config.num_blocks, config.block_size, hasher, self._on_event, host, disk, self._fetch)
+        bm = BlockManager(
+            config.num_blocks, config.block_size, hasher, self._on_event, host, disk, self._fetch, config.kv_quotas
+        )
         self.scheduler = Scheduler(config.scheduler, bm)
         if index is not None:
             self.publisher = IndexPublisher(index, group_id, bm.tier_hashes, clock=clock)

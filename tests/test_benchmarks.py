@@ -44,7 +44,8 @@ def run(*args: str, timeout: int = 300, stderr: list[str] | None = None) -> list
 
 def test_block_manager_benchmark():
     cases = {c["case"]: c for c in run("benchmarks/block_manager.py", "--repeat", "2")}
-    assert set(cases) == {"hash_tokens", "admit_free_8k", "schedule_step"}
+    assert set(cases) == {"hash_tokens", "admit_free_8k", "schedule_step", "evict_8k"}
+    assert cases["evict_8k"]["no_quota_us"] > 0 and cases["evict_8k"]["quota_us"] > 0
     assert cases["hash_tokens"]["ns_per_token"] > 0 and cases["hash_tokens"]["ratio_vs_peer"] > 0
 
 

@@ -63,9 +63,14 @@ class CacheConfig:
     # kv_disk_dir (local NVMe): blocks the host evicts are written there; None: no disk tier
     kv_disk_bytes: int | None = None
     kv_disk_dir: str | None = None
+    # tenant -> its KV quota on the device pool (worker/engine/block_manager.py): a share of
+    # the pool (a float in (0, 1]) or bytes per device (an int > 1); a tenant not named has none
+    tenant_kv_quotas: Mapping[str, float | int] = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
         _positive(self, "block_size")
+        for tenant, quota in self.tenant_kv_quotas.items():
+            check_kv_quota(f"tenant_kv_quotas[{tenant!r}]", quota)
         if self.kv_host_bytes is not None and (
             not isinstance(self.kv_host_bytes, int) or isinstance(self.kv_host_bytes, bool) or self.kv_host_bytes < 1
         ):
@@ -89,6 +94,30 @@ class CacheConfig:
             raise ValueError(f"memory_utilization must be in (0, 1], got {self.memory_utilization}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+
+
+def check_kv_quota(name: str, quota: object) -> float | int:
+    """A KV quota as `CacheConfig.tenant_kv_quotas` holds it: a share of the pool (a number in
+    (0, 1]) or bytes (an integer > 1, or a size such as "64MiB"); ValueError naming `name`."""
+    if isinstance(quota, bool):
+        raise ValueError(f"{name} must be a share in (0, 1] or bytes such as 64MiB, got {quota!r}")
+    if isinstance(quota, int | float) and 0 < quota <= 1:
+        return float(quota)
+    try:
+        size = parse_size(quota) if isinstance(quota, str | int) else 0
+    except ValueError:
+        size = 0
+    if size <= 1:
+        raise ValueError(f"{name} must be a share in (0, 1] or bytes such as 64MiB, got {quota!r}")
+    return size
+
+
+def quota_blocks(quotas: Mapping[str, float | int], num_blocks: int, block_bytes: int) -> dict[str, int]:
+    """Each tenant's quota in blocks of the pool: a share of `num_blocks`, or bytes over the
+    bytes of one block (per device), rounded down."""
+    return {
+        t: int(q * num_blocks) if isinstance(q, float) else min(num_blocks, q // block_bytes) for t, q in quotas.items()
+    }
 
 
 def take_cluster_secret() -> str:

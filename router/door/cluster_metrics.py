@@ -25,9 +25,13 @@ P = "pagefleet:"
 class GroupCollector(Collector):
     """Per-group gauges and counters from the groups' status, read at scrape time."""
 
-    def __init__(self, model_name: str, statuses: Callable[[], Sequence]) -> None:
+    def __init__(
+        self, model_name: str, statuses: Callable[[], Sequence], tenant_label: Callable[[str], str | None] | None = None
+    ) -> None:
         self.model_name = model_name
         self.statuses = statuses
+        # a tenant's label ("other" for a name no configuration gave: the series stay bounded)
+        self.tenant_label = tenant_label or (lambda t: t)
 
     def collect(self) -> Iterable[Metric]:
         g, gd = ["model_name", "group"], ["model_name", "group", "device"]
@@ -62,6 +66,21 @@ class GroupCollector(Collector):
             "preempt": CounterMetricFamily(f"{P}num_preemptions", "Requests preempted (recomputed later).", labels=g),
             "restarts": CounterMetricFamily(f"{P}group_restarts", "Times the supervisor replaced the group.", labels=g),
         }
+        gt = [*g, "tenant"]
+        tenant_fams = {
+            "blocks": GaugeMetricFamily(
+                f"{P}tenant_kv_cache_blocks", "A tenant's cached KV blocks on a group's devices.", labels=gt
+            ),
+            "bytes": GaugeMetricFamily(
+                f"{P}tenant_kv_cache_bytes", "Bytes of a tenant's cached KV blocks, per device.", labels=gt
+            ),
+            "evictions_caused": CounterMetricFamily(
+                f"{P}tenant_kv_evictions_caused", "Cached KV blocks a tenant's requests evicted.", labels=gt
+            ),
+            "evictions_suffered": CounterMetricFamily(
+                f"{P}tenant_kv_evictions_suffered", "A tenant's cached KV blocks evicted.", labels=gt
+            ),
+        }
         for s in self.statuses():
             lab = [self.model_name, s.group_id]
             used = s.blocks_total - s.blocks_free
@@ -77,7 +96,15 @@ class GroupCollector(Collector):
             for device in s.devices:  # every device of a group shares one block table
                 fams["used"].add_metric([*lab, device], used)
                 fams["free"].add_metric([*lab, device], s.blocks_free)
-        return list(fams.values())
+            by_label: dict[str, dict[str, int]] = {}
+            for tenant, figures in getattr(s, "tenant_kv", {}).items():
+                into = by_label.setdefault(self.tenant_label(tenant) or "", {})
+                for name, value in figures.items():
+                    into[name] = into.get(name, 0) + value
+            for label, figures in sorted(by_label.items()):
+                for name, fam in tenant_fams.items():
+                    fam.add_metric([*lab, label], figures.get(name, 0))
+        return [*fams.values(), *tenant_fams.values()]
 
 
 class TierCollector(Collector):

@@ -8,7 +8,9 @@ share (worker/engine/fair_queue.py) and, each optional,
 - `tokens_per_min`: prompt tokens at admission plus output tokens at the end, in any one minute
   (a window of whole minutes; a request admitted under the limit runs to its end);
 - `concurrent`: requests of the tenant in flight at once;
-- `max_documents`: documents it may keep pinned at once (router/documents.py; 16 unless given).
+- `max_documents`: documents it may keep pinned at once (router/documents.py; 16 unless given);
+- `kv_quota`: its share of each group's device KV pool (0-1) or bytes per device ("64MiB"): its
+  unreferenced cached blocks beyond it are evicted first (worker/engine/block_manager.py).
 
 A request over a limit is refused before it reaches a group: gRPC RESOURCE_EXHAUSTED, HTTP 429,
 each with when to retry (the end of the window; 1 s for the concurrency limit), counted per
@@ -28,6 +30,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from worker.config import check_kv_quota
+
 _TENANT = re.compile(r"[A-Za-z0-9_.\-]{1,128}")  # as the gRPC API's `tenant` field
 HELD_S = 3600.0  # a request in flight holds its slot at most this long (a router that died)
 
@@ -41,6 +45,7 @@ class TenantLimits:
     tokens_per_min: int | None = None
     concurrent: int | None = None
     max_documents: int | None = None  # live documents at once (router/documents.py)
+    kv_quota: float | int | None = None  # share of the device pool, or bytes (CacheConfig.tenant_kv_quotas)
 
     @property
     def request_window_s(self) -> float:
@@ -76,7 +81,12 @@ def parse_tenants(section: Mapping[str, Any] | None) -> dict[str, TenantLimits]:
         unknown = sorted(set(spec) - known)
         if unknown:
             raise ValueError(f"tenants.{tenant}: unknown field(s) {unknown}; known: {sorted(known)}")
+        spec = dict(spec)
+        if "kv_quota" in spec:
+            spec["kv_quota"] = check_kv_quota(f"tenants.{tenant}.kv_quota", spec["kv_quota"])
         for name, value in spec.items():
+            if name == "kv_quota":
+                continue
             whole = name in ("tokens_per_min", "concurrent", "max_documents")
             ok = isinstance(value, int) if whole else isinstance(value, int | float)
             if isinstance(value, bool) or not ok or not value > 0 or not math.isfinite(value):

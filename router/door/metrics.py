@@ -328,7 +328,7 @@ class ServerMetrics:
 
     def watch_groups(self, statuses: Callable[[], Sequence]) -> None:
         """Export per-group gauges and counters read from `statuses()` (GroupStatus list)."""
-        self.registry.register(GroupCollector(self.model_name, statuses))
+        self.registry.register(GroupCollector(self.model_name, statuses, self.tenant_label))
         self.registry.register(TierCollector(self.model_name, statuses))
 
     def watch_index(self, index: IndexReader) -> None:

@@ -179,8 +179,11 @@ def _assemble(config, groups, index, ray_groups, policy, hasher, tokenizer, info
 
 def engine_config(config: ServeConfig, secret: str, **extra) -> EngineConfig:
     """The groups' engine config: the configured options, the cluster secret and the tenants'
-    weights in the fair share (SchedulerConfig.tenant_weights)."""
+    weights in the fair share (SchedulerConfig.tenant_weights) and KV quotas
+    (CacheConfig.tenant_kv_quotas)."""
     weights = {"tenant_weights": config.tenants.weights} if config.tenants.limits else {}
+    if quotas := config.tenants.kv_quotas:
+        weights["tenant_kv_quotas"] = quotas
     return config.engine.engine_config(cluster_secret=secret, **weights, **extra)
 
 

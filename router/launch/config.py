@@ -169,6 +169,11 @@ class TenantsConfig:
         return {t: lim.max_documents for t, lim in self.limits.items() if lim.max_documents is not None}
 
     @property
+    def kv_quotas(self) -> dict[str, float | int]:
+        """The tenants with a KV quota, each a share or bytes (CacheConfig.tenant_kv_quotas)."""
+        return {t: lim.kv_quota for t, lim in self.limits.items() if lim.kv_quota is not None}
+
+    @property
     def weights(self) -> dict[str, float]:
         """Each named tenant's weight in a group's fair share (SchedulerConfig.tenant_weights)."""
         return {t: lim.weight for t, lim in self.limits.items()}

@@ -24,6 +24,17 @@ is a reference like a request's, so a pinned block never reaches the free queue,
 neither evicted nor written down to a lower tier; several pins of one block (two documents that
 share a prefix) count each. `pinned` holds each pinned hash's count.
 
+KV quotas (`quotas`, tenant -> blocks): each cached block belongs to the tenant whose request
+took it from the free queue (the first to commit its hash), and a tenant's unreferenced cached
+blocks count against its quota. An eviction takes an uncached free block first, else the least
+recently used block of the tenant furthest over its quota (a tenant not named has a quota of 0;
+when none is over, the one least under it): so a tenant under its quota keeps its blocks against
+another's flood, whose own blocks are evicted instead, and loses them only when no other tenant
+has an unreferenced block left (running requests need the pool). Per-tenant LRU lists make each eviction
+O(tenants with idle blocks); with no quotas (None) eviction is the global LRU, unchanged.
+`evictions_caused` and `evictions_suffered` count, per tenant, the cached blocks its requests
+evicted and the ones of its that were evicted (with quotas only).
+
 Write-back rather than write-through: a save costs a copy only for a block the pool is about
 to lose, which under no memory pressure is never, and the host holds what the device does not
 (a write-through host mirrors the device, so its first pool's worth of blocks adds nothing).
@@ -33,7 +44,8 @@ in benchmarks/RESULTS.md (KV tiers).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from worker.engine.block_pool import Block, FreeBlockQueue
@@ -86,6 +98,7 @@ class BlockManager:
         host: TierIndex | None = None,
         disk: TierIndex | None = None,
         fetch: Fetch | None = None,
+        quotas: Mapping[str, int] | None = None,
     ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
@@ -119,6 +132,12 @@ class BlockManager:
         self.host_saves = 0  # blocks written back to the host tier
         self.pinned: dict[bytes, int] = {}  # block hash -> pins holding it (see `pin`)
         self.blocks_imported = 0  # blocks pulled from another group into the host tier
+        # tenant -> its KV quota in device blocks (see the module docstring); None: global LRU
+        self.quotas = dict(quotas) if quotas is not None and hasher is not None else None
+        # tenant -> its unreferenced cached blocks by id, least recently used first (quotas only)
+        self._idle: dict[str, OrderedDict[int, Block]] = {}
+        self.evictions_caused: dict[str, int] = {}  # tenant -> cached blocks its requests evicted
+        self.evictions_suffered: dict[str, int] = {}  # tenant -> its cached blocks evicted
 
     # ---- state -------------------------------------------------------------------------
     @property
@@ -260,7 +279,7 @@ class BlockManager:
         num_new = cdiv(match.num_tokens + num_new_tokens, self.block_size) - len(match.blocks)
         for _, _, slot in match.loads:  # (before any eviction below could reuse the slot)
             self.host.pin(slot)
-        fresh = self._take_free(num_new)
+        fresh = self._take_free(num_new, request.tenant)
         blocks = self._restore(match, fresh) if match.loads else list(match.blocks) + fresh
         self.req_blocks[rid] = blocks
         self._req_block_ids[rid] = [b.block_id for b in blocks]
@@ -331,7 +350,7 @@ class BlockManager:
         new_ids = []
         end = request.num_computed_tokens + num_new_tokens
         if num := self._blocks_to_grow(request, num_new_tokens + lookahead):
-            new_blocks = self._take_free(num)
+            new_blocks = self._take_free(num, request.tenant)
             self.req_blocks[rid].extend(new_blocks)
             new_ids = [b.block_id for b in new_blocks]
             self._req_block_ids[rid].extend(new_ids)
@@ -356,6 +375,8 @@ class BlockManager:
                     self.free_queue.appendleft(block)
                 else:
                     self.free_queue.append(block)
+                    if self.quotas is not None:
+                        self._idle_append(block)
 
     # ---- pins --------------------------------------------------------------------------
     def pin(self, hashes: Sequence[bytes]) -> int:
@@ -383,6 +404,8 @@ class BlockManager:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self.free_queue.append(block)
+                if self.quotas is not None:
+                    self._idle_append(block)
 
     @property
     def num_pinned_blocks(self) -> int:
@@ -395,6 +418,7 @@ class BlockManager:
         for block in self.cached.values():
             block.block_hash = None
         self.cached.clear()
+        self._idle.clear()
         if self.host is not None:
             self.host.clear()
         if self.disk is not None:
@@ -463,14 +487,66 @@ class BlockManager:
     def _touch(self, block: Block) -> None:
         if block.ref_cnt == 0:
             self.free_queue.remove(block)
+            if self.quotas is not None and block.block_hash is not None:
+                del self._idle[block.tenant][block.block_id]
         block.ref_cnt += 1
 
-    def _take_free(self, n: int) -> list[Block]:
+    # ---- KV quotas -----------------------------------------------------------------------
+    def idle_blocks(self, tenant: str) -> int:
+        """`tenant`'s unreferenced cached blocks on the device: what counts against its quota."""
+        idle = self._idle.get(tenant)
+        return len(idle) if idle else 0
+
+    def tenant_idle_blocks(self) -> dict[str, int]:
+        """Tenant -> its unreferenced cached blocks on the device (empty without quotas)."""
+        return {t: len(idle) for t, idle in self._idle.items()}
+
+    def tenant_cached_blocks(self) -> dict[str, int]:
+        """Tenant -> its cached blocks on the device, in use or not (empty without quotas)."""
+        if self.quotas is None:
+            return {}
+        out: dict[str, int] = {}
+        for block in self.cached.values():
+            out[block.tenant] = out.get(block.tenant, 0) + 1
+        return out
+
+    def _idle_append(self, block: Block) -> None:
+        idle = self._idle.get(block.tenant)
+        if idle is None:
+            idle = self._idle[block.tenant] = OrderedDict()
+        idle[block.block_id] = block
+
+    def _victim(self) -> Block:
+        """The free block to reuse next, with quotas: an uncached one, else the least recently
+        used of the tenant furthest over its quota (or, when none is over, the least under)."""
+        head = self.free_queue.peek()
+        if head is not None and head.block_hash is None:
+            return self.free_queue.popleft()
+        quotas, worst, over = self.quotas, None, 0
+        for tenant, idle in self._idle.items():
+            if idle:
+                excess = len(idle) - quotas.get(tenant, 0)
+                if worst is None or excess > over:
+                    worst, over = idle, excess
+        assert worst is not None, "a cached free block belongs to no tenant"
+        block = worst.popitem(last=False)[1]
+        self.free_queue.remove(block)
+        return block
+
+    def _take_free(self, n: int, tenant: str = "") -> list[Block]:
         if n > self.num_free_blocks:
             raise RuntimeError(f"asked for {n} blocks with {self.num_free_blocks} free")
         taken, evicted = [], []
+        quotas = self.quotas
         for _ in range(n):
-            block = self.free_queue.popleft()
+            if quotas is None:
+                block = self.free_queue.popleft()
+            else:
+                block = self._victim()
+                if block.block_hash is not None:
+                    self.evictions_caused[tenant] = self.evictions_caused.get(tenant, 0) + 1
+                    self.evictions_suffered[block.tenant] = self.evictions_suffered.get(block.tenant, 0) + 1
+                block.tenant = tenant
             if block.block_hash is not None:  # evict the least recently used cached block
                 del self.cached[block.block_hash]
                 evicted.append((block.block_id, block.block_hash))

@@ -8,12 +8,13 @@ from collections.abc import Iterable, Iterator
 class Block:
     """One block id of the pool. `block_hash` is set while the block is in the prefix cache."""
 
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free")
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free", "tenant")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
         self.block_hash: bytes | None = None
+        self.tenant = ""  # whose request cached it (its KV quota counts it); set with quotas only
         self.prev_free: Block | None = None
         self.next_free: Block | None = None
 
@@ -39,6 +40,11 @@ class FreeBlockQueue:
 
     def __len__(self) -> int:
         return self._len
+
+    def peek(self) -> Block | None:
+        """The block evicted next, or None when none is free."""
+        block = self._head.next_free
+        return None if block is self._tail else block
 
     def popleft(self) -> Block:
         block = self._head.next_free

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from worker.config import EngineConfig, cluster_secret
+from worker.config import EngineConfig, cluster_secret, quota_blocks
 from worker.engine.block_manager import BlockManager
 from worker.engine.detokenizer import IncrementalDetokenizer, byte_table
 from worker.engine.grammar import GrammarCompiler, RequestGrammar
@@ -108,7 +108,10 @@ class LLMEngine:
         disk = None
         if host is not None and cache.kv_disk_bytes:
             disk = TierIndex(disk_blocks(cache, self.layout), DISK)
-        bm = BlockManager(num_blocks, cache.block_size, hasher, self._events.append, host, disk, self.executor.fetch)
+        quotas = quota_blocks(cache.tenant_kv_quotas, num_blocks, self.layout.block_bytes) or None
+        bm = BlockManager(
+            num_blocks, cache.block_size, hasher, self._events.append, host, disk, self.executor.fetch, quotas
+        )
         if disk is not None:  # what an earlier owner of the directory left, under the same names
             bm.adopt_disk(self.executor.disk_inventory())
         self.scheduler = Scheduler(
@@ -473,6 +476,13 @@ class LLMEngine:
             # tenant -> tokens processed over its weight (worker/engine/fair_queue.py); empty
             # while one tenant sends
             "tenant_tokens": dict(sched.waiting.served),
+            # with KV quotas: tenant -> its cached blocks on the device, its unreferenced ones
+            # (what its quota counts), and the cached blocks its requests evicted and it lost
+            "tenant_kv_blocks": bm.tenant_cached_blocks(),
+            "tenant_kv_idle_blocks": bm.tenant_idle_blocks(),
+            "tenant_kv_evictions_caused": dict(bm.evictions_caused),
+            "tenant_kv_evictions_suffered": dict(bm.evictions_suffered),
+            "kv_block_bytes": self.layout.block_bytes,
         }
 
     def _tier_bytes(self) -> dict:
