@@ -39,6 +39,7 @@ import asyncio
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
@@ -336,6 +337,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # (stopped: the running server stops too)
     model = resolve_model(args.model)
     if args.peer == "llamacpp" and not model.lower().endswith(".gguf"):
         raise SystemExit(f"--model must be a GGUF file for llama.cpp (got {model}); --peer none runs pagefleet alone")

@@ -204,7 +204,8 @@ def summarize(rows: list[dict], client: list[list[float]], model: str) -> dict:
     line["client_itl_ms_p50"] = round(statistics.median(itl) * 1e3, 3) if itl else None
     shares = {k: v / period for k, v in med.items() if k not in ("period", "loop_busy_in_forward")}
     line["shares"] = {k: round(v, 3) for k, v in shares.items()}
-    line["host_share"] = round(1 - (med["forward"] + med["lm_head"]) / period, 3)
+    host = [1 - (r["forward"] + r["lm_head"]) / r["period"] for r in rows]  # (per interval: medians do not add)
+    line["host_share"] = round(statistics.median(host), 3)
     line["over_10pct"] = sorted(k for k, v in shares.items() if v > 0.10 and k not in ("forward", "lm_head"))
     return line
 
