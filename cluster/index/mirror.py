@@ -171,9 +171,12 @@ class MirroredPrefixIndex(IndexReader):
         from (the stream's last id at the snapshot: entries after it have larger seqs)."""
         seq, last_id, *rows, pend = self.shared.snapshot()
         now, copy = self._clock(), IndexCopy(self._ttl)
-        for i in range(0, len(rows), 5):
-            gid, epoch, *inventories = rows[i : i + 5]  # device, host, disk
-            g = copy.register(gid.decode(), int(epoch), now)
+        for i in range(0, len(rows), 6):
+            gid, epoch, ttl_ms, *inventories = rows[i : i + 6]  # device, host, disk
+            # Live as long as Redis keeps it, not a TTL from now: a group that died just before
+            # the snapshot leaves the copy when it leaves Redis.
+            ttl = int(ttl_ms) / 1000 if int(ttl_ms) > 0 else None
+            g = copy.register(gid.decode(), int(epoch), now, ttl)
             for medium, inventory in zip(MEDIUMS, inventories, strict=True):
                 copy.store(g, HashChain(inventory), medium)
         for line in pend:
