@@ -12,7 +12,8 @@ group count) answers what `RedisPrefixIndex.match` answers: the leading cached b
 chain on each live group (at the chain's probe positions, then between the last probe held and
 the first missed) and the leading pending blocks at probe granularity, and below the device
 the blocks that continue on each group's host and disk tiers. Liveness is kept on this process's clock: a group is live until `heartbeat_ttl_s` after
-the last log entry of its registration arrived.
+the last log entry of its registration arrived (after a snapshot, for as long as its registration
+had left in Redis: a group that died just before it leaves the copy when it leaves Redis).
 
 When the follower cannot read the log (Redis down, or the copy fell behind the log's trimmed
 start), `match` asks Redis directly, which raises `IndexUnavailableError` when Redis is down, as
