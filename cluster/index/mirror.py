@@ -230,7 +230,8 @@ class MirroredPrefixIndex(IndexReader):
         if kind == b"D":
             copy.drop(name)
             return True
-        copy.touch(g, now)
+        if kind != b"Q":  # a group's own write; a router's placement says nothing of its liveness
+            copy.touch(g, now)
         if kind in _STORES:
             copy.store(g, HashChain(payload), _STORES[kind])
         elif kind in _REMOVALS:

@@ -286,7 +286,7 @@ local function write(fields, deadline)
 end
 for i = 3, #ARGV, 3 do
   local g, fresh, blob = ARGV[i], tonumber(ARGV[i + 1]), ARGV[i + 2]
-  local e = redis.call('HGET', P .. 'groups', g)
+  local e = live_epoch(g)  -- a lapsed registration takes no placements
   if e then
     local head, deadline = row_head(g, e), now + ttl
     if fresh > 0 then
