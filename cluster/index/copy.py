@@ -108,15 +108,16 @@ class IndexCopy:
         return sum(len(g.host) + len(g.disk) for g in self.groups.values() if g.deadline > now)
 
     # ---- registrations ----------------------------------------------------------------
-    def register(self, group_id: str, epoch: int, now: float) -> CopiedGroup:
-        """A new registration (a restart's new epoch replaces the old one and its entries)."""
+    def register(self, group_id: str, epoch: int, now: float, ttl_s: float | None = None) -> CopiedGroup:
+        """A new registration (a restart's new epoch replaces the old one and its entries), live
+        for `ttl_s` (default the copy's TTL; a snapshot gives what the registration has left)."""
         if group_id in self.groups:
             self.drop(group_id)
         if self._free_bits:
             bit = self._free_bits.pop()
         else:
             bit, self._next_bit = self._next_bit, self._next_bit << 1
-        g = CopiedGroup(epoch, bit, now + self.ttl_s)
+        g = CopiedGroup(epoch, bit, now + (self.ttl_s if ttl_s is None else ttl_s))
         self.groups[group_id] = g
         self._by_bit[bit] = (group_id, g)
         self._answers.pop(bit, None)

@@ -12,7 +12,8 @@ group count) answers what `RedisPrefixIndex.match` answers: the leading cached b
 chain on each live group (at the chain's probe positions, then between the last probe held and
 the first missed) and the leading pending blocks at probe granularity, and below the device
 the blocks that continue on each group's host and disk tiers. Liveness is kept on this process's clock: a group is live until `heartbeat_ttl_s` after
-the last log entry of its registration arrived.
+the last log entry of its registration arrived (after a snapshot, for as long as its registration
+had left in Redis: a group that died just before it leaves the copy when it leaves Redis).
 
 When the follower cannot read the log (Redis down, or the copy fell behind the log's trimmed
 start), `match` asks Redis directly, which raises `IndexUnavailableError` when Redis is down, as
@@ -171,9 +172,12 @@ class MirroredPrefixIndex(IndexReader):
         from (the stream's last id at the snapshot: entries after it have larger seqs)."""
         seq, last_id, *rows, pend = self.shared.snapshot()
         now, copy = self._clock(), IndexCopy(self._ttl)
-        for i in range(0, len(rows), 5):
-            gid, epoch, *inventories = rows[i : i + 5]  # device, host, disk
-            g = copy.register(gid.decode(), int(epoch), now)
+        for i in range(0, len(rows), 6):
+            gid, epoch, ttl_ms, *inventories = rows[i : i + 6]  # device, host, disk
+            # Live as long as Redis keeps it, not a TTL from now: a group that died just before
+            # the snapshot leaves the copy when it leaves Redis.
+            ttl = int(ttl_ms) / 1000 if int(ttl_ms) > 0 else None
+            g = copy.register(gid.decode(), int(epoch), now, ttl)
             for medium, inventory in zip(MEDIUMS, inventories, strict=True):
                 copy.store(g, HashChain(inventory), medium)
         for line in pend:
@@ -226,7 +230,8 @@ class MirroredPrefixIndex(IndexReader):
         if kind == b"D":
             copy.drop(name)
             return True
-        copy.touch(g, now)
+        if kind != b"Q":  # a group's own write; a router's placement says nothing of its liveness
+            copy.touch(g, now)
         if kind in _STORES:
             copy.store(g, HashChain(payload), _STORES[kind])
         elif kind in _REMOVALS:

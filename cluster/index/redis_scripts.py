@@ -286,7 +286,7 @@ local function write(fields, deadline)
 end
 for i = 3, #ARGV, 3 do
   local g, fresh, blob = ARGV[i], tonumber(ARGV[i + 1]), ARGV[i + 2]
-  local e = redis.call('HGET', P .. 'groups', g)
+  local e = live_epoch(g)  -- a lapsed registration takes no placements
   if e then
     local head, deadline = row_head(g, e), now + ttl
     if fresh > 0 then
@@ -395,8 +395,9 @@ end
 return table.concat(counts, '\\n') .. '\\n\\n' .. table.concat(rows, '\\n')
 """
 
-# ARGV: P -> {seq, the log's last entry id or '0-0', then per live group: group, epoch, its
-# device, host and disk inventories' hashes concatenated (three strings); last, a list of the live registrations' unexpired pending probes as lines
+# ARGV: P -> {seq, the log's last entry id or '0-0', then per live group: group, epoch, the ms
+# its registration has left (a mirror must not keep a dead group live a whole TTL past the
+# snapshot), its device, host and disk inventories' hashes concatenated (three strings); last, a list of the live registrations' unexpired pending probes as lines
 # `group TAB epoch TAB ttl_ms TAB hash`}. Consistent with the log at `seq` (a script runs alone):
 # a mirror that loads it follows the log from entry seq + 1.
 SNAPSHOT = """
@@ -409,6 +410,7 @@ for _, g in ipairs(redis.call('HKEYS', P .. 'groups')) do
     heads[row_head(g, e)] = true
     out[#out + 1] = g
     out[#out + 1] = e
+    out[#out + 1] = redis.call('PTTL', P .. 'hb:' .. g)
     for _, k in ipairs({'inv:', 'host:', 'disk:'}) do
       out[#out + 1] = table.concat(redis.call('SMEMBERS', P .. k .. g))
     end
