@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import random
 import statistics
@@ -185,7 +186,11 @@ def cold_burst(args: argparse.Namespace, questions: int = 16) -> dict:
 
     model = None if args.model == "default" else args.model
     config = engine_config(
-        model, num_blocks=4 * (args.doc_tokens // 16 + 2), max_model_len=args.doc_tokens + 64, cluster_secret="burst"
+        model,
+        num_blocks=4 * (args.doc_tokens // 16 + 2),
+        max_model_len=args.doc_tokens + 64,
+        kv_host_bytes=args.host_bytes,  # a pulled prefix lands in the puller's host tier
+        cluster_secret="burst",
     )
     hasher, _, info = router_side(config, args.model)
     index = InMemoryPrefixIndex()
@@ -193,10 +198,17 @@ def cold_burst(args: argparse.Namespace, questions: int = 16) -> dict:
     doc = documents(1, args.doc_tokens, 1000, seed=7)[0]
     router = Router(groups, index, hasher, info)
 
+    ttfts: list[float] = []
+
     async def burst() -> list:
         async def ask(q: int):
             request = RouteRequest(prompt_token_ids=doc + [q] * QUESTION_TOKENS, params=GREEDY)
-            return [o async for o in router.generate(request)][-1]
+            t0, out = time.perf_counter(), None
+            async for o in router.generate(request):
+                if out is None:
+                    ttfts.append(time.perf_counter() - t0)
+                out = o
+            return out
 
         return await asyncio.gather(*(ask(3 + q) for q in range(questions)))
 
@@ -209,7 +221,8 @@ def cold_burst(args: argparse.Namespace, questions: int = 16) -> dict:
         for g in groups:
             g.shutdown()
     own = questions * (QUESTION_TOKENS + GREEDY.max_tokens - 1)  # the questions' and decodes' tokens
-    placed = [sum(router.records[o.request_id].group_id == g.group_id for o in outs) for g in groups]
+    records = [router.records[o.request_id] for o in outs]
+    placed = [sum(r.group_id == g.group_id for r in records) for g in groups]
     return {
         "case": "cold_burst",
         "model": args.model,
@@ -218,8 +231,17 @@ def cold_burst(args: argparse.Namespace, questions: int = 16) -> dict:
         "placed_per_group": placed,
         "document_copies_computed": round((sum(computed) - own) / args.doc_tokens, 2),
         "cached_tokens": sorted(o.num_cached_tokens for o in outs),
+        "pulled_per_group": [sum(r.pulled_blocks > 0 and r.group_id == g.group_id for r in records) for g in groups],
+        "ttft_p50_s": round(statistics.median(ttfts), 3),
+        "ttft_p99_s": round(percentile(ttfts, 0.99), 3),
         "wall_s": round(wall, 3),
     }
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The `q` quantile of `values`, nearest rank (of 16 values, p99 is the largest)."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -56,6 +56,20 @@ MAX_RECORDS = 10_000  # route records kept (Router.records): those of the newest
 # blocks' recompute does not repay.
 PULL_MIN_BLOCKS = 8
 PULL_TIMEOUT_S = 5.0  # a pull not done by then is given up: the group recomputes the prefix
+# A cold prefix is computed once: a request placed on a group that lacks a prefix (by at least
+# PULL_MIN_BLOCKS blocks) which another live group has pending and not committed (a burst of
+# questions on a new document, spilled by the load bound while the first group computes it)
+# waits for that group to commit the prefix and pulls it, rather than computing a second copy
+# (`cold_source`). The wait is bounded: after COLD_WAIT_S it pulls what is committed by then
+# (if at least PULL_MIN_BLOCKS) and the group recomputes the rest. Its requests for the same
+# prefix share one wait and one pull (per router: two routers may each pull once). The bound
+# is above a document's prefill on CPU (a 2,000-token document: ~0.5 s built-in, ~18 s the
+# default model on two cores, benchmarks/RESULTS.md, "KV pull between groups"), which the
+# holder started first: a live holder commits sooner than the waiter could recompute, a wait
+# past the bound means it is stalled (a holder that dies leaves the index: no wait at all).
+COLD_WAIT_S = 30.0
+COLD_POLL_S = 0.01  # how often a waiting pull reads the index for the holder's commit
+COLD_KEEP_S = 1.0  # a finished shared pull answers later requests this long (until indexed)
 
 
 class NoGroupAvailableError(RuntimeError):
@@ -235,6 +249,8 @@ class Router:
         self._live: dict[str, GroupStatus] = {}
         self.absent_statuses: Callable[[], list[GroupStatus]] | None = None
         self.set_groups(groups)
+        # (group, last hash of the prefix) -> the shared wait-and-pull of a cold prefix
+        self._cold: dict[tuple[str, bytes], asyncio.Future[int]] = {}
         self.documents = Documents(self)  # documents pinned through this router (router/documents.py)
 
     def set_groups(self, groups: Sequence[GroupHandle]) -> None:
@@ -349,7 +365,24 @@ class Router:
         matches = self.ledger.matches(block_hashes)
         placement = self.policy.choose(block_hashes, statuses, matches, self.ledger.placed)
         self.ledger.record(placement, block_hashes, len(statuses))
-        return pull_source(placement, matches, statuses)
+        placement = self.joined_pull(placement, block_hashes)
+        if placement.pull_from is None:
+            placement = pull_source(placement, matches, statuses)
+        if placement.pull_from is None:
+            placement = cold_source(placement, matches, statuses)
+        return placement
+
+    def joined_pull(self, placement: Placement, block_hashes: Sequence[bytes]) -> Placement:
+        """The placement with the shared pull of a cold prefix this router has going (or just
+        finished) to its group for a prefix of this chain; unchanged when there is none."""
+        gid = placement.group_id
+        for (group_id, last), task in self._cold.items():
+            if group_id != gid:
+                continue
+            blocks, source = task.pull_blocks, task.pull_from  # type: ignore[attr-defined]
+            if blocks <= len(block_hashes) and block_hashes[blocks - 1] == last:
+                return replace(placement, pull_from=source, pull_blocks=blocks, pull_wait=True)
+        return placement
 
     # ---- one request -------------------------------------------------------------------
     async def generate(self, request: RouteRequest | CheckedRequest) -> AsyncIterator[RequestOutput]:
@@ -456,10 +489,54 @@ class Router:
         holder = self.groups.get(placement.pull_from)
         group = self.groups[placement.group_id]
         chain = hashes[: placement.pull_blocks]
-        pulled = 0 if holder is None else await group.pull_from(holder, chain, PULL_TIMEOUT_S)
+        if holder is None:
+            pulled = 0
+        elif placement.pull_wait:
+            pulled = await asyncio.shield(self._cold_pull(group, holder, chain))
+        else:
+            pulled = await group.pull_from(holder, chain, PULL_TIMEOUT_S)
         if not pulled:
-            return replace(placement, pull_from=None, pull_blocks=0), 0
+            return replace(placement, pull_from=None, pull_blocks=0, pull_wait=False), 0
         return replace(placement, cached_blocks=max(placement.cached_blocks, placement.pull_blocks)), pulled
+
+    def _cold_pull(self, group: GroupHandle, holder: GroupHandle, chain: Sequence[bytes]) -> asyncio.Future[int]:
+        """The one wait-and-pull of `chain` onto `group` (a new one, or the one going)."""
+        key = (group.group_id, chain[-1])
+        task = self._cold.get(key)
+        if task is None:
+            task = asyncio.ensure_future(self._wait_and_pull(group, holder, chain))
+            task.pull_from, task.pull_blocks = holder.group_id, len(chain)  # type: ignore[attr-defined]
+            self._cold[key] = task
+
+            def forget(t: asyncio.Future[int]) -> None:
+                def drop() -> None:
+                    if self._cold.get(key) is t:
+                        del self._cold[key]
+
+                brought = not t.cancelled() and t.exception() is None and t.result()
+                asyncio.get_running_loop().call_later(COLD_KEEP_S if brought else 0, drop)
+
+            task.add_done_callback(forget)
+        return task
+
+    async def _wait_and_pull(self, group: GroupHandle, holder: GroupHandle, chain: Sequence[bytes]) -> int:
+        """Wait (up to COLD_WAIT_S) until `holder` has committed `chain`, then pull it; what is
+        committed by the deadline is pulled if at least PULL_MIN_BLOCKS, else nothing (0)."""
+        deadline, committed = time.monotonic() + COLD_WAIT_S, 0
+        while True:
+            try:
+                m = self.index.match(chain).get(holder.group_id)
+            except Exception as e:  # noqa: BLE001  (an index out of reach: recompute)
+                log.warning("waiting for %s to commit a prefix: index unavailable (%s)", holder.group_id, e)
+                return 0
+            committed = 0 if m is None else min(len(chain), m.blocks + m.host_blocks)
+            if committed >= len(chain) or m is None or time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(COLD_POLL_S)
+        if committed < PULL_MIN_BLOCKS:
+            log.info("group %s did not commit a prefix within %.1f s: recomputing it", holder.group_id, COLD_WAIT_S)
+            return 0
+        return await group.pull_from(holder, chain[:committed], PULL_TIMEOUT_S)
 
     async def _place_for(self, hashes: Sequence[bytes], state: _Stream) -> Placement:
         """A placement among the groups this request has not tried (by handle: a group
@@ -508,6 +585,24 @@ def pull_source(placement: Placement, matches: Mapping[str, GroupMatch], statuse
         if m.blocks > most and gid != placement.group_id and gid in statuses:
             best, most = gid, m.blocks
     return placement if best is None else replace(placement, pull_from=best, pull_blocks=most)
+
+
+def cold_source(placement: Placement, matches: Mapping[str, GroupMatch], statuses: Collection[str]) -> Placement:
+    """The placement with the live group that has the prefix pending but not committed (it is
+    computing it) to wait for and pull from (`pull_wait`): the one whose pending lead exceeds
+    what the chosen group holds or has pending by the most, at least PULL_MIN_BLOCKS;
+    unchanged when none does (see COLD_WAIT_S)."""
+    chosen = matches.get(placement.group_id)
+    own = 0 if chosen is None else max(chosen.tier_blocks, chosen.pending_blocks)
+    best, most = None, own + PULL_MIN_BLOCKS - 1
+    for gid in touched_ids(matches):
+        m = matches[gid]
+        computing = m.pending_blocks > m.tier_blocks  # pending beyond what it committed
+        if m.pending_blocks > most and computing and gid != placement.group_id and gid in statuses:
+            best, most = gid, m.pending_blocks
+    if best is None:
+        return placement
+    return replace(placement, pull_from=best, pull_blocks=most, pull_wait=True)
 
 
 def max_prompt_chars(tokenizer, max_model_len: int) -> int:
