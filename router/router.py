@@ -251,6 +251,7 @@ class Router:
         self.set_groups(groups)
         # (group, last hash of the prefix) -> the shared wait-and-pull of a cold prefix
         self._cold: dict[tuple[str, bytes], asyncio.Future[int]] = {}
+        self.cold_wait_s = COLD_WAIT_S  # 0: a spilled cold prefix is recomputed (no wait)
         self.documents = Documents(self)  # documents pinned through this router (router/documents.py)
 
     def set_groups(self, groups: Sequence[GroupHandle]) -> None:
@@ -368,7 +369,7 @@ class Router:
         placement = self.joined_pull(placement, block_hashes)
         if placement.pull_from is None:
             placement = pull_source(placement, matches, statuses)
-        if placement.pull_from is None:
+        if placement.pull_from is None and self.cold_wait_s > 0:
             placement = cold_source(placement, matches, statuses)
         return placement
 
@@ -520,9 +521,9 @@ class Router:
         return task
 
     async def _wait_and_pull(self, group: GroupHandle, holder: GroupHandle, chain: Sequence[bytes]) -> int:
-        """Wait (up to COLD_WAIT_S) until `holder` has committed `chain`, then pull it; what is
+        """Wait (up to `cold_wait_s`, COLD_WAIT_S) until `holder` has committed `chain`, then pull it; what is
         committed by the deadline is pulled if at least PULL_MIN_BLOCKS, else nothing (0)."""
-        deadline, committed = time.monotonic() + COLD_WAIT_S, 0
+        deadline, committed = time.monotonic() + self.cold_wait_s, 0
         while True:
             try:
                 m = self.index.match(chain).get(holder.group_id)
@@ -534,7 +535,7 @@ class Router:
                 break
             await asyncio.sleep(COLD_POLL_S)
         if committed < PULL_MIN_BLOCKS:
-            log.info("group %s did not commit a prefix within %.1f s: recomputing it", holder.group_id, COLD_WAIT_S)
+            log.info("group %s did not commit a prefix in %.1f s: recomputing it", holder.group_id, self.cold_wait_s)
             return 0
         return await group.pull_from(holder, chain[:committed], PULL_TIMEOUT_S)
 

@@ -17,7 +17,6 @@ import pytest
 from cluster.index import InMemoryPrefixIndex
 from cluster.local_group import LocalGroup
 from pagefleet.llm import engine_config
-from router import router as router_module
 from router.launch.local import router_side
 from router.placement.policy import Placement, Policy
 from router.router import Router, RouteRequest
@@ -113,10 +112,7 @@ def test_a_burst_on_a_cold_document_computes_it_once_with_single_group_tokens(co
             g.shutdown()
 
 
-def test_a_prefix_pending_on_a_group_that_never_commits_it_is_recomputed_after_the_bound(
-    config, single_group_answers, monkeypatch
-):
-    monkeypatch.setattr(router_module, "COLD_WAIT_S", 0.5)
+def test_a_prefix_pending_on_a_group_that_never_commits_it_is_recomputed_after_the_bound(config, single_group_answers):
     index = InMemoryPrefixIndex()
     groups = [LocalGroup(config, index, group_id=f"h{i}") for i in range(2)]
     hasher, _, info = router_side(config, "builtin")
@@ -125,6 +121,7 @@ def test_a_prefix_pending_on_a_group_that_never_commits_it_is_recomputed_after_t
         # a placement on h0 (another router's, say) whose request never ran there
         index.record_pending("h0", hasher.hash_prompt(ids), ttl_s=60)
         router = Router(groups, index, hasher, info, policy=Chosen("h1", info.block_size))
+        router.cold_wait_s = 0.5
         before = computed(groups)
         t0 = time.monotonic()
         (out,) = ask_all(router, [ids])
