@@ -6,7 +6,10 @@ groups use, asks the placement policy for a group, records the choice as pending
 router's ledger at once, in the shared prefix index in the background), forwards the
 request with its hashes, and streams the results back. A group that fails before the first
 token is retried on another group. The ledger of recent placements is
-router/placement/ledger.py.
+router/placement/ledger.py. A group chosen for a prefix that another group holds pulls it
+from there (`pull_source`); one chosen for a prefix that another group is computing waits for
+that group's commit and pulls it, so a burst on a cold document computes it once
+(`cold_source`, COLD_WAIT_S).
 """
 
 from __future__ import annotations

@@ -14,12 +14,12 @@ import time
 
 import pytest
 
-from cluster.index import InMemoryPrefixIndex
+from cluster.index import GroupMatch, InMemoryPrefixIndex
 from cluster.local_group import LocalGroup
 from pagefleet.llm import engine_config
 from router.launch.local import router_side
 from router.placement.policy import Placement, Policy
-from router.router import Router, RouteRequest
+from router.router import PULL_MIN_BLOCKS, Router, RouteRequest, cold_source
 from worker.sampling_params import SamplingParams
 
 SECRET = "cold-burst-test-secret"
@@ -134,3 +134,27 @@ def test_a_prefix_pending_on_a_group_that_never_commits_it_is_recomputed_after_t
     finally:
         for g in groups:
             g.shutdown()
+
+
+def test_the_source_to_wait_for_is_a_group_computing_more_of_the_prefix_than_the_chosen_holds():
+    def m(gid: str, blocks: int, pending: int, host: int = 0) -> GroupMatch:
+        return GroupMatch(gid, 1, blocks, pending, host)
+
+    chosen = Placement("a", "spill", 0)
+    live = {"a", "b", "c"}
+    # b computes 40 blocks (pending, nothing committed): wait for b and pull its 40
+    got = cold_source(chosen, {"a": m("a", 0, 0), "b": m("b", 0, 40)}, live)
+    assert (got.pull_from, got.pull_blocks, got.pull_wait) == ("b", 40, True)
+    # of two computing groups, the one with the longer pending lead
+    got = cold_source(chosen, {"b": m("b", 0, 20), "c": m("c", 2, 30)}, live)
+    assert (got.pull_from, got.pull_blocks) == ("c", 30)
+    # committed already (any tier): `pull_source` pulls it at once, no wait here
+    assert cold_source(chosen, {"b": m("b", 30, 40, host=10)}, live).pull_from is None
+    # the chosen group is computing it too (its own pending), or holds nearly as much
+    assert cold_source(chosen, {"a": m("a", 0, 40), "b": m("b", 0, 40)}, live).pull_from is None
+    assert cold_source(chosen, {"a": m("a", 33, 0), "b": m("b", 0, 40)}, live).pull_from is None
+    # fewer than PULL_MIN_BLOCKS more: recomputed rather than waited for
+    assert cold_source(chosen, {"b": m("b", 0, PULL_MIN_BLOCKS - 1)}, live).pull_from is None
+    assert cold_source(chosen, {"b": m("b", 0, PULL_MIN_BLOCKS)}, live).pull_from == "b"
+    # a group that is not live is never waited for
+    assert cold_source(chosen, {"b": m("b", 0, 40)}, {"a"}).pull_from is None
