@@ -69,7 +69,8 @@ PULL_TIMEOUT_S = 5.0  # a pull not done by then is given up: the group recompute
 # is above a document's prefill on CPU (a 2,000-token document: ~0.5 s built-in, ~18 s the
 # default model on two cores, benchmarks/RESULTS.md, "KV pull between groups"), which the
 # holder started first: a live holder commits sooner than the waiter could recompute, a wait
-# past the bound means it is stalled (a holder that dies leaves the index: no wait at all).
+# past the bound means it is stalled (a holder that dies, drains or leaves the router ends the
+# wait at once: the request recomputes).
 COLD_WAIT_S = 30.0
 COLD_POLL_S = 0.01  # how often a waiting pull reads the index for the holder's commit
 COLD_KEEP_S = 1.0  # a finished shared pull answers later requests this long (until indexed)
@@ -524,8 +525,9 @@ class Router:
         return task
 
     async def _wait_and_pull(self, group: GroupHandle, holder: GroupHandle, chain: Sequence[bytes]) -> int:
-        """Wait (up to `cold_wait_s`, COLD_WAIT_S) until `holder` has committed `chain`, then pull it; what is
-        committed by the deadline is pulled if at least PULL_MIN_BLOCKS, else nothing (0)."""
+        """Wait (up to `cold_wait_s`, COLD_WAIT_S) until `holder` has committed `chain`, then pull
+        it; what is committed by the deadline is pulled if at least PULL_MIN_BLOCKS, else nothing
+        (0). A holder that dies or drains meanwhile ends the wait at once: nothing (0)."""
         deadline, committed = time.monotonic() + self.cold_wait_s, 0
         while True:
             try:
@@ -535,6 +537,9 @@ class Router:
                 return 0
             committed = 0 if m is None else min(len(chain), m.blocks + m.host_blocks)
             if committed >= len(chain) or m is None or time.monotonic() >= deadline:
+                break
+            if holder.group_id not in self.live_statuses():  # it died or drains: no commit to come
+                committed = 0
                 break
             await asyncio.sleep(COLD_POLL_S)
         if committed < PULL_MIN_BLOCKS:

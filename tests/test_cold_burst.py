@@ -158,3 +158,35 @@ def test_the_source_to_wait_for_is_a_group_computing_more_of_the_prefix_than_the
     assert cold_source(chosen, {"b": m("b", 0, PULL_MIN_BLOCKS)}, live).pull_from == "b"
     # a group that is not live is never waited for
     assert cold_source(chosen, {"b": m("b", 0, 40)}, {"a"}).pull_from is None
+
+
+def test_a_wait_ends_at_once_when_the_computing_group_leaves(config, single_group_answers):
+    index = InMemoryPrefixIndex()
+    groups = [LocalGroup(config, index, group_id=f"k{i}") for i in range(2)]
+    hasher, _, info = router_side(config, "builtin")
+    try:
+        ids = question(1)
+        index.record_pending("k0", hasher.hash_prompt(ids), ttl_s=60)  # k0 "computes" it
+        router = Router(groups, index, hasher, info, policy=Chosen("k1", info.block_size))
+        assert router.cold_wait_s >= 30  # the bound is not what ends this wait
+
+        async def run():
+            asked = asyncio.ensure_future(_last(router.generate(RouteRequest(prompt_token_ids=ids, params=PARAMS))))
+            await asyncio.sleep(0.3)
+            assert not asked.done()  # waiting for k0's commit
+            t0 = time.monotonic()
+            router.set_groups([groups[1]])  # k0 leaves the router (retired, replaced, dead)
+            out = await asked
+            return out, time.monotonic() - t0
+
+        out, after_leaving = asyncio.run(run())
+        assert router.records[out.request_id].pulled_from is None and out.num_cached_tokens == 0
+        assert out.outputs[0].token_ids == single_group_answers[1]
+        assert after_leaving < 15  # the recompute, not the rest of the bound
+    finally:
+        for g in groups:
+            g.shutdown()
+
+
+async def _last(outputs):
+    return [o async for o in outputs][-1]
