@@ -60,7 +60,7 @@ MAX_RECORDS = 10_000  # route records kept (Router.records): those of the newest
 PULL_MIN_BLOCKS = 8
 PULL_TIMEOUT_S = 5.0  # a pull not done by then is given up: the group recomputes the prefix
 # A cold prefix is computed once: a request placed on a group that lacks a prefix (by at least
-# PULL_MIN_BLOCKS blocks) which another live group has pending and not committed (a burst of
+# COLD_MIN_BLOCKS blocks) which another live group has pending and not committed (a burst of
 # questions on a new document, spilled by the load bound while the first group computes it)
 # waits for that group to commit the prefix and pulls it, rather than computing a second copy
 # (`cold_source`). The wait is bounded: after COLD_WAIT_S it pulls what is committed by then
@@ -72,6 +72,12 @@ PULL_TIMEOUT_S = 5.0  # a pull not done by then is given up: the group recompute
 # past the bound means it is stalled (a holder that dies, drains or leaves the router ends the
 # wait at once: the request recomputes).
 COLD_WAIT_S = 30.0
+# A shorter cold prefix is recomputed: the wait's fixed costs (the holder's publish, polls, the
+# pull's round trips between two engines' steps, ~50-100 ms in process) are then of the order of
+# its prefill (built-in model, two in-process groups on two cores, benchmarks/RESULTS.md "A
+# cold document's burst, computed once": TTFT p50 1.5x the recompute's at 256 tokens, 0.78x
+# at 512, 0.63-0.71x at 2,000; the shared machine's noise is about +-30%).
+COLD_MIN_BLOCKS = 32
 COLD_POLL_S = 0.01  # how often a waiting pull reads the index for the holder's commit
 COLD_KEEP_S = 1.0  # a finished shared pull answers later requests this long (until indexed)
 
@@ -599,11 +605,11 @@ def pull_source(placement: Placement, matches: Mapping[str, GroupMatch], statuse
 def cold_source(placement: Placement, matches: Mapping[str, GroupMatch], statuses: Collection[str]) -> Placement:
     """The placement with the live group that has the prefix pending but not committed (it is
     computing it) to wait for and pull from (`pull_wait`): the one whose pending lead exceeds
-    what the chosen group holds or has pending by the most, at least PULL_MIN_BLOCKS;
+    what the chosen group holds or has pending by the most, at least COLD_MIN_BLOCKS;
     unchanged when none does (see COLD_WAIT_S)."""
     chosen = matches.get(placement.group_id)
     own = 0 if chosen is None else max(chosen.tier_blocks, chosen.pending_blocks)
-    best, most = None, own + PULL_MIN_BLOCKS - 1
+    best, most = None, own + COLD_MIN_BLOCKS - 1
     for gid in touched_ids(matches):
         m = matches[gid]
         computing = m.pending_blocks > m.tier_blocks  # pending beyond what it committed

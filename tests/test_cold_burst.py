@@ -19,7 +19,7 @@ from cluster.local_group import LocalGroup
 from pagefleet.llm import engine_config
 from router.launch.local import router_side
 from router.placement.policy import Placement, Policy
-from router.router import PULL_MIN_BLOCKS, Router, RouteRequest, cold_source
+from router.router import COLD_MIN_BLOCKS, Router, RouteRequest, cold_source
 from worker.sampling_params import SamplingParams
 
 SECRET = "cold-burst-test-secret"
@@ -146,16 +146,16 @@ def test_the_source_to_wait_for_is_a_group_computing_more_of_the_prefix_than_the
     got = cold_source(chosen, {"a": m("a", 0, 0), "b": m("b", 0, 40)}, live)
     assert (got.pull_from, got.pull_blocks, got.pull_wait) == ("b", 40, True)
     # of two computing groups, the one with the longer pending lead
-    got = cold_source(chosen, {"b": m("b", 0, 20), "c": m("c", 2, 30)}, live)
-    assert (got.pull_from, got.pull_blocks) == ("c", 30)
+    got = cold_source(chosen, {"b": m("b", 0, 36), "c": m("c", 2, 38)}, live)
+    assert (got.pull_from, got.pull_blocks) == ("c", 38)
     # committed already (any tier): `pull_source` pulls it at once, no wait here
     assert cold_source(chosen, {"b": m("b", 30, 40, host=10)}, live).pull_from is None
     # the chosen group is computing it too (its own pending), or holds nearly as much
     assert cold_source(chosen, {"a": m("a", 0, 40), "b": m("b", 0, 40)}, live).pull_from is None
-    assert cold_source(chosen, {"a": m("a", 33, 0), "b": m("b", 0, 40)}, live).pull_from is None
-    # fewer than PULL_MIN_BLOCKS more: recomputed rather than waited for
-    assert cold_source(chosen, {"b": m("b", 0, PULL_MIN_BLOCKS - 1)}, live).pull_from is None
-    assert cold_source(chosen, {"b": m("b", 0, PULL_MIN_BLOCKS)}, live).pull_from == "b"
+    assert cold_source(chosen, {"a": m("a", 9, 0), "b": m("b", 0, 40)}, live).pull_from is None
+    # fewer than COLD_MIN_BLOCKS more: recomputed rather than waited for
+    assert cold_source(chosen, {"b": m("b", 0, COLD_MIN_BLOCKS - 1)}, live).pull_from is None
+    assert cold_source(chosen, {"b": m("b", 0, COLD_MIN_BLOCKS)}, live).pull_from == "b"
     # a group that is not live is never waited for
     assert cold_source(chosen, {"b": m("b", 0, 40)}, {"a"}).pull_from is None
 
