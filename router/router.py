@@ -25,11 +25,12 @@ from array import array
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 import numpy as np
 
 from cluster.group import GroupHandle, GroupStatus
-from cluster.index import GroupMatch, IndexReader, touched_ids
+from cluster.index import GroupMatch, IndexReader, PrefixIndexError, touched_ids
 from router.documents import Documents
 from router.hash_cache import PrefixHashCache
 from router.placement import Ledger, Placement, Policy, make_policy
@@ -80,6 +81,14 @@ COLD_WAIT_S = 30.0
 COLD_MIN_BLOCKS = 32
 COLD_POLL_S = 0.01  # how often a waiting pull reads the index for the holder's commit
 COLD_KEEP_S = 1.0  # a finished shared pull answers later requests this long (until indexed)
+
+
+class _ColdPull(NamedTuple):
+    """One wait-and-pull of a cold prefix onto a group, shared by the requests that need it."""
+
+    source: str  # the group computing the prefix
+    blocks: int  # its leading blocks the pull waits for
+    task: asyncio.Future[int]  # the blocks that came (0: recompute)
 
 
 class NoGroupAvailableError(RuntimeError):
@@ -260,7 +269,7 @@ class Router:
         self.absent_statuses: Callable[[], list[GroupStatus]] | None = None
         self.set_groups(groups)
         # (group, last hash of the prefix) -> the shared wait-and-pull of a cold prefix
-        self._cold: dict[tuple[str, bytes], asyncio.Future[int]] = {}
+        self._cold: dict[tuple[str, bytes], _ColdPull] = {}
         self.cold_wait_s = COLD_WAIT_S  # 0: a spilled cold prefix is recomputed (no wait)
         self.documents = Documents(self)  # documents pinned through this router (router/documents.py)
 
@@ -387,12 +396,10 @@ class Router:
         """The placement with the shared pull of a cold prefix this router has going (or just
         finished) to its group for a prefix of this chain; unchanged when there is none."""
         gid = placement.group_id
-        for (group_id, last), task in self._cold.items():
-            if group_id != gid:
-                continue
-            blocks, source = task.pull_blocks, task.pull_from  # type: ignore[attr-defined]
-            if blocks <= len(block_hashes) and block_hashes[blocks - 1] == last:
-                return replace(placement, pull_from=source, pull_blocks=blocks, pull_wait=True)
+        for (group_id, last), cold in self._cold.items():
+            blocks = cold.blocks
+            if group_id == gid and blocks <= len(block_hashes) and block_hashes[blocks - 1] == last:
+                return replace(placement, pull_from=cold.source, pull_blocks=blocks, pull_wait=True)
         return placement
 
     # ---- one request -------------------------------------------------------------------
@@ -513,22 +520,22 @@ class Router:
     def _cold_pull(self, group: GroupHandle, holder: GroupHandle, chain: Sequence[bytes]) -> asyncio.Future[int]:
         """The one wait-and-pull of `chain` onto `group` (a new one, or the one going)."""
         key = (group.group_id, chain[-1])
-        task = self._cold.get(key)
-        if task is None:
-            task = asyncio.ensure_future(self._wait_and_pull(group, holder, chain))
-            task.pull_from, task.pull_blocks = holder.group_id, len(chain)  # type: ignore[attr-defined]
-            self._cold[key] = task
+        cold = self._cold.get(key)
+        if cold is None:
+            cold = self._cold[key] = _ColdPull(
+                holder.group_id, len(chain), asyncio.ensure_future(self._wait_and_pull(group, holder, chain))
+            )
 
             def forget(t: asyncio.Future[int]) -> None:
                 def drop() -> None:
-                    if self._cold.get(key) is t:
+                    if self._cold.get(key) is cold:
                         del self._cold[key]
 
                 brought = not t.cancelled() and t.exception() is None and t.result()
                 asyncio.get_running_loop().call_later(COLD_KEEP_S if brought else 0, drop)
 
-            task.add_done_callback(forget)
-        return task
+            cold.task.add_done_callback(forget)
+        return cold.task
 
     async def _wait_and_pull(self, group: GroupHandle, holder: GroupHandle, chain: Sequence[bytes]) -> int:
         """Wait (up to `cold_wait_s`, COLD_WAIT_S) until `holder` has committed `chain`, then pull
@@ -538,7 +545,7 @@ class Router:
         while True:
             try:
                 m = self.index.match(chain).get(holder.group_id)
-            except Exception as e:  # noqa: BLE001  (an index out of reach: recompute)
+            except PrefixIndexError as e:  # out of reach: recompute
                 log.warning("waiting for %s to commit a prefix: index unavailable (%s)", holder.group_id, e)
                 return 0
             committed = 0 if m is None else min(len(chain), m.blocks + m.host_blocks)
