@@ -18,7 +18,11 @@ tokens equal g0's for the same question, and the same-run ratio against `recompu
     python -m benchmarks.kv_pull --model builtin --doc-tokens 2000 --cold-burst
 
 `--cold-burst`: 16 questions about one cold document sent at once through a router (default
-policy) to two in-process groups; one line with the copies of the document the groups computed.
+policy) to two in-process groups, without the router's compute-once rule (`cold_burst_recompute`:
+a question spilled to the second group recomputes the document) and with it (`cold_burst`: it
+waits for the first group's commit and pulls); one line each with the copies of the document the
+groups computed, the burst's TTFT p50 and p99 (medians over --repeats runs of each, alternating),
+and the same-run ratios of the rule's TTFT.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import random
 import statistics
@@ -174,10 +179,13 @@ def run(transport: str, args: argparse.Namespace) -> list[dict]:
     ]
 
 
-def cold_burst(args: argparse.Namespace, questions: int = 16) -> dict:
+def cold_burst(args: argparse.Namespace, questions: int = 16, once: bool = True) -> dict:
     """`questions` questions about one cold document sent at once through a router (the
     default policy, an in-process index) to two in-process groups: how many copies of the
-    document the groups computed (their prefill counters, less the questions' own tokens)."""
+    document the groups computed (their prefill counters, less the questions' own tokens),
+    and the burst's TTFT. `once`: with the router's compute-once rule (a spilled question
+    waits for the first group's commit and pulls, router/router.py COLD_WAIT_S), else
+    without it (`cold_wait_s` 0: a spill recomputes, the peer)."""
     from cluster.index import InMemoryPrefixIndex
     from cluster.local_group import LocalGroup
     from router.launch.local import router_side
@@ -185,18 +193,31 @@ def cold_burst(args: argparse.Namespace, questions: int = 16) -> dict:
 
     model = None if args.model == "default" else args.model
     config = engine_config(
-        model, num_blocks=4 * (args.doc_tokens // 16 + 2), max_model_len=args.doc_tokens + 64, cluster_secret="burst"
+        model,
+        num_blocks=4 * (args.doc_tokens // 16 + 2),
+        max_model_len=args.doc_tokens + 64,
+        kv_host_bytes=args.host_bytes,  # a pulled prefix lands in the puller's host tier
+        cluster_secret="burst",
     )
     hasher, _, info = router_side(config, args.model)
     index = InMemoryPrefixIndex()
     groups = [LocalGroup(config, index, group_id=f"g{i}") for i in range(2)]
     doc = documents(1, args.doc_tokens, 1000, seed=7)[0]
     router = Router(groups, index, hasher, info)
+    if not once:
+        router.cold_wait_s = 0.0
+
+    ttfts: list[float] = []
 
     async def burst() -> list:
         async def ask(q: int):
             request = RouteRequest(prompt_token_ids=doc + [q] * QUESTION_TOKENS, params=GREEDY)
-            return [o async for o in router.generate(request)][-1]
+            t0, out = time.perf_counter(), None
+            async for o in router.generate(request):
+                if out is None:
+                    ttfts.append(time.perf_counter() - t0)
+                out = o
+            return out
 
         return await asyncio.gather(*(ask(3 + q) for q in range(questions)))
 
@@ -209,17 +230,33 @@ def cold_burst(args: argparse.Namespace, questions: int = 16) -> dict:
         for g in groups:
             g.shutdown()
     own = questions * (QUESTION_TOKENS + GREEDY.max_tokens - 1)  # the questions' and decodes' tokens
-    placed = [sum(router.records[o.request_id].group_id == g.group_id for o in outs) for g in groups]
+    records = [router.records[o.request_id] for o in outs]
+    placed = [sum(r.group_id == g.group_id for r in records) for g in groups]
     return {
-        "case": "cold_burst",
+        "case": "cold_burst" if once else "cold_burst_recompute",
         "model": args.model,
         "doc_tokens": args.doc_tokens,
         "questions": questions,
         "placed_per_group": placed,
         "document_copies_computed": round((sum(computed) - own) / args.doc_tokens, 2),
         "cached_tokens": sorted(o.num_cached_tokens for o in outs),
+        "pulled_per_group": [sum(r.pulled_blocks > 0 and r.group_id == g.group_id for r in records) for g in groups],
+        "ttft_p50_s": round(statistics.median(ttfts), 3),
+        "ttft_p99_s": round(percentile(ttfts, 0.99), 3),
         "wall_s": round(wall, 3),
     }
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The `q` quantile of `values`, nearest rank (of 16 values, p99 is the largest)."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+def medians(rows: tuple[dict, ...], repeats: int) -> dict:
+    """The median TTFT p50 and p99 of one case's runs, and how many runs."""
+    keys = ("ttft_p50_s", "ttft_p99_s")
+    return {"repeats": repeats, **{k: round(statistics.median(r[k] for r in rows), 3) for k in keys}}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -235,10 +272,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
-    if args.cold_burst:
-        line = cold_burst(args)
-        print(json.dumps(line), flush=True)
-        return [line]
+    if args.cold_burst:  # each case `repeats` times, alternating; the TTFTs are medians over them
+        runs = [[cold_burst(args, once=False), cold_burst(args)] for _ in range(args.repeats)]
+        peer, line = ({**r[-1], **medians(r, args.repeats)} for r in zip(*runs, strict=True))
+        line["ttft_p50_over_recompute"] = round(line["ttft_p50_s"] / peer["ttft_p50_s"], 3)
+        line["ttft_p99_over_recompute"] = round(line["ttft_p99_s"] / peer["ttft_p99_s"], 3)
+        for x in (peer, line):
+            print(json.dumps(x), flush=True)
+        return [peer, line]
     transports = ("in_process", "ray") if args.transport == "both" else (args.transport,)
     lines = []
     for transport in transports:

@@ -6,7 +6,10 @@ groups use, asks the placement policy for a group, records the choice as pending
 router's ledger at once, in the shared prefix index in the background), forwards the
 request with its hashes, and streams the results back. A group that fails before the first
 token is retried on another group. The ledger of recent placements is
-router/placement/ledger.py.
+router/placement/ledger.py. A group chosen for a prefix that another group holds pulls it
+from there (`pull_source`); one chosen for a prefix that another group is computing waits for
+that group's commit and pulls it, so a burst on a cold document computes it once
+(`cold_source`, COLD_WAIT_S).
 """
 
 from __future__ import annotations
@@ -22,11 +25,12 @@ from array import array
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 import numpy as np
 
 from cluster.group import GroupHandle, GroupStatus
-from cluster.index import GroupMatch, IndexReader, touched_ids
+from cluster.index import GroupMatch, IndexReader, PrefixIndexError, touched_ids
 from router.documents import Documents
 from router.hash_cache import PrefixHashCache
 from router.placement import Ledger, Placement, Policy, make_policy
@@ -56,6 +60,35 @@ MAX_RECORDS = 10_000  # route records kept (Router.records): those of the newest
 # blocks' recompute does not repay.
 PULL_MIN_BLOCKS = 8
 PULL_TIMEOUT_S = 5.0  # a pull not done by then is given up: the group recomputes the prefix
+# A cold prefix is computed once: a request placed on a group that lacks a prefix (by at least
+# COLD_MIN_BLOCKS blocks) which another live group has pending and not committed (a burst of
+# questions on a new document, spilled by the load bound while the first group computes it)
+# waits for that group to commit the prefix and pulls it, rather than computing a second copy
+# (`cold_source`). The wait is bounded: after COLD_WAIT_S it pulls what is committed by then
+# (if at least PULL_MIN_BLOCKS) and the group recomputes the rest. Its requests for the same
+# prefix share one wait and one pull (per router: two routers may each pull once). The bound
+# is above a document's prefill on CPU (a 2,000-token document: ~0.5 s built-in, ~18 s the
+# default model on two cores, benchmarks/RESULTS.md, "KV pull between groups"), which the
+# holder started first: a live holder commits sooner than the waiter could recompute, a wait
+# past the bound means it is stalled (a holder that dies, drains or leaves the router ends the
+# wait at once: the request recomputes).
+COLD_WAIT_S = 30.0
+# A shorter cold prefix is recomputed: the wait's fixed costs (the holder's publish, polls, the
+# pull's round trips between two engines' steps, ~50-100 ms in process) are then of the order of
+# its prefill (built-in model, two in-process groups on two cores, benchmarks/RESULTS.md "A
+# cold document's burst, computed once": TTFT p50 1.5x the recompute's at 256 tokens, 0.78x
+# at 512, 0.63-0.71x at 2,000; the shared machine's noise is about +-30%).
+COLD_MIN_BLOCKS = 32
+COLD_POLL_S = 0.01  # how often a waiting pull reads the index for the holder's commit
+COLD_KEEP_S = 1.0  # a finished shared pull answers later requests this long (until indexed)
+
+
+class _ColdPull(NamedTuple):
+    """One wait-and-pull of a cold prefix onto a group, shared by the requests that need it."""
+
+    source: str  # the group computing the prefix
+    blocks: int  # its leading blocks the pull waits for
+    task: asyncio.Future[int]  # the blocks that came (0: recompute)
 
 
 class NoGroupAvailableError(RuntimeError):
@@ -235,6 +268,9 @@ class Router:
         self._live: dict[str, GroupStatus] = {}
         self.absent_statuses: Callable[[], list[GroupStatus]] | None = None
         self.set_groups(groups)
+        # (group, last hash of the prefix) -> the shared wait-and-pull of a cold prefix
+        self._cold: dict[tuple[str, bytes], _ColdPull] = {}
+        self.cold_wait_s = COLD_WAIT_S  # 0: a spilled cold prefix is recomputed (no wait)
         self.documents = Documents(self)  # documents pinned through this router (router/documents.py)
 
     def set_groups(self, groups: Sequence[GroupHandle]) -> None:
@@ -349,7 +385,22 @@ class Router:
         matches = self.ledger.matches(block_hashes)
         placement = self.policy.choose(block_hashes, statuses, matches, self.ledger.placed)
         self.ledger.record(placement, block_hashes, len(statuses))
-        return pull_source(placement, matches, statuses)
+        placement = self.joined_pull(placement, block_hashes)
+        if placement.pull_from is None:
+            placement = pull_source(placement, matches, statuses)
+        if placement.pull_from is None and self.cold_wait_s > 0:
+            placement = cold_source(placement, matches, statuses)
+        return placement
+
+    def joined_pull(self, placement: Placement, block_hashes: Sequence[bytes]) -> Placement:
+        """The placement with the shared pull of a cold prefix this router has going (or just
+        finished) to its group for a prefix of this chain; unchanged when there is none."""
+        gid = placement.group_id
+        for (group_id, last), cold in self._cold.items():
+            blocks = cold.blocks
+            if group_id == gid and blocks <= len(block_hashes) and block_hashes[blocks - 1] == last:
+                return replace(placement, pull_from=cold.source, pull_blocks=blocks, pull_wait=True)
+        return placement
 
     # ---- one request -------------------------------------------------------------------
     async def generate(self, request: RouteRequest | CheckedRequest) -> AsyncIterator[RequestOutput]:
@@ -456,10 +507,58 @@ class Router:
         holder = self.groups.get(placement.pull_from)
         group = self.groups[placement.group_id]
         chain = hashes[: placement.pull_blocks]
-        pulled = 0 if holder is None else await group.pull_from(holder, chain, PULL_TIMEOUT_S)
+        if holder is None:
+            pulled = 0
+        elif placement.pull_wait:
+            pulled = await asyncio.shield(self._cold_pull(group, holder, chain))
+        else:
+            pulled = await group.pull_from(holder, chain, PULL_TIMEOUT_S)
         if not pulled:
-            return replace(placement, pull_from=None, pull_blocks=0), 0
+            return replace(placement, pull_from=None, pull_blocks=0, pull_wait=False), 0
         return replace(placement, cached_blocks=max(placement.cached_blocks, placement.pull_blocks)), pulled
+
+    def _cold_pull(self, group: GroupHandle, holder: GroupHandle, chain: Sequence[bytes]) -> asyncio.Future[int]:
+        """The one wait-and-pull of `chain` onto `group` (a new one, or the one going)."""
+        key = (group.group_id, chain[-1])
+        cold = self._cold.get(key)
+        if cold is None:
+            cold = self._cold[key] = _ColdPull(
+                holder.group_id, len(chain), asyncio.ensure_future(self._wait_and_pull(group, holder, chain))
+            )
+
+            def forget(t: asyncio.Future[int]) -> None:
+                def drop() -> None:
+                    if self._cold.get(key) is cold:
+                        del self._cold[key]
+
+                brought = not t.cancelled() and t.exception() is None and t.result()
+                asyncio.get_running_loop().call_later(COLD_KEEP_S if brought else 0, drop)
+
+            cold.task.add_done_callback(forget)
+        return cold.task
+
+    async def _wait_and_pull(self, group: GroupHandle, holder: GroupHandle, chain: Sequence[bytes]) -> int:
+        """Wait (up to `cold_wait_s`, COLD_WAIT_S) until `holder` has committed `chain`, then pull
+        it; what is committed by the deadline is pulled if at least PULL_MIN_BLOCKS, else nothing
+        (0). A holder that dies or drains meanwhile ends the wait at once: nothing (0)."""
+        deadline, committed = time.monotonic() + self.cold_wait_s, 0
+        while True:
+            try:
+                m = self.index.match(chain).get(holder.group_id)
+            except PrefixIndexError as e:  # out of reach: recompute
+                log.warning("waiting for %s to commit a prefix: index unavailable (%s)", holder.group_id, e)
+                return 0
+            committed = 0 if m is None else min(len(chain), m.blocks + m.host_blocks)
+            if committed >= len(chain) or m is None or time.monotonic() >= deadline:
+                break
+            if holder.group_id not in self.live_statuses():  # it died or drains: no commit to come
+                committed = 0
+                break
+            await asyncio.sleep(COLD_POLL_S)
+        if committed < PULL_MIN_BLOCKS:
+            log.info("group %s did not commit a prefix in %.1f s: recomputing it", holder.group_id, self.cold_wait_s)
+            return 0
+        return await group.pull_from(holder, chain[:committed], PULL_TIMEOUT_S)
 
     async def _place_for(self, hashes: Sequence[bytes], state: _Stream) -> Placement:
         """A placement among the groups this request has not tried (by handle: a group
@@ -508,6 +607,24 @@ def pull_source(placement: Placement, matches: Mapping[str, GroupMatch], statuse
         if m.blocks > most and gid != placement.group_id and gid in statuses:
             best, most = gid, m.blocks
     return placement if best is None else replace(placement, pull_from=best, pull_blocks=most)
+
+
+def cold_source(placement: Placement, matches: Mapping[str, GroupMatch], statuses: Collection[str]) -> Placement:
+    """The placement with the live group that has the prefix pending but not committed (it is
+    computing it) to wait for and pull from (`pull_wait`): the one whose pending lead exceeds
+    what the chosen group holds or has pending by the most, at least COLD_MIN_BLOCKS;
+    unchanged when none does (see COLD_WAIT_S)."""
+    chosen = matches.get(placement.group_id)
+    own = 0 if chosen is None else max(chosen.tier_blocks, chosen.pending_blocks)
+    best, most = None, own + COLD_MIN_BLOCKS - 1
+    for gid in touched_ids(matches):
+        m = matches[gid]
+        computing = m.pending_blocks > m.tier_blocks  # pending beyond what it committed
+        if m.pending_blocks > most and computing and gid != placement.group_id and gid in statuses:
+            best, most = gid, m.pending_blocks
+    if best is None:
+        return placement
+    return replace(placement, pull_from=best, pull_blocks=most, pull_wait=True)
 
 
 def max_prompt_chars(tokenizer, max_model_len: int) -> int:

@@ -22,6 +22,9 @@ class Placement:
     # (router/router.py: `pull_source`), and the leading blocks that group holds
     pull_from: str | None = None
     pull_blocks: int = 0
+    # the source has those blocks pending (sent, not yet committed): the pull waits for them
+    # (router/router.py: `cold_source`, COLD_WAIT_S)
+    pull_wait: bool = False
 
     def cached_tokens(self, prompt_tokens: int, block_size: int) -> int:
         """The prompt tokens the placement predicts the group serves from its cache: whole

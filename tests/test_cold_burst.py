@@ -1,0 +1,192 @@
+"""A cold document prefilled once: questions about a document no group holds, sent together to
+a two-group router, make the cluster compute the document on one group; the questions the load
+bound spills onto the other wait for the first group's commit and pull the document from it
+(router/router.py, `cold_source`, COLD_WAIT_S), all with the tokens of a single-group run.
+
+In this process (two LocalGroups over one in-process index, the built-in model on CPU); the
+groups' own prefill counters (`tokens_computed`) count what was computed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from cluster.index import GroupMatch, InMemoryPrefixIndex
+from cluster.local_group import LocalGroup
+from pagefleet.llm import engine_config
+from router.launch.local import router_side
+from router.placement.policy import Placement, Policy
+from router.router import COLD_MIN_BLOCKS, Router, RouteRequest, cold_source
+from worker.sampling_params import SamplingParams
+
+SECRET = "cold-burst-test-secret"
+DOC_TOKENS = 2000
+DOC = [(29 * i + 11) % 997 + 3 for i in range(DOC_TOKENS)]  # 125 blocks of 16
+QUESTION_TOKENS = 8
+QUESTIONS = 16
+PARAMS = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+OPTIONS = dict(
+    num_blocks=4 * (DOC_TOKENS // 16 + 2), max_model_len=DOC_TOKENS + 64, cluster_secret=SECRET, kv_host_bytes=1 << 27
+)
+OWN = QUESTION_TOKENS + PARAMS.max_tokens - 1  # a question's own prompt tokens and its decodes
+
+
+class Chosen(Policy):
+    """Places every request on one named group, with what the index says it holds."""
+
+    name = "chosen"
+
+    def __init__(self, group_id: str, block_size: int) -> None:
+        super().__init__(block_size)
+        self.group_id = group_id
+
+    def choose(self, block_hashes, statuses, matches, placed) -> Placement:
+        m = matches.get(self.group_id)
+        return Placement(self.group_id, "chosen", m.expected_blocks if m is not None else 0)
+
+
+def question(q: int) -> list[int]:
+    return DOC + [3 + q] * QUESTION_TOKENS
+
+
+def computed(groups) -> int:
+    return sum(g.engine.engine.stats()["tokens_computed"] for g in groups)
+
+
+def ask_all(router: Router, prompts: list[list[int]]) -> list:
+    """Every prompt sent at once (one event loop, no wait between them); the last outputs."""
+
+    async def one(ids: list[int]):
+        return [o async for o in router.generate(RouteRequest(prompt_token_ids=ids, params=PARAMS))][-1]
+
+    async def run():
+        return await asyncio.gather(*(one(ids) for ids in prompts))
+
+    return asyncio.run(run())
+
+
+@pytest.fixture(scope="module")
+def config():
+    return engine_config("builtin", **OPTIONS)
+
+
+@pytest.fixture(scope="module")
+def single_group_answers(config):
+    """Each question's tokens from one group alone, asked one after another."""
+    index = InMemoryPrefixIndex()
+    group = LocalGroup(config, index, group_id="single")
+    hasher, _, info = router_side(config, "builtin")
+    try:
+        router = Router([group], index, hasher, info)
+        return [ask_all(router, [question(q)])[0].outputs[0].token_ids for q in range(QUESTIONS)]
+    finally:
+        group.shutdown()
+
+
+def test_a_burst_on_a_cold_document_computes_it_once_with_single_group_tokens(config, single_group_answers):
+    index = InMemoryPrefixIndex()
+    groups = [LocalGroup(config, index, group_id=f"g{i}") for i in range(2)]
+    hasher, _, info = router_side(config, "builtin")
+    try:
+        router = Router(groups, index, hasher, info)  # the default policy, with its load bound
+        before = computed(groups)
+        outs = ask_all(router, [question(q) for q in range(QUESTIONS)])
+        # the document once in total, each question's own tokens once each
+        assert computed(groups) - before == DOC_TOKENS + QUESTIONS * OWN
+        assert [o.outputs[0].token_ids for o in outs] == single_group_answers
+        records = [router.records[o.request_id] for o in outs]
+        on = {g.group_id: [r for r in records if r.group_id == g.group_id] for g in groups}
+        assert all(on.values()), "the load bound spreads the burst over both groups"
+        computing = next(gid for gid, rs in on.items() if not any(r.pulled_from for r in rs))
+        (pulling,) = set(on) - {computing}
+        assert all(r.pulled_from == computing for r in on[pulling])
+        # one shared pull of the document's blocks, not one per question
+        imported = {g.group_id: g.engine.engine.stats()["kv_blocks_imported"] for g in groups}
+        assert imported == {computing: 0, pulling: DOC_TOKENS // 16}
+        assert sorted(o.num_cached_tokens for o in outs) == [0] + [DOC_TOKENS] * (QUESTIONS - 1)
+    finally:
+        for g in groups:
+            g.shutdown()
+
+
+def test_a_prefix_pending_on_a_group_that_never_commits_it_is_recomputed_after_the_bound(config, single_group_answers):
+    index = InMemoryPrefixIndex()
+    groups = [LocalGroup(config, index, group_id=f"h{i}") for i in range(2)]
+    hasher, _, info = router_side(config, "builtin")
+    try:
+        ids = question(0)
+        # a placement on h0 (another router's, say) whose request never ran there
+        index.record_pending("h0", hasher.hash_prompt(ids), ttl_s=60)
+        router = Router(groups, index, hasher, info, policy=Chosen("h1", info.block_size))
+        router.cold_wait_s = 0.5
+        before = computed(groups)
+        t0 = time.monotonic()
+        (out,) = ask_all(router, [ids])
+        waited = time.monotonic() - t0
+        record = router.records[out.request_id]
+        assert record.group_id == "h1" and record.pulled_from is None and out.num_cached_tokens == 0
+        assert computed(groups) - before == DOC_TOKENS + OWN  # recomputed on h1, once
+        assert out.outputs[0].token_ids == single_group_answers[0]
+        assert 0.5 <= waited < 0.5 + 30  # the bound, then the recompute
+    finally:
+        for g in groups:
+            g.shutdown()
+
+
+def test_the_source_to_wait_for_is_a_group_computing_more_of_the_prefix_than_the_chosen_holds():
+    def m(gid: str, blocks: int, pending: int, host: int = 0) -> GroupMatch:
+        return GroupMatch(gid, 1, blocks, pending, host)
+
+    chosen = Placement("a", "spill", 0)
+    live = {"a", "b", "c"}
+    # b computes 40 blocks (pending, nothing committed): wait for b and pull its 40
+    got = cold_source(chosen, {"a": m("a", 0, 0), "b": m("b", 0, 40)}, live)
+    assert (got.pull_from, got.pull_blocks, got.pull_wait) == ("b", 40, True)
+    # of two computing groups, the one with the longer pending lead
+    got = cold_source(chosen, {"b": m("b", 0, 36), "c": m("c", 2, 38)}, live)
+    assert (got.pull_from, got.pull_blocks) == ("c", 38)
+    # committed already (any tier): `pull_source` pulls it at once, no wait here
+    assert cold_source(chosen, {"b": m("b", 30, 40, host=10)}, live).pull_from is None
+    # the chosen group is computing it too (its own pending), or holds nearly as much
+    assert cold_source(chosen, {"a": m("a", 0, 40), "b": m("b", 0, 40)}, live).pull_from is None
+    assert cold_source(chosen, {"a": m("a", 9, 0), "b": m("b", 0, 40)}, live).pull_from is None
+    # fewer than COLD_MIN_BLOCKS more: recomputed rather than waited for
+    assert cold_source(chosen, {"b": m("b", 0, COLD_MIN_BLOCKS - 1)}, live).pull_from is None
+    assert cold_source(chosen, {"b": m("b", 0, COLD_MIN_BLOCKS)}, live).pull_from == "b"
+    # a group that is not live is never waited for
+    assert cold_source(chosen, {"b": m("b", 0, 40)}, {"a"}).pull_from is None
+
+
+def test_a_wait_ends_at_once_when_the_computing_group_leaves(config, single_group_answers):
+    index = InMemoryPrefixIndex()
+    groups = [LocalGroup(config, index, group_id=f"k{i}") for i in range(2)]
+    hasher, _, info = router_side(config, "builtin")
+    try:
+        ids = question(1)
+        index.record_pending("k0", hasher.hash_prompt(ids), ttl_s=60)  # k0 "computes" it
+        router = Router(groups, index, hasher, info, policy=Chosen("k1", info.block_size))
+        assert router.cold_wait_s >= 30  # the bound is not what ends this wait
+
+        async def run():
+            asked = asyncio.ensure_future(_last(router.generate(RouteRequest(prompt_token_ids=ids, params=PARAMS))))
+            await asyncio.sleep(0.3)
+            assert not asked.done()  # waiting for k0's commit
+            t0 = time.monotonic()
+            router.set_groups([groups[1]])  # k0 leaves the router (retired, replaced, dead)
+            out = await asked
+            return out, time.monotonic() - t0
+
+        out, after_leaving = asyncio.run(run())
+        assert router.records[out.request_id].pulled_from is None and out.num_cached_tokens == 0
+        assert out.outputs[0].token_ids == single_group_answers[1]
+        assert after_leaving < 15  # the recompute, not the rest of the bound
+    finally:
+        for g in groups:
+            g.shutdown()
+
+
+async def _last(outputs):
+    return [o async for o in outputs][-1]
