@@ -19,6 +19,10 @@ lookup goes on from the host to the disk: disk hits are fetched into host slots 
 a block that any rank fails to read whole ends the match there, a miss), then loaded as host
 hits.
 
+At a clean shutdown, `flush_moves` writes down to the disk what a restart would otherwise
+lose: the host's blocks the disk lacks, then the device's cached full blocks (through host
+slots, the only path from the device to the disk), in batches of moves that every rank makes.
+
 Pins (`pin`, `unpin`) hold cached blocks by hash for a document the group keeps warm: each pin
 is a reference like a request's, so a pinned block never reaches the free queue, and so is
 neither evicted nor written down to a lower tier; several pins of one block (two documents that
