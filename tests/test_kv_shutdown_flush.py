@@ -11,6 +11,7 @@ stops it) restores nothing of that document.
 
 from __future__ import annotations
 
+import logging
 import random
 
 from factories import make_hasher, make_request
@@ -85,7 +86,7 @@ def tiered(directory) -> LLM:
     return LLM("builtin", kv_disk_dir=str(directory), cluster_secret=SECRET, **options)
 
 
-def test_a_shut_down_engine_restarted_on_its_directory_restores_the_document_from_disk(tmp_path):
+def test_a_shut_down_engine_restarted_on_its_directory_restores_the_document_from_disk(tmp_path, caplog):
     docs = documents(3, seed=5)
     question = docs[0] + [7, 8, 9]
     first = tiered(tmp_path)
@@ -96,11 +97,15 @@ def test_a_shut_down_engine_restarted_on_its_directory_restores_the_document_fro
     doc0 = first.engine.hasher.hash_prompt(question)[:10]
     assert not set(doc0) & set(bm.disk.hashes())  # nothing of it on the disk yet
     assert set(doc0) & set(bm.host.hashes()) and set(doc0) & set(bm.cached)
-    first.shutdown()
+    host, device = list(bm.host.hashes()), list(bm.cached)
+    with caplog.at_level(logging.WARNING, logger="worker.engine.llm_engine"):
+        first.shutdown()
+    wrote = f"wrote {len(host)} host and {len(device)} device blocks to the disk tier at shutdown"
+    assert wrote in caplog.text
     assert set(doc0) <= set(bm.disk.hashes())
     files = {bytes.fromhex(f.name[:32]) for f in tmp_path.rglob("*.kv")}
     assert files == set(bm.disk.hashes())
-    first.shutdown()  # (a second call does nothing)
+    assert first.engine.shutdown() == {}  # (a second call does nothing)
 
     again = tiered(tmp_path)
     restored = again.generate([question], GREEDY)[0]
@@ -110,11 +115,11 @@ def test_a_shut_down_engine_restarted_on_its_directory_restores_the_document_fro
     assert stats["tokens_computed"] == 3 + GREEDY.max_tokens - 1
     again.engine.executor.shutdown()  # (no flush: as a kill ends it)
 
-    # without the flush (the process killed) the host's and device's blocks are gone
+    # a flush out of time writes nothing (as a killed process): the document's blocks are gone
     (new,) = documents(1, seed=6)
     third = tiered(tmp_path)
     third.generate([new + [5]], GREEDY)
-    third.engine.executor.shutdown()
+    assert third.engine.shutdown(within_s=-1.0) == {"host": 0, "device": 0, "batches": 0}
     fourth = tiered(tmp_path)
     assert fourth.generate([new + [6]], GREEDY)[0].num_cached_tokens == 0
     fourth.engine.executor.shutdown()

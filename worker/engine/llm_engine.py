@@ -397,7 +397,8 @@ class LLMEngine:
         """End the engine: with a disk tier, first write down what a restart would otherwise
         lose, the host tier's blocks and the device's cached full blocks that no tier below
         holds (BlockManager.flush_moves), batch by batch on every rank, for `within_s` at
-        most; then release the executor. Returns (and logs) what the disk now holds of each.
+        most; then release the executor. Returns (and logs) the blocks written from each, and
+        the batches made.
         A second call does nothing; a kill flushes nothing (the disk keeps what it had)."""
         if self._shut:
             return {}
@@ -415,19 +416,17 @@ class LLMEngine:
                     self.executor.flush_moves(moves)
                 except Exception as e:  # (a rank gone, say): the disk keeps what was written
                     log.warning("KV tiers: writing the tiers to the disk at shutdown failed: %s", e)
-                    cut = True
                     break
                 kept["batches"] += 1
                 device_phase = device_phase or bool(moves.saves)  # (its demotes: the saved blocks)
                 kept["device" if device_phase else "host"] += len(moves.demotes)
             self.flush_events()
             log.warning(
-                "KV tiers: wrote %d host and %d device blocks to the disk tier at shutdown in %.2f s%s; it holds %d",
+                "KV tiers: wrote %d host and %d device blocks to the disk tier at shutdown in %.2f s%s",
                 kept["host"],
                 kept["device"],
                 time.monotonic() - t0,
                 f" (stopped at the {within_s:g} s bound)" if cut else "",
-                len(bm.disk),
             )
         self.executor.shutdown()
         return kept
