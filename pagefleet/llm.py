@@ -139,7 +139,11 @@ class LLM:
         return self.engine.stats() if self.engine is not None else self.group.engine_stats()
 
     def shutdown(self) -> None:
-        """Release the Ray group of a tensor-parallel LLM (nothing to do in-process)."""
+        """End the engine: in-process, its KV tiers written down to the disk tier, if any
+        (LLMEngine.shutdown), then its device released; a tensor-parallel LLM's Ray group,
+        whose engine does the same."""
+        if self.engine is not None:
+            self.engine.shutdown()
         if self.group is not None:
             self.group.shutdown()
 

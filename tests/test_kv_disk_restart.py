@@ -119,3 +119,38 @@ def test_a_killed_server_restarted_on_its_directory_restores_from_the_disk(tmp_p
         assert m[("kv_tier_load_seconds_count", "host", None)] == 1  # one step's loads
         assert m[("kv_tier_load_seconds_bucket", "disk", "+Inf")] == 1
         assert m[("kv_tier_load_failures_total", "disk", None)] == 0
+
+
+def test_a_server_stopped_with_sigterm_writes_its_tiers_down_and_restores_from_the_disk(tmp_path, monkeypatch):
+    """Three documents stay on the device and the host (nothing reaches the disk while the
+    server runs); SIGTERM writes them down before the group exits, so the restarted server's
+    first question on document 0 takes its 80 prompt tokens from the disk tier."""
+    monkeypatch.setenv("PAGEFLEET_CLUSTER_SECRET", "restart-test-secret")
+    rng = random.Random(4)
+    docs = [[rng.randrange(3, 200) for _ in range(DOC_TOKENS)] for _ in range(3)]
+    question = docs[0] + [7, 8, 9]
+    directory = tmp_path / "kv-disk"
+    with Server(directory, tmp_path / "first.log") as first:
+        answer = first.ask(question)
+        for d in docs[1:]:  # document 0 partly on the host, partly on the device
+            first.ask(d + [5])
+        m = first.metrics()
+        assert m[("kv_tier_moved_bytes_total", "device_to_host", None)] > 0
+        assert m[("kv_tier_blocks_used", "disk", None)] == 0
+        first.proc.send_signal(signal.SIGTERM)
+        assert first.proc.wait(60) == 0
+    log = (tmp_path / "first.log").read_text()
+    assert "to the disk tier at shutdown" in log, log
+    (rank_dir,) = directory.glob("*/rank0")
+    on_disk = len(list(rank_dir.glob("*.kv")))
+    assert on_disk >= 30  # the three documents' full blocks
+
+    with Server(directory, tmp_path / "second.log") as again:
+        m = again.metrics()
+        assert m[("kv_tier_blocks_used", "disk", None)] == on_disk
+        restored = again.ask(question)
+        assert restored.token_ids == answer.token_ids
+        assert restored.cached_tokens == DOC_TOKENS
+        m = again.metrics()
+        assert m[("kv_tier_hit_tokens_total", "disk", None)] == DOC_TOKENS
+        assert m[("kv_tier_hit_tokens_total", "device", None)] == 0

@@ -310,6 +310,8 @@ def test_a_restarted_tp2_group_reopens_the_disk_blocks_every_rank_holds(ray_runt
     hasher = LLM(str(model_dirs["kv2"]), cluster_secret=TIER_SECRET, **OPTIONS).engine.hasher
     doc0 = [h.hex() + ".kv" for h in hasher.hash_prompt(prompts[5])[:5]]
     assert set(doc0) <= files[0] and files[0] == files[1]
+    doc4 = [h.hex() + ".kv" for h in hasher.hash_prompt(prompts[4])[:5]]
+    assert set(doc4) <= files[0]  # on the device at the end: written down by the shutdown, on both ranks
     (rank_dirs[1] / doc0[3]).unlink()  # rank 1 lost the document's fourth block
     gc = RayGroupConfig(tensor_parallel_size=2, bundle_resources={ray_runtime.node_labels[1]: 1}, heartbeat_s=0.5)
     again = RayGroup(engine_config(model_dirs["kv2"], **OPTIONS, **tiers(tier_dir)), gc)
@@ -321,6 +323,10 @@ def test_a_restarted_tp2_group_reopens_the_disk_blocks_every_rank_holds(ray_runt
         assert kept[0] == kept[1] == files[0] - {doc0[3]}  # rank 0 let the block go too
         tp1 = LLM(str(model_dirs["kv2"]), **OPTIONS)
         assert got == [tp1.generate([prompts[5]], GREEDY)[0].token_ids]
+        last = docs[4] + [9, 10]  # restored from the blocks each rank wrote at the shutdown
+        got = asyncio.run(stream_all(again, [last]))
+        assert settled_stats(again)["kv_disk_hits"] - s["kv_disk_hits"] == 5 * 8
+        assert got == [tp1.generate([last], GREEDY)[0].token_ids]
     finally:
         again.shutdown()
 

@@ -112,8 +112,10 @@ class AsyncEngine:
         return len(self._streams)
 
     def shutdown(self, timeout: float = 10.0) -> bool:
-        """Stop the loop thread; True when it ended within `timeout` (False: it is stuck, e.g.
-        in a collective, and what it holds must not be torn down under it)."""
+        """Stop the loop thread, which ends the engine (`LLMEngine.shutdown`: its KV tiers
+        written down to the disk, within llm_engine.FLUSH_WITHIN_S); True when it ended within
+        `timeout` (False: it is stuck, e.g. in a collective, and what it holds must not be
+        torn down under it)."""
         self._stopped = True
         self._wake.set()
         self._thread.join(timeout)
@@ -139,6 +141,9 @@ class AsyncEngine:
                 self._stats = self.engine.stats()
                 if self.on_step is not None:
                     self.on_step(self.engine)
+            # a clean stop: the tiers' blocks go down to the disk (bounded), on this thread,
+            # as every call into the engine; a dead engine's group may not follow: no flush
+            self.engine.shutdown()
         except BaseException as e:  # the engine is unusable: fail everyone, loudly
             log.error("engine loop died:\n%s", traceback.format_exc())
             self.dead = e

@@ -19,6 +19,10 @@ lookup goes on from the host to the disk: disk hits are fetched into host slots 
 a block that any rank fails to read whole ends the match there, a miss), then loaded as host
 hits.
 
+At a clean shutdown, `flush_moves` writes down to the disk what a restart would otherwise
+lose: the host's blocks the disk lacks, then the device's cached full blocks (through host
+slots, the only path from the device to the disk), in batches of moves that every rank makes.
+
 Pins (`pin`, `unpin`) hold cached blocks by hash for a document the group keeps warm: each pin
 is a reference like a request's, so a pinned block never reaches the free queue, and so is
 neither evicted nor written down to a lower tier; several pins of one block (two documents that
@@ -426,6 +430,69 @@ class BlockManager:
             self.disk.clear()
         self.emit(AllBlocksCleared())
         return True
+
+    # ---- shutdown ----------------------------------------------------------------------
+    def flush_moves(self, batch: int = 64) -> Iterator[KVMoves]:
+        """A clean shutdown's copies down to the disk tier, in batches of at most `batch`
+        blocks: first the host's blocks that the disk lacks, then the device's cached full
+        blocks held by no tier below (each saved into a host slot, then written from it by the
+        next batch, the slot's former block being on the disk already). Least recently used
+        first, blocks in use (pinned or running) last, so that when the disk is the smaller
+        what it keeps is the most recent (as a restart adopts the newest files). Every rank
+        makes each batch in order (KVMoves' order: disk writes before host saves); a caller may
+        stop between two batches (a time bound): what was written stays whole. Empty without
+        a disk tier."""
+        host, disk = self.host, self.disk
+        if disk is None:
+            return
+        n = max(1, min(batch, host.num_slots, disk.num_slots))
+        pending = [(host.get(h), h) for h in host.hashes() if h not in disk]  # (slot, hash)
+        while pending:
+            moves = KVMoves()
+            for slot, h in pending[:n]:
+                self._flush_demote(moves, slot, h)
+            pending = pending[n:]
+            yield moves
+            host.unpin_all()
+            disk.unpin_all()
+        idle = [b for b in self.free_queue if b.block_hash is not None]
+        held = [b for b in self.cached.values() if b.ref_cnt > 0]
+        device = [b for b in idle + held if b.block_hash not in host and b.block_hash not in disk]
+        for at in range(0, len(device) + n, n):
+            moves = KVMoves()
+            for slot, h in pending:  # the previous batch's saves, down to the disk first
+                self._flush_demote(moves, slot, h)
+            pending, stored, dropped = [], [], []
+            for block in device[at : at + n]:
+                put = host.put(block.block_hash)
+                if put is None:
+                    break
+                slot, victim = put
+                if victim is not None:  # (on the disk already, or written in this batch)
+                    dropped.append(victim)
+                moves.saves.append((block.block_id, slot))
+                pending.append((slot, block.block_hash))
+                stored.append(block.block_hash)
+            if dropped:
+                self.emit(BlockRemoved(tuple(dropped), HOST))
+            if stored:
+                self.emit(BlockStored(tuple(stored), None, HOST))
+            if not moves:
+                return
+            yield moves
+            host.unpin_all()
+            disk.unpin_all()
+
+    def _flush_demote(self, moves: KVMoves, slot: int, block_hash: bytes) -> None:
+        """`block_hash`, in host `slot`, to be written to the disk by `moves` (its victim dropped)."""
+        put = self.disk.put(block_hash)
+        if put is None:
+            return
+        if put[1] is not None:
+            moves.drops.append(put[1])
+            self.emit(BlockRemoved((put[1],), DISK))
+        moves.demotes.append((slot, block_hash))
+        self.emit(BlockStored((block_hash,), None, DISK))
 
     # ---- blocks moved between groups (worker/kv_transfer.py) ----------------------------
     def held_chain(self, block_hashes: Sequence[bytes]) -> list[tuple[bool, int]]:

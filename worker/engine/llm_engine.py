@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -41,6 +42,11 @@ COMPILE_WAIT_S = 0.01  # an engine with only compiling requests waits this long 
 # whole context needs: the rest serves requests, so that pins can never starve the group (a
 # pin over it is refused, PinRefusedError).
 PINNED_SHARE = 0.5
+# a clean shutdown writes the tiers' blocks down to the disk for this long at most (then stops
+# between two batches: what was written is whole), well within AsyncEngine.shutdown's wait
+FLUSH_WITHIN_S = 5.0
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -128,6 +134,7 @@ class LLMEngine:
         self._failed: list[tuple[str, Exception]] = []  # refused after add_request returned
         self._pin_on_finish: dict[str, tuple[Pin, int]] = {}  # request id -> its pin, blocks
         self.pins: dict[str, _Pinned] = {}  # document id -> its pinned blocks
+        self._shut = False  # (see `shutdown`)
 
     # ---- requests ----------------------------------------------------------------------
     def add_request(
@@ -384,6 +391,45 @@ class LLMEngine:
             batch, self._events[:] = list(self._events), []
             if self.on_kv_events is not None:
                 self.on_kv_events(batch)
+
+    # ---- shutdown ----------------------------------------------------------------------
+    def shutdown(self, within_s: float = FLUSH_WITHIN_S) -> dict[str, int]:
+        """End the engine: with a disk tier, first write down what a restart would otherwise
+        lose, the host tier's blocks and the device's cached full blocks that no tier below
+        holds (BlockManager.flush_moves), batch by batch on every rank, for `within_s` at
+        most; then release the executor. Returns (and logs) the blocks written from each, and
+        the batches made.
+        A second call does nothing; a kill flushes nothing (the disk keeps what it had)."""
+        if self._shut:
+            return {}
+        self._shut = True
+        kept = {"host": 0, "device": 0, "batches": 0}
+        bm = self.scheduler.bm
+        if bm.disk is not None:
+            t0 = time.monotonic()
+            cut, device_phase = False, False
+            for moves in bm.flush_moves():
+                if time.monotonic() - t0 > within_s:
+                    cut = True
+                    break
+                try:
+                    self.executor.flush_moves(moves)
+                except Exception as e:  # (a rank gone, say): the disk keeps what was written
+                    log.warning("KV tiers: writing the tiers to the disk at shutdown failed: %s", e)
+                    break
+                kept["batches"] += 1
+                device_phase = device_phase or bool(moves.saves)  # (its demotes: the saved blocks)
+                kept["device" if device_phase else "host"] += len(moves.demotes)
+            self.flush_events()
+            log.warning(
+                "KV tiers: wrote %d host and %d device blocks to the disk tier at shutdown in %.2f s%s",
+                kept["host"],
+                kept["device"],
+                time.monotonic() - t0,
+                f" (stopped at the {within_s:g} s bound)" if cut else "",
+            )
+        self.executor.shutdown()
+        return kept
 
     # ---- KV blocks moved between groups (worker/kv_transfer.py) --------------------------
     def kv_format(self) -> KVFormat:

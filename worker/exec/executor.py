@@ -190,6 +190,11 @@ class Executor(ABC):
     def shutdown(self) -> None:  # noqa: B027  (nothing to release by default)
         """Release the devices."""
 
+    def flush_moves(self, moves: KVMoves) -> None:
+        """A shutdown's copies between tiers, after the last step (BlockManager.flush_moves):
+        every rank makes them, in the order of a step's."""
+        raise NotImplementedError(f"{type(self).__name__} has no KV tiers")
+
     def disk_inventory(self) -> list[bytes]:
         """The blocks the group's disk tier reopened at start-up, oldest first: those every
         rank holds whole, up to its capacity (worker/exec/disk_tier.py); none without one."""
@@ -247,9 +252,16 @@ class LocalExecutor(Executor):
     def disk_inventory(self) -> list[bytes]:
         return self.worker.disk_inventory()
 
+    def flush_moves(self, moves: KVMoves) -> None:
+        if self.overlap is not None:  # (no forward may run on: the last step has been)
+            self.overlap.close()
+            self.overlap = None
+        self.worker.move(moves)
+
     def shutdown(self) -> None:
         if self.overlap is not None:
             self.overlap.close()
+            self.overlap = None
         if self.worker.disk_tier is not None:
             self.worker.disk_tier.close()
 

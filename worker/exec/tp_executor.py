@@ -121,6 +121,12 @@ class TPExecutor(Executor):
         ok = self._collective(self.worker.import_rows, early, rows, shard)
         return bool(self._collective(self.channel.all_reduce_min, int(ok)))
 
+    def flush_moves(self, moves: KVMoves) -> None:
+        """Every rank makes the shutdown's copies (as a step's, sent ahead of no step)."""
+        self._collective(self.channel.send, encode_moves(moves))
+        self._last_sent = time.monotonic()
+        self.worker.move(moves)
+
     def disk_inventory(self) -> list[bytes]:
         return self._reopened
 
