@@ -116,8 +116,8 @@ class TimedSampler:
     def __init__(self, sampler, timed: TimedForward) -> None:
         self.sampler, self.timed = sampler, timed
 
-    def __call__(self, logits, rows, kinds=None):
-        result = self.sampler(logits, rows, kinds)
+    def __call__(self, logits, rows, kinds=None, masks=None):
+        result = self.sampler(logits, rows, kinds, masks)
         self.timed.sampled()
         return result
 
