@@ -9,6 +9,7 @@ in-flight request on SIGTERM before it exits cleanly.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import signal
@@ -17,6 +18,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -53,6 +55,32 @@ def start_serve(log: Path, *args: str) -> subprocess.Popen:
         return subprocess.Popen(
             [sys.executable, "-m", "pagefleet", "serve", *args], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT
         )
+
+
+@contextlib.contextmanager
+def serving_tenants(tmp: Path, tenants_yaml: str, keys: str, key: str, *args: str) -> Iterator[tuple[int, int, Path]]:
+    """`pagefleet serve` on the built-in model with a `tenants:` config and an API key file,
+    ready for `key`: (gRPC port, HTTP port, its log); killed at the end."""
+    (tmp / "serve.yaml").write_text(tenants_yaml)
+    (tmp / "keys").write_text(keys)
+    port, http_port = free_port(), free_port()
+    log = tmp / "serve.log"
+    proc = start_serve(
+        log,
+        *("--model", "builtin", "--config", str(tmp / "serve.yaml"), "--api-key-file", str(tmp / "keys")),
+        *("--port", str(port), "--http-port", str(http_port), "--no-metrics", *args),
+    )
+    try:
+        probe = Client(f"127.0.0.1:{port}", timeout=60, api_key=key)
+        try:
+            probe.wait_ready(timeout=READY_WITHIN_S)
+        finally:
+            probe.close()
+        yield port, http_port, log
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
 
 
 @pytest.fixture(scope="module")

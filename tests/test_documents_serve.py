@@ -15,7 +15,7 @@ import grpc
 import httpx
 import openai
 import pytest
-from test_cli_serve import READY_WITHIN_S, free_port, start_serve
+from test_cli_serve import serving_tenants
 
 from pagefleet.client import Client
 from protos.pagefleet.v1 import pagefleet_pb2 as pb
@@ -35,27 +35,19 @@ CONTROL = " ".join(f"the ship log of day {i} reads calm seas and {i * 3} knots;"
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("documents")
-    (tmp / "serve.yaml").write_text(TENANTS_YAML)
-    (tmp / "keys").write_text("acme k-acme\nrival k-rival\n")
-    port, http_port = free_port(), free_port()
-    log = tmp / "serve.log"
-    proc = start_serve(
-        log,
-        *("--model", "builtin", "--config", str(tmp / "serve.yaml"), "--api-key-file", str(tmp / "keys")),
-        *("--port", str(port), "--http-port", str(http_port), "--no-metrics"),
-        *("--num-blocks", "64", "--block-size", str(BS), "--max-model-len", "512"),
-    )
-    try:
-        probe = Client(f"127.0.0.1:{port}", timeout=60, api_key="k-acme")
-        try:
-            probe.wait_ready(timeout=READY_WITHIN_S)
-        finally:
-            probe.close()
-        yield port, http_port, log
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(30)
+    with serving_tenants(
+        tmp,
+        TENANTS_YAML,
+        "acme k-acme\nrival k-rival\n",
+        "k-acme",
+        "--num-blocks",
+        "64",
+        "--block-size",
+        str(BS),
+        "--max-model-len",
+        "512",
+    ) as served:
+        yield served
 
 
 def http(http_port: int, key: str) -> httpx.Client:

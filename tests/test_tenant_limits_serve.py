@@ -14,7 +14,7 @@ import time
 import grpc
 import openai
 import pytest
-from test_cli_serve import READY_WITHIN_S, free_port, pagefleet, start_serve
+from test_cli_serve import free_port, pagefleet, serving_tenants
 
 from pagefleet.client import Client
 
@@ -28,26 +28,8 @@ tenants:
 @pytest.fixture(scope="module")
 def limited(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("tenants")
-    (tmp / "serve.yaml").write_text(TENANTS_YAML)
-    (tmp / "keys").write_text("trial k-trial\nacme k-acme\n")
-    port, http_port = free_port(), free_port()
-    log = tmp / "serve.log"
-    proc = start_serve(
-        log,
-        *("--model", "builtin", "--config", str(tmp / "serve.yaml"), "--api-key-file", str(tmp / "keys")),
-        *("--port", str(port), "--http-port", str(http_port), "--no-metrics"),
-    )
-    try:
-        probe = Client(f"127.0.0.1:{port}", timeout=60, api_key="k-acme")
-        try:
-            probe.wait_ready(timeout=READY_WITHIN_S)
-        finally:
-            probe.close()
-        yield port, http_port, log
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(30)
+    with serving_tenants(tmp, TENANTS_YAML, "trial k-trial\nacme k-acme\n", "k-acme") as served:
+        yield served
 
 
 def http_client(http_port: int, key: str) -> openai.OpenAI:
