@@ -132,9 +132,16 @@ def restart_case(model: str, docs, question, blocks: int, block_bytes: int, repe
     }
 
 
-def restore_copy(model: str, blocks: int, doc_blocks: int, bb: int) -> tuple[float, int]:
-    """Seconds of one HostTier.apply restoring `doc_blocks` blocks, and a block's bytes."""
-    llm = LLM(model, block_size=16, num_blocks=blocks, max_model_len=blocks * 16, kv_host_bytes=doc_blocks * bb)
+def restore_copy(model: str, blocks: int, doc_blocks: int, bb: int, block_size: int = 16) -> tuple[float, int]:
+    """Seconds of one HostTier.apply restoring `doc_blocks` blocks (the median of 5), and a
+    block's bytes; `bb`: at least a block's bytes (sizes the host tier)."""
+    llm = LLM(
+        model,
+        block_size=block_size,
+        num_blocks=blocks,
+        max_model_len=blocks * block_size,
+        kv_host_bytes=doc_blocks * bb,
+    )
     tier = llm.engine.executor.worker.host_tier
     moves = KVMoves(loads=[(i, i) for i in range(doc_blocks)])
     tier.apply(moves)  # warm

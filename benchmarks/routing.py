@@ -368,19 +368,10 @@ def calibrate(block_size: int = 16) -> CostModel:
 def load_block_seconds(block_size: int = 16, blocks: int = 128) -> float:
     """Seconds to restore one block from the host tier into the pool: the median of timed
     copies of `blocks` blocks (the copy a step with loads makes, worker/exec/host_tier.py)."""
-    from pagefleet.llm import LLM
-    from worker.step import KVMoves
+    from benchmarks.kv_tiers import restore_copy
 
-    llm = LLM("builtin", block_size=block_size, num_blocks=2 * blocks, kv_host_bytes=1 << 28)
-    tier = llm.engine.executor.worker.host_tier
-    moves = KVMoves(loads=[(i, i) for i in range(blocks)])
-    tier.apply(moves)  # warm
-    times = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        tier.apply(moves)
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[2] / blocks
+    seconds, _ = restore_copy("builtin", 2 * blocks, blocks, (1 << 28) // blocks, block_size=block_size)
+    return seconds / blocks
 
 
 def main(argv: list[str] | None = None) -> None:
