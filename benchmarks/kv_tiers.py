@@ -19,6 +19,15 @@ tier, and the same-run ratios against `recompute` and `device`; then a line with
 copy alone (`HostTier.apply` over the document's blocks) per block against the recompute per
 block; then `write_back`: output tokens/s of a workload with no reuse on a pool it overflows,
 with and without a host tier (each eviction is then a save), and their ratio.
+
+    python -m benchmarks.kv_tiers --model default --cases revisits
+
+`revisits` is the library workload instead: documents totalling 4x the device pool, each
+visited in several rounds by a burst of questions sent together, every other document read in
+between (so each revisit finds its document evicted from the pool). Three engines on the same
+trace: no tier, a host tier of 4x the pool, and a host tier of 1x over a disk tier of 8x. One
+line per engine: prompt tokens computed, tokens restored per tier, TTFT p50/p99, output
+tokens/s; the tiered lines carry their ratios against the untiered one.
 """
 
 from __future__ import annotations
@@ -177,6 +186,77 @@ def write_back(model: str, blocks: int, block_bytes: int, prompt_tokens: int, n:
     }
 
 
+def revisits(model: str | None, doc_tokens: int, vocab: int, block_bytes: int, seed: int = 0) -> list[dict]:
+    """The library workload of the module docstring; one line per tier configuration."""
+    n_docs, rounds, burst = 8, 5, 3
+    docs = documents(n_docs, doc_tokens, vocab, seed=seed)
+    doc_blocks = doc_tokens // 16
+    pool = n_docs * doc_blocks // 4 + burst + 1  # the documents are 4x the pool (+ a burst's questions)
+    rng = random.Random(seed)
+    order = []
+    for _ in range(rounds):  # each round visits every document once, in a new order
+        visit = list(range(n_docs))
+        rng.shuffle(visit)
+        if order and visit[0] == order[-1]:  # never the same document twice in a row
+            visit.append(visit.pop(0))
+        order += visit
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    configs = {
+        "none": {},
+        "host": {"kv_host_bytes": 4 * pool * block_bytes},
+    }
+    tmp = tempfile.TemporaryDirectory()
+    configs["host_disk"] = {
+        "kv_host_bytes": pool * block_bytes,
+        "kv_disk_bytes": 8 * pool * block_bytes,
+        "kv_disk_dir": tmp.name,
+    }
+    lines, outputs = [], {}
+    for name, extra in configs.items():
+        llm = LLM(model, block_size=16, num_blocks=pool, max_model_len=doc_tokens + 64, watermark=0.0, **extra)
+        llm.generate([[5, 6, 7]], params)  # warm
+        ttfts, computed, tokens, outs = [], 0, 0, []
+        t0 = time.perf_counter()
+        for visit, d in enumerate(order):
+            prompts = [docs[d] + [11 + q, 12 + visit % 50] for q in range(burst)]
+            for o in llm.generate(prompts, params):
+                m = o.metrics
+                ttfts.append(m.first_token_time - m.arrival_time)
+                computed += len(o.prompt_token_ids) - o.num_cached_tokens
+                tokens += len(o.outputs[0].token_ids)
+                outs.append(tuple(o.outputs[0].token_ids))
+        wall = time.perf_counter() - t0
+        stats = llm.engine.stats()
+        llm.engine.executor.shutdown()
+        ttfts.sort()
+        outputs[name] = outs
+        lines.append(
+            {
+                "case": "revisits",
+                "tiers": name,
+                "documents": n_docs,
+                "doc_tokens": doc_tokens,
+                "docs_over_pool": round(n_docs * doc_blocks / pool, 2),
+                "requests": len(ttfts),
+                "prompt_tokens_computed": computed,
+                "restored_tokens_host": stats["kv_host_hits"],
+                "restored_tokens_disk": stats["kv_disk_hits"],
+                "ttft_p50_s": round(ttfts[len(ttfts) // 2], 4),
+                "ttft_p99_s": round(ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))], 4),
+                "output_tok_s": round(tokens / wall, 1),
+            }
+        )
+    tmp.cleanup()
+    base = lines[0]
+    for line in lines:
+        line["same_output_as_none"] = outputs[line["tiers"]] == outputs["none"]
+        if line is not base:
+            line["computed_fall"] = round(1 - line["prompt_tokens_computed"] / base["prompt_tokens_computed"], 4)
+            line["ttft_p50_speedup"] = round(base["ttft_p50_s"] / line["ttft_p50_s"], 2)
+            line["output_tok_s_ratio"] = round(line["output_tok_s"] / base["output_tok_s"], 3)
+    return lines
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", default="builtin", help="builtin, default, or a model directory")
@@ -186,9 +266,17 @@ def main(argv: list[str] | None = None) -> None:
         "--cases",
         default="recompute,host,disk,device,restart",
         help="the TTFT cases to run (recompute and device always: the peers); restore_copy and "
-        "write_back run with all of them",
+        "write_back run with all of them; `revisits` alone runs the library workload",
     )
     args = p.parse_args(argv)
+    if args.cases == "revisits":
+        model = None if args.model == "default" else args.model
+        probe = LLM(model, block_size=16, num_blocks=8, max_model_len=64)
+        bb, vocab = probe.engine.stats()["kv_bytes_per_token"] * 16, probe.engine.model_config.vocab_size
+        del probe
+        for line in revisits(model, args.doc_tokens, vocab, bb):
+            print(json.dumps(line), flush=True)
+        return
     cases = ["recompute", *(c for c in ("host", "disk") if c in args.cases), "device"]
     model = None if args.model == "default" else args.model
     probe = LLM(model, block_size=16, num_blocks=8, max_model_len=64)
