@@ -181,10 +181,7 @@ def engine_config(config: ServeConfig, secret: str, **extra) -> EngineConfig:
     """The groups' engine config: the configured options, the cluster secret and the tenants'
     weights in the fair share (SchedulerConfig.tenant_weights) and KV quotas
     (CacheConfig.tenant_kv_quotas)."""
-    weights = {"tenant_weights": config.tenants.weights} if config.tenants.limits else {}
-    if quotas := config.tenants.kv_quotas:
-        weights["tenant_kv_quotas"] = quotas
-    return config.engine.engine_config(cluster_secret=secret, **weights, **extra)
+    return config.engine.engine_config(cluster_secret=secret, **config.tenants.engine_options(), **extra)
 
 
 def make_policy_for(config: ServeConfig, probe: EngineConfig) -> Policy:
