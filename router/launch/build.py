@@ -172,6 +172,8 @@ def _assemble(config, groups, index, ray_groups, policy, hasher, tokenizer, info
     reader = metrics.timed_index(index.reader)
     router = Router(groups, reader, hasher, info, tokenizer=tokenizer, policy=policy)
     router.documents.max_documents = config.tenants.max_documents
+    if config.cluster.redis is not None:  # every router replica knows every document
+        router.documents.share(redis.Redis.from_url(config.cluster.redis), config.cluster.name)
     metrics.watch_groups(router.cluster_status)
     metrics.watch_index(reader)
     return Cluster(router, groups, index, metrics, make_limiter(config), ray_groups)
