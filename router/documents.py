@@ -411,6 +411,22 @@ class Documents:
                     out.append(Location(gid, tier, 0, more))
         return out
 
+    def by_tenant(self) -> dict[str, tuple[int, int]]:
+        """Tenant -> (its live documents this router knows, the blocks its groups hold pinned
+        for them): the per-tenant document metrics."""
+        pinned: dict[str, int] = {}
+        for g in list(self.router.groups.values()):
+            s = g.status()
+            if s.alive:
+                for document_id, blocks in s.pinned.items():
+                    pinned[document_id] = pinned.get(document_id, 0) + blocks
+        out: dict[str, tuple[int, int]] = {}
+        for doc in list(self.docs.values()):
+            if not doc.expired():
+                n, blocks = out.get(doc.tenant, (0, 0))
+                out[doc.tenant] = (n + 1, blocks + pinned.get(doc.document_id, 0))
+        return out
+
     # ---- keeping pins ------------------------------------------------------------------
     def _start_reconciler(self) -> None:
         if self._reconciler is None or self._reconciler.done():

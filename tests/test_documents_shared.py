@@ -2,7 +2,8 @@
 same groups (real LocalGroups, the built-in model): a document put through replica a is
 visible, hit and deletable through replica b; both report its expiry at the same moment;
 `max_documents` counts a tenant's documents across both; a document deleted through b is
-neither visible through a nor pinned again by a's reconciler."""
+neither visible through a nor pinned again by a's reconciler. A replica's metrics count each
+tenant's documents and the blocks pinned for them."""
 
 from __future__ import annotations
 
@@ -11,12 +12,14 @@ import uuid
 
 import pytest
 import redis
+from prometheus_client import generate_latest
 from test_documents_repin import DOC, OTHER, until
 
 import router.documents as documents
 from cluster.index import InMemoryPrefixIndex
 from cluster.local_group import LocalGroup
 from pagefleet.llm import engine_config
+from router.door.metrics import ServerMetrics
 from router.router import ModelInfo, Router, RouteRequest
 from worker.sampling_params import SamplingParams
 from worker.token_ids import check_token_ids
@@ -57,6 +60,14 @@ def test_two_replicas_share_documents_through_redis(redis_server, fast_reconcile
         for r in (a, b):
             with pytest.raises(documents.DocumentLimitError, match="max_documents: tenant 'acme' holds 2"):
                 await r.documents.put(check_token_ids(OTHER, 1024)[1], "acme", "acme", ttl_s=300)
+        # per-tenant document metrics on a replica: its documents and the blocks pinned for them
+        metrics = ServerMetrics("builtin", 256)
+        metrics.tenants = frozenset({"acme"})
+        metrics.watch_documents(b.documents.by_tenant)
+        assert await until(lambda: b.documents.holders(short) == {"g0": 2}, 10)
+        text = generate_latest(metrics.registry).decode()
+        assert 'pagefleet:tenant_documents{model_name="builtin",tenant="acme"} 2.0' in text
+        assert 'pagefleet:tenant_pinned_blocks{model_name="builtin",tenant="acme"} 6.0' in text
 
         # its TTL passes at one moment for both replicas; its slot is free again on both
         a_view = a.documents.get(short.document_id, "acme")

@@ -176,6 +176,7 @@ def _assemble(config, groups, index, ray_groups, policy, hasher, tokenizer, info
         router.documents.share(redis.Redis.from_url(config.cluster.redis), config.cluster.name)
     metrics.watch_groups(router.cluster_status)
     metrics.watch_index(reader)
+    metrics.watch_documents(router.documents.by_tenant)
     return Cluster(router, groups, index, metrics, make_limiter(config), ray_groups)
 
 
