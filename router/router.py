@@ -60,6 +60,12 @@ MAX_RECORDS = 10_000  # route records kept (Router.records): those of the newest
 # blocks' recompute does not repay.
 PULL_MIN_BLOCKS = 8
 PULL_TIMEOUT_S = 5.0  # a pull not done by then is given up: the group recomputes the prefix
+# A stream on a group that starts draining moves to another live group with its KV: the new
+# group pulls the full committed blocks of the prompt and the tokens generated so far from the
+# draining group (alive until its streams are gone), then resumes, recomputing only the tail
+# (a failed pull recomputes it all, with the same tokens). Routers look at a streaming group's
+# drain flag at most this often.
+DRAIN_CHECK_S = 0.05
 # A cold prefix is computed once: a request placed on a group that lacks a prefix (by at least
 # COLD_MIN_BLOCKS blocks) which another live group has pending and not committed (a burst of
 # questions on a new document, spilled by the load bound while the first group computes it)
@@ -271,6 +277,8 @@ class Router:
         # (group, last hash of the prefix) -> the shared wait-and-pull of a cold prefix
         self._cold: dict[tuple[str, bytes], _ColdPull] = {}
         self.cold_wait_s = COLD_WAIT_S  # 0: a spilled cold prefix is recomputed (no wait)
+        self.move_drained = True  # streams on a draining group move with their KV (DRAIN_CHECK_S)
+        self.move_pull = True  # False: a moved stream recomputes its KV (a benchmark's peer)
         self.documents = Documents(self)  # documents pinned through this router (router/documents.py)
 
     def set_groups(self, groups: Sequence[GroupHandle]) -> None:
@@ -422,13 +430,17 @@ class Router:
         rid = request.request_id or f"rt-{next(self._ids)}"
         hashes = self.hash_cache.hash_prompt(ids, cache_salt=request.cache_salt)
         state = _Stream(request.resume)  # what reached the caller, for a resume
+        moved: tuple[Placement, int, float] | None = None  # where a drained stream goes, pulled
         while True:
             t0 = time.perf_counter()
-            placement = await self._place_for(hashes, state)
-            decided = time.perf_counter() - t0
-            pulled = 0
-            if placement.pull_from is not None:
-                placement, pulled = await self._pull(placement, hashes)
+            if moved is not None:
+                (placement, pulled, decided), moved = moved, None
+            else:
+                placement = await self._place_for(hashes, state)
+                decided = time.perf_counter() - t0
+                pulled = 0
+                if placement.pull_from is not None:
+                    placement, pulled = await self._pull(placement, hashes)
             predicted = placement.cached_tokens(len(ids), self.model_info.block_size)
             if state.record is None:  # one record per request, updated when it moves
                 state.record = RouteRecord(
@@ -457,18 +469,36 @@ class Router:
             hits = record.predicted_cached_tokens
             sent = len(ids) - hits
             self.ledger.add_in_flight(placement.group_id, sent, hits)
-            started = False
+            started, checked = False, time.monotonic()
             try:
-                async for out in group.generate(forwarded):
-                    if not started:
-                        started = True
-                        self.ledger.add_in_flight(placement.group_id, -sent, -hits)
-                        if not state.resumes:
-                            record.actual_cached_tokens = out.num_cached_tokens
-                        yield state.passed(out), record
-                    else:
-                        yield state.passed(out), None
-                return
+                async with contextlib.aclosing(group.generate(forwarded)) as outs:
+                    async for out in outs:
+                        if not started:
+                            started = True
+                            self.ledger.add_in_flight(placement.group_id, -sent, -hits)
+                            if not state.resumes:
+                                record.actual_cached_tokens = out.num_cached_tokens
+                            yield state.passed(out), record
+                        else:
+                            yield state.passed(out), None
+                        if out.finished or not self.move_drained or time.monotonic() - checked < DRAIN_CHECK_S:
+                            continue
+                        checked = time.monotonic()
+                        if state.resumes < MAX_RESUMES and group.status().draining:
+                            moved = await self._move(group, ids, hashes, request.cache_salt, state)
+                            if moved is not None:  # (closing the stream aborts it on the old group)
+                                break
+                if moved is None:
+                    return
+                state.resumes += 1
+                log.info(
+                    "group %s drains: %s moved to %s after %d tokens, %d blocks pulled",
+                    placement.group_id,
+                    rid,
+                    moved[0].group_id,
+                    len(state.tokens),
+                    moved[1],
+                )
             except QueueFullError:  # try the next-best group before refusing
                 state.tried.add(group)
                 state.full.add(group)
@@ -499,6 +529,43 @@ class Router:
                 if not started:
                     self.ledger.add_in_flight(placement.group_id, -sent, -hits)
                 self._trim_records()
+
+    async def _move(
+        self,
+        group: GroupHandle,
+        ids: Sequence[int],
+        hashes: Sequence[bytes],
+        cache_salt: str | None,
+        state: _Stream,
+    ) -> tuple[Placement, int, float] | None:
+        """Where a stream on the draining `group` goes: a placement among the live groups it has
+        not tried, whose group has pulled from `group` the full committed blocks of the prompt
+        and the tokens generated so far (`move_pull`; a failed pull brings 0: the new group
+        recomputes), with the pulled blocks and the decision's seconds. None when no other
+        group is live: the stream finishes where it is. Called before the old stream is
+        closed, so the draining group still holds the blocks (a drain waits for its streams)."""
+        t0 = time.perf_counter()
+        state.tried.add(group)
+        try:
+            placement = self.place(hashes, exclude={gid for gid, g in self.groups.items() if g in state.tried})
+        except NoGroupAvailableError:
+            state.tried.discard(group)
+            return None
+        decided = time.perf_counter() - t0
+        placement = replace(placement, pull_from=None, pull_blocks=0, pull_wait=False)
+        chain = self.hasher.hash_prompt(list(ids) + state.tokens, cache_salt=cache_salt)
+        pulled = 0
+        if self.move_pull and chain:
+            pulled = await self.groups[placement.group_id].pull_from(group, chain, PULL_TIMEOUT_S)
+        if pulled:
+            prompt_blocks = min(len(hashes), pulled)
+            placement = replace(
+                placement,
+                pull_from=group.group_id,
+                pull_blocks=pulled,
+                cached_blocks=max(placement.cached_blocks, prompt_blocks),
+            )
+        return placement, pulled, decided
 
     async def _pull(self, placement: Placement, hashes: Sequence[bytes]) -> tuple[Placement, int]:
         """Have the chosen group pull the prefix from `placement.pull_from` before the request
