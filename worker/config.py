@@ -36,9 +36,15 @@ class SchedulerConfig:
     # tenant -> its weight in the fair share of the group's tokens (worker/engine/fair_queue.py);
     # a tenant not named weighs 1
     tenant_weights: Mapping[str, float] = field(default_factory=dict, hash=False)
+    # while several tenants have requests, the prompt tokens one step computes for tenants over
+    # their weighted share of the running requests (fewer by the others' prompt tokens in it):
+    # bounds how long a heavy tenant's prefill step delays another's new request; None: no bound
+    over_share_prefill_tokens: int | None = None
 
     def __post_init__(self) -> None:
         _positive(self, "max_num_batched_tokens", "max_num_seqs", "max_model_len", "max_waiting")
+        if self.over_share_prefill_tokens is not None and self.over_share_prefill_tokens < 0:
+            raise ValueError(f"over_share_prefill_tokens must be >= 0, got {self.over_share_prefill_tokens}")
         for tenant, weight in self.tenant_weights.items():
             if not isinstance(weight, int | float) or not weight > 0:
                 raise ValueError(f"tenant_weights[{tenant!r}] must be a number > 0, got {weight!r}")
