@@ -29,6 +29,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from cluster.cost_model import CostModel
 from cluster.group import GroupHandle, GroupStatus
 from cluster.index import GroupMatch, IndexReader, PrefixIndexError, touched_ids
 from router.documents import Documents
@@ -54,11 +55,12 @@ STATUS_REFRESH_S = 1.0  # every group's status is read at least this often (see 
 MAX_RESUMES = 3  # a stream moves to another group at most this often
 RESUME_WAIT_S = 30.0  # a stream to resume waits this long for a live group (a replacement)
 MAX_RECORDS = 10_000  # route records kept (Router.records): those of the newest requests
-# A group chosen for a prompt pulls the prefix from another live group that holds at least this
-# many more of its leading blocks (128 tokens at 16 a block): a pull costs a few Ray round trips
-# and a copy of the blocks (benchmarks/RESULTS.md, "KV pull between groups"), which fewer
-# blocks' recompute does not repay.
-PULL_MIN_BLOCKS = 8
+# A group chosen for a prompt pulls the prefix from another live group that holds more of its
+# leading blocks when the cost model says the pull is sooner than their recompute: the link's
+# latency plus the blocks' bytes over its bandwidth (within a node or across nodes, calibrated by
+# benchmarks/routing.py --calibrate) against their prefill (`pull_source`, `pull_pays`). No
+# fixed floor: the latency is the pull's fixed cost (its Ray round trips and the two engines'
+# steps it waits for), measured with the rest.
 PULL_TIMEOUT_S = 5.0  # a pull not done by then is given up: the group recomputes the prefix
 # A stream on a group that starts draining moves to another live group with its KV: the new
 # group pulls the full committed blocks of the prompt and the tokens generated so far from the
@@ -70,8 +72,10 @@ DRAIN_CHECK_S = 0.05
 # COLD_MIN_BLOCKS blocks) which another live group has pending and not committed (a burst of
 # questions on a new document, spilled by the load bound while the first group computes it)
 # waits for that group to commit the prefix and pulls it, rather than computing a second copy
-# (`cold_source`). The wait is bounded: after COLD_WAIT_S it pulls what is committed by then
-# (if at least PULL_MIN_BLOCKS) and the group recomputes the rest. Its requests for the same
+# (`cold_source`) when the cost model says waiting is sooner: the holder's queued prefill (its
+# pending work, the prefix among it) and the pull, against recomputing the prefix. The wait is
+# bounded: after COLD_WAIT_S it pulls what is committed by then (if the pull pays) and the
+# group recomputes the rest. Its requests for the same
 # prefix share one wait and one pull (per router: two routers may each pull once). The bound
 # is above a document's prefill on CPU (a 2,000-token document: ~0.5 s built-in, ~18 s the
 # default model on two cores, benchmarks/RESULTS.md, "KV pull between groups"), which the
@@ -264,6 +268,8 @@ class Router:
                 f"the policy counts blocks of {policy.block_size} tokens; the model's are {model_info.block_size}"
             )
         self.policy = policy
+        # the calibrated costs a pull is weighed with: the policy's (prefix_aware's), else the defaults
+        self.cost: CostModel = getattr(getattr(policy, "config", None), "cost", None) or CostModel()
         self.max_attempts = max_attempts
         # Recent decisions, for predicted vs actual and a stream's group: the newest
         # `max_records`, so that what a long-running router keeps per request is bounded.
@@ -394,10 +400,11 @@ class Router:
         placement = self.policy.choose(block_hashes, statuses, matches, self.ledger.placed)
         self.ledger.record(placement, block_hashes, len(statuses))
         placement = self.joined_pull(placement, block_hashes)
+        bs = self.model_info.block_size
         if placement.pull_from is None:
-            placement = pull_source(placement, matches, statuses)
+            placement = pull_source(placement, matches, statuses, self.cost, bs)
         if placement.pull_from is None and self.cold_wait_s > 0:
-            placement = cold_source(placement, matches, statuses)
+            placement = cold_source(placement, matches, statuses, self.cost, bs)
         return placement
 
     def joined_pull(self, placement: Placement, block_hashes: Sequence[bytes]) -> Placement:
@@ -606,8 +613,8 @@ class Router:
 
     async def _wait_and_pull(self, group: GroupHandle, holder: GroupHandle, chain: Sequence[bytes]) -> int:
         """Wait (up to `cold_wait_s`, COLD_WAIT_S) until `holder` has committed `chain`, then pull
-        it; what is committed by the deadline is pulled if at least PULL_MIN_BLOCKS, else nothing
-        (0). A holder that dies or drains meanwhile ends the wait at once: nothing (0)."""
+        it; what is committed by the deadline is pulled if the pull pays (`pull_pays`), else
+        nothing (0). A holder that dies or drains meanwhile ends the wait at once: nothing (0)."""
         deadline, committed = time.monotonic() + self.cold_wait_s, 0
         while True:
             try:
@@ -622,7 +629,9 @@ class Router:
                 committed = 0
                 break
             await asyncio.sleep(COLD_POLL_S)
-        if committed < PULL_MIN_BLOCKS:
+        statuses = self.live_statuses()
+        near = same_node(statuses.get(group.group_id), statuses.get(holder.group_id))
+        if not pull_pays(committed, self.cost, self.model_info.block_size, near):
             log.info("group %s did not commit a prefix in %.1f s: recomputing it", holder.group_id, self.cold_wait_s)
             return 0
         return await group.pull_from(holder, chain[:committed], PULL_TIMEOUT_S)
@@ -663,24 +672,67 @@ class Router:
             del records[next(iter(records))]
 
 
-def pull_source(placement: Placement, matches: Mapping[str, GroupMatch], statuses: Collection[str]) -> Placement:
-    """The placement with the live group to pull the prefix from: the one whose committed
-    leading blocks exceed the chosen group's by the most, at least PULL_MIN_BLOCKS (the index's
-    match tells who holds how many); unchanged when none does."""
+def node_of(status: GroupStatus | None) -> str:
+    """The node a group runs on: what follows '@' in its first device (Ray groups name it, e.g.
+    "cpu@<node id>"); "" when it does not say (a group of this process)."""
+    if status is None or not status.devices:
+        return ""
+    return status.devices[0].rpartition("@")[2] if "@" in status.devices[0] else ""
+
+
+def same_node(a: GroupStatus | None, b: GroupStatus | None) -> bool:
+    """Whether a pull between the two groups stays on one node (both say nothing: one process)."""
+    return node_of(a) == node_of(b)
+
+
+def pull_pays(blocks: int, cost: CostModel, block_size: int, near: bool = True) -> bool:
+    """Whether pulling `blocks` blocks is sooner than computing them (the cost model's link
+    within a node if `near`, else across nodes)."""
+    return blocks > 0 and cost.pull_seconds(blocks, near) < cost.recompute_seconds(blocks * block_size)
+
+
+def pull_source(
+    placement: Placement,
+    matches: Mapping[str, GroupMatch],
+    statuses: Collection[str] | Mapping[str, GroupStatus],
+    cost: CostModel | None = None,
+    block_size: int = 16,
+) -> Placement:
+    """The placement with the live group to pull the prefix from: of those whose committed
+    leading blocks exceed the chosen group's, the one whose pull saves the most time over
+    recomputing the blocks it adds (the cost model's link to it, `pull_pays`); unchanged when
+    no pull is sooner. `statuses`: the live groups (with their statuses, their nodes)."""
+    cost = cost or CostModel()
     chosen = matches.get(placement.group_id)
-    best, most = None, (chosen.blocks if chosen is not None else 0) + PULL_MIN_BLOCKS - 1
+    own = chosen.blocks if chosen is not None else 0
+    here = statuses.get(placement.group_id) if isinstance(statuses, Mapping) else None
+    best, most, saved = None, 0, 0.0
     for gid in touched_ids(matches):
         m = matches[gid]
-        if m.blocks > most and gid != placement.group_id and gid in statuses:
-            best, most = gid, m.blocks
+        extra = m.blocks - own
+        if extra <= 0 or gid == placement.group_id or gid not in statuses:
+            continue
+        near = same_node(here, statuses[gid]) if isinstance(statuses, Mapping) else True
+        gain = cost.recompute_seconds(extra * block_size) - cost.pull_seconds(extra, near)
+        if gain > saved:
+            best, most, saved = gid, m.blocks, gain
     return placement if best is None else replace(placement, pull_from=best, pull_blocks=most)
 
 
-def cold_source(placement: Placement, matches: Mapping[str, GroupMatch], statuses: Collection[str]) -> Placement:
+def cold_source(
+    placement: Placement,
+    matches: Mapping[str, GroupMatch],
+    statuses: Collection[str] | Mapping[str, GroupStatus],
+    cost: CostModel | None = None,
+    block_size: int = 16,
+) -> Placement:
     """The placement with the live group that has the prefix pending but not committed (it is
     computing it) to wait for and pull from (`pull_wait`): the one whose pending lead exceeds
-    what the chosen group holds or has pending by the most, at least COLD_MIN_BLOCKS;
-    unchanged when none does (see COLD_WAIT_S)."""
+    what the chosen group holds or has pending by the most, at least COLD_MIN_BLOCKS, when
+    waiting for it is sooner than recomputing (`wait_seconds` against the chosen group's queued
+    prefill and the missing blocks', with the copy's charge); unchanged when none is (see COLD_WAIT_S). Both queues are
+    as the router's ledger corrects them (`Router.live_statuses`)."""
+    cost = cost or CostModel()
     chosen = matches.get(placement.group_id)
     own = 0 if chosen is None else max(chosen.tier_blocks, chosen.pending_blocks)
     best, most = None, own + COLD_MIN_BLOCKS - 1
@@ -691,7 +743,24 @@ def cold_source(placement: Placement, matches: Mapping[str, GroupMatch], statuse
             best, most = gid, m.pending_blocks
     if best is None:
         return placement
+    if isinstance(statuses, Mapping):
+        holder, here = statuses[best], statuses.get(placement.group_id)
+        wait = wait_seconds(holder, most, cost, same_node(here, holder))
+        missing = (most - own) * block_size
+        # its own queue first, then the prefix; and the second copy's charge (the placement
+        # formula's recompute term on an idle cluster: the compute and pool space a copy takes)
+        queued, running = (here.pending_prefill_tokens, here.running) if here is not None else (0, 0)
+        recompute = cost.step_seconds(queued + missing, running) + cost.recompute_seconds(missing)
+        if wait >= recompute:
+            return placement
     return replace(placement, pull_from=best, pull_blocks=most, pull_wait=True)
+
+
+def wait_seconds(holder: GroupStatus, blocks: int, cost: CostModel, near: bool = True) -> float:
+    """Seconds until `blocks` blocks a group is computing are pulled from it: its queued
+    prefill (the prefix among it, and what is ahead of it) in one step with its running
+    decodes, then the pull."""
+    return cost.step_seconds(holder.pending_prefill_tokens, holder.running) + cost.pull_seconds(blocks, near)
 
 
 def max_prompt_chars(tokenizer, max_model_len: int) -> int:
