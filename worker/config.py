@@ -71,6 +71,12 @@ class CacheConfig:
     # kv_disk_dir (local NVMe): blocks the host evicts are written there; None: no disk tier
     kv_disk_bytes: int | None = None
     kv_disk_dir: str | None = None
+    # reads from the disk tier off the step's path (a reader thread per rank; a request waits
+    # in a loading state meanwhile, worker/engine/scheduler.py); False: read between two steps
+    kv_disk_async: bool = True
+    # seconds added to each block read from the disk tier: a slower disk (network storage, a
+    # busy device) emulated on a fast one, for tests and benchmarks of loads in flight; 0: none
+    kv_disk_read_delay_s: float = 0.0
     # tenant -> its KV quota on the device pool (worker/engine/block_manager.py): a share of
     # the pool (a float in (0, 1]) or bytes per device (an int > 1); a tenant not named has none
     tenant_kv_quotas: Mapping[str, float | int] = field(default_factory=dict, hash=False)
@@ -83,6 +89,8 @@ class CacheConfig:
             not isinstance(self.kv_host_bytes, int) or isinstance(self.kv_host_bytes, bool) or self.kv_host_bytes < 1
         ):
             raise ValueError(f"kv_host_bytes must be a positive number of bytes, got {self.kv_host_bytes!r}")
+        if not isinstance(self.kv_disk_read_delay_s, int | float) or not self.kv_disk_read_delay_s >= 0:
+            raise ValueError(f"kv_disk_read_delay_s must be >= 0 seconds, got {self.kv_disk_read_delay_s!r}")
         if self.kv_disk_bytes is not None:
             if (
                 not isinstance(self.kv_disk_bytes, int)

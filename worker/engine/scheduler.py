@@ -1,4 +1,13 @@
-"""Continuous batching: which tokens of which requests run in the next forward pass."""
+"""Continuous batching: which tokens of which requests run in the next forward pass.
+
+A request whose prefix is partly on the disk tier waits in a loading state (`loading`) while
+the block manager's load copies the blocks up to the host tier off the step's path
+(worker/engine/block_manager.py): it is neither scheduled nor holding the queue, whose next
+requests are admitted, and running ones keep decoding. At each step's start the loads done on
+every rank are completed, and a loading request whose blocks are all read goes back to the
+head of the queue, to be matched again: its blocks are host hits now (or misses where a read
+failed, recomputed). Aborting a loading request lets its load finish for the host tier.
+"""
 
 from __future__ import annotations
 
@@ -27,6 +36,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.waiting = WaitingQueue(by_priority=config.policy == "priority", weights=config.tenant_weights)
         self.running: list[Request] = []  # in admission order
+        # request id -> (the request, the hashes its loads read), waiting for the disk tier
+        self.loading: dict[str, tuple[Request, frozenset[bytes]]] = {}
         self._finished_ids: list[str] = []
         self.num_preemptions = 0
         self._reserve_blocks = int(config.watermark * block_manager.num_blocks)
@@ -73,6 +84,8 @@ class Scheduler:
             return None
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
+        elif request_id in self.loading:  # (its load goes on: the host keeps what it reads)
+            del self.loading[request_id]
         else:
             self.waiting.remove(request)
         self.bm.free(request)
@@ -97,6 +110,8 @@ class Scheduler:
         out = SchedulerOutput(finished_ids=self._finished_ids)
         self._finished_ids = []
         budget = self.config.max_num_batched_tokens
+        if self.bm.loads_in_flight:
+            self._poll_loads()
         self._seated = self._free_seats(out) if self.waiting.fair else 0
         self._favoured, self._others_left = self._prefill_bound()
         budget = self._schedule_running(out, budget)
@@ -110,6 +125,23 @@ class Scheduler:
                 if not s.is_new:
                     charge(s.request.tenant, s.num_tokens)
         return out
+
+    def _poll_loads(self) -> None:
+        """Complete the disk loads read on every rank (waiting for the oldest when nothing
+        else could run); loading requests whose blocks are all read go back to the head of the
+        queue, in the order they arrived."""
+        idle = not self.running and not self.waiting
+        self.bm.poll_loads(block=idle)
+        loading = self.bm.loading
+        back = [r for r, waits in self.loading.values() if loading.keys().isdisjoint(waits)]
+        for req in sorted(back, key=lambda r: r.arrival_time, reverse=True):
+            del self.loading[req.request_id]
+            self.waiting.push(req, front=True)
+
+    @property
+    def num_loading(self) -> int:
+        """Requests waiting for their blocks from the disk tier."""
+        return len(self.loading)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         """Running requests in admission order, decodes before the others (a recompute or an
@@ -179,6 +211,10 @@ class Scheduler:
             if below is not None and self.waiting.counter(req.tenant) >= below:
                 break
             match = self.bm.match_prefix(req)
+            if match.waits:  # a load from the disk reads its blocks: the next may go first
+                self.waiting.pop()
+                self.loading[req.request_id] = (req, match.waits)
+                continue
             n = self._prefill_room(req.tenant, min(req.num_tokens - match.num_tokens, budget))
             if n == 0:
                 break
