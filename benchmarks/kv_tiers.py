@@ -28,6 +28,12 @@ between (so each revisit finds its document evicted from the pool). Three engine
 trace: no tier, a host tier of 4x the pool, and a host tier of 1x over a disk tier of 8x. One
 line per engine: prompt tokens computed, tokens restored per tier, TTFT p50/p99, output
 tokens/s; the tiered lines carry their ratios against the untiered one.
+
+    python -m benchmarks.kv_tiers --model builtin --cases disk_async
+
+`disk_async`: a request decodes while another's document is read from a slow disk tier, once
+with the reads between steps (sync) and once off the step (async): the decode's step times
+(its longest is the stall a read puts on it) and the loading request's TTFT, with the ratios.
 """
 
 from __future__ import annotations
@@ -257,6 +263,68 @@ def revisits(model: str | None, doc_tokens: int, vocab: int, block_bytes: int, s
     return lines
 
 
+def disk_async(model: str | None, doc_tokens: int, vocab: int, block_bytes: int, delay_s: float = 0.002) -> list[dict]:
+    """A decoding request's TPOT while another request's document is read from the disk tier
+    (each block read `delay_s` slower, a slow disk), with the reads off the step (async) and
+    between steps (sync), the same engine settings otherwise; and the loading request's TTFT."""
+    docs = documents(3, doc_tokens, vocab, seed=7)
+    blocks = doc_tokens // 16 + 8
+    lines = []
+    for mode in ("sync", "async"):
+        tmp = tempfile.TemporaryDirectory()
+        llm = LLM(
+            model,
+            block_size=16,
+            num_blocks=blocks + 32,
+            max_model_len=doc_tokens + 64,
+            watermark=0.0,
+            kv_host_bytes=blocks * block_bytes,  # one document: the next pushes it to the disk
+            kv_disk_bytes=8 * blocks * block_bytes,
+            kv_disk_dir=tmp.name,
+            kv_disk_async=mode == "async",
+            kv_disk_read_delay_s=delay_s,
+        )
+        for d in docs:  # document 0 goes down to the disk
+            llm.generate([d + [3]], GREEDY)
+        engine = llm.engine
+        long = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+        engine.add_request([9, 8, 7, 6, 5], long, request_id="decode")
+        engine.step()
+        times, ttft, t_add = [], None, None
+        n = 0
+        while engine.has_unfinished():
+            if n == 4:
+                t_add = time.perf_counter()
+                engine.add_request(docs[0] + [7, 8, 9], GREEDY, request_id="revisit")
+            n += 1
+            t0 = time.perf_counter()
+            for o in engine.step():
+                if o.request_id == "decode":
+                    times.append(time.perf_counter() - t0)
+                elif ttft is None and o.outputs[0].token_ids:
+                    ttft = time.perf_counter() - t_add
+        stats = engine.stats()
+        engine.executor.shutdown()
+        tmp.cleanup()
+        gaps = sorted(times)
+        lines.append(
+            {
+                "case": "disk_async",
+                "mode": mode,
+                "doc_tokens": doc_tokens,
+                "read_delay_s_per_block": delay_s,
+                "restored_tokens_disk": stats["kv_disk_hits"],
+                "decode_step_ms_p50": round(1e3 * gaps[len(gaps) // 2], 2),
+                "decode_step_ms_max": round(1e3 * gaps[-1], 2),
+                "loading_ttft_s": round(ttft, 4),
+            }
+        )
+    sync, async_ = lines
+    async_["decode_step_max_over_sync"] = round(async_["decode_step_ms_max"] / sync["decode_step_ms_max"], 3)
+    async_["loading_ttft_over_sync"] = round(async_["loading_ttft_s"] / sync["loading_ttft_s"], 3)
+    return lines
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", default="builtin", help="builtin, default, or a model directory")
@@ -269,12 +337,13 @@ def main(argv: list[str] | None = None) -> None:
         "write_back run with all of them; `revisits` alone runs the library workload",
     )
     args = p.parse_args(argv)
-    if args.cases == "revisits":
+    if args.cases in ("revisits", "disk_async"):
         model = None if args.model == "default" else args.model
         probe = LLM(model, block_size=16, num_blocks=8, max_model_len=64)
         bb, vocab = probe.engine.stats()["kv_bytes_per_token"] * 16, probe.engine.model_config.vocab_size
         del probe
-        for line in revisits(model, args.doc_tokens, vocab, bb):
+        run = revisits if args.cases == "revisits" else disk_async
+        for line in run(model, args.doc_tokens, vocab, bb):
             print(json.dumps(line), flush=True)
         return
     cases = ["recompute", *(c for c in ("host", "disk") if c in args.cases), "device"]
