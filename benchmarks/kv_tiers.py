@@ -34,6 +34,11 @@ tokens/s; the tiered lines carry their ratios against the untiered one.
 `disk_async`: a request decodes while another's document is read from a slow disk tier, once
 with the reads between steps (sync) and once off the step (async): the decode's step times
 (its longest is the stall a read puts on it) and the loading request's TTFT, with the ratios.
+
+    python -m benchmarks.kv_tiers --model default --cases restore_bandwidth --device cuda
+
+`restore_bandwidth`: the host tier's restore into the pool against a plain pinned host-to-device
+copy of the same bytes (scripts/gpu_check.sh runs it on a CUDA device).
 """
 
 from __future__ import annotations
@@ -325,6 +330,51 @@ def disk_async(model: str | None, doc_tokens: int, vocab: int, block_bytes: int,
     return lines
 
 
+def restore_bandwidth(model: str | None, device: str, blocks: int = 256) -> dict:
+    """Host -> device restore bandwidth: `HostTier.apply` loading `blocks` blocks (the restore
+    path itself: an indexed read of the host slots, the copy, an indexed write into the pool),
+    against a plain copy of the same bytes from pinned host memory (pageable on a CPU device)
+    to the device, the copy engine's own rate; the median of 5 each."""
+    import torch
+
+    probe = LLM(model, device=device, block_size=16, num_blocks=8, max_model_len=64)
+    bb = probe.engine.stats()["kv_block_bytes"]
+    probe.engine.executor.shutdown()
+    llm = LLM(
+        model, device=device, block_size=16, num_blocks=blocks, max_model_len=blocks * 16, kv_host_bytes=blocks * bb
+    )
+    tier = llm.engine.executor.worker.host_tier
+    moves = KVMoves(loads=[(i, i) for i in range(blocks)])
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+
+    def timed(fn) -> float:
+        fn()
+        sync()
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    restore_s = timed(lambda: tier.apply(moves))
+    nbytes = blocks * tier.block_bytes
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.startswith("cuda"))
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    memcpy_s = timed(lambda: dst.copy_(src, non_blocking=True))
+    llm.engine.executor.shutdown()
+    return {
+        "case": "restore_bandwidth",
+        "device": device,
+        "blocks": blocks,
+        "block_bytes": tier.block_bytes,
+        "restore_gb_s": round(nbytes / restore_s / 1e9, 2),
+        "memcpy_gb_s": round(nbytes / memcpy_s / 1e9, 2),
+        "restore_over_memcpy": round(memcpy_s / restore_s, 3),
+    }
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", default="builtin", help="builtin, default, or a model directory")
@@ -336,7 +386,11 @@ def main(argv: list[str] | None = None) -> None:
         help="the TTFT cases to run (recompute and device always: the peers); restore_copy and "
         "write_back run with all of them; `revisits` alone runs the library workload",
     )
+    p.add_argument("--device", default="cpu", help="with --cases restore_bandwidth: cpu or cuda")
     args = p.parse_args(argv)
+    if args.cases == "restore_bandwidth":
+        print(json.dumps(restore_bandwidth(None if args.model == "default" else args.model, args.device)), flush=True)
+        return
     if args.cases in ("revisits", "disk_async"):
         model = None if args.model == "default" else args.model
         probe = LLM(model, block_size=16, num_blocks=8, max_model_len=64)
