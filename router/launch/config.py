@@ -156,7 +156,9 @@ class TenantsConfig:
         """The YAML section checked, naming the tenant and the field (router/door/limits.py),
         merged with the weights and limits the API key file gives (`TENANT KEY FIELD=VALUE`,
         router/door/auth.py); a field both give two values is refused, naming both."""
-        if key_file is None:
+        if key_file is None or not Path(key_file).is_file():
+            # (a key file that is not there yet, e.g. a secret mounted in the pod that runs the
+            # configuration, is the door's to refuse when it starts: router/door/auth.py)
             return cls(parse_tenants(section))  # type: ignore[arg-type]
         if section is not None and not isinstance(section, Mapping):
             raise ValueError("tenants must be a mapping of tenant name to its limits")
