@@ -384,28 +384,25 @@ def main(argv: list[str] | None = None) -> None:
         "--cases",
         default="recompute,host,disk,device,restart",
         help="the TTFT cases to run (recompute and device always: the peers); restore_copy and "
-        "write_back run with all of them; `revisits` alone runs the library workload",
+        "write_back run with all of them; `revisits`, `disk_async` or `restore_bandwidth` alone "
+        "runs that case",
     )
     p.add_argument("--device", default="cpu", help="with --cases restore_bandwidth: cpu or cuda")
     args = p.parse_args(argv)
-    if args.cases == "restore_bandwidth":
-        print(json.dumps(restore_bandwidth(None if args.model == "default" else args.model, args.device)), flush=True)
-        return
-    if args.cases in ("revisits", "disk_async"):
-        model = None if args.model == "default" else args.model
-        probe = LLM(model, block_size=16, num_blocks=8, max_model_len=64)
-        bb, vocab = probe.engine.stats()["kv_bytes_per_token"] * 16, probe.engine.model_config.vocab_size
-        del probe
-        run = revisits if args.cases == "revisits" else disk_async
-        for line in run(model, args.doc_tokens, vocab, bb):
-            print(json.dumps(line), flush=True)
-        return
-    cases = ["recompute", *(c for c in ("host", "disk") if c in args.cases), "device"]
     model = None if args.model == "default" else args.model
+    if args.cases == "restore_bandwidth":
+        print(json.dumps(restore_bandwidth(model, args.device)), flush=True)
+        return
     probe = LLM(model, block_size=16, num_blocks=8, max_model_len=64)
     stats, vocab = probe.engine.stats(), probe.engine.model_config.vocab_size
     block_bytes = stats["kv_bytes_per_token"] * 16
     del probe
+    if args.cases in ("revisits", "disk_async"):
+        run = revisits if args.cases == "revisits" else disk_async
+        for line in run(model, args.doc_tokens, vocab, block_bytes):
+            print(json.dumps(line), flush=True)
+        return
+    cases = ["recompute", *(c for c in ("host", "disk") if c in args.cases), "device"]
     doc_blocks = args.doc_tokens // 16
     blocks = doc_blocks + 8  # one document and its question at a time
     docs = documents(3, args.doc_tokens, vocab)
