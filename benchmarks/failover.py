@@ -3,6 +3,7 @@ one of them killed mid-run.
 
     python -m benchmarks.failover              # both cases
     python -m benchmarks.failover --quick      # a smaller trace (smoke)
+    python -m benchmarks.failover --case drain_kv [--model default]   # drain with KV only
 
 The cluster is the one a deployment runs (README, "A cluster"), on a multi-node Ray cluster on
 loopback (ray.cluster_utils: a head and two nodes with one group slot each), a real
@@ -20,6 +21,15 @@ Runs, in order:
   resends the prompt and the tokens so far); the supervisor replaces the group.
 - `router_killed`: the same trace; at `--kill-at` seconds, SIGKILL of the first router. Its
   streams continue through the second one (the client resends what they had delivered).
+
+- `drain_kv` (alone, with `--case drain_kv`): two groups in this process (LocalGroup, the
+  built-in model unless `--model`), `--streams` streams of a `--prompt-len`-token prompt each
+  placed on g0; once each has `--drain-after` tokens g0 drains and the router moves them to g1,
+  once with their KV pulled from g0 (the full committed blocks of prompt and output) and once
+  recomputing it (`Router.move_pull = False`), same run. Per mode: the moved streams' stall
+  (their longest gap between two tokens) p50/p99, the tokens g1 recomputed at the resumes and
+  the blocks it pulled, streams whose tokens differ from an undisturbed run's (goal: 0); and
+  the stall ratio pull / recompute.
 
 One JSON line per run: requests sent / completed / failed (goal: 0 failed); streams whose tokens
 differ from the undisturbed run's, with the tokens repeated and missing against it (goal: 0);
@@ -291,11 +301,147 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kill-at", type=float, default=4.0, help="seconds into the run")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="a smaller trace (smoke)")
+    p.add_argument("--case", choices=("kill", "drain_kv"), default="kill", help="kill: the cluster cases above")
+    p.add_argument("--model", default="builtin", help="drain_kv: the model (pagefleet.models)")
+    p.add_argument("--dtype", default="float32", help="drain_kv: the model's dtype")
+    p.add_argument("--streams", type=int, default=8, help="drain_kv: streams moved")
+    p.add_argument("--prompt-len", type=int, default=1000, help="drain_kv: each stream's prompt tokens")
+    p.add_argument("--max-tokens", type=int, default=96, help="drain_kv: each stream's output tokens")
+    p.add_argument("--drain-after", type=int, default=48, help="drain_kv: tokens each has before the drain")
     return p.parse_args(argv)
+
+
+def _drain_params(i: int, max_tokens: int):
+    """Half the streams greedy, half seeded (temperature 1)."""
+    from worker.sampling_params import SamplingParams
+
+    if i % 2:
+        return SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=i, ignore_eos=True)
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+async def _drain_run(router, g0, g1, prompts: list[list[int]], args: argparse.Namespace) -> list:
+    """Every stream placed on g0; once each has `drain_after` tokens g0 drains (g1 takes new
+    placements): each stream's tokens and its responses' arrival times."""
+    from router.router import RouteRequest
+
+    g1.set_draining(True)  # (until every stream is on g0)
+    ready = asyncio.Event()
+    counts = [0] * len(prompts)
+
+    async def one(i: int) -> tuple[list[int], float, int]:
+        """The stream's tokens, its stall at the move (the gap before its first token from
+        the new group) and how many tokens it had then."""
+        tokens, last, stall, moved_at = [], 0.0, 0.0, 0
+        request = RouteRequest(prompt_token_ids=prompts[i], params=_drain_params(i, args.max_tokens))
+        async for out in router.generate(request):
+            now = time.perf_counter()
+            if not moved_at and router.records[out.request_id].resumes:
+                stall, moved_at = now - last, len(tokens)
+            last, tokens = now, list(out.outputs[0].token_ids)
+            counts[i] = len(tokens)
+            if min(counts) >= args.drain_after and not ready.is_set():
+                ready.set()
+                g1.set_draining(False)
+                g0.set_draining(True)
+        return tokens, stall, moved_at
+
+    return await asyncio.gather(*(one(i) for i in range(len(prompts))))
+
+
+def _drain_mode(config, hasher, info, args: argparse.Namespace, pull: bool, prompts, refs) -> dict:
+    """One mode of the drain-with-KV case on two fresh groups: its JSON line."""
+    from cluster.index import InMemoryPrefixIndex
+    from cluster.local_group import LocalGroup
+    from router.router import Router
+
+    index = InMemoryPrefixIndex()
+    g0, g1 = LocalGroup(config, index, group_id="g0"), LocalGroup(config, index, group_id="g1")
+    try:
+        router = Router([g0, g1], index, hasher, info)
+        router.move_pull = pull
+        before = g1.engine.engine.stats()["tokens_computed"]
+        results = asyncio.run(_drain_run(router, g0, g1, prompts, args))
+        delta = g1.engine.engine.stats()["tokens_computed"] - before
+    finally:
+        g0.shutdown()
+        g1.shutdown()
+    stalls = [stall for _, stall, _ in results]
+    known = sum(args.prompt_len + moved_at for *_, moved_at in results)
+    # g1 computes, per stream, what it recomputes at the resume, then a token per decode step:
+    # the output left after the move, less the resume's own token
+    left = sum(args.max_tokens - moved_at - 1 for *_, moved_at in results)
+    records = list(router.records.values())
+    return {
+        "case": f"drain_kv_{'pull' if pull else 'recompute'}",
+        "model": args.model,
+        "dtype": args.dtype,
+        "streams": len(prompts),
+        "prompt_len": args.prompt_len,
+        "moved": sum(r.resumes for r in records),
+        "blocks_pulled": sum(r.pulled_blocks for r in records),
+        "tokens_known_at_move": known,
+        "tokens_recomputed": delta - left,
+        "stall_ms_p50": pct(stalls, 0.5),
+        "stall_ms_p99": pct(stalls, 0.99),
+        "differing": [i for i, (r, ref) in enumerate(zip(results, refs, strict=True)) if r[0] != ref],
+    }
+
+
+def drain_kv(args: argparse.Namespace) -> list[dict]:
+    """The drain-with-KV case (see the module docstring): one line per mode, then the ratio."""
+    from cluster.local_group import LocalGroup
+    from pagefleet.llm import engine_config
+    from router.launch.local import router_side
+    from worker.protocol import GenerationRequest
+
+    # float32: bfloat16's rounding differs with each batch shape, which alone flips near-ties
+    # between two runs of the same streams (benchmarks/RESULTS.md, "Identical tokens in bfloat16")
+    options = dict(
+        num_blocks=2048,
+        max_model_len=4096,
+        kv_host_bytes=1 << 28,
+        cluster_secret="failover-drain",
+        dtype=args.dtype,
+    )
+    config = engine_config(args.model, **options)
+    hasher, _, info = router_side(config, args.model)
+    prompts = [[(31 * j + 7 * i + 3) % 1000 for j in range(args.prompt_len)] for i in range(args.streams)]
+    reference = LocalGroup(config, group_id="ref")
+
+    async def undisturbed(i: int) -> list[int]:
+        request = GenerationRequest(prompts[i], _drain_params(i, args.max_tokens))
+        return list([o async for o in reference.generate(request)][-1].outputs[0].token_ids)
+
+    async def all_undisturbed() -> list[list[int]]:
+        return await asyncio.gather(*(undisturbed(i) for i in range(args.streams)))
+
+    try:
+        refs = asyncio.run(all_undisturbed())
+    finally:
+        reference.shutdown()
+    lines = []
+    for pull in (True, False):
+        lines.append(_drain_mode(config, hasher, info, args, pull, prompts, refs))
+        print(json.dumps(lines[-1]), flush=True)
+    pulled, recomputed = lines
+    ratio = {
+        "case": "drain_kv_ratio",
+        "model": args.model,
+        "stall_p50_pull_vs_recompute": round(pulled["stall_ms_p50"] / max(1e-9, recomputed["stall_ms_p50"]), 3),
+        "stall_p99_pull_vs_recompute": round(pulled["stall_ms_p99"] / max(1e-9, recomputed["stall_ms_p99"]), 3),
+        "tokens_recomputed_pull_vs_recompute": round(
+            pulled["tokens_recomputed"] / max(1, recomputed["tokens_recomputed"]), 3
+        ),
+    }
+    print(json.dumps(ratio), flush=True)
+    return [*lines, ratio]
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
+    if args.case == "drain_kv":
+        return drain_kv(args)
     workload = ResearchWorkload(
         num_docs=3,
         doc_len=(300, 500),

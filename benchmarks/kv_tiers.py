@@ -19,6 +19,26 @@ tier, and the same-run ratios against `recompute` and `device`; then a line with
 copy alone (`HostTier.apply` over the document's blocks) per block against the recompute per
 block; then `write_back`: output tokens/s of a workload with no reuse on a pool it overflows,
 with and without a host tier (each eviction is then a save), and their ratio.
+
+    python -m benchmarks.kv_tiers --model default --cases revisits
+
+`revisits` is the library workload instead: documents totalling 4x the device pool, each
+visited in several rounds by a burst of questions sent together, every other document read in
+between (so each revisit finds its document evicted from the pool). Three engines on the same
+trace: no tier, a host tier of 4x the pool, and a host tier of 1x over a disk tier of 8x. One
+line per engine: prompt tokens computed, tokens restored per tier, TTFT p50/p99, output
+tokens/s; the tiered lines carry their ratios against the untiered one.
+
+    python -m benchmarks.kv_tiers --model builtin --cases disk_async
+
+`disk_async`: a request decodes while another's document is read from a slow disk tier, once
+with the reads between steps (sync) and once off the step (async): the decode's step times
+(its longest is the stall a read puts on it) and the loading request's TTFT, with the ratios.
+
+    python -m benchmarks.kv_tiers --model default --cases restore_bandwidth --device cuda
+
+`restore_bandwidth`: the host tier's restore into the pool against a plain pinned host-to-device
+copy of the same bytes (scripts/gpu_check.sh runs it on a CUDA device).
 """
 
 from __future__ import annotations
@@ -177,6 +197,184 @@ def write_back(model: str, blocks: int, block_bytes: int, prompt_tokens: int, n:
     }
 
 
+def revisits(model: str | None, doc_tokens: int, vocab: int, block_bytes: int, seed: int = 0) -> list[dict]:
+    """The library workload of the module docstring; one line per tier configuration."""
+    n_docs, rounds, burst = 8, 5, 3
+    docs = documents(n_docs, doc_tokens, vocab, seed=seed)
+    doc_blocks = doc_tokens // 16
+    pool = n_docs * doc_blocks // 4 + burst + 1  # the documents are 4x the pool (+ a burst's questions)
+    rng = random.Random(seed)
+    order = []
+    for _ in range(rounds):  # each round visits every document once, in a new order
+        visit = list(range(n_docs))
+        rng.shuffle(visit)
+        if order and visit[0] == order[-1]:  # never the same document twice in a row
+            visit.append(visit.pop(0))
+        order += visit
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    configs = {
+        "none": {},
+        "host": {"kv_host_bytes": 4 * pool * block_bytes},
+    }
+    tmp = tempfile.TemporaryDirectory()
+    configs["host_disk"] = {
+        "kv_host_bytes": pool * block_bytes,
+        "kv_disk_bytes": 8 * pool * block_bytes,
+        "kv_disk_dir": tmp.name,
+    }
+    lines, outputs = [], {}
+    for name, extra in configs.items():
+        llm = LLM(model, block_size=16, num_blocks=pool, max_model_len=doc_tokens + 64, watermark=0.0, **extra)
+        llm.generate([[5, 6, 7]], params)  # warm
+        ttfts, computed, tokens, outs = [], 0, 0, []
+        t0 = time.perf_counter()
+        for visit, d in enumerate(order):
+            prompts = [docs[d] + [11 + q, 12 + visit % 50] for q in range(burst)]
+            for o in llm.generate(prompts, params):
+                m = o.metrics
+                ttfts.append(m.first_token_time - m.arrival_time)
+                computed += len(o.prompt_token_ids) - o.num_cached_tokens
+                tokens += len(o.outputs[0].token_ids)
+                outs.append(tuple(o.outputs[0].token_ids))
+        wall = time.perf_counter() - t0
+        stats = llm.engine.stats()
+        llm.engine.executor.shutdown()
+        ttfts.sort()
+        outputs[name] = outs
+        lines.append(
+            {
+                "case": "revisits",
+                "tiers": name,
+                "documents": n_docs,
+                "doc_tokens": doc_tokens,
+                "docs_over_pool": round(n_docs * doc_blocks / pool, 2),
+                "requests": len(ttfts),
+                "prompt_tokens_computed": computed,
+                "restored_tokens_host": stats["kv_host_hits"],
+                "restored_tokens_disk": stats["kv_disk_hits"],
+                "ttft_p50_s": round(ttfts[len(ttfts) // 2], 4),
+                "ttft_p99_s": round(ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))], 4),
+                "output_tok_s": round(tokens / wall, 1),
+            }
+        )
+    tmp.cleanup()
+    base = lines[0]
+    for line in lines:
+        line["same_output_as_none"] = outputs[line["tiers"]] == outputs["none"]
+        if line is not base:
+            line["computed_fall"] = round(1 - line["prompt_tokens_computed"] / base["prompt_tokens_computed"], 4)
+            line["ttft_p50_speedup"] = round(base["ttft_p50_s"] / line["ttft_p50_s"], 2)
+            line["output_tok_s_ratio"] = round(line["output_tok_s"] / base["output_tok_s"], 3)
+    return lines
+
+
+def disk_async(model: str | None, doc_tokens: int, vocab: int, block_bytes: int, delay_s: float = 0.002) -> list[dict]:
+    """A decoding request's TPOT while another request's document is read from the disk tier
+    (each block read `delay_s` slower, a slow disk), with the reads off the step (async) and
+    between steps (sync), the same engine settings otherwise; and the loading request's TTFT."""
+    docs = documents(3, doc_tokens, vocab, seed=7)
+    blocks = doc_tokens // 16 + 8
+    lines = []
+    for mode in ("sync", "async"):
+        tmp = tempfile.TemporaryDirectory()
+        llm = LLM(
+            model,
+            block_size=16,
+            num_blocks=blocks + 32,
+            max_model_len=doc_tokens + 64,
+            watermark=0.0,
+            kv_host_bytes=blocks * block_bytes,  # one document: the next pushes it to the disk
+            kv_disk_bytes=8 * blocks * block_bytes,
+            kv_disk_dir=tmp.name,
+            kv_disk_async=mode == "async",
+            kv_disk_read_delay_s=delay_s,
+        )
+        for d in docs:  # document 0 goes down to the disk
+            llm.generate([d + [3]], GREEDY)
+        engine = llm.engine
+        long = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+        engine.add_request([9, 8, 7, 6, 5], long, request_id="decode")
+        engine.step()
+        times, ttft, t_add = [], None, None
+        n = 0
+        while engine.has_unfinished():
+            if n == 4:
+                t_add = time.perf_counter()
+                engine.add_request(docs[0] + [7, 8, 9], GREEDY, request_id="revisit")
+            n += 1
+            t0 = time.perf_counter()
+            for o in engine.step():
+                if o.request_id == "decode":
+                    times.append(time.perf_counter() - t0)
+                elif ttft is None and o.outputs[0].token_ids:
+                    ttft = time.perf_counter() - t_add
+        stats = engine.stats()
+        engine.executor.shutdown()
+        tmp.cleanup()
+        gaps = sorted(times)
+        lines.append(
+            {
+                "case": "disk_async",
+                "mode": mode,
+                "doc_tokens": doc_tokens,
+                "read_delay_s_per_block": delay_s,
+                "restored_tokens_disk": stats["kv_disk_hits"],
+                "decode_step_ms_p50": round(1e3 * gaps[len(gaps) // 2], 2),
+                "decode_step_ms_max": round(1e3 * gaps[-1], 2),
+                "loading_ttft_s": round(ttft, 4),
+            }
+        )
+    sync, async_ = lines
+    async_["decode_step_max_over_sync"] = round(async_["decode_step_ms_max"] / sync["decode_step_ms_max"], 3)
+    async_["loading_ttft_over_sync"] = round(async_["loading_ttft_s"] / sync["loading_ttft_s"], 3)
+    return lines
+
+
+def restore_bandwidth(model: str | None, device: str, blocks: int = 256) -> dict:
+    """Host -> device restore bandwidth: `HostTier.apply` loading `blocks` blocks (the restore
+    path itself: an indexed read of the host slots, the copy, an indexed write into the pool),
+    against a plain copy of the same bytes from pinned host memory (pageable on a CPU device)
+    to the device, the copy engine's own rate; the median of 5 each."""
+    import torch
+
+    probe = LLM(model, device=device, block_size=16, num_blocks=8, max_model_len=64)
+    bb = probe.engine.stats()["kv_block_bytes"]
+    probe.engine.executor.shutdown()
+    llm = LLM(
+        model, device=device, block_size=16, num_blocks=blocks, max_model_len=blocks * 16, kv_host_bytes=blocks * bb
+    )
+    tier = llm.engine.executor.worker.host_tier
+    moves = KVMoves(loads=[(i, i) for i in range(blocks)])
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+
+    def timed(fn) -> float:
+        fn()
+        sync()
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    restore_s = timed(lambda: tier.apply(moves))
+    nbytes = blocks * tier.block_bytes
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.startswith("cuda"))
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    memcpy_s = timed(lambda: dst.copy_(src, non_blocking=True))
+    llm.engine.executor.shutdown()
+    return {
+        "case": "restore_bandwidth",
+        "device": device,
+        "blocks": blocks,
+        "block_bytes": tier.block_bytes,
+        "restore_gb_s": round(nbytes / restore_s / 1e9, 2),
+        "memcpy_gb_s": round(nbytes / memcpy_s / 1e9, 2),
+        "restore_over_memcpy": round(memcpy_s / restore_s, 3),
+    }
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", default="builtin", help="builtin, default, or a model directory")
@@ -186,15 +384,25 @@ def main(argv: list[str] | None = None) -> None:
         "--cases",
         default="recompute,host,disk,device,restart",
         help="the TTFT cases to run (recompute and device always: the peers); restore_copy and "
-        "write_back run with all of them",
+        "write_back run with all of them; `revisits`, `disk_async` or `restore_bandwidth` alone "
+        "runs that case",
     )
+    p.add_argument("--device", default="cpu", help="with --cases restore_bandwidth: cpu or cuda")
     args = p.parse_args(argv)
-    cases = ["recompute", *(c for c in ("host", "disk") if c in args.cases), "device"]
     model = None if args.model == "default" else args.model
+    if args.cases == "restore_bandwidth":
+        print(json.dumps(restore_bandwidth(model, args.device)), flush=True)
+        return
     probe = LLM(model, block_size=16, num_blocks=8, max_model_len=64)
     stats, vocab = probe.engine.stats(), probe.engine.model_config.vocab_size
     block_bytes = stats["kv_bytes_per_token"] * 16
     del probe
+    if args.cases in ("revisits", "disk_async"):
+        run = revisits if args.cases == "revisits" else disk_async
+        for line in run(model, args.doc_tokens, vocab, block_bytes):
+            print(json.dumps(line), flush=True)
+        return
+    cases = ["recompute", *(c for c in ("host", "disk") if c in args.cases), "device"]
     doc_blocks = args.doc_tokens // 16
     blocks = doc_blocks + 8  # one document and its question at a time
     docs = documents(3, args.doc_tokens, vocab)

@@ -336,8 +336,9 @@ def run_real(args, policy_name: str, server: RedisServer, cost: CostModel) -> di
 
 # ---- calibration --------------------------------------------------------------------------
 def calibrate(block_size: int = 16) -> CostModel:
-    """Fit the cost model to steps of the real engine (built-in model, this CPU), and time a
-    restore from its host tier (`load_block_s`)."""
+    """Fit the cost model to steps of the real engine (built-in model, this CPU), time a
+    restore from its host tier (`load_block_s`) and a pull between two groups (`pull_link`:
+    the link within a node; the across-nodes link keeps its stated default unless given)."""
     from pagefleet.llm import engine_config
     from worker.engine.llm_engine import LLMEngine
 
@@ -362,7 +363,63 @@ def calibrate(block_size: int = 16) -> CostModel:
             engine.step()
             samples.append((prefill, decodes, time.perf_counter() - t0))
             engine.abort([r.request_id for r in list(engine.scheduler.requests.values())])
-    return replace(CostModel.fit(samples), load_block_s=load_block_seconds(block_size))
+    latency, bandwidth, block_bytes = pull_link(block_size)
+    return replace(
+        CostModel.fit(samples),
+        load_block_s=load_block_seconds(block_size),
+        pull_latency_s=latency,
+        pull_bandwidth=bandwidth,
+        block_bytes=block_bytes,
+    )
+
+
+def pull_link(block_size: int = 16, sizes: tuple[int, ...] = (4, 16, 64), repeats: int = 3) -> tuple[float, float, int]:
+    """(latency s, bandwidth bytes/s, bytes a block) of a pull between two groups over the
+    transport the groups of one node use (two LocalGroups: the holder's engine exports the
+    blocks between its steps, the puller's imports them into its host tier), fitted to timed
+    pulls of several sizes (`CostModel.fit_link`)."""
+    from pagefleet.llm import engine_config
+    from router.launch.local import router_side
+    from worker.protocol import GenerationRequest
+
+    most = max(sizes)
+    config = engine_config(
+        "builtin",
+        num_blocks=4 * most + 8,
+        block_size=block_size,
+        max_model_len=(most + 4) * block_size,
+        kv_host_bytes=1 << 26,
+        cluster_secret="routing-calibration",
+    )
+    hasher = router_side(config, "builtin")[0]
+    g0, g1 = LocalGroup(config, group_id="c0"), LocalGroup(config, group_id="c1")
+    rng, samples, block_bytes = random.Random(1), [], 0
+    try:
+
+        async def one(blocks: int, tag: str) -> float:
+            ids = [rng.randrange(3, 1000) for _ in range(blocks * block_size + 1)]
+            hashes = hasher.hash_prompt(ids)
+            params = SamplingParams(max_tokens=1, temperature=0.0)
+            request = GenerationRequest(ids, params, request_id=tag, block_hashes=hashes)
+            [_ async for _ in g0.generate(request)]
+            t0 = time.perf_counter()
+            got = await g1.pull_from(g0, hashes[:blocks], timeout_s=30.0)
+            if got != blocks:
+                raise RuntimeError(f"calibration pull brought {got} of {blocks} blocks")
+            return time.perf_counter() - t0
+
+        stats = g0.engine.stats()
+        block_bytes = int(stats["block_size"] * stats["kv_bytes_per_token"])
+        for r in range(repeats + 1):  # the first round warms up
+            for blocks in sizes:
+                seconds = asyncio.run(one(blocks, f"pull-{r}-{blocks}"))
+                if r:
+                    samples.append((blocks * block_bytes, seconds))
+    finally:
+        g0.shutdown()
+        g1.shutdown()
+    latency, bandwidth = CostModel.fit_link(samples)
+    return latency, bandwidth, block_bytes
 
 
 def load_block_seconds(block_size: int = 16, blocks: int = 128) -> float:

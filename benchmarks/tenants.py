@@ -13,6 +13,8 @@ serve, so that A's queue grows for the whole run. Cases, in the same run:
 - `fifo`: both, every request of the one tenant "" (what the group did before it knew tenants:
   first come, first served);
 - `fair`: both, as tenants A and B of equal weight (worker/engine/fair_queue.py);
+- `fair_bounded`: as `fair`, with a step's prompt tokens for the tenant over its share of the
+  running requests bounded at 128 (SchedulerConfig.over_share_prefill_tokens);
 - the cache flood (`--flood-docs`): B asks about its 3 documents while A's trace spans
   documents totalling 10x A's KV quota, on a pool that holds B's and a part of A's:
   `flood_b_alone`, `flood_lru` (no quotas: the global LRU) and `flood_quotas` (A's and B's
@@ -58,12 +60,22 @@ def arrivals(
 
 
 def run_case(
-    requests: list, fair: bool, num_blocks: int, weights: dict[str, float], kv_quotas: dict[str, int] | None = None
+    requests: list,
+    fair: bool,
+    num_blocks: int,
+    weights: dict[str, float],
+    kv_quotas: dict[str, int] | None = None,
+    bound: int | None = None,
 ) -> dict[str, dict]:
     """Replay `requests` (time-ordered) on one simulated group; per tenant of the trace: TTFTs,
     tokens, prefix hits. Without `fair` every request reaches the group as the one tenant ""."""
     hasher = BlockHasher(b"bench", ModelFingerprint("bench", block_size=BLOCK_SIZE))
-    sched = SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=64, tenant_weights=weights if fair else {})
+    sched = SchedulerConfig(
+        max_num_batched_tokens=2048,
+        max_num_seqs=64,
+        tenant_weights=weights if fair else {},
+        over_share_prefill_tokens=bound,
+    )
     group = SimGroup("g0", SimGroupConfig(num_blocks, BLOCK_SIZE, sched, kv_quotas=kv_quotas), hasher)
     prompts: dict[str, int] = {}
     hits: dict[str, int] = {}
@@ -137,8 +149,8 @@ def main() -> None:
     alone = run_case(b, True, args.blocks, weights)["B"]
     common = {"bench": "tenants", "rate_b": args.rate_b, "ratio": args.ratio, "duration_s": duration}
     print(json.dumps({**common, "case": "b_alone", "B": alone}))
-    for case, fair in (("fifo", False), ("fair", True)):
-        got = run_case(both, fair, args.blocks, weights)  # (figures by the trace's tenant either way)
+    for case, fair, bound in (("fifo", False, None), ("fair", True, None), ("fair_bounded", True, 128)):
+        got = run_case(both, fair, args.blocks, weights, bound=bound)  # (figures by the trace's tenant either way)
         total = sum(v["prompt_tokens_computed"] for v in got.values()) or 1
         for v in got.values():
             v["computed_share"] = round(v["prompt_tokens_computed"] / total, 3)

@@ -65,6 +65,10 @@ class CostModel:
             return self.pull_latency_s + blocks * self.block_bytes / self.pull_bandwidth
         return self.remote_pull_latency_s + blocks * self.block_bytes / self.remote_pull_bandwidth
 
+    def recompute_seconds(self, tokens: int) -> float:
+        """Seconds of prefill for `tokens` tokens a group computes instead of getting them."""
+        return tokens * self.prefill_token_s
+
     @classmethod
     def fit(cls, samples: Sequence[tuple[int, int, float]]) -> CostModel:
         """Least squares over (prefill tokens, decoding sequences, seconds) step samples."""
@@ -75,3 +79,14 @@ class CostModel:
         coef, *_ = np.linalg.lstsq(a, y, rcond=None)
         step_s, prefill_token_s, decode_seq_s = (max(0.0, float(c)) for c in coef)
         return cls(step_s, prefill_token_s, decode_seq_s)
+
+    @staticmethod
+    def fit_link(samples: Sequence[tuple[int, float]]) -> tuple[float, float]:
+        """(latency s, bandwidth bytes/s) of a link, least squares over (bytes, seconds) pull
+        samples of at least two sizes: seconds = latency + bytes / bandwidth."""
+        import numpy as np
+
+        a = np.array([[1.0, b] for b, _ in samples])
+        y = np.array([s for _, s in samples])
+        (latency, per_byte), *_ = np.linalg.lstsq(a, y, rcond=None)
+        return max(0.0, float(latency)), 1.0 / max(float(per_byte), 1e-12)

@@ -41,6 +41,7 @@ class LocalGroup(GroupHandle):
             self.publisher = GroupPublisher(index, self.group_id, engine.tier_hashes)
             engine.on_kv_events = self.publisher.collect
         self.engine = AsyncEngine(engine, on_step=self._tick)
+        self.draining = False
 
     def _tick(self, engine: LLMEngine) -> None:
         if self.publisher is not None:
@@ -74,11 +75,16 @@ class LocalGroup(GroupHandle):
             )
             return 0
 
+    def set_draining(self, draining: bool = True) -> None:
+        """Routers place no new request on a draining group; they move its streams to another
+        group with their KV (router/router.py, DRAIN_CHECK_S), or those finish here."""
+        self.draining = draining
+
     def status(self) -> GroupStatus:
         dead = self.engine.dead
         return status_from_stats(
             self.group_id,
-            self.engine.stats(),
+            {**self.engine.stats(), "draining": self.draining},
             alive=dead is None,
             tp=1,
             devices=(self.config.device,),

@@ -3,6 +3,7 @@ detached supervisor that outlives this command (cluster/ray/supervisor.py). Rout
 with `pagefleet serve --role router --cluster NAME`.
 
     pagefleet groups start  --cluster NAME --address HOST:PORT --redis URL [--groups N --tp T ...]
+                            [--config SERVE_YAML] [--api-key-file KEYS]   (the tenants)
     pagefleet groups status --cluster NAME --address HOST:PORT [--json]
     pagefleet groups drain --cluster NAME --address HOST:PORT GROUP   (GROUP anywhere after drain)
     pagefleet groups stop   --cluster NAME --address HOST:PORT
@@ -63,6 +64,17 @@ def _add_start_arguments(parser: argparse.ArgumentParser) -> None:
         help="the shared prefix index: routers of other processes find the blocks there",
     )
     parser.add_argument("--model", help="a model directory, a .gguf file, 'builtin' or 'default'")
+    parser.add_argument(
+        "--config",
+        metavar="FILE",
+        help="the routers' serve YAML: the groups take its tenants: (weights, KV quotas), its "
+        "api_key_file's tenant fields and its engine: options (flags win)",
+    )
+    parser.add_argument(
+        "--api-key-file",
+        metavar="FILE",
+        help="the routers' key file: the groups take the tenants' weights and KV quotas it gives",
+    )
     parser.add_argument("--groups", type=positive_int, default=1, help="how many groups")
     parser.add_argument("--tp", type=positive_int, default=1, help="devices per group")
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")

@@ -13,6 +13,7 @@ from cluster.ray.runtime import RayStartError, cluster_namespace, ensure_ray, ra
 from cluster.ray.supervisor import GroupInfo, GroupsSpec, start_groups, stop_groups, the_supervisor
 from pagefleet.cli_flags import engine_options
 from router.launch.build import model_name
+from router.launch.config import load_config
 from worker.config import EngineConfig, take_cluster_secret
 
 
@@ -59,8 +60,14 @@ def _run(args: argparse.Namespace, out: TextIO) -> int:
 
 
 def _spec(args: argparse.Namespace) -> GroupsSpec:
+    """What the supervisor places: the engine's options from the flags over the serve YAML's
+    `engine:`, with the tenants' weights and KV quotas as `pagefleet serve` gives its groups
+    (router/launch/config.py: TenantsConfig.engine_options)."""
     secret = take_cluster_secret()
-    config = EngineConfig.from_options(args.model, device=args.device, cluster_secret=secret, **engine_options(args))
+    served = load_config(args.config, {"api_key_file": args.api_key_file})
+    options = {**served.engine.options, **engine_options(args), **served.tenants.engine_options()}
+    model = args.model or served.engine.model
+    config = EngineConfig.from_options(model, device=args.device, cluster_secret=secret, **options)
     resources = {}
     for item in args.group_resource:
         name, _, amount = item.partition("=")

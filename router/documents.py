@@ -17,15 +17,25 @@ id by a fresh process) is pinned again, by prefilling it again (`reconcile`, eve
 RECONCILE_S): a reachable copy in a tier under the new group's pool is found by that prefill as
 any prompt's blocks are.
 
-The registry lives in this router's process: another router replica does not know its ids.
+The registry lives in this router's process, or, when the cluster has a Redis (`share`), in
+Redis, so that every router replica over the same groups knows every document: one put through
+replica 1 is visible, hit and deletable through replica 2, expires at the same moment on both,
+and counts once against its tenant's `max_documents` cluster-wide (`SharedRegistry`: one
+script per put, so two replicas never both take a tenant's last slot). Each replica keeps the
+documents it has seen in `docs`, a cache of Redis's; a document deleted through another replica
+is forgotten here (unpinned, and not pinned again) once Redis no longer has it. Replicas with
+groups of their own (each `pagefleet serve` its own) each pin a document they learn of on their
+own groups, as the reconciler pins any document no live group holds.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 import uuid
+from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -34,11 +44,10 @@ from cluster.index import PrefixIndexError
 from worker.chat import check_messages
 from worker.protocol import GenerationRequest, Pin
 from worker.sampling_params import SamplingParams
-from worker.token_ids import check_token_ids
+from worker.token_ids import CheckedIds, check_token_ids
 
 if TYPE_CHECKING:
     from router.router import Router
-    from worker.token_ids import CheckedIds
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +115,74 @@ class Document:
         return (time.time() if now is None else now) >= self.expires_at
 
 
+_PUT_SCRIPT = """
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[1])
+local held = redis.call('ZCARD', KEYS[1])
+if held >= tonumber(ARGV[2]) then return held end
+redis.call('ZADD', KEYS[1], ARGV[3], ARGV[4])
+redis.call('EXPIREAT', KEYS[1], math.ceil(tonumber(ARGV[3])) + 1)
+redis.call('SET', KEYS[2], ARGV[5], 'EXAT', math.ceil(tonumber(ARGV[3]) + tonumber(ARGV[6])))
+return -1
+"""
+
+
+class SharedRegistry:
+    """The documents of every router replica of a cluster, in Redis: `pf:CLUSTER:doc:ID` holds a
+    document (JSON, kept EXPIRED_KEPT_S past its deadline), `pf:CLUSTER:docs:OWNER` the owner's
+    live ids scored by deadline (what `max_documents` counts)."""
+
+    def __init__(self, client, cluster: str) -> None:
+        """`client`: a `redis.Redis`; `cluster`: the namespace (ServeConfig's cluster name)."""
+        self.client = client
+        self.prefix = f"pf:{cluster}:"
+        self._put = client.register_script(_PUT_SCRIPT)
+
+    def _owner_key(self, owner: str | None) -> str:
+        return f"{self.prefix}docs:{'' if owner is None else owner}"
+
+    def _doc_key(self, document_id: str) -> str:
+        return f"{self.prefix}doc:{document_id}"
+
+    def put(self, doc: Document, limit: int) -> int | None:
+        """Register `doc` unless its owner holds `limit` live documents; None when registered,
+        else how many it holds."""
+        record = {
+            "owner": doc.owner,
+            "tenant": doc.tenant,
+            "ids": list(doc.ids),
+            "vocab": doc.ids.vocab,
+            "ttl_s": doc.ttl_s,
+            "expires_at": doc.expires_at,
+            "groups": list(doc.groups),
+            "tier": doc.tier,
+            "created_at": doc.created_at,
+        }
+        keys = [self._owner_key(doc.owner), self._doc_key(doc.document_id)]
+        args = [time.time(), limit, doc.expires_at, doc.document_id, json.dumps(record), EXPIRED_KEPT_S]
+        held = int(self._put(keys=keys, args=args))
+        return None if held < 0 else held
+
+    def load(self, document_id: str) -> dict | None:
+        raw = self.client.get(self._doc_key(document_id))
+        return None if raw is None else json.loads(raw)
+
+    def exists(self, document_ids: Sequence[str]) -> list[bool]:
+        pipe = self.client.pipeline(transaction=False)
+        for document_id in document_ids:
+            pipe.exists(self._doc_key(document_id))
+        return [bool(n) for n in pipe.execute()]
+
+    def delete(self, doc: Document) -> None:
+        pipe = self.client.pipeline(transaction=True)
+        pipe.delete(self._doc_key(doc.document_id))
+        pipe.zrem(self._owner_key(doc.owner), doc.document_id)
+        pipe.execute()
+
+    def held(self, owner: str | None) -> int:
+        """The owner's live documents, cluster-wide."""
+        return int(self.client.zcount(self._owner_key(owner), f"({time.time()}", "+inf"))
+
+
 class Documents:
     """The documents registered through this router; see the module docstring."""
 
@@ -114,7 +191,13 @@ class Documents:
         self.router = router
         self.max_documents: Mapping[str, int] = max_documents or {}
         self.docs: dict[str, Document] = {}
+        self.shared: SharedRegistry | None = None  # every replica's documents, in Redis
         self._reconciler: asyncio.Task | None = None
+
+    def share(self, client, cluster: str) -> None:
+        """Keep the registry in Redis (`client`, a `redis.Redis`), shared by every router
+        replica of `cluster` over the same groups."""
+        self.shared = SharedRegistry(client, cluster)
 
     # ---- put ---------------------------------------------------------------------------
     def document_ids(self, text: str | None, messages: Sequence[dict] | None) -> CheckedIds:
@@ -159,12 +242,12 @@ class Documents:
     def check_quota(self, owner: str | None, tenant: str) -> None:
         """DocumentLimitError when the owner holds its tenant's limit of live documents."""
         limit = self.max_documents.get(tenant, DEFAULT_MAX_DOCUMENTS)
-        held = sum(1 for d in self.docs.values() if d.owner == owner and not d.expired())
+        if self.shared is not None:
+            held = self.shared.held(owner)
+        else:
+            held = sum(1 for d in self.docs.values() if d.owner == owner and not d.expired())
         if held >= limit:
-            raise DocumentLimitError(
-                f"max_documents: tenant {tenant or 'default'!r} holds {held} live documents, its limit; "
-                "delete one or let one expire"
-            )
+            raise _limit_error(tenant, held)
 
     async def put(
         self,
@@ -193,6 +276,10 @@ class Documents:
             tuple(groups),
             tier,
         )
+        if self.shared is not None:  # (counted and registered at once: no two replicas take one slot)
+            held = self.shared.put(doc, self.max_documents.get(tenant, DEFAULT_MAX_DOCUMENTS))
+            if held is not None:
+                raise _limit_error(tenant, held)
         self.docs[doc.document_id] = doc
         self._start_reconciler()
         try:
@@ -236,8 +323,39 @@ class Documents:
     def get(self, document_id: str, owner: str | None) -> Document:
         """The caller's document; DocumentNotFoundError for an unknown id or another owner's."""
         doc = self.docs.get(document_id)
+        if self.shared is not None:
+            doc = self._shared_document(document_id, doc)
         if doc is None or doc.owner != owner:
             raise DocumentNotFoundError(f"document_id: no document {document_id[:64]!r}")
+        return doc
+
+    def _shared_document(self, document_id: str, known: Document | None) -> Document | None:
+        """The document as Redis has it (another replica's, or gone): cached in `docs`, whose
+        reconciler then keeps it pinned too; one Redis no longer has is forgotten here."""
+        record = self.shared.load(document_id)
+        if record is None:
+            if known is not None:
+                self.docs.pop(document_id, None)
+            return None
+        if known is not None:
+            return known
+        ids = CheckedIds.trusted(array("I", record["ids"]), record["vocab"])
+        owner = record["owner"]
+        doc = Document(
+            document_id,
+            owner,
+            record["tenant"],
+            ids,
+            tuple(self.router.hash_cache.hash_prompt(ids, cache_salt=owner)),
+            record["ttl_s"],
+            record["expires_at"],
+            tuple(record["groups"]),
+            record["tier"],
+            record["created_at"],
+            settled_at=time.monotonic(),  # (its pins are as fresh as its put: no re-pin at once)
+        )
+        self.docs[document_id] = doc
+        self._start_reconciler()
         return doc
 
     def delete(self, document_id: str, owner: str | None) -> Document:
@@ -247,6 +365,8 @@ class Documents:
         return doc
 
     def _drop(self, doc: Document) -> None:
+        if self.shared is not None:  # (first: no replica pins it again once it is unpinned)
+            self.shared.delete(doc)
         self.docs.pop(doc.document_id, None)
         for group in self.router.groups.values():
             group.unpin(doc.document_id)
@@ -291,6 +411,22 @@ class Documents:
                     out.append(Location(gid, tier, 0, more))
         return out
 
+    def by_tenant(self) -> dict[str, tuple[int, int]]:
+        """Tenant -> (its live documents this router knows, the blocks its groups hold pinned
+        for them): the per-tenant document metrics."""
+        pinned: dict[str, int] = {}
+        for g in list(self.router.groups.values()):
+            s = g.status()
+            if s.alive:
+                for document_id, blocks in s.pinned.items():
+                    pinned[document_id] = pinned.get(document_id, 0) + blocks
+        out: dict[str, tuple[int, int]] = {}
+        for doc in list(self.docs.values()):
+            if not doc.expired():
+                n, blocks = out.get(doc.tenant, (0, 0))
+                out[doc.tenant] = (n + 1, blocks + pinned.get(doc.document_id, 0))
+        return out
+
     # ---- keeping pins ------------------------------------------------------------------
     def _start_reconciler(self) -> None:
         if self._reconciler is None or self._reconciler.done():
@@ -308,6 +444,14 @@ class Documents:
         """Pin again each live document that lost its pin: on each named group that is live and
         does not hold it, or, without named groups, on a placed group once none holds it."""
         self._forget_expired()
+        if self.shared is not None and self.docs:  # deleted through another replica: forgotten
+            docs = list(self.docs.values())
+            present = await asyncio.to_thread(self.shared.exists, [d.document_id for d in docs])
+            for doc, there in zip(docs, present, strict=True):
+                if not there:  # (unpinned on this replica's groups too, where they are its own)
+                    self.docs.pop(doc.document_id, None)
+                    for group in list(self.router.groups.values()):
+                        group.unpin(doc.document_id)
         now = time.monotonic()
         for doc in list(self.docs.values()):
             if doc.expired() or doc.prefills or now - doc.settled_at < REPIN_GRACE_S:
@@ -333,3 +477,10 @@ class Documents:
     def close(self) -> None:
         if self._reconciler is not None:
             self._reconciler.cancel()
+
+
+def _limit_error(tenant: str, held: int) -> DocumentLimitError:
+    return DocumentLimitError(
+        f"max_documents: tenant {tenant or 'default'!r} holds {held} live documents, its limit; "
+        "delete one or let one expire"
+    )

@@ -29,6 +29,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from cluster.cost_model import CostModel
 from cluster.group import GroupHandle, GroupStatus
 from cluster.index import GroupMatch, IndexReader, PrefixIndexError, touched_ids
 from router.documents import Documents
@@ -54,18 +55,27 @@ STATUS_REFRESH_S = 1.0  # every group's status is read at least this often (see 
 MAX_RESUMES = 3  # a stream moves to another group at most this often
 RESUME_WAIT_S = 30.0  # a stream to resume waits this long for a live group (a replacement)
 MAX_RECORDS = 10_000  # route records kept (Router.records): those of the newest requests
-# A group chosen for a prompt pulls the prefix from another live group that holds at least this
-# many more of its leading blocks (128 tokens at 16 a block): a pull costs a few Ray round trips
-# and a copy of the blocks (benchmarks/RESULTS.md, "KV pull between groups"), which fewer
-# blocks' recompute does not repay.
-PULL_MIN_BLOCKS = 8
+# A group chosen for a prompt pulls the prefix from another live group that holds more of its
+# leading blocks when the cost model says the pull is sooner than their recompute: the link's
+# latency plus the blocks' bytes over its bandwidth (within a node or across nodes, calibrated by
+# benchmarks/routing.py --calibrate) against their prefill (`pull_source`, `pull_pays`). No
+# fixed floor: the latency is the pull's fixed cost (its Ray round trips and the two engines'
+# steps it waits for), measured with the rest.
 PULL_TIMEOUT_S = 5.0  # a pull not done by then is given up: the group recomputes the prefix
+# A stream on a group that starts draining moves to another live group with its KV: the new
+# group pulls the full committed blocks of the prompt and the tokens generated so far from the
+# draining group (alive until its streams are gone), then resumes, recomputing only the tail
+# (a failed pull recomputes it all, with the same tokens). Routers look at a streaming group's
+# drain flag at most this often.
+DRAIN_CHECK_S = 0.05
 # A cold prefix is computed once: a request placed on a group that lacks a prefix (by at least
 # COLD_MIN_BLOCKS blocks) which another live group has pending and not committed (a burst of
 # questions on a new document, spilled by the load bound while the first group computes it)
 # waits for that group to commit the prefix and pulls it, rather than computing a second copy
-# (`cold_source`). The wait is bounded: after COLD_WAIT_S it pulls what is committed by then
-# (if at least PULL_MIN_BLOCKS) and the group recomputes the rest. Its requests for the same
+# (`cold_source`) when the cost model says waiting is sooner: the holder's queued prefill (its
+# pending work, the prefix among it) and the pull, against recomputing the prefix. The wait is
+# bounded: after COLD_WAIT_S it pulls what is committed by then (if the pull pays) and the
+# group recomputes the rest. Its requests for the same
 # prefix share one wait and one pull (per router: two routers may each pull once). The bound
 # is above a document's prefill on CPU (a 2,000-token document: ~0.5 s built-in, ~18 s the
 # default model on two cores, benchmarks/RESULTS.md, "KV pull between groups"), which the
@@ -258,6 +268,8 @@ class Router:
                 f"the policy counts blocks of {policy.block_size} tokens; the model's are {model_info.block_size}"
             )
         self.policy = policy
+        # the calibrated costs a pull is weighed with: the policy's (prefix_aware's), else the defaults
+        self.cost: CostModel = getattr(getattr(policy, "config", None), "cost", None) or CostModel()
         self.max_attempts = max_attempts
         # Recent decisions, for predicted vs actual and a stream's group: the newest
         # `max_records`, so that what a long-running router keeps per request is bounded.
@@ -271,6 +283,8 @@ class Router:
         # (group, last hash of the prefix) -> the shared wait-and-pull of a cold prefix
         self._cold: dict[tuple[str, bytes], _ColdPull] = {}
         self.cold_wait_s = COLD_WAIT_S  # 0: a spilled cold prefix is recomputed (no wait)
+        self.move_drained = True  # streams on a draining group move with their KV (DRAIN_CHECK_S)
+        self.move_pull = True  # False: a moved stream recomputes its KV (a benchmark's peer)
         self.documents = Documents(self)  # documents pinned through this router (router/documents.py)
 
     def set_groups(self, groups: Sequence[GroupHandle]) -> None:
@@ -386,10 +400,11 @@ class Router:
         placement = self.policy.choose(block_hashes, statuses, matches, self.ledger.placed)
         self.ledger.record(placement, block_hashes, len(statuses))
         placement = self.joined_pull(placement, block_hashes)
+        bs = self.model_info.block_size
         if placement.pull_from is None:
-            placement = pull_source(placement, matches, statuses)
+            placement = pull_source(placement, matches, statuses, self.cost, bs)
         if placement.pull_from is None and self.cold_wait_s > 0:
-            placement = cold_source(placement, matches, statuses)
+            placement = cold_source(placement, matches, statuses, self.cost, bs)
         return placement
 
     def joined_pull(self, placement: Placement, block_hashes: Sequence[bytes]) -> Placement:
@@ -422,13 +437,17 @@ class Router:
         rid = request.request_id or f"rt-{next(self._ids)}"
         hashes = self.hash_cache.hash_prompt(ids, cache_salt=request.cache_salt)
         state = _Stream(request.resume)  # what reached the caller, for a resume
+        moved: tuple[Placement, int, float] | None = None  # where a drained stream goes, pulled
         while True:
             t0 = time.perf_counter()
-            placement = await self._place_for(hashes, state)
-            decided = time.perf_counter() - t0
-            pulled = 0
-            if placement.pull_from is not None:
-                placement, pulled = await self._pull(placement, hashes)
+            if moved is not None:
+                (placement, pulled, decided), moved = moved, None
+            else:
+                placement = await self._place_for(hashes, state)
+                decided = time.perf_counter() - t0
+                pulled = 0
+                if placement.pull_from is not None:
+                    placement, pulled = await self._pull(placement, hashes)
             predicted = placement.cached_tokens(len(ids), self.model_info.block_size)
             if state.record is None:  # one record per request, updated when it moves
                 state.record = RouteRecord(
@@ -457,18 +476,36 @@ class Router:
             hits = record.predicted_cached_tokens
             sent = len(ids) - hits
             self.ledger.add_in_flight(placement.group_id, sent, hits)
-            started = False
+            started, checked = False, time.monotonic()
             try:
-                async for out in group.generate(forwarded):
-                    if not started:
-                        started = True
-                        self.ledger.add_in_flight(placement.group_id, -sent, -hits)
-                        if not state.resumes:
-                            record.actual_cached_tokens = out.num_cached_tokens
-                        yield state.passed(out), record
-                    else:
-                        yield state.passed(out), None
-                return
+                async with contextlib.aclosing(group.generate(forwarded)) as outs:
+                    async for out in outs:
+                        if not started:
+                            started = True
+                            self.ledger.add_in_flight(placement.group_id, -sent, -hits)
+                            if not state.resumes:
+                                record.actual_cached_tokens = out.num_cached_tokens
+                            yield state.passed(out), record
+                        else:
+                            yield state.passed(out), None
+                        if out.finished or not self.move_drained or time.monotonic() - checked < DRAIN_CHECK_S:
+                            continue
+                        checked = time.monotonic()
+                        if state.resumes < MAX_RESUMES and group.status().draining:
+                            moved = await self._move(group, ids, hashes, request.cache_salt, state)
+                            if moved is not None:  # (closing the stream aborts it on the old group)
+                                break
+                if moved is None:
+                    return
+                state.resumes += 1
+                log.info(
+                    "group %s drains: %s moved to %s after %d tokens, %d blocks pulled",
+                    placement.group_id,
+                    rid,
+                    moved[0].group_id,
+                    len(state.tokens),
+                    moved[1],
+                )
             except QueueFullError:  # try the next-best group before refusing
                 state.tried.add(group)
                 state.full.add(group)
@@ -499,6 +536,43 @@ class Router:
                 if not started:
                     self.ledger.add_in_flight(placement.group_id, -sent, -hits)
                 self._trim_records()
+
+    async def _move(
+        self,
+        group: GroupHandle,
+        ids: Sequence[int],
+        hashes: Sequence[bytes],
+        cache_salt: str | None,
+        state: _Stream,
+    ) -> tuple[Placement, int, float] | None:
+        """Where a stream on the draining `group` goes: a placement among the live groups it has
+        not tried, whose group has pulled from `group` the full committed blocks of the prompt
+        and the tokens generated so far (`move_pull`; a failed pull brings 0: the new group
+        recomputes), with the pulled blocks and the decision's seconds. None when no other
+        group is live: the stream finishes where it is. Called before the old stream is
+        closed, so the draining group still holds the blocks (a drain waits for its streams)."""
+        t0 = time.perf_counter()
+        state.tried.add(group)
+        try:
+            placement = self.place(hashes, exclude={gid for gid, g in self.groups.items() if g in state.tried})
+        except NoGroupAvailableError:
+            state.tried.discard(group)
+            return None
+        decided = time.perf_counter() - t0
+        placement = replace(placement, pull_from=None, pull_blocks=0, pull_wait=False)
+        chain = self.hasher.hash_prompt(list(ids) + state.tokens, cache_salt=cache_salt)
+        pulled = 0
+        if self.move_pull and chain:
+            pulled = await self.groups[placement.group_id].pull_from(group, chain, PULL_TIMEOUT_S)
+        if pulled:
+            prompt_blocks = min(len(hashes), pulled)
+            placement = replace(
+                placement,
+                pull_from=group.group_id,
+                pull_blocks=pulled,
+                cached_blocks=max(placement.cached_blocks, prompt_blocks),
+            )
+        return placement, pulled, decided
 
     async def _pull(self, placement: Placement, hashes: Sequence[bytes]) -> tuple[Placement, int]:
         """Have the chosen group pull the prefix from `placement.pull_from` before the request
@@ -539,8 +613,8 @@ class Router:
 
     async def _wait_and_pull(self, group: GroupHandle, holder: GroupHandle, chain: Sequence[bytes]) -> int:
         """Wait (up to `cold_wait_s`, COLD_WAIT_S) until `holder` has committed `chain`, then pull
-        it; what is committed by the deadline is pulled if at least PULL_MIN_BLOCKS, else nothing
-        (0). A holder that dies or drains meanwhile ends the wait at once: nothing (0)."""
+        it; what is committed by the deadline is pulled if the pull pays (`pull_pays`), else
+        nothing (0). A holder that dies or drains meanwhile ends the wait at once: nothing (0)."""
         deadline, committed = time.monotonic() + self.cold_wait_s, 0
         while True:
             try:
@@ -555,7 +629,9 @@ class Router:
                 committed = 0
                 break
             await asyncio.sleep(COLD_POLL_S)
-        if committed < PULL_MIN_BLOCKS:
+        statuses = self.live_statuses()
+        near = same_node(statuses.get(group.group_id), statuses.get(holder.group_id))
+        if not pull_pays(committed, self.cost, self.model_info.block_size, near):
             log.info("group %s did not commit a prefix in %.1f s: recomputing it", holder.group_id, self.cold_wait_s)
             return 0
         return await group.pull_from(holder, chain[:committed], PULL_TIMEOUT_S)
@@ -596,24 +672,67 @@ class Router:
             del records[next(iter(records))]
 
 
-def pull_source(placement: Placement, matches: Mapping[str, GroupMatch], statuses: Collection[str]) -> Placement:
-    """The placement with the live group to pull the prefix from: the one whose committed
-    leading blocks exceed the chosen group's by the most, at least PULL_MIN_BLOCKS (the index's
-    match tells who holds how many); unchanged when none does."""
+def node_of(status: GroupStatus | None) -> str:
+    """The node a group runs on: what follows '@' in its first device (Ray groups name it, e.g.
+    "cpu@<node id>"); "" when it does not say (a group of this process)."""
+    if status is None or not status.devices:
+        return ""
+    return status.devices[0].rpartition("@")[2] if "@" in status.devices[0] else ""
+
+
+def same_node(a: GroupStatus | None, b: GroupStatus | None) -> bool:
+    """Whether a pull between the two groups stays on one node (both say nothing: one process)."""
+    return node_of(a) == node_of(b)
+
+
+def pull_pays(blocks: int, cost: CostModel, block_size: int, near: bool = True) -> bool:
+    """Whether pulling `blocks` blocks is sooner than computing them (the cost model's link
+    within a node if `near`, else across nodes)."""
+    return blocks > 0 and cost.pull_seconds(blocks, near) < cost.recompute_seconds(blocks * block_size)
+
+
+def pull_source(
+    placement: Placement,
+    matches: Mapping[str, GroupMatch],
+    statuses: Collection[str] | Mapping[str, GroupStatus],
+    cost: CostModel | None = None,
+    block_size: int = 16,
+) -> Placement:
+    """The placement with the live group to pull the prefix from: of those whose committed
+    leading blocks exceed the chosen group's, the one whose pull saves the most time over
+    recomputing the blocks it adds (the cost model's link to it, `pull_pays`); unchanged when
+    no pull is sooner. `statuses`: the live groups (with their statuses, their nodes)."""
+    cost = cost or CostModel()
     chosen = matches.get(placement.group_id)
-    best, most = None, (chosen.blocks if chosen is not None else 0) + PULL_MIN_BLOCKS - 1
+    own = chosen.blocks if chosen is not None else 0
+    here = statuses.get(placement.group_id) if isinstance(statuses, Mapping) else None
+    best, most, saved = None, 0, 0.0
     for gid in touched_ids(matches):
         m = matches[gid]
-        if m.blocks > most and gid != placement.group_id and gid in statuses:
-            best, most = gid, m.blocks
+        extra = m.blocks - own
+        if extra <= 0 or gid == placement.group_id or gid not in statuses:
+            continue
+        near = same_node(here, statuses[gid]) if isinstance(statuses, Mapping) else True
+        gain = cost.recompute_seconds(extra * block_size) - cost.pull_seconds(extra, near)
+        if gain > saved:
+            best, most, saved = gid, m.blocks, gain
     return placement if best is None else replace(placement, pull_from=best, pull_blocks=most)
 
 
-def cold_source(placement: Placement, matches: Mapping[str, GroupMatch], statuses: Collection[str]) -> Placement:
+def cold_source(
+    placement: Placement,
+    matches: Mapping[str, GroupMatch],
+    statuses: Collection[str] | Mapping[str, GroupStatus],
+    cost: CostModel | None = None,
+    block_size: int = 16,
+) -> Placement:
     """The placement with the live group that has the prefix pending but not committed (it is
     computing it) to wait for and pull from (`pull_wait`): the one whose pending lead exceeds
-    what the chosen group holds or has pending by the most, at least COLD_MIN_BLOCKS;
-    unchanged when none does (see COLD_WAIT_S)."""
+    what the chosen group holds or has pending by the most, at least COLD_MIN_BLOCKS, when
+    waiting for it is sooner than recomputing (`wait_seconds` against the chosen group's queued
+    prefill and the missing blocks', with the copy's charge); unchanged when none is (see COLD_WAIT_S). Both queues are
+    as the router's ledger corrects them (`Router.live_statuses`)."""
+    cost = cost or CostModel()
     chosen = matches.get(placement.group_id)
     own = 0 if chosen is None else max(chosen.tier_blocks, chosen.pending_blocks)
     best, most = None, own + COLD_MIN_BLOCKS - 1
@@ -624,7 +743,24 @@ def cold_source(placement: Placement, matches: Mapping[str, GroupMatch], statuse
             best, most = gid, m.pending_blocks
     if best is None:
         return placement
+    if isinstance(statuses, Mapping):
+        holder, here = statuses[best], statuses.get(placement.group_id)
+        wait = wait_seconds(holder, most, cost, same_node(here, holder))
+        missing = (most - own) * block_size
+        # its own queue first, then the prefix; and the second copy's charge (the placement
+        # formula's recompute term on an idle cluster: the compute and pool space a copy takes)
+        queued, running = (here.pending_prefill_tokens, here.running) if here is not None else (0, 0)
+        recompute = cost.step_seconds(queued + missing, running) + cost.recompute_seconds(missing)
+        if wait >= recompute:
+            return placement
     return replace(placement, pull_from=best, pull_blocks=most, pull_wait=True)
+
+
+def wait_seconds(holder: GroupStatus, blocks: int, cost: CostModel, near: bool = True) -> float:
+    """Seconds until `blocks` blocks a group is computing are pulled from it: its queued
+    prefill (the prefix among it, and what is ahead of it) in one step with its running
+    decodes, then the pull."""
+    return cost.step_seconds(holder.pending_prefill_tokens, holder.running) + cost.pull_seconds(blocks, near)
 
 
 def max_prompt_chars(tokenizer, max_model_len: int) -> int:

@@ -4,7 +4,9 @@
 #   2. benchmarks/kernels.py: paged decode attention's bandwidth as a fraction of the device's
 #      peak, on the 16-bit and the 8-bit caches;
 #   3. benchmarks/engine.py on the default model (SmolLM2-135M-Instruct) in bfloat16 with the
-#      Triton backend, beside transformers on the same device: tokens/s, TTFT, agreement.
+#      Triton backend, beside transformers on the same device: tokens/s, TTFT, agreement;
+#   4. benchmarks/kv_tiers.py: the host tier's restore into the pool (pinned host memory) as a
+#      fraction of a plain pinned host-to-device copy of the same bytes.
 # On a machine with one CUDA device and what the README installs (a CUDA torch first):
 #   bash scripts/gpu_check.sh [PEAK_BYTES_PER_S]     # default: an H200's 4.8e12
 # Each step has its own time limit; a failed step is reported and the next one runs.
@@ -42,4 +44,6 @@ step "decode attention bandwidth" 90 python3 -m benchmarks.kernels --peak-bw "$P
     --kv-cache-dtype auto,int8,fp8_e4m3
 step "engine, default model, bfloat16, Triton" 150 python3 -m benchmarks.engine --model default \
     --device cuda --dtype bfloat16 --threads 0 --docs 4 --questions 4 --chats 8
+step "KV host-tier restore bandwidth" 90 python3 -m benchmarks.kv_tiers --model default \
+    --cases restore_bandwidth --device cuda
 exit $failed

@@ -430,12 +430,17 @@ def test_the_gpu_check_script_says_it_needs_a_device_and_its_commands_parse():
 
 
 def test_tenants_benchmark_smoke():
-    """Three cases; with one tenant's burst past the group's capacity, the fair queue keeps the
-    other tenant's TTFT p99 far below first come first served's."""
+    """Four cases; with one tenant's burst past the group's capacity, the fair queue keeps the
+    other tenant's TTFT p99 far below first come first served's, and bounding the heavy
+    tenant's prefill per step brings it nearer B alone, at nearly A's throughput."""
     lines = {c["case"]: c for c in run("-m", "benchmarks.tenants", "--quick", "--rate-b", "10")}
-    assert set(lines) == {"b_alone", "fifo", "fair"}
+    assert set(lines) == {"b_alone", "fifo", "fair", "fair_bounded"}
     assert lines["fair"]["B"]["ttft_s_p99"] < lines["fifo"]["B"]["ttft_s_p99"] / 5
     assert lines["fair"]["b_ttft_p99_vs_alone"] < lines["fifo"]["b_ttft_p99_vs_alone"]
+    bounded, fair = lines["fair_bounded"], lines["fair"]
+    assert bounded["b_ttft_p99_vs_alone"] < fair["b_ttft_p99_vs_alone"]
+    a_rate = bounded["A"]["finished_output_tokens_per_s"]
+    assert a_rate > 0.95 * fair["A"]["finished_output_tokens_per_s"]
 
 
 def test_structured_benchmark_smoke():

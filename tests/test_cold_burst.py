@@ -160,6 +160,29 @@ def test_the_source_to_wait_for_is_a_group_computing_more_of_the_prefix_than_the
     assert cold_source(chosen, {"b": m("b", 0, 40)}, {"a"}).pull_from is None
 
 
+def test_a_cold_prefix_is_waited_for_only_when_the_holder_is_sooner():
+    """The cost model compares waiting for the computing group (its queued prefill, then the
+    pull) with recomputing on the chosen group (its own queue, then the prefix)."""
+    from cluster.cost_model import CostModel
+    from cluster.group import GroupStatus
+
+    def status(gid: str, queued: int) -> GroupStatus:
+        return GroupStatus(gid, True, 1, ("cpu",), 100, 100, 0, 1, 0, queued)
+
+    cost = CostModel(step_s=1e-3, prefill_token_s=1e-4, pull_latency_s=1e-3, pull_bandwidth=1e9)
+    chosen = Placement("a", "spill", 0)
+    matches = {"b": GroupMatch("b", 1, 0, 40)}  # b computes 40 blocks (640 tokens)
+    # b has the prefix's 640 tokens left: 66 ms and a 2 ms pull, against 65 ms of prefill on
+    # an idle a and the copy's charge (as much again)
+    assert cold_source(chosen, matches, {"a": status("a", 0), "b": status("b", 640)}, cost, 16).pull_wait
+    # b's queue is long (10,000 tokens, 1 s): recomputed on the idle a rather than waited for
+    long_b = {"a": status("a", 0), "b": status("b", 10_000)}
+    assert cold_source(chosen, matches, long_b, cost, 16).pull_from is None
+    # unless a's own queue is longer still (20,000 tokens)
+    busy = {"a": status("a", 20_000), "b": status("b", 10_000)}
+    assert cold_source(chosen, matches, busy, cost, 16).pull_from == "b"
+
+
 def test_a_wait_ends_at_once_when_the_computing_group_leaves(config, single_group_answers):
     index = InMemoryPrefixIndex()
     groups = [LocalGroup(config, index, group_id=f"k{i}") for i in range(2)]

@@ -160,3 +160,33 @@ def test_tenants_reach_the_group_through_the_router_and_share_it():
         assert set(counted) >= {"A", "B"} and counted["A"] > counted["B"] > 0
     finally:
         group.shutdown()
+
+
+def test_an_over_share_tenant_prefill_per_step_is_bounded_while_another_sends():
+    """A's long prompts take 6 of 8 slots; B's 2 requests arrive: while both have requests in the
+    group, a step computes at most the bound of A's prompt tokens (fewer by B's), B's prefill
+    is not bounded, and without the bound A takes the whole token budget."""
+    for bound in (None, 16):
+        sched, _ = make_scheduler(
+            num_blocks=1024, max_num_seqs=8, max_num_batched_tokens=256, over_share_prefill_tokens=bound
+        )
+        for _ in range(6):
+            sched.add_request(tenant_request("A", prompt=200, max_tokens=40))
+        step(sched)
+        b = [tenant_request("B", prompt=100, max_tokens=40) for _ in range(2)]
+        for r in b:
+            sched.add_request(r)
+        a_tokens, b_tokens = [], []
+        over = []  # whether A held more than its half of the running requests at the step
+        for _ in range(10):
+            over.append(2 * sum(r.tenant == "A" for r in sched.running) > len(sched.running) + 1)
+            out = step(sched)
+            prefill = [s for s in out.scheduled if s.is_new or s.num_tokens > 1]
+            a_tokens.append(sum(s.num_tokens for s in prefill if s.request.tenant == "A"))
+            b_tokens.append(sum(s.num_tokens for s in prefill if s.request.tenant == "B"))
+        if bound is None:
+            assert max(a_tokens) > 100
+        else:
+            assert any(over)
+            assert all(a + min(bb, bound) <= bound for a, bb, o in zip(a_tokens, b_tokens, over, strict=True) if o)
+            assert max(b_tokens) == 100  # (B's prompt in one step)

@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 
 import pytest
 
+from cluster.cost_model import CostModel
 from cluster.group import GroupStatus
 from cluster.index import GroupMatch, InMemoryPrefixIndex
 from cluster.local_group import LocalGroup
@@ -23,7 +24,7 @@ from cluster.ray.runtime import ray
 from pagefleet.llm import engine_config
 from router.launch.local import router_side
 from router.placement.policy import PlacedShare, Placement, Policy
-from router.router import PULL_MIN_BLOCKS, Router, RouteRequest
+from router.router import Router, RouteRequest, pull_pays, pull_source
 from worker.kv_transfer import KVTransferError
 from worker.protocol import GenerationRequest
 from worker.sampling_params import SamplingParams
@@ -115,11 +116,58 @@ def test_a_question_on_a_cold_group_pulls_the_document_in_process(local_groups):
 
 def test_a_short_prefix_is_recomputed_not_pulled(local_groups):
     index, g0, g1, hasher, info = local_groups
-    short = [(17 * i + 3) % 1000 for i in range(16 * (PULL_MIN_BLOCKS - 1))]
+    short = [(17 * i + 3) % 1000 for i in range(16 * 4)]
     last(g0, short + [9], "short", hasher)
     router = Router([g0, g1], index, hasher, info, policy=Chosen("g1", info.block_size))
+    # the default costs: 4 blocks' prefill (3.2 ms) is sooner than a pull's 5 ms latency
+    assert not pull_pays(4, router.cost, 16)
     out, record = routed(router, short + [8])
     assert record.pulled_from is None and out.num_cached_tokens == 0
+
+
+FAST_LINK = CostModel(prefill_token_s=1e-4, pull_latency_s=1e-3, pull_bandwidth=1e9)
+SLOW_LINK = CostModel(prefill_token_s=1e-4, pull_latency_s=1e-3, pull_bandwidth=1e6)  # 1 MB/s
+
+
+def test_the_cost_model_decides_between_a_pull_and_a_recompute(local_groups):
+    """The same document held by g0 and a question placed on g1: pulled when the calibrated
+    link is faster than the document's prefill, recomputed when the holder's link is slow
+    (24 blocks of 32 KiB at 1 MB/s: 0.79 s against 38 ms of prefill)."""
+    index, g0, g1, hasher, info = local_groups
+    doc = [(29 * i + 5) % 1000 for i in range(16 * 24)]
+    last(g0, doc + [9], "doc2", hasher)
+    slow = Router([g0, g1], index, hasher, info, policy=Chosen("g1", info.block_size))
+    slow.cost = SLOW_LINK
+    out, record = routed(slow, doc + [7, 7])
+    assert record.pulled_from is None and out.num_cached_tokens == 0
+    doc = [(31 * i + 11) % 1000 for i in range(16 * 24)]
+    last(g0, doc + [9], "doc3", hasher)
+    fast = Router([g0, g1], index, hasher, info, policy=Chosen("g1", info.block_size))
+    fast.cost = FAST_LINK
+    out, record = routed(fast, doc + [7, 7])
+    assert record.pulled_from == "g0" and out.num_cached_tokens == 24 * 16
+
+
+def test_a_pull_within_a_node_is_weighed_against_one_across_nodes():
+    """The same blocks from two holders: the one on the puller's node, whose link the cost
+    model says is faster, is pulled from; across nodes only when it alone pays."""
+    from cluster.group import GroupStatus
+    from cluster.index import GroupMatch
+    from router.placement.policy import Placement
+
+    def status(gid: str, node: str) -> GroupStatus:
+        return GroupStatus(gid, True, 1, (f"cpu@{node}",), 100, 100, 0, 0, 0, 0)
+
+    statuses = {"a": status("a", "n1"), "near": status("near", "n1"), "far": status("far", "n2")}
+    matches = {"near": GroupMatch("near", 1, 20, 0), "far": GroupMatch("far", 1, 20, 0)}
+    cost = CostModel(prefill_token_s=1e-4, pull_latency_s=1e-3, remote_pull_latency_s=0.02)
+    chosen = Placement("a", "spill", 0)
+    assert pull_source(chosen, matches, statuses, cost).pull_from == "near"
+    assert pull_source(chosen, {"far": matches["far"]}, statuses, cost).pull_from == "far"
+    # across nodes, 2 blocks' prefill (3.2 ms) does not repay the link's 20 ms
+    short = {"far": GroupMatch("far", 1, 2, 0)}
+    assert pull_source(chosen, short, statuses, cost).pull_from is None
+    assert pull_source(chosen, short, {**statuses, "far": status("far", "n1")}, cost).pull_from == "far"
 
 
 def test_a_pull_from_a_stopped_holder_recomputes_with_the_same_tokens():
@@ -176,6 +224,9 @@ def test_a_question_on_a_cold_group_pulls_the_document_across_nodes(ray_groups):
     index, r0, r1, hasher, info = ray_groups
     assert r0.node_ids != r1.node_ids
     router = Router([r0, r1], index, hasher, info, policy=Chosen("r1", info.block_size))
+    # the document's 10 blocks repay a pull across nodes when the link's latency is 5 ms (at the
+    # stated default of 20 ms their 8 ms of prefill would not)
+    router.cost = CostModel(remote_pull_latency_s=5e-3)
     check_pulled(router, r0, r1, lambda g: g.engine_stats(), hasher)
 
 

@@ -130,12 +130,14 @@ def test_token_counters_move_while_a_request_generates(groups):
 
     async def watch():
         stream = outputs(router, router.check(request(60)), metrics, InFlight(), time.perf_counter())
+        arrived = 0  # (not len(out.token_ids): in-process, that is the engine's list, growing on)
         async with contextlib.aclosing(stream):
             async for out, _ in stream:
+                arrived += len(out.new_token_ids)
                 if not out.finished:  # mid-stream: what has reached the door is counted
                     seen.append(
                         (
-                            len(out.token_ids),
+                            arrived,
                             read("generation_tokens_total"),
                             read("prompt_tokens_total"),
                             read("request_success_total"),
@@ -143,8 +145,8 @@ def test_token_counters_move_while_a_request_generates(groups):
                     )
 
     asyncio.run(watch())
-    assert len(seen) == 59
-    assert all(gen == n and prompt == len(PROMPT) and ended == 0 for n, gen, prompt, ended in seen)
+    assert len(seen) == 59 and seen[-1][0] == 59
+    assert all(gen == n and prompt == len(PROMPT) and ended == 0 for n, gen, prompt, ended in seen), seen
 
 
 def test_a_cancelled_request_is_counted_once(groups):

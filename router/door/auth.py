@@ -8,7 +8,14 @@ key's tenant is the request's prefix-cache namespace (worker/hashing.py: cache_n
 client cannot choose another tenant's blocks by naming it.
 
 A key file has one key per line, `TENANT KEY` (whitespace between, `#` starts a comment); a
-tenant may have several keys (rotation). `--api-key KEY` alone is the tenant `default`.
+tenant may have several keys (rotation). `--api-key KEY` alone is the tenant `default`. After
+the key, a line may give its tenant's weight and limits as `FIELD=VALUE` words, the fields of
+the YAML `tenants:` section (router/door/limits.py), e.g.
+
+    acme  sk-acme-1  weight=2 requests_per_s=5 tokens_per_min=60000 concurrent=4 kv_quota=0.25
+
+so that the tenants are configured in one place (`key_file_tenants`; two lines of one tenant
+giving one field two values are refused, naming both lines).
 """
 
 from __future__ import annotations
@@ -77,14 +84,49 @@ def read_key_file(path: str) -> list[tuple[str, str]]:
         if not line:
             continue
         parts = line.split()
-        if len(parts) != 2 or not _TENANT.fullmatch(parts[0]) or not _KEY.fullmatch(parts[1]):
+        if len(parts) < 2 or not _TENANT.fullmatch(parts[0]) or not _KEY.fullmatch(parts[1]):
             raise ValueError(
-                f"api_key_file {path} line {n}: expected 'TENANT KEY' (tenant: 1-128 of "
-                "[A-Za-z0-9_.-]; key: 1-512 printable ASCII characters, no spaces)"
+                f"api_key_file {path} line {n}: expected 'TENANT KEY [FIELD=VALUE ...]' (tenant: 1-128 "
+                "of [A-Za-z0-9_.-]; key: 1-512 printable ASCII characters, no spaces)"
             )
         out.append((parts[1], parts[0]))
     if not out:
         raise ValueError(f"api_key_file {path} has no keys")
+    return out
+
+
+def key_file_tenants(path: str) -> dict[str, dict[str, object]]:
+    """The tenants' fields a key file gives (`FIELD=VALUE` after a line's key), tenant ->
+    {field: value}, each value read as a YAML scalar (`2`, `0.25`, `64MiB`); every tenant of
+    the file is named, with no fields when none are given. ValueError naming the file, the line
+    and the field for a word that is not `FIELD=VALUE` or a field given two values. The fields
+    themselves are checked with the YAML section's (router/door/limits.py: parse_tenants)."""
+    import yaml
+
+    read_key_file(path)  # (the lines' tenants and keys checked)
+    out: dict[str, dict[str, object]] = {}
+    where: dict[tuple[str, str], int] = {}
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        parts = line.split("#", 1)[0].split()
+        if not parts:
+            continue
+        tenant = parts[0]
+        fields = out.setdefault(tenant, {})
+        for word in parts[2:]:
+            name, eq, text = word.partition("=")
+            if not eq or not name or not text:
+                raise ValueError(f"api_key_file {path} line {n}: {word!r} is not FIELD=VALUE (e.g. weight=2)")
+            try:
+                value = yaml.safe_load(text)
+            except yaml.YAMLError:
+                value = text
+            if (tenant, name) in where and fields[name] != value:
+                raise ValueError(
+                    f"api_key_file {path} line {n}: {tenant}.{name} is {value!r} here and {fields[name]!r} "
+                    f"on line {where[tenant, name]}: give it once"
+                )
+            where.setdefault((tenant, name), n)
+            fields[name] = value
     return out
 
 

@@ -215,6 +215,39 @@ class IndexCollector(Collector):
         return fams
 
 
+class DocumentCollector(Collector):
+    """Each tenant's live documents and the blocks this router's groups hold pinned for them
+    (router/documents.py: Documents.by_tenant), read at scrape time."""
+
+    def __init__(
+        self,
+        model_name: str,
+        by_tenant: Callable[[], dict[str, tuple[int, int]]],
+        tenant_label: Callable[[str], str | None] | None = None,
+    ) -> None:
+        self.model_name = model_name
+        self.by_tenant = by_tenant
+        self.tenant_label = tenant_label or (lambda t: t)
+
+    def collect(self) -> Iterable[Metric]:
+        labels = ["model_name", "tenant"]
+        docs = GaugeMetricFamily(
+            f"{P}tenant_documents", "A tenant's live documents (pinned or being pinned).", labels=labels
+        )
+        pinned = GaugeMetricFamily(
+            f"{P}tenant_pinned_blocks", "KV blocks the groups hold pinned for a tenant's documents.", labels=labels
+        )
+        totals: dict[str, list[int]] = {}
+        for tenant, (n, blocks) in self.by_tenant().items():
+            label = self.tenant_label(tenant) or "default"
+            row = totals.setdefault(label, [0, 0])
+            row[0], row[1] = row[0] + n, row[1] + blocks
+        for label, (n, blocks) in sorted(totals.items()):
+            docs.add_metric([self.model_name, label], n)
+            pinned.add_metric([self.model_name, label], blocks)
+        return [docs, pinned]
+
+
 class TimedReader(IndexReader):
     """A router's index reader whose round trips (`match`, `record_pending_many`) are timed."""
 

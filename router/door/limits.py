@@ -63,27 +63,28 @@ class TenantLimits:
         return any(v is not None for v in (self.requests_per_s, self.tokens_per_min, self.concurrent))
 
 
-def parse_tenants(section: Mapping[str, Any] | None) -> dict[str, TenantLimits]:
+def parse_tenants(section: Mapping[str, Any] | None, where: str = "tenants") -> dict[str, TenantLimits]:
     """The `tenants:` section (tenant -> {field: value}) checked: a ValueError naming the tenant
-    and the field for an unknown field, a bad name or a value that is not a number > 0."""
+    and the field for an unknown field, a bad name or a value that is not a number > 0.
+    `where`: what the messages name as the source (`tenants`, or a key file)."""
     out: dict[str, TenantLimits] = {}
     if not section:
         return out
     if not isinstance(section, Mapping):
-        raise ValueError("tenants must be a mapping of tenant name to its limits")
+        raise ValueError(f"{where} must be a mapping of tenant name to its limits")
     known = {f.name for f in fields(TenantLimits)}
     for tenant, spec in section.items():
         if not isinstance(tenant, str) or not _TENANT.fullmatch(tenant):
-            raise ValueError(f"tenants: {tenant!r} is not a tenant name (1-128 of A-Z a-z 0-9 _ . -)")
+            raise ValueError(f"{where}: {tenant!r} is not a tenant name (1-128 of A-Z a-z 0-9 _ . -)")
         spec = spec or {}
         if not isinstance(spec, Mapping):
-            raise ValueError(f"tenants.{tenant} must be a mapping of its limits, got {spec!r}")
+            raise ValueError(f"{where}.{tenant} must be a mapping of its limits, got {spec!r}")
         unknown = sorted(set(spec) - known)
         if unknown:
-            raise ValueError(f"tenants.{tenant}: unknown field(s) {unknown}; known: {sorted(known)}")
+            raise ValueError(f"{where}.{tenant}: unknown field(s) {unknown}; known: {sorted(known)}")
         spec = dict(spec)
         if "kv_quota" in spec:
-            spec["kv_quota"] = check_kv_quota(f"tenants.{tenant}.kv_quota", spec["kv_quota"])
+            spec["kv_quota"] = check_kv_quota(f"{where}.{tenant}.kv_quota", spec["kv_quota"])
         for name, value in spec.items():
             if name == "kv_quota":
                 continue
@@ -91,7 +92,7 @@ def parse_tenants(section: Mapping[str, Any] | None) -> dict[str, TenantLimits]:
             ok = isinstance(value, int) if whole else isinstance(value, int | float)
             if isinstance(value, bool) or not ok or not value > 0 or not math.isfinite(value):
                 kind = "an integer" if whole else "a number"
-                raise ValueError(f"tenants.{tenant}.{name} must be {kind} > 0, got {value!r}")
+                raise ValueError(f"{where}.{tenant}.{name} must be {kind} > 0, got {value!r}")
         out[tenant] = TenantLimits(**spec)
     return out
 
@@ -136,6 +137,31 @@ class Limiter:
 
     def _finish(self, tenant, request_id, output_tokens, now) -> None:
         raise NotImplementedError
+
+
+def merge_tenants(
+    yaml_section: Mapping[str, Any] | None, key_file: Mapping[str, Mapping[str, Any]], key_file_name: str
+) -> dict[str, TenantLimits]:
+    """The tenants of the YAML `tenants:` section and of the key file's `FIELD=VALUE` words, one
+    mapping: each source checked on its own (its errors name it), then merged tenant by tenant.
+    A field both give, with different values, is refused naming the tenant, the field and both
+    sources: the operator says which one holds. A tenant only the key file names, with no
+    fields, is not added (it keeps the defaults either way)."""
+    parse_tenants(yaml_section)
+    parse_tenants({t: f for t, f in key_file.items() if f}, where=f"{key_file_name}: tenants")
+    merged: dict[str, dict[str, Any]] = {t: dict(f or {}) for t, f in (yaml_section or {}).items()}
+    for tenant, given in key_file.items():
+        if not given:
+            continue
+        mine = merged.setdefault(tenant, {})
+        for name, value in given.items():
+            if name in mine and mine[name] != value:
+                raise ValueError(
+                    f"tenants.{tenant}.{name} is {mine[name]!r} in tenants: and {value!r} in {key_file_name}; "
+                    "give it in one place"
+                )
+            mine[name] = value
+    return parse_tenants(merged)
 
 
 def _refusal(tenant: str, lim: TenantLimits, verdict: str, now: float) -> RateLimited:

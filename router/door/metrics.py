@@ -46,7 +46,7 @@ from prometheus_client import (
 from prometheus_client.exposition import ThreadingWSGIServer
 
 from cluster.index import IndexReader
-from router.door.cluster_metrics import GroupCollector, IndexCollector, TierCollector, TimedReader
+from router.door.cluster_metrics import DocumentCollector, GroupCollector, IndexCollector, TierCollector, TimedReader
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py), so histograms compare bucket for bucket.
 TTFT_BUCKETS = (
@@ -330,6 +330,10 @@ class ServerMetrics:
         """Export per-group gauges and counters read from `statuses()` (GroupStatus list)."""
         self.registry.register(GroupCollector(self.model_name, statuses, self.tenant_label))
         self.registry.register(TierCollector(self.model_name, statuses))
+
+    def watch_documents(self, by_tenant: Callable[[], dict[str, tuple[int, int]]]) -> None:
+        """Export each tenant's documents and pinned blocks (`by_tenant()`: tenant -> both)."""
+        self.registry.register(DocumentCollector(self.model_name, by_tenant, self.tenant_label))
 
     def watch_index(self, index: IndexReader) -> None:
         """Export the prefix index's health as the router's reader sees it."""

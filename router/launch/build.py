@@ -172,8 +172,11 @@ def _assemble(config, groups, index, ray_groups, policy, hasher, tokenizer, info
     reader = metrics.timed_index(index.reader)
     router = Router(groups, reader, hasher, info, tokenizer=tokenizer, policy=policy)
     router.documents.max_documents = config.tenants.max_documents
+    if config.cluster.redis is not None:  # every router replica knows every document
+        router.documents.share(redis.Redis.from_url(config.cluster.redis), config.cluster.name)
     metrics.watch_groups(router.cluster_status)
     metrics.watch_index(reader)
+    metrics.watch_documents(router.documents.by_tenant)
     return Cluster(router, groups, index, metrics, make_limiter(config), ray_groups)
 
 
@@ -181,10 +184,7 @@ def engine_config(config: ServeConfig, secret: str, **extra) -> EngineConfig:
     """The groups' engine config: the configured options, the cluster secret and the tenants'
     weights in the fair share (SchedulerConfig.tenant_weights) and KV quotas
     (CacheConfig.tenant_kv_quotas)."""
-    weights = {"tenant_weights": config.tenants.weights} if config.tenants.limits else {}
-    if quotas := config.tenants.kv_quotas:
-        weights["tenant_kv_quotas"] = quotas
-    return config.engine.engine_config(cluster_secret=secret, **weights, **extra)
+    return config.engine.engine_config(cluster_secret=secret, **config.tenants.engine_options(), **extra)
 
 
 def make_policy_for(config: ServeConfig, probe: EngineConfig) -> Policy:

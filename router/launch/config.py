@@ -8,7 +8,8 @@ underscores), plus `engine:` (the engine's options), `policy_options:`, `http_he
 - `SecurityConfig`: the API keys and TLS files of both doors;
 - `ClusterConfig`: the groups (how many, how placed, this process's role), the index, the policy;
 - `EngineSection`: the model and the flat options of every group's `EngineConfig`;
-- `TenantsConfig`: each tenant's weight and limits (router/door/limits.py).
+- `TenantsConfig`: each tenant's weight and limits (router/door/limits.py), from `tenants:` and
+  the API key file's `FIELD=VALUE` words (router/door/auth.py), one set of tenants.
 
 A key no section knows, and a value a section refuses, is a ValueError naming the key, before
 anything binds or loads. Environment variables are read here and in worker/config.py only.
@@ -23,9 +24,10 @@ from typing import Any
 
 import yaml
 
+from router.door.auth import key_file_tenants
 from router.door.http import DEFAULT_HTTP_PORT
 from router.door.http_limits import HeaderLimits
-from router.door.limits import TenantLimits, parse_tenants
+from router.door.limits import TenantLimits, merge_tenants, parse_tenants
 from router.door.server import DEFAULT_PORT, MAX_MESSAGE_BYTES
 from worker.config import EngineConfig
 from worker.model_source import check_model_name
@@ -150,9 +152,17 @@ class TenantsConfig:
     limits: Mapping[str, TenantLimits] = field(default_factory=dict, hash=False)
 
     @classmethod
-    def parse(cls, section: object) -> TenantsConfig:
-        """The YAML section checked, naming the tenant and the field (router/door/limits.py)."""
-        return cls(parse_tenants(section))  # type: ignore[arg-type]
+    def parse(cls, section: object, key_file: str | None = None) -> TenantsConfig:
+        """The YAML section checked, naming the tenant and the field (router/door/limits.py),
+        merged with the weights and limits the API key file gives (`TENANT KEY FIELD=VALUE`,
+        router/door/auth.py); a field both give two values is refused, naming both."""
+        if key_file is None or not Path(key_file).is_file():
+            # (a key file that is not there yet, e.g. a secret mounted in the pod that runs the
+            # configuration, is the door's to refuse when it starts: router/door/auth.py)
+            return cls(parse_tenants(section))  # type: ignore[arg-type]
+        if section is not None and not isinstance(section, Mapping):
+            raise ValueError("tenants must be a mapping of tenant name to its limits")
+        return cls(merge_tenants(section, key_file_tenants(key_file), f"api_key_file {key_file}"))
 
     @property
     def names(self) -> frozenset[str]:
@@ -177,6 +187,15 @@ class TenantsConfig:
     def weights(self) -> dict[str, float]:
         """Each named tenant's weight in a group's fair share (SchedulerConfig.tenant_weights)."""
         return {t: lim.weight for t, lim in self.limits.items()}
+
+    def engine_options(self) -> dict[str, Any]:
+        """What the groups' engines take of the tenants: their weights in the fair share
+        (SchedulerConfig.tenant_weights) and their KV quotas (CacheConfig.tenant_kv_quotas);
+        the same for `pagefleet serve`'s groups and `pagefleet groups start`'s."""
+        options: dict[str, Any] = {"tenant_weights": self.weights} if self.limits else {}
+        if quotas := self.kv_quotas:
+            options["tenant_kv_quotas"] = quotas
+        return options
 
 
 # The flat keys whose name differs from their section's field; every other key is the field's.
@@ -227,7 +246,8 @@ class ServeConfig:
         if "http_headers" in by_section["doors"]:
             by_section["doors"]["http_headers"] = _header_limits(by_section["doors"]["http_headers"])
         made = {name: cls_(**by_section[name]) for name, cls_ in _SECTIONS.items()}
-        return cls(**made, tenants=TenantsConfig.parse(normal.get("tenants")))
+        tenants = TenantsConfig.parse(normal.get("tenants"), made["security"].api_key_file)
+        return cls(**made, tenants=tenants)
 
 
 def _header_limits(values: object) -> HeaderLimits:

@@ -14,10 +14,22 @@ finds it on the device and nothing is loaded twice. Saves and loads accumulate i
 which the scheduler hands to every rank with the step (worker/step.py `KVMoves`).
 
 With a disk tier (`disk`) under the host, a block the host evicts is demoted to it, and a
-lookup goes on from the host to the disk: disk hits are fetched into host slots through
-`fetch` (synchronous in this version: the reads are made before the request is admitted, and
-a block that any rank fails to read whole ends the match there, a miss), then loaded as host
-hits.
+lookup goes on from the host to the disk: disk hits are fetched into host slots, then loaded
+as host hits; a block that any rank fails to read whole ends the match there, a miss (the
+request recomputes it and the rest of its chain).
+
+With a `loader` (the executor's `fetch_start`, `fetch_ready`, `fetch_wait`) the reads run off
+the step's path: `match_prefix` starts a load of the chain's disk blocks into host slots held
+across steps (`TierIndex.hold`), records each hash in `loading`, and returns a match that
+`waits` on them; the scheduler keeps that request in its loading state (not scheduled, other
+requests stepped on). A second request whose chain meets a hash in `loading` waits on the same
+load: each block is read once. `poll_loads` (each step, before the scheduler admits anyone)
+asks the executor which loads rank 0 has read, then has every rank wait for and agree on those
+(the smallest count each read whole over the ranks): only then are the blocks host blocks
+that a match may restore. The decision to start a load and the one to complete it are rank
+0's and reach the other ranks in order with the steps (worker/exec/tp_executor.py), so every
+rank's host slots hold the same blocks when a step's loads read them. Without a loader the
+reads are made between two steps (`fetch`), the request admitted after them.
 
 At a clean shutdown, `flush_moves` writes down to the disk what a restart would otherwise
 lose: the host's blocks the disk lacks, then the device's cached full blocks (through host
@@ -48,9 +60,10 @@ in benchmarks/RESULTS.md (KV tiers).
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from worker.engine.block_pool import Block, FreeBlockQueue
 from worker.engine.request import Request
@@ -72,6 +85,16 @@ from worker.step import KVMoves
 Fetch = Callable[[KVMoves, list[tuple[bytes, int]]], int]
 
 
+class Loader(Protocol):
+    """Disk reads off the step's path, on every rank (worker/exec/executor.py `Executor`)."""
+
+    def fetch_start(self, early: KVMoves, fetches: list[tuple[bytes, int]]) -> None: ...
+
+    def fetch_ready(self) -> int: ...
+
+    def fetch_wait(self, n: int) -> list[int]: ...
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -84,6 +107,9 @@ class PrefixMatch:
     blocks: tuple[Block, ...]
     block_size: int
     loads: tuple[tuple[int, bytes, int], ...] = ()
+    # hashes of the chain a load from the disk is reading: the request waits for them (and
+    # is matched again when they are read); empty: the match can be allocated now
+    waits: frozenset[bytes] = frozenset()
 
     @property
     def num_tokens(self) -> int:
@@ -103,6 +129,7 @@ class BlockManager:
         disk: TierIndex | None = None,
         fetch: Fetch | None = None,
         quotas: Mapping[str, int] | None = None,
+        loader: Loader | None = None,
     ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
@@ -131,6 +158,9 @@ class BlockManager:
         assert self.disk is None or fetch is not None, "a disk tier needs a fetch"
         self.disk_hits = 0  # tokens of prefix hits fetched from the disk tier
         self.disk_failures = 0  # blocks the disk tier could not read whole (misses)
+        self.loader = loader if self.disk is not None else None  # reads off the step's path
+        self.loading: dict[bytes, int] = {}  # hash -> host slot, of the loads in flight
+        self._loads: deque[list[tuple[bytes, int]]] = deque()  # the loads in flight, oldest first
         self.moves = KVMoves()  # this step's copies between tiers, so far
         self.host_hits = 0  # tokens of prefix hits restored from the host tier
         self.host_saves = 0  # blocks written back to the host tier
@@ -201,11 +231,14 @@ class BlockManager:
         on the disk (fetched to the host now)."""
         cached, host, disk = self.cached, self.host, self.disk
         loads, fetches = [], []
+        loading, waits = self.loading, []
         for pos in range(i, max_blocks):
             h = request.block_hashes[pos]
             block = cached.get(h)
             if block is not None:
                 blocks.append(block)
+            elif h in loading:  # (a load in flight fills its host slot: not yet a host block)
+                waits.append((pos, h))
             elif (slot := host.get(h)) is not None:
                 host.pin(slot)  # (a fetch below must not take it)
                 loads.append((pos, h, slot))
@@ -213,6 +246,13 @@ class BlockManager:
                 fetches.append((pos, h))
             else:
                 break
+        if self.loader is not None and (fetches or waits):
+            started = self._start_load(fetches)
+            if waits or started:
+                return PrefixMatch((), self.block_size, (), frozenset(h for _, h in waits + fetches[:started]))
+            end = fetches[0][0]  # no host slot for a load this step: the match ends there
+            blocks = blocks[: end - len([p for p, *_ in loads if p < end])]
+            return PrefixMatch(tuple(blocks), self.block_size, tuple(x for x in loads if x[0] < end))
         if fetches:
             got = self._fetch(fetches)
             if got < len(fetches):  # the chain ends at the first block not read whole
@@ -255,6 +295,73 @@ class BlockManager:
             self.emit(BlockStored(tuple(h for h, _ in slots[:got]), None, HOST))
         self.disk_hits += got * self.block_size
         return got
+
+    def _start_load(self, fetches: list[tuple[int, bytes]]) -> int:
+        """Start reading disk blocks (position, hash) into host slots, held until the read is
+        done on every rank; returns how many (the leading ones the host has slots for)."""
+        host, slots, victims = self.host, [], []
+        for _, h in fetches:
+            put = host.put(h)
+            if put is None:
+                break
+            slot, victim = put
+            host.hold(slot)
+            if victim is not None:
+                victims.append(victim)
+                self._demote(victim, slot)
+            slots.append((h, slot))
+            self.loading[h] = slot
+        if victims:
+            self.emit(BlockRemoved(tuple(victims), HOST))
+        if slots:
+            early = KVMoves(demotes=self.moves.demotes, drops=self.moves.drops)
+            self.moves.demotes, self.moves.drops = [], []
+            self.loader.fetch_start(early, slots)
+            self._loads.append(slots)
+        return len(slots)
+
+    @property
+    def loads_in_flight(self) -> int:
+        """Loads from the disk started and not yet completed."""
+        return len(self._loads)
+
+    def poll_loads(self, block: bool = False) -> list[bytes]:
+        """Complete the loads rank 0 has read (with `block`, at least the oldest, waited
+        for): every rank agrees on each one's count read whole, the blocks read are host
+        blocks from now on (kept for this step), the rest misses (forgotten by the host and the
+        disk). Returns the hashes no longer loading."""
+        if not self._loads:
+            return []
+        ready = self.loader.fetch_ready()
+        if not ready and block:
+            ready = 1
+        if not ready:
+            return []
+        host, disk, done = self.host, self.disk, []
+        for got in self.loader.fetch_wait(ready):
+            slots = self._loads.popleft()
+            for h, slot in slots:
+                host.release(slot)
+                del self.loading[h]
+                done.append(h)
+            for _, slot in slots[:got]:
+                host.pin(slot)  # (this step's admissions restore them before anything evicts them)
+            failed = [h for h, _ in slots[got:]]
+            for h in failed:
+                host.drop(h)
+                disk.drop(h)
+            if failed:
+                self.disk_failures += 1
+                self.emit(BlockRemoved(tuple(failed), DISK))
+            if got:
+                self.emit(BlockStored(tuple(h for h, _ in slots[:got]), None, HOST))
+            self.disk_hits += got * self.block_size
+        return done
+
+    def drain_loads(self) -> None:
+        """Complete every load in flight, waiting (a shutdown, before the tiers are flushed)."""
+        while self._loads:
+            self.poll_loads(block=True)
 
     def adopt_disk(self, hashes: list[bytes]) -> None:
         """The disk tier's blocks from before this start (least recently written first), in
@@ -416,8 +523,8 @@ class BlockManager:
         return len(self.pinned)
 
     def reset_prefix_cache(self) -> bool:
-        """Forget every cached block; refused (False) while any block is in use."""
-        if self.num_free_blocks != self.num_blocks:
+        """Forget every cached block; refused (False) while any block is in use or loading."""
+        if self.num_free_blocks != self.num_blocks or self._loads:
             return False
         for block in self.cached.values():
             block.block_hash = None
@@ -503,7 +610,7 @@ class BlockManager:
             block = self.cached.get(h)
             if block is not None:
                 held.append((True, block.block_id))
-            elif self.host is not None and (slot := self.host.get(h)) is not None:
+            elif self.host is not None and h not in self.loading and (slot := self.host.get(h)) is not None:
                 held.append((False, slot))
             else:
                 break

@@ -131,6 +131,17 @@ class WaitingQueue:
         """Count `tokens` processed for `tenant` against its share."""
         self.served[tenant] = self.served.get(tenant, 0.0) + tokens / self.weights.get(tenant, 1.0)
 
+    def backlogs(self) -> list[tuple[str, int]]:
+        """(tenant, its waiting requests) of each tenant with some, the one furthest under its
+        share first."""
+        served = self.served.get
+        busy = [(t, len(q)) for t, q in self._queues.items() if q]
+        return sorted(busy, key=lambda e: (served(e[0], 0.0), self._queues[e[0]].peek().arrival_time))
+
+    def active_tenants(self) -> set[str]:
+        """The tenants with requests in the group (waiting or running)."""
+        return {t for t, k in self._in_group.items() if k}
+
     def counter(self, tenant: str) -> float:
         """`tenant`'s tokens processed over its weight (0 while only one tenant sends):
         preemption takes from the tenant furthest over its share first."""

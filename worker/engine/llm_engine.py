@@ -115,8 +115,9 @@ class LLMEngine:
         if host is not None and cache.kv_disk_bytes:
             disk = TierIndex(disk_blocks(cache, self.layout), DISK)
         quotas = quota_blocks(cache.tenant_kv_quotas, num_blocks, self.layout.block_bytes) or None
+        loader = self.executor if disk is not None and cache.kv_disk_async else None
         bm = BlockManager(
-            num_blocks, cache.block_size, hasher, self._events.append, host, disk, self.executor.fetch, quotas
+            num_blocks, cache.block_size, hasher, self._events.append, host, disk, self.executor.fetch, quotas, loader
         )
         if disk is not None:  # what an earlier owner of the directory left, under the same names
             bm.adopt_disk(self.executor.disk_inventory())
@@ -406,6 +407,10 @@ class LLMEngine:
         kept = {"host": 0, "device": 0, "batches": 0}
         bm = self.scheduler.bm
         if bm.disk is not None:
+            try:  # (the reads in flight end first: their slots are the host's again)
+                bm.drain_loads()
+            except Exception as e:
+                log.warning("KV tiers: the disk reads in flight at shutdown failed: %s", e)
             t0 = time.monotonic()
             cut, device_phase = False, False
             for moves in bm.flush_moves():
@@ -501,6 +506,7 @@ class LLMEngine:
             "preemptions": sched.num_preemptions,
             "running": sched.num_running,
             "waiting": sched.num_waiting + len(self._compiling),
+            "loading": sched.num_loading,  # waiting for their prefix's blocks from the disk tier
             "pending_prefill_tokens": sched.pending_prefill_tokens(),
             "tokens_computed": self.tokens_computed,
             "block_size": bm.block_size,

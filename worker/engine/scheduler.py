@@ -1,4 +1,13 @@
-"""Continuous batching: which tokens of which requests run in the next forward pass."""
+"""Continuous batching: which tokens of which requests run in the next forward pass.
+
+A request whose prefix is partly on the disk tier waits in a loading state (`loading`) while
+the block manager's load copies the blocks up to the host tier off the step's path
+(worker/engine/block_manager.py): it is neither scheduled nor holding the queue, whose next
+requests are admitted, and running ones keep decoding. At each step's start the loads done on
+every rank are completed, and a loading request whose blocks are all read goes back to the
+head of the queue, to be matched again: its blocks are host hits now (or misses where a read
+failed, recomputed). Aborting a loading request lets its load finish for the host tier.
+"""
 
 from __future__ import annotations
 
@@ -27,6 +36,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.waiting = WaitingQueue(by_priority=config.policy == "priority", weights=config.tenant_weights)
         self.running: list[Request] = []  # in admission order
+        # request id -> (the request, the hashes its loads read), waiting for the disk tier
+        self.loading: dict[str, tuple[Request, frozenset[bytes]]] = {}
         self._finished_ids: list[str] = []
         self.num_preemptions = 0
         self._reserve_blocks = int(config.watermark * block_manager.num_blocks)
@@ -73,6 +84,8 @@ class Scheduler:
             return None
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
+        elif request_id in self.loading:  # (its load goes on: the host keeps what it reads)
+            del self.loading[request_id]
         else:
             self.waiting.remove(request)
         self.bm.free(request)
@@ -97,7 +110,10 @@ class Scheduler:
         out = SchedulerOutput(finished_ids=self._finished_ids)
         self._finished_ids = []
         budget = self.config.max_num_batched_tokens
+        if self.bm.loads_in_flight:
+            self._poll_loads()
         self._seated = self._free_seats(out) if self.waiting.fair else 0
+        self._favoured, self._others_left = self._prefill_bound()
         budget = self._schedule_running(out, budget)
         if len(out.preempted_ids) == self._seated:  # (none for want of blocks)
             budget = self._schedule_waiting(out, budget)
@@ -109,6 +125,23 @@ class Scheduler:
                 if not s.is_new:
                     charge(s.request.tenant, s.num_tokens)
         return out
+
+    def _poll_loads(self) -> None:
+        """Complete the disk loads read on every rank (waiting for the oldest when nothing
+        else could run); loading requests whose blocks are all read go back to the head of the
+        queue, in the order they arrived."""
+        idle = not self.running and not self.waiting
+        self.bm.poll_loads(block=idle)
+        loading = self.bm.loading
+        back = [r for r, waits in self.loading.values() if loading.keys().isdisjoint(waits)]
+        for req in sorted(back, key=lambda r: r.arrival_time, reverse=True):
+            del self.loading[req.request_id]
+            self.waiting.push(req, front=True)
+
+    @property
+    def num_loading(self) -> int:
+        """Requests waiting for their blocks from the disk tier."""
+        return len(self.loading)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         """Running requests in admission order, decodes before the others (a recompute or an
@@ -144,7 +177,11 @@ class Scheduler:
                 if budget == 0:
                     break
             if req.status is RequestStatus.RUNNING:
-                budget -= self._grow(req, min(req.num_tokens - req.num_computed_tokens, budget), out)
+                n = self._prefill_room(req.tenant, min(req.num_tokens - req.num_computed_tokens, budget))
+                if n:
+                    n = self._grow(req, n, out)
+                    self._took_prefill(req.tenant, n)
+                    budget -= n
         return budget
 
     def _grow(self, req: Request, n: int, out: SchedulerOutput, lookahead: int = 0) -> int:
@@ -174,7 +211,13 @@ class Scheduler:
             if below is not None and self.waiting.counter(req.tenant) >= below:
                 break
             match = self.bm.match_prefix(req)
-            n = min(req.num_tokens - match.num_tokens, budget)
+            if match.waits:  # a load from the disk reads its blocks: the next may go first
+                self.waiting.pop()
+                self.loading[req.request_id] = (req, match.waits)
+                continue
+            n = self._prefill_room(req.tenant, min(req.num_tokens - match.num_tokens, budget))
+            if n == 0:
+                break
             if not self.bm.can_allocate(req, match, n, self._reserve_blocks):
                 break  # keep FCFS order: nobody overtakes the head of the queue
             self.waiting.pop()
@@ -189,8 +232,36 @@ class Scheduler:
             out.admitted.append(out.scheduled[-1])
             if self.waiting.fair:  # (counted now: the next admission of this step sees it)
                 self.waiting.charge(req.tenant, n)
+            self._took_prefill(req.tenant, n)
             budget -= n
         return budget
+
+    def _prefill_bound(self) -> tuple[set[str] | None, int]:
+        """While several tenants have requests in the group, the tenants at or under their
+        weighted share of the running requests, and the prompt tokens a step may compute for
+        the others (config.over_share_prefill_tokens): a bound on how long a step of a heavy
+        tenant's prefill makes another's new request wait. (None, 0): no bound."""
+        cap = self.config.over_share_prefill_tokens
+        active = self.waiting.active_tenants() if cap is not None and self.waiting.fair else set()
+        if len(active) < 2:
+            return None, 0
+        counts: dict[str, int] = {}
+        for r in self.running:
+            counts[r.tenant] = counts.get(r.tenant, 0) + 1
+        weight = self.waiting.weights.get
+        total, n = sum(weight(t, 1.0) for t in active), len(self.running)
+        return {t for t in active if counts.get(t, 0) <= n * weight(t, 1.0) / total}, cap
+
+    def _prefill_room(self, tenant: str, n: int) -> int:
+        """Of `n` prompt tokens, those `tenant` may compute in this step (see _prefill_bound)."""
+        if self._favoured is None or tenant in self._favoured:
+            return n
+        return min(n, self._others_left)
+
+    def _took_prefill(self, tenant: str, n: int) -> None:
+        """Any tenant's prompt tokens in the step count against the over-share tenants' room."""
+        if self._favoured is not None:
+            self._others_left = max(0, self._others_left - n)
 
     def _record(self, req: Request, n: int, new_ids: list[int], is_new: bool) -> ScheduledRequest:
         start = req.num_computed_tokens
@@ -206,30 +277,44 @@ class Scheduler:
         )
 
     def _free_seats(self, out: SchedulerOutput, at_most: int = 4) -> int:
-        """With every sequence slot taken, a waiting tenant under its weighted share of the
-        slots takes one from the tenant furthest over its share, whose newest running request
-        is preempted (to be recomputed, mostly from the prefix cache): so that one tenant's
-        backlog cannot hold every slot while another's requests wait. Returns the requests
-        preempted (at most `at_most` a step)."""
+        """With every sequence slot taken, waiting tenants under their weighted share of the
+        slots take them from the tenant furthest over its share, whose newest (or lowest
+        priority) running request is preempted (to be recomputed, mostly from the prefix
+        cache): so that one tenant's backlog cannot hold every slot while another's requests
+        wait. Each waiting request of an under-share tenant gets a slot (a free one first),
+        the tenants furthest under their share first; returns the requests preempted (at most
+        `at_most` a step)."""
         cap, running, waiting = self.config.max_num_seqs, self.running, self.waiting
+        if len(running) < cap or not waiting:
+            return 0
+        counts: dict[str, int] = {}
+        for r in running:
+            counts[r.tenant] = counts.get(r.tenant, 0) + 1
+        weight = waiting.weights.get
         freed = 0
-        while freed < at_most and len(running) >= cap and waiting:
-            head = waiting.peek().tenant
-            counts: dict[str, int] = {}
-            for r in running:
-                counts[r.tenant] = counts.get(r.tenant, 0) + 1
-            weight = waiting.weights.get
-            total = sum(weight(t, 1.0) for t in {*counts, head})
-            seats = {t: cap * weight(t, 1.0) / total for t in {*counts, head}}
-            if counts.get(head, 0) + 1 > seats[head]:
-                break  # the head's tenant has its share: it waits for a slot
-            over = max(counts, key=lambda t: counts[t] - seats[t])
-            if counts[over] <= seats[over]:
-                break
-            victim = max((r for r in running if r.tenant == over), key=lambda r: r.arrival_time)
-            self._preempt(victim, out)
-            freed += 1
+        for tenant, backlog in waiting.backlogs():  # (furthest under its share first)
+            tenants = {*counts, tenant}
+            total = sum(weight(t, 1.0) for t in tenants)
+            seats = {t: cap * weight(t, 1.0) / total for t in tenants}
+            for _ in range(backlog):
+                if freed == at_most or counts.get(tenant, 0) + 1 > seats[tenant]:
+                    return freed  # it has its share: it (and, in queue order, those after) waits
+                over = max(counts, key=lambda t: counts[t] - seats[t])
+                if counts[over] <= seats[over]:
+                    return freed
+                self._preempt(self._newest(over), out)
+                counts[over] -= 1
+                counts[tenant] = counts.get(tenant, 0) + 1
+                freed += 1
         return freed
+
+    def _newest(self, tenant: str) -> Request:
+        """`tenant`'s running request that preemption takes first: its newest, or its lowest
+        priority (then newest) under the priority policy."""
+        mine = (r for r in self.running if r.tenant == tenant)
+        if self.waiting.by_priority:
+            return max(mine, key=lambda r: r.sort_key)
+        return max(mine, key=lambda r: r.arrival_time)
 
     def _pick_victim(self, exclude: set[str]) -> Request | None:
         """The newest (or lowest priority) running request not in `exclude`, of the tenant

@@ -3,7 +3,9 @@
 Pure Python, no torch, as the block manager it serves: it names slots; each rank's tier
 (worker/exec/host_tier.py) owns the bytes. A slot that a step reads or writes is pinned until
 the step is handed over (`unpin_all`), so that no later decision of the same step reuses it:
-every rank then makes the step's copies in one fixed order (worker/step.py `KVMoves`).
+every rank then makes the step's copies in one fixed order (worker/step.py `KVMoves`). A slot
+that a fetch from the disk fills off the step's path is held across steps (`hold`) until its
+read is done on every rank (`release`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ class TierIndex:
         self._slots: OrderedDict[bytes, int] = OrderedDict()  # hash -> slot, LRU first
         self._free = list(range(num_slots - 1, -1, -1))  # slot 0 handed out first
         self._pinned: set[int] = set()
+        self._held: set[int] = set()  # slots a read in flight fills (see `hold`)
 
     def __len__(self) -> int:
         return len(self._slots)
@@ -49,6 +52,18 @@ class TierIndex:
     def unpin_all(self) -> None:
         self._pinned.clear()
 
+    def hold(self, slot: int) -> None:
+        """Keep `slot` from being reused across steps until `release`: a read fills it."""
+        self._held.add(slot)
+
+    def release(self, slot: int) -> None:
+        self._held.discard(slot)
+
+    @property
+    def num_held(self) -> int:
+        """Slots held by reads in flight."""
+        return len(self._held)
+
     def put(self, block_hash: bytes) -> tuple[int, bytes | None] | None:
         """A slot for `block_hash` (pinned), a free one or the least recently used unpinned
         one, whose hash is evicted: (slot, the evicted hash or None). None when every slot is
@@ -59,7 +74,7 @@ class TierIndex:
             slot = self._free.pop()
         else:
             for h, s in self._slots.items():
-                if s not in self._pinned:
+                if s not in self._pinned and s not in self._held:
                     evicted, slot = h, s
                     break
             else:
@@ -80,3 +95,4 @@ class TierIndex:
         self._slots.clear()
         self._free = list(range(self.num_slots - 1, -1, -1))
         self._pinned.clear()
+        self._held.clear()

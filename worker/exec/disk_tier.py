@@ -7,9 +7,11 @@ name, then renamed, so that a reader sees a whole file or none; a file that is m
 of another hash or whose checksum fails is a miss (and is removed), never KV. A write that
 fails (the disk full) leaves no file: a later fetch of that block is a miss, with one warning.
 
-Fetches are synchronous in this version: the engine's thread waits for the reads before it
-admits the request whose prefix they hold (between two steps), and a tensor-parallel group
-agrees on the leading blocks that every rank read whole (the smallest count over the ranks).
+Fetches run on a reader thread of each rank (`DeviceWorker.fetch_start`), off the step's
+path, while the request whose prefix they hold waits in a loading state; a tensor-parallel
+group agrees on the leading blocks that every rank read whole (the smallest count over the
+ranks) before rank 0 lets any request use them (`DeviceWorker.fetch_wait`). With
+`kv_disk_async` False they are made between two steps, the engine's thread waiting.
 
 The directory survives its owner. It is `<kv_disk_dir>/<digest>/rank<r>`, the digest keyed by
 the cluster secret over the model's fingerprint and the group's size: a block's name (its
@@ -71,7 +73,7 @@ def disk_blocks(cache: CacheConfig, layout: KVLayout) -> int:
 class DiskTier:
     """Block files in one locked directory, read into and written from a host tier's slots."""
 
-    def __init__(self, directory: Path, host: HostTier, capacity: int) -> None:
+    def __init__(self, directory: Path, host: HostTier, capacity: int, read_delay_s: float = 0.0) -> None:
         directory.mkdir(parents=True, exist_ok=True)
         self.directory = directory
         self.host = host
@@ -87,6 +89,8 @@ class DiskTier:
         self.bytes_read = 0
         self.failed_reads = 0
         self.failed_writes = 0
+        self.reads = 0  # block files read (whole or not)
+        self.read_delay_s = read_delay_s  # added to each read (`kv_disk_read_delay_s`)
 
     def _scan(self) -> list[bytes]:
         """The hashes of the block files whose header is whole, by modification time; torn
@@ -152,6 +156,9 @@ class DiskTier:
         """Fill the host slot from the file of `block_hash`; False (and the file removed)
         when it is missing, torn, of another block or corrupt."""
         path = self.path(block_hash)
+        self.reads += 1
+        if self.read_delay_s:
+            time.sleep(self.read_delay_s)
         try:
             data = path.read_bytes()
         except OSError:

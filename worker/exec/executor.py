@@ -6,8 +6,10 @@ tensor-parallel group an executor that hands each step to every rank (see worker
 
 from __future__ import annotations
 
+import collections
 import time
 from abc import ABC, abstractmethod
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -47,6 +49,8 @@ class DeviceWorker:
         self.host_tier: HostTier | None = None  # blocks under the pool, in host memory
         self.disk_tier: DiskTier | None = None  # and under the host tier, on disk
         self.load_times = {HOST: LoadTimes(), DISK: LoadTimes()}  # restores' latencies, by tier
+        self._reader: ThreadPoolExecutor | None = None  # the disk reads off the step's path
+        self._reads: collections.deque[tuple[Future, list[tuple[bytes, int]]]] = collections.deque()
 
     def determine_num_blocks(self) -> int:
         """Blocks this device can hold under the configured budget."""
@@ -84,7 +88,8 @@ class DeviceWorker:
                 fingerprint = kv_fingerprint(self.config, self.model_config).encode() + b"tp%d" % c.world_size
                 key = cluster_secret(self.config.cluster_secret)
                 directory = disk_directory(cache.kv_disk_dir, fingerprint, key, c.rank)
-                self.disk_tier = DiskTier(directory, self.host_tier, disk_blocks(cache, self.layout))
+                blocks = disk_blocks(cache, self.layout)
+                self.disk_tier = DiskTier(directory, self.host_tier, blocks, cache.kv_disk_read_delay_s)
 
     def disk_inventory(self, agree=None) -> list[bytes]:
         """The blocks this rank's disk tier reopened (oldest first), with `agree` only those
@@ -128,6 +133,56 @@ class DeviceWorker:
             got = agree(got)
         self.disk_tier.remove([h for h, _ in fetches[got:]])
         return got
+
+    # ---- fetches off the step's path: a reader thread per rank -------------------------------
+    def fetch_start(self, early: KVMoves, fetches: list[tuple[bytes, int]]) -> None:
+        """The disk writes in `early` now (the slots' victims, before the slots are written),
+        then the disk blocks (hash, host slot) queued to this rank's reader thread, in order;
+        every rank starts the same fetches in the same order (rank 0's, sent with the steps).
+        The slots are the block manager's until `fetch_wait` says the reads are done."""
+        self.move(early)
+        assert self.disk_tier is not None, "a fetch from a disk tier this rank lacks"
+        if self._reader is None:
+            self._reader = ThreadPoolExecutor(1, thread_name_prefix="kv-disk-reader")
+        self._reads.append((self._reader.submit(self._read, fetches), fetches))
+
+    def _read(self, fetches: list[tuple[bytes, int]]) -> int:
+        t0 = time.perf_counter()
+        got = self.disk_tier.fetch(fetches)
+        self.load_times[DISK].observe(time.perf_counter() - t0)
+        return got
+
+    def fetch_ready(self) -> int:
+        """How many of the fetches started (oldest first) this rank has read, without waiting."""
+        n = 0
+        for future, _ in self._reads:
+            if not future.done():
+                break
+            n += 1
+        return n
+
+    def fetch_wait(self, n: int, agree=None) -> list[int]:
+        """The oldest `n` fetches, waited for: for each, how many blocks were read whole in
+        order (with `agree`, the smallest count over the ranks). The files after those are
+        removed: their blocks are misses now."""
+        counts = []
+        for _ in range(n):
+            future, fetches = self._reads.popleft()
+            try:
+                got = future.result()
+            except Exception:  # (an I/O error the tier did not catch: every block a miss)
+                got = 0
+            if agree is not None:
+                got = agree(got)
+            self.disk_tier.remove([h for h, _ in fetches[got:]])
+            counts.append(got)
+        return counts
+
+    def close_reader(self) -> None:
+        """Wait for the reads in flight, then stop the reader thread."""
+        if self._reader is not None:
+            self._reader.shutdown(wait=True)
+            self._reader = None
 
     def export_rows(self, sources: list[tuple[int, int]]) -> list[torch.Tensor]:
         """This rank's shard of blocks another group pulls (worker/exec/kv_transfer.py)."""
@@ -205,6 +260,20 @@ class Executor(ABC):
         the disk writes in `early` first, then the reads; how many, in order, every rank read."""
         raise NotImplementedError(f"{type(self).__name__} has no disk tier")
 
+    def fetch_start(self, early: KVMoves, fetches: list[tuple[bytes, int]]) -> None:
+        """Start reading disk blocks into the host tier's slots on every rank, off the step's
+        path (each rank's reader thread); the disk writes in `early` first, now."""
+        raise NotImplementedError(f"{type(self).__name__} has no disk tier")
+
+    def fetch_ready(self) -> int:
+        """How many of the fetches started (oldest first) rank 0 has read, without waiting."""
+        raise NotImplementedError(f"{type(self).__name__} has no disk tier")
+
+    def fetch_wait(self, n: int) -> list[int]:
+        """The oldest `n` fetches done on every rank: for each, the blocks every rank read
+        whole, in order (rank 0 asks for those it has read, so that the others barely wait)."""
+        raise NotImplementedError(f"{type(self).__name__} has no disk tier")
+
     def export_blocks(self, export_id: bytes, sources: list[tuple[int, int]]) -> list:
         """Every rank's shard of the blocks at `sources` (worker/exec/kv_transfer.py), copied
         now: rank 0's, and None for each rank that keeps its own under `export_id` for a peer."""
@@ -243,6 +312,15 @@ class LocalExecutor(Executor):
     def fetch(self, early: KVMoves, fetches: list[tuple[bytes, int]]) -> int:
         return self.worker.fetch(early, fetches)
 
+    def fetch_start(self, early: KVMoves, fetches: list[tuple[bytes, int]]) -> None:
+        self.worker.fetch_start(early, fetches)
+
+    def fetch_ready(self) -> int:
+        return self.worker.fetch_ready()
+
+    def fetch_wait(self, n: int) -> list[int]:
+        return self.worker.fetch_wait(n)
+
     def export_blocks(self, export_id: bytes, sources: list[tuple[int, int]]) -> list:
         return [self.worker.export_rows(sources)]
 
@@ -262,6 +340,7 @@ class LocalExecutor(Executor):
         if self.overlap is not None:
             self.overlap.close()
             self.overlap = None
+        self.worker.close_reader()
         if self.worker.disk_tier is not None:
             self.worker.disk_tier.close()
 

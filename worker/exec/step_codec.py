@@ -29,6 +29,8 @@ from worker.exec.persistent_batch import DecodeBatch, TableEntries
 from worker.step import KVMoves, SchedulerOutput
 
 STEP, HEARTBEAT, PROBE, SHUTDOWN, MOVES, FETCH = b"s", b"h", b"p", b"x", b"m", b"f"
+# a fetch started off the step's path (its moves as FETCH's), and the oldest fetches awaited
+FETCH_START, FETCH_WAIT = b"a", b"w"
 INVENTORY = b"i"  # rank 0's reopened disk blocks, for every rank to say which it holds too
 # kind, flags, S, T, R, K, rank 0's send time (for the control-overhead measurement); 32 bytes
 # so that the int32 arrays after it start aligned
@@ -372,6 +374,15 @@ def decode_step(message: bytes) -> tuple[FlatStep, float]:
         continues=bool(flags & _CONTINUES),
     )
     return step, sent_at
+
+
+def encode_fetch_wait(n: int) -> bytes:
+    """Every rank: wait for its oldest `n` fetches started, and agree on each one's count."""
+    return FETCH_WAIT + struct.pack("<I", n)
+
+
+def decode_fetch_wait(message: bytes) -> int:
+    return struct.unpack_from("<I", message, 1)[0]
 
 
 def encode_moves(moves: KVMoves, fetches: Sequence[tuple[bytes, int]] = (), kind: bytes = MOVES) -> bytes:

@@ -21,8 +21,10 @@ from worker.exec.kv_transfer import encode_export, encode_import
 from worker.exec.model_runner import Sampled
 from worker.exec.step_codec import (
     FETCH,
+    FETCH_START,
     HEARTBEAT,
     SHUTDOWN,
+    encode_fetch_wait,
     encode_inventory,
     encode_moves,
     encode_step,
@@ -108,6 +110,24 @@ class TPExecutor(Executor):
         self._last_sent = time.monotonic()
         return self._collective(self.worker.fetch, early, fetches, self.channel.all_reduce_min)
 
+    def fetch_start(self, early: KVMoves, fetches: list[tuple[bytes, int]]) -> None:
+        """Every rank makes the disk writes, then queues the reads to its reader thread: the
+        message goes ahead of the next step's, so every rank starts the same reads in order."""
+        self._collective(self.channel.send, encode_moves(early, fetches, kind=FETCH_START))
+        self._last_sent = time.monotonic()
+        self._collective(self.worker.fetch_start, early, fetches)
+
+    def fetch_ready(self) -> int:
+        """Rank 0's own count of fetches read (the others read the same blocks alongside)."""
+        return self.worker.fetch_ready()
+
+    def fetch_wait(self, n: int) -> list[int]:
+        """Every rank waits for its oldest `n` fetches and agrees on each one's count (the
+        smallest over the ranks), before rank 0 lets a request use the blocks."""
+        self._collective(self.channel.send, encode_fetch_wait(n))
+        self._last_sent = time.monotonic()
+        return self._collective(self.worker.fetch_wait, n, self.channel.all_reduce_min)
+
     def export_blocks(self, export_id: bytes, sources: list[tuple[int, int]]) -> list:
         """Every rank copies its shard of the blocks now (the others keep theirs for a peer)."""
         self._collective(self.channel.send, encode_export(export_id, sources))
@@ -159,6 +179,7 @@ class TPExecutor(Executor):
         if self._closed:
             return
         self._closed = True
+        self.worker.close_reader()
         with contextlib.suppress(Exception):  # a dead rank cannot hear it; nothing else to do
             self.channel.send(SHUTDOWN)
 

@@ -19,12 +19,15 @@ from worker.exec.executor import DeviceWorker
 from worker.exec.kv_transfer import EXPORT, IMPORT, ShardStash, decode_export, decode_import
 from worker.exec.step_codec import (
     FETCH,
+    FETCH_START,
+    FETCH_WAIT,
     HEARTBEAT,
     INVENTORY,
     MOVES,
     PROBE,
     SHUTDOWN,
     STEP,
+    decode_fetch_wait,
     decode_inventory,
     decode_moves,
     decode_step,
@@ -75,6 +78,8 @@ class TPWorker:
             PROBE: self._probe,
             MOVES: self._moves,
             FETCH: self._fetch,
+            FETCH_START: self._fetch_start,
+            FETCH_WAIT: self._fetch_wait,
             EXPORT: self._export,
             IMPORT: self._import,
         }
@@ -88,6 +93,7 @@ class TPWorker:
                 self._received = time.perf_counter()
                 kind = message[:1]
                 if kind == SHUTDOWN:
+                    self.worker.close_reader()
                     return self.steps
                 handlers[kind](message)
             except RuntimeError as e:  # gloo / NCCL: rank 0 gone, a peer gone, or a timeout
@@ -114,6 +120,14 @@ class TPWorker:
     def _fetch(self, message: bytes) -> None:
         """Disk blocks into host slots, then agree with every rank on how many were read."""
         self.worker.fetch(*decode_moves(message), agree=self.channel.all_reduce_min)
+
+    def _fetch_start(self, message: bytes) -> None:
+        """The disk writes now, then the reads queued to this rank's reader thread."""
+        self.worker.fetch_start(*decode_moves(message))
+
+    def _fetch_wait(self, message: bytes) -> None:
+        """Wait for the oldest fetches rank 0 names and agree with every rank on their counts."""
+        self.worker.fetch_wait(decode_fetch_wait(message), agree=self.channel.all_reduce_min)
 
     def _export(self, message: bytes) -> None:
         """Copy this rank's shard of the blocks another group pulls; kept for its rank r."""
