@@ -699,23 +699,26 @@ def pull_source(
     block_size: int = 16,
 ) -> Placement:
     """The placement with the live group to pull the prefix from: of those whose committed
-    leading blocks exceed the chosen group's, the one whose pull saves the most time over
-    recomputing the blocks it adds (the cost model's link to it, `pull_pays`); unchanged when
-    no pull is sooner. `statuses`: the live groups (with their statuses, their nodes)."""
+    leading blocks (on the device or the host tier: what a holder exports) exceed what the
+    chosen group holds in any tier (a lead it holds on its host or disk tier is restored
+    there, not pulled again), the one whose pull saves the most time over recomputing the
+    blocks it adds (the cost model's link to it, `pull_pays`); unchanged when no pull is
+    sooner. `statuses`: the live groups (with their statuses, their nodes)."""
     cost = cost or CostModel()
     chosen = matches.get(placement.group_id)
-    own = chosen.blocks if chosen is not None else 0
+    own = chosen.tier_blocks if chosen is not None else 0
     here = statuses.get(placement.group_id) if isinstance(statuses, Mapping) else None
     best, most, saved = None, 0, 0.0
     for gid in touched_ids(matches):
         m = matches[gid]
-        extra = m.blocks - own
+        held = m.blocks + m.host_blocks  # (worker/engine/block_manager.py: `held_chain`)
+        extra = held - own
         if extra <= 0 or gid == placement.group_id or gid not in statuses:
             continue
         near = same_node(here, statuses[gid]) if isinstance(statuses, Mapping) else True
         gain = cost.recompute_seconds(extra * block_size) - cost.pull_seconds(extra, near)
         if gain > saved:
-            best, most, saved = gid, m.blocks, gain
+            best, most, saved = gid, held, gain
     return placement if best is None else replace(placement, pull_from=best, pull_blocks=most)
 
 
