@@ -27,6 +27,7 @@ from router.launch.local import router_side
 from router.placement.policy import PlacedShare, Placement, Policy
 from router.router import PULL_TIMEOUT_S, Router, RouteRequest, pull_pays, pull_source
 from worker.kv_transfer import KVTransferError
+from worker.outputs import CachedTiers
 from worker.protocol import GenerationRequest
 from worker.sampling_params import SamplingParams
 
@@ -54,7 +55,8 @@ class Chosen(Policy):
         placed: PlacedShare,
     ) -> Placement:
         m = matches.get(self.group_id)
-        return Placement(self.group_id, "chosen", m.expected_blocks if m is not None else 0)
+        # (what it holds in any tier or has pending, as prefix_aware counts a hit)
+        return Placement(self.group_id, "chosen", max(m.expected_blocks, m.tier_blocks) if m is not None else 0)
 
 
 def last(group, ids: list[int], rid: str, hasher):
@@ -85,6 +87,8 @@ def check_pulled(router, holder, puller, stats_of, hasher) -> None:
     assert record.group_id == puller.group_id and record.pulled_from == holder.group_id
     assert record.pulled_blocks == len(DOC) // 16
     assert out.num_cached_tokens == record.predicted_cached_tokens == record.actual_cached_tokens == len(DOC)
+    # by tier: predicted and served as pulled blocks (through the Ray group's outputs too)
+    assert record.predicted_tiers == out.cached_tiers == record.actual_tiers == CachedTiers(pull=len(DOC))
     # the question's prompt tokens, then a token per decode step after the first sampled one
     assert after["tokens_computed"] - before["tokens_computed"] == len(QUESTION) + PARAMS.max_tokens - 1
     assert after["kv_blocks_imported"] - before["kv_blocks_imported"] == len(DOC) // 16
@@ -195,7 +199,11 @@ def test_a_document_pulled_once_onto_the_host_tier_is_not_pulled_again(local_gro
     assert (m.blocks, m.host_blocks) == (0, len(hashes))
     router = Router([g0, g1], index, hasher, info, policy=Chosen("g1", info.block_size))
     stats = [g.engine.engine.stats for g in (g0, g1)]
-    for question, hit in (([4, 5, 6], "kv_host_hits"), ([7, 8, 9, 10], None)):
+    # the first restores the pulled blocks (served as pulled, predicted on the host: the index
+    # cannot tell), the second finds them on the device
+    served = (CachedTiers(pull=len(doc)), CachedTiers(device=len(doc)))
+    predicted = (CachedTiers(host=len(doc)), CachedTiers(device=len(doc)))
+    for question, hit, tiers, guess in zip(([4, 5, 6], [7, 8, 9, 10]), (True, False), served, predicted, strict=True):
         e0, i0 = stats[0](), stats[1]()
         out, record = routed(router, doc + question)
         e1, i1 = stats[0](), stats[1]()
@@ -203,6 +211,7 @@ def test_a_document_pulled_once_onto_the_host_tier_is_not_pulled_again(local_gro
         assert e1["kv_blocks_exported"] == e0["kv_blocks_exported"]  # no pull was asked
         assert i1["kv_blocks_imported"] == i0["kv_blocks_imported"]
         assert out.num_cached_tokens == record.actual_cached_tokens == len(doc)
+        assert (out.cached_tiers, record.predicted_tiers) == (tiers, guess)
         assert i1["kv_host_hits"] - i0["kv_host_hits"] == (len(doc) if hit else 0)  # else a device hit
         own = last(g0, doc + question, f"own-{len(question)}", hasher)
         assert out.outputs[0].token_ids == own.outputs[0].token_ids
