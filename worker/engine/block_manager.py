@@ -251,14 +251,14 @@ class BlockManager:
             else:
                 break
         if self.loader is not None and (fetches or waits):
-            started = self._start_load(fetches)
+            started = self._start_load(fetches, request.tenant)
             if waits or started:
                 return PrefixMatch((), self.block_size, (), frozenset(h for _, h in waits + fetches[:started]))
             end = fetches[0][0]  # no host slot for a load this step: the match ends there
             blocks = blocks[: end - len([p for p, *_ in loads if p < end])]
             return PrefixMatch(tuple(blocks), self.block_size, tuple(x for x in loads if x[0] < end))
         if fetches:
-            got = self._fetch(fetches)
+            got = self._fetch(fetches, request.tenant)
             if got < len(fetches):  # the chain ends at the first block not read whole
                 end = fetches[got][0]
                 blocks = blocks[: end - len([p for p, *_ in loads if p < end]) - got]
@@ -266,19 +266,19 @@ class BlockManager:
             loads = sorted(loads + [(pos, h, host.get(h)) for pos, h in fetches[:got]])
         return PrefixMatch(tuple(blocks), self.block_size, tuple(loads))
 
-    def _fetch(self, fetches: list[tuple[int, bytes]]) -> int:
-        """Read disk blocks (position, hash) into host slots; returns how many of them, in
-        order, every rank read whole. The ones after are forgotten (misses)."""
+    def _fetch(self, fetches: list[tuple[int, bytes]], tenant: str = "") -> int:
+        """Read disk blocks (position, hash) into host slots (`tenant`'s); returns how many of
+        them, in order, every rank read whole. The ones after are forgotten (misses)."""
         host, disk = self.host, self.disk
         slots, victims = [], []
         for _, h in fetches:
-            put = host.put(h)
+            put = host.put(h, disk.owner(h) or tenant)
             if put is None:  # the host's slots are all in use this step: fetch fewer
                 break
             slot, victim = put
             if victim is not None:
                 victims.append(victim)
-                self._demote(victim, slot)
+                self._demote(victim, slot, host.victim_tenant)
             slots.append((h, slot))
         if victims:
             self.emit(BlockRemoved(tuple(victims), HOST))
@@ -301,19 +301,20 @@ class BlockManager:
         self.disk_hits += got * self.block_size
         return got
 
-    def _start_load(self, fetches: list[tuple[int, bytes]]) -> int:
-        """Start reading disk blocks (position, hash) into host slots, held until the read is
-        done on every rank; returns how many (the leading ones the host has slots for)."""
+    def _start_load(self, fetches: list[tuple[int, bytes]], tenant: str = "") -> int:
+        """Start reading disk blocks (position, hash) into host slots (`tenant`'s), held until
+        the read is done on every rank; returns how many (the leading ones the host has slots
+        for)."""
         host, slots, victims = self.host, [], []
         for _, h in fetches:
-            put = host.put(h)
+            put = host.put(h, self.disk.owner(h) or tenant)
             if put is None:
                 break
             slot, victim = put
             host.hold(slot)
             if victim is not None:
                 victims.append(victim)
-                self._demote(victim, slot)
+                self._demote(victim, slot, host.victim_tenant)
             slots.append((h, slot))
             self.loading[h] = slot
         if victims:
@@ -578,7 +579,7 @@ class BlockManager:
                 self._flush_demote(moves, slot, h)
             pending, stored, dropped = [], [], []
             for block in device[at : at + n]:
-                put = host.put(block.block_hash)
+                put = host.put(block.block_hash, block.tenant)
                 if put is None:
                     break
                 slot, victim = put
@@ -599,7 +600,7 @@ class BlockManager:
 
     def _flush_demote(self, moves: KVMoves, slot: int, block_hash: bytes) -> None:
         """`block_hash`, in host `slot`, to be written to the disk by `moves` (its victim dropped)."""
-        put = self.disk.put(block_hash)
+        put = self.disk.put(block_hash, self.host.owner(block_hash))
         if put is None:
             return
         if put[1] is not None:
@@ -623,24 +624,27 @@ class BlockManager:
                 break
         return held
 
-    def host_slots_for(self, block_hashes: Sequence[bytes]) -> tuple[list[tuple[int, bytes, int]], KVMoves]:
-        """Host slots for a pulled chain's blocks that this group holds nowhere, each (its
-        position in the chain, hash, slot), stopping where the host has no slot free this step;
-        and the disk writes of the slots' victims, to make before the slots are written."""
+    def host_slots_for(
+        self, block_hashes: Sequence[bytes], tenant: str = ""
+    ) -> tuple[list[tuple[int, bytes, int]], KVMoves]:
+        """Host slots (`tenant`'s) for a pulled chain's blocks that this group holds nowhere,
+        each (its position in the chain, hash, slot), stopping where the host has no slot free
+        this step; and the disk writes of the slots' victims, to make before the slots are
+        written."""
         if self.host is None:
             return [], KVMoves()
         host, rows, victims = self.host, [], []
         for i, h in enumerate(block_hashes):
             if h in self.cached or h in host:
                 continue
-            put = host.put(h)
+            put = host.put(h, tenant)
             if put is None:
                 break
             slot, victim = put
             if victim is not None:
                 victims.append(victim)
                 if self.disk is not None:
-                    self._demote(victim, slot)
+                    self._demote(victim, slot, host.victim_tenant)
             rows.append((i, h, slot))
         if victims:
             self.emit(BlockRemoved(tuple(victims), HOST))
@@ -746,36 +750,36 @@ class BlockManager:
                 if block.block_hash is not None:
                     self.evictions_caused[tenant] = self.evictions_caused.get(tenant, 0) + 1
                     self.evictions_suffered[block.tenant] = self.evictions_suffered.get(block.tenant, 0) + 1
-                block.tenant = tenant
             if block.block_hash is not None:  # evict the least recently used cached block
                 del self.cached[block.block_hash]
-                evicted.append((block.block_id, block.block_hash))
+                evicted.append((block.block_id, block.block_hash, block.tenant))
                 block.block_hash = None
+            block.tenant = tenant
             block.ref_cnt = 1
             taken.append(block)
         if evicted:
-            self.emit(BlockRemoved(tuple(h for _, h in evicted)))
+            self.emit(BlockRemoved(tuple(h for _, h, _ in evicted)))
             if self.host is not None:
                 self._save(evicted)
         return taken
 
-    def _save(self, evicted: list[tuple[int, bytes]]) -> None:
-        """Write evicted (block id, hash) back to the host tier, unless it holds them; a
-        host block evicted for room is dropped (removed from the host)."""
+    def _save(self, evicted: list[tuple[int, bytes, str]]) -> None:
+        """Write evicted (block id, hash, tenant) back to the host tier, unless it holds them;
+        a host block evicted for room is dropped (removed from the host)."""
         host, saves = self.host, self.moves.saves
         stored, dropped = [], []
-        for block_id, h in evicted:
+        for block_id, h, tenant in evicted:
             if h in host:
                 host.touch(h)
                 continue
-            put = host.put(h)
+            put = host.put(h, tenant)
             if put is None:  # every host slot is in use this step: the block is lost
                 continue
             slot, victim = put
             if victim is not None:
                 dropped.append(victim)
                 if self.disk is not None:
-                    self._demote(victim, slot)
+                    self._demote(victim, slot, host.victim_tenant)
             saves.append((block_id, slot))
             stored.append(h)
         self.host_saves += len(stored)
@@ -784,14 +788,14 @@ class BlockManager:
         if stored:
             self.emit(BlockStored(tuple(stored), None, HOST))
 
-    def _demote(self, block_hash: bytes, slot: int) -> None:
-        """The host evicts `block_hash` from `slot`: write it to the disk tier (before the
-        slot is reused), unless the disk holds it; the disk's own victim is dropped."""
+    def _demote(self, block_hash: bytes, slot: int, tenant: str = "") -> None:
+        """The host evicts `block_hash` (`tenant`'s) from `slot`: write it to the disk tier
+        (before the slot is reused), unless the disk holds it; the disk's own victim is dropped."""
         disk = self.disk
         if block_hash in disk:
             disk.touch(block_hash)
             return
-        put = disk.put(block_hash)
+        put = disk.put(block_hash, tenant)
         if put is None:
             return
         _, victim = put
