@@ -182,3 +182,39 @@ def test_tier_quotas_are_configured_per_tenant_and_checked_naming_tenant_and_fie
         for bad in (0, 1.5, -0.1, "lots"):
             with pytest.raises(ValueError, match=rf"tenants\.A\.{field}"):
                 ServeConfig.from_mapping({"tenants": {"A": {field: bad}}})
+
+
+def test_a_groups_tier_quotas_reach_its_prometheus_series():
+    """The per-tenant host-tier figures of a real group's status, as a scrape reads them."""
+    import asyncio
+
+    from cluster.index import InMemoryPrefixIndex
+    from cluster.local_group import LocalGroup
+    from pagefleet.llm import engine_config
+    from router.door.cluster_metrics import GroupCollector
+    from router.router import ModelInfo, Router, RouteRequest
+
+    options = {**SMALL, "kv_host_bytes": 24 * 8 * 4096, "tenant_kv_host_quotas": {"A": 0.25, "B": 0.5}}
+    index = InMemoryPrefixIndex()
+    group = LocalGroup(engine_config("builtin", cluster_secret="tier-quotas", **options), index, group_id="q0")
+
+    async def flood() -> None:
+        router = Router([group], index, group.hasher, ModelInfo("builtin", 128, 8, "auto", 1000))
+        for tenant, prompt in [("B", docs("B", 1)[0])] + [("A", d) for d in docs("A", 6)]:
+            req = RouteRequest(prompt_token_ids=prompt + [5], params=GREEDY, tenant=tenant)
+            [_ async for _ in router.generate(req)]
+
+    try:
+        asyncio.run(flood())
+        series = {
+            (s.name, s.labels["tenant"], s.labels["tier"]): s.value
+            for family in GroupCollector("builtin", lambda: [group.status()]).collect()
+            if family.name.startswith("pagefleet:tenant_kv_tier")
+            for s in family.samples
+        }
+    finally:
+        group.shutdown()
+    assert series[("pagefleet:tenant_kv_tier_blocks", "B", "host")] == 10
+    assert series[("pagefleet:tenant_kv_tier_bytes", "B", "host")] == 10 * 8 * 4096
+    assert series[("pagefleet:tenant_kv_tier_evictions_suffered_total", "A", "host")] > 0
+    assert series.get(("pagefleet:tenant_kv_tier_evictions_suffered_total", "B", "host"), 0) == 0

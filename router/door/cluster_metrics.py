@@ -81,6 +81,21 @@ class GroupCollector(Collector):
                 f"{P}tenant_kv_evictions_suffered", "A tenant's cached KV blocks evicted.", labels=gt
             ),
         }
+        gtt = [*gt, "tier"]
+        tier_fams = {  # (the host and disk tiers' figures, where the groups give them quotas)
+            "blocks": GaugeMetricFamily(
+                f"{P}tenant_kv_tier_blocks", "A tenant's KV blocks in a tier under the devices.", labels=gtt
+            ),
+            "bytes": GaugeMetricFamily(
+                f"{P}tenant_kv_tier_bytes", "Bytes of a tenant's KV blocks in a tier, per device.", labels=gtt
+            ),
+            "evictions_caused": CounterMetricFamily(
+                f"{P}tenant_kv_tier_evictions_caused", "A tier's KV blocks a tenant's blocks evicted.", labels=gtt
+            ),
+            "evictions_suffered": CounterMetricFamily(
+                f"{P}tenant_kv_tier_evictions_suffered", "A tenant's KV blocks a tier evicted.", labels=gtt
+            ),
+        }
         for s in self.statuses():
             lab = [self.model_name, s.group_id]
             used = s.blocks_total - s.blocks_free
@@ -104,7 +119,11 @@ class GroupCollector(Collector):
             for label, figures in sorted(by_label.items()):
                 for name, fam in tenant_fams.items():
                     fam.add_metric([*lab, label], figures.get(name, 0))
-        return [*fams.values(), *tenant_fams.values()]
+                for tier in (HOST, DISK):
+                    if f"{tier}_blocks" in figures:
+                        for name, fam in tier_fams.items():
+                            fam.add_metric([*lab, label, tier], figures[f"{tier}_{name}"])
+        return [*fams.values(), *tenant_fams.values(), *tier_fams.values()]
 
 
 class TierCollector(Collector):
