@@ -30,7 +30,7 @@ QUESTIONS = ([1, 2, 3], [4, 5, 6, 7], [8, 9], [10, 11, 12])
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    """(gRPC stub, openai client, model name, /metrics URL, client)."""
+    """(gRPC stub, openai client, model name, /metrics URL, the project's client)."""
     tmp = tmp_path_factory.mktemp("cached-tiers")
     http_port, metrics_port, port = free_port(), free_port(), free_port()
     flags = [
@@ -47,7 +47,8 @@ def served(tmp_path_factory):
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     oa = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="none", max_retries=0, timeout=60)
     try:
-        yield pb_grpc.PageFleetStub(channel), oa, client.model_info().model, f"http://127.0.0.1:{metrics_port}/metrics"
+        model, url = client.model_info().model, f"http://127.0.0.1:{metrics_port}/metrics"
+        yield pb_grpc.PageFleetStub(channel), oa, model, url, client
     finally:
         channel.close()
         client.close()
@@ -84,7 +85,7 @@ def scraped(url: str) -> dict[tuple[str, str], float]:
 
 
 def test_a_device_hit_and_a_host_restore_report_their_tiers_in_both_doors_and_the_metrics(served):
-    stub, oa, model, metrics = served
+    stub, oa, model, metrics, client = served
     before = scraped(metrics)
     said = {t: 0 for t in TIERS}  # what the responses reported, by tier
     guessed = {t: 0 for t in TIERS}
@@ -98,9 +99,10 @@ def test_a_device_hit_and_a_host_restore_report_their_tiers_in_both_doors_and_th
     placement, usage = grpc_ask(stub, DOC + QUESTIONS[2])
     assert usage.cached_tokens == len(DOC) and tiers(usage.cached_tiers) == by_tier
     assert tiers(placement.predicted_cached_tiers) == by_tier
+    assert client.generate(token_ids=DOC + [13, 14], max_tokens=2).cached_tiers == by_tier  # pagefleet.Client
     for t in TIERS:
-        said[t] += by_tier[t] * 2
-        guessed[t] += by_tier[t] * 2
+        said[t] += by_tier[t] * 3
+        guessed[t] += by_tier[t] * 3
 
     # two other prompts of 30 blocks each take the device pool's 40: the document's blocks
     # go to the host tier, and the next question restores them from there (once per door)
