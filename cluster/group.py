@@ -38,6 +38,7 @@ class GroupStatus:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     preemptions: int = 0
+    loading: int = 0  # requests waiting for their prefix's blocks from the disk tier
     error: str | None = None
     draining: bool = False  # alive, but taking no new request (its in-flight ones finish)
     state: str = ""  # the supervisor's view (cluster/ray/supervisor.py); "" for a local group
@@ -82,6 +83,7 @@ def status_from_stats(
         prefix_cache_queries=stats.get("prefix_cache_queries", 0),
         prefix_cache_hits=stats.get("prefix_cache_hits", 0),
         preemptions=stats.get("preemptions", 0),
+        loading=stats.get("loading", 0),
         error=error,
         draining=bool(stats.get("draining", False)),
         pinned=dict(stats.get("pinned", {})),

@@ -89,8 +89,11 @@ class CacheConfig:
             not isinstance(self.kv_host_bytes, int) or isinstance(self.kv_host_bytes, bool) or self.kv_host_bytes < 1
         ):
             raise ValueError(f"kv_host_bytes must be a positive number of bytes, got {self.kv_host_bytes!r}")
-        if not isinstance(self.kv_disk_read_delay_s, int | float) or not self.kv_disk_read_delay_s >= 0:
-            raise ValueError(f"kv_disk_read_delay_s must be >= 0 seconds, got {self.kv_disk_read_delay_s!r}")
+        delay = self.kv_disk_read_delay_s
+        if not isinstance(delay, int | float) or isinstance(delay, bool) or not 0 <= delay < float("inf"):
+            raise ValueError(f"kv_disk_read_delay_s must be a number of seconds >= 0, got {delay!r}")
+        if not isinstance(self.kv_disk_async, bool):
+            raise ValueError(f"kv_disk_async must be true or false, got {self.kv_disk_async!r}")
         if self.kv_disk_bytes is not None:
             if (
                 not isinstance(self.kv_disk_bytes, int)

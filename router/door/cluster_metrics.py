@@ -110,7 +110,8 @@ class GroupCollector(Collector):
 class TierCollector(Collector):
     """Per-group figures of the KV tiers under the device pool (device, host, disk), from the
     groups' status (`GroupStatus.tiers`, the engine's `kv_*` stats): prompt tokens hit by
-    tier, bytes moved each way, restore latency, blocks used and held, failed loads."""
+    tier, bytes moved each way, restore latency, blocks used and held, failed loads, and the
+    requests waiting in the loading state while their prefix's blocks are read."""
 
     def __init__(self, model_name: str, statuses: Callable[[], Sequence]) -> None:
         self.model_name = model_name
@@ -132,11 +133,18 @@ class TierCollector(Collector):
         failed = CounterMetricFamily(
             f"{P}kv_tier_load_failures", "Blocks a tier could not read whole (misses, never KV).", labels=gt
         )
+        loading = GaugeMetricFamily(
+            f"{P}num_requests_loading",
+            "Requests waiting for their prefix's KV blocks to be read from the disk tier.",
+            labels=["model_name", "group"],
+        )
         for s in self.statuses():
             t = s.tiers
             if not t:
                 continue
             lab = [self.model_name, s.group_id]
+            if t.get(f"kv_{DISK}_blocks_total"):
+                loading.add_metric(lab, s.loading)
             below = [m for m in (HOST, DISK) if t.get(f"kv_{m}_blocks_total")]  # the tiers it has
             host_hits, disk_hits = t.get("kv_host_hits", 0), t.get("kv_disk_hits", 0)
             # (every restored block reaches the pool through the host: its hits hold the disk's)
@@ -154,7 +162,7 @@ class TierCollector(Collector):
             for direction, tier, key in _MOVES:
                 if tier in below:
                     moved.add_metric([*lab, direction], t.get(key, 0))
-        return [hits, moved, load, used, capacity, failed]
+        return [hits, moved, load, used, capacity, failed, loading]
 
 
 # (direction label, the tier it needs, the engine's stat): bytes of rank 0's shard, which every rank moves alike

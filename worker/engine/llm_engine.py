@@ -516,6 +516,8 @@ class LLMEngine:
             "kv_host_blocks_cached": len(bm.host) if bm.host is not None else 0,
             "kv_host_hits": bm.host_hits,  # prompt tokens restored from the host tier
             "kv_host_saves": bm.host_saves,  # blocks written back to the host tier
+            "kv_host_blocks_held": bm.host.num_held if bm.host is not None else 0,  # by reads in flight
+            "kv_loads_in_flight": bm.loads_in_flight,  # disk reads started, not yet completed
             "kv_disk_blocks_total": bm.disk.num_slots if bm.disk is not None else 0,
             "kv_disk_blocks_cached": len(bm.disk) if bm.disk is not None else 0,
             "kv_disk_hits": bm.disk_hits,  # prompt tokens fetched from the disk tier
