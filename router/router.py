@@ -699,11 +699,13 @@ def pull_pays(blocks: int, cost: CostModel, block_size: int, near: bool = True) 
 
 
 def tier_lead(m: GroupMatch | None) -> tuple[int, int, int]:
-    """A group's lead of a chain on its device (or pending there), with its host tier, with its
-    disk tier (`Placement.tier_lead`), as router/placement/prefix_aware.py's `_restored` reads it."""
+    """A group's lead of a chain on its device, with its host tier, with its disk tier
+    (`Placement.tier_lead`). Blocks pending beyond what it committed in any tier count as on
+    the device (it is computing them, as `cold_source` reads it); pending blocks it committed
+    already are the ones placed before, wherever they are now (on the host, once evicted)."""
     if m is None:
         return (0, 0, 0)
-    device = max(m.blocks, m.pending_blocks)
+    device = m.pending_blocks if m.pending_blocks > m.tier_blocks else m.blocks
     host = max(device, m.blocks + m.host_blocks)
     return (device, host, max(host, m.tier_blocks))
 

@@ -21,6 +21,7 @@ from worker.engine.tier_index import TierIndex
 from worker.exec.step_codec import FETCH, decode_moves, encode_moves
 from worker.kv_events import DEVICE, DISK, HOST, BlockRemoved, BlockStored
 from worker.model.builtin_model import make_model_dir
+from worker.outputs import CachedTiers
 from worker.sampling_params import SamplingParams
 from worker.step import KVMoves
 
@@ -175,6 +176,7 @@ def test_a_document_evicted_from_the_device_is_restored_from_the_host(model_dir)
     # the last visit's document came back from the host: 10 full blocks of its 80 tokens
     assert recomputed[-1].num_cached_tokens == 0
     assert restored[-1].num_cached_tokens == device[-1].num_cached_tokens == 80
+    assert (restored[-1].cached_tiers, device[-1].cached_tiers) == (CachedTiers(host=80), CachedTiers(device=80))
     stats, base = tier.engine.stats(), none.engine.stats()
     assert stats["kv_host_hits"] == 80 and stats["kv_host_saves"] > 0
     block = stats["kv_bytes_per_token"] * stats["block_size"]
@@ -282,6 +284,9 @@ def test_a_document_evicted_from_the_host_is_restored_from_the_disk(model_dir, t
     stats = tier.engine.stats()
     assert restored[-1].num_cached_tokens == 80
     assert stats["kv_disk_hits"] > 0 and stats["kv_disk_failures"] == 0
+    # its blocks the host had lost came from the disk (through the host), the rest from the host
+    tiers = restored[-1].cached_tiers
+    assert tiers.disk > 0 and tiers.host + tiers.disk == 80 and tiers.device == tiers.pull == 0
     assert stats["kv_host_hits"] == 80  # every restored block reaches the pool through the host
     files = list(tmp_path.rglob("*.kv"))
     assert len(files) == stats["kv_disk_blocks_cached"] > 0
@@ -359,6 +364,7 @@ def test_a_restarted_engine_reopens_its_disk_inventory_and_restores_from_it(mode
     last = again.generate([prompts[5]], GREEDY)[0]
     stats = again.engine.stats()
     assert last.num_cached_tokens == 80 and stats["kv_disk_hits"] == 80
+    assert last.cached_tiers == CachedTiers(disk=80)
     assert stats["tokens_computed"] == 3 + GREEDY.max_tokens - 1  # the question, then decodes
     device = one_by_one(LLM(str(model_dir), **BIG), prompts)
     assert tokens([*before, last]) == tokens(device)
