@@ -87,7 +87,7 @@ class HostTier:
         if self._loaded is not None:
             self._loaded.synchronize()  # (the last restore's copies have read the staging buffer)
         if not self._staging or self._staging[0].shape[0] < n:
-            rows = min(self.num_slots, max(n, 2 * self._staging[0].shape[0] if self._staging else n))
+            rows = max(n, min(self.num_slots, 2 * self._staging[0].shape[0] if self._staging else n))
             self._staging = [torch.empty((rows, *h.shape[1:]), dtype=h.dtype, pin_memory=True) for h in self._host_rows]
         for h, buf in zip(self._host_rows, self._staging, strict=True):
             torch.index_select(h, 0, slots, out=buf[:n])
@@ -95,7 +95,7 @@ class HostTier:
         assert self._stream is not None
         self._stream.wait_stream(compute)
         with torch.cuda.stream(self._stream):
-            index = blocks.pin_memory().to(self.device, non_blocking=True)
+            index = blocks.contiguous().pin_memory().to(self.device, non_blocking=True)
             for d, buf in zip(self._device_rows, self._staging, strict=True):
                 d.index_copy_(0, index, buf[:n].to(self.device, non_blocking=True))
             loaded = torch.cuda.Event()
