@@ -46,6 +46,8 @@ def _title(r: dict) -> str:
     parts.append(f"requests max/mean {r['requests_per_group']['max_over_mean']}")
     if r.get("ttft_s_p50") is not None:
         parts.append(f"TTFT p50 {1e3 * r['ttft_s_p50']:.1f} ms, p99 {1e3 * r['ttft_s_p99']:.1f} ms")
+    if r.get("pulls"):
+        parts.append(f"{r['pulls']} pulls, {r['blocks_pulled']} blocks")
     return " · ".join(parts)
 
 
@@ -75,6 +77,7 @@ def _bars(spread: dict, name: str, colour: str, x0: float, y0: float, top: float
 CURVES = (  # (result field, chart title, log scale)
     ("hit_rate", "hit rate", False),
     ("ttft_s_p99", "TTFT p99 (s, log scale)", True),
+    ("blocks_pulled", "KV blocks pulled between groups", False),  # (the hits above count them)
 )
 COLOURS = ("#4c78a8", "#f58518", "#54a24b", "#e45756", "#72b7b2", "#b279a2", "#9d755d", "#bab0ac")
 
@@ -108,6 +111,8 @@ def sweep_svg(results: list[dict]) -> str:
             out.append(f'<polyline class="curve" points="{path}" fill="none" stroke="{colour}" stroke-width="2"/>')
             for x, y, r in points:
                 tip = f"{policy} at {r['rate']:g}/s: {field} {r[field]}, utilisation {r.get('utilisation')}"
+                if r.get("pulls") is not None:
+                    tip += f", {r['pulls']} pulls of {r['blocks_pulled']} blocks"
                 out.append(
                     f'<circle cx="{x:.1f}" cy="{y:.1f}" r="3" fill="{colour}"><title>{escape(tip)}</title></circle>'
                 )

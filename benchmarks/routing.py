@@ -15,7 +15,13 @@ per group, TTFT, the decision's time, and per document the groups its requests w
 another group held more of the prompt. `--rates R,...` replays the trace at each arrival rate
 (its arrival times scaled), a line per rate and policy with the groups' `utilisation` and the
 `offered_load` (their busy time over the arrivals' span), and a warning where that passes 1;
-`--plot` then draws hit rate and TTFT p99 against the rate. `--capacity X` sizes the groups'
+`--plot` then draws hit rate, TTFT p99 and the KV blocks pulled against the rate. In sim mode the
+router's own policies pull a prefix another group holds when the cost model says the pull is
+sooner than recomputing it, and wait for a cold one another group is computing, as the router
+does (router/router.py: `pull_source`, `cold_source`); the pulled blocks land in the puller's
+host tier (`--host-capacity`; without one a pull brings nothing) and count as hits. The
+references recompute what their group lacks; `--no-pulls` makes every policy do so. A line
+gives `pulls`, `blocks_pulled` and `pull_failures`. `--capacity X` sizes the groups'
 pools to X times the blocks of the trace's documents. `--mode sim`
 runs simulated groups (cluster/sim_group.py: the real scheduler and block manager, a calibrated
 cost model for the forward) in simulated time, by default over the in-process index on the
@@ -57,9 +63,9 @@ from benchmarks.traces import TraceRequest, read
 from cluster.cost_model import CostModel
 from cluster.index import InMemoryPrefixIndex, MirroredPrefixIndex, RedisPrefixIndex
 from cluster.local_group import LocalGroup
-from cluster.sim_group import Arrival, SimClock, SimGroup, SimGroupConfig, Simulation
-from router.placement import POLICIES, PrefixAware, PrefixAwareConfig, make_policy
-from router.router import ModelInfo, Router, RouteRequest
+from cluster.sim_group import Arrival, Placed, PullRules, SimClock, SimGroup, SimGroupConfig, Simulation
+from router.placement import POLICIES, Placement, PrefixAware, PrefixAwareConfig, make_policy
+from router.router import COLD_POLL_S, PULL_TIMEOUT_S, ModelInfo, Router, RouteRequest, _ColdPull, pull_pays
 from tests.redis_server import RedisServer
 from worker.config import SchedulerConfig
 from worker.hashing import BlockHasher, ModelFingerprint
@@ -204,7 +210,20 @@ def run_sim(args, policy_name: str, server: RedisServer | None, cost: CostModel,
             span[0] = r.arrival_s
             yield Arrival(r.id, r.arrival_s, r.prompt_token_ids, r.max_tokens, r.tenant, r.doc, hashes)
 
-    def place(a: Arrival, hashes: list[bytes]) -> SimGroup:
+    # The router's own policies pull as the router does (Router.place: `pull_source`, a cold
+    # prefix's `cold_source`, a shared cold pull joined); the references recompute what their
+    # group lacks, as their systems do. --no-pulls: every policy recomputes.
+    pulls = not args.no_pulls and policy_name in POLICIES
+    if not pulls:
+        router.cold_wait_s = 0.0
+
+    def sent(a: Arrival, p: Placement, spill: bool) -> None:
+        """The request goes to its group: what it predicts cached, in flight (Router.stream)."""
+        hits = p.cached_tokens(len(a.prompt), args.block_size)
+        placed[a.request_id] = (hits, a.key, spill)
+        router.ledger.add_in_flight(p.group_id, len(a.prompt) - hits, hits)
+
+    def place(a: Arrival, hashes: list[bytes]) -> SimGroup | Placed:
         best = max((m.expected_blocks for m in router.ledger.matches(hashes).values()), default=0)
         if isinstance(router.policy, Oracle):
             router.policy.expect(a.key, len(a.prompt))
@@ -212,17 +231,36 @@ def run_sim(args, policy_name: str, server: RedisServer | None, cost: CostModel,
         p = router.place(hashes)
         decisions.append(time.perf_counter() - t0)
         spill = p.cached_blocks < min(best, (len(a.prompt) - 1) // args.block_size)
-        hits = p.cached_tokens(len(a.prompt), args.block_size)
-        placed[a.request_id] = (hits, a.key, spill)
-        router.ledger.add_in_flight(p.group_id, len(a.prompt) - hits, hits)  # as Router.generate
-        return router.groups[p.group_id]
+        group = router.groups[p.group_id]
+        if not pulls or p.pull_from is None:
+            sent(a, replace(p, pull_from=None, pull_blocks=0, pull_wait=False), spill)
+            return group
+        chain = hashes[: p.pull_blocks]
+        key = (p.group_id, chain[-1])
+        if p.pull_wait and key not in router._cold:  # later requests join it (Router.joined_pull)
+            router._cold[key] = _ColdPull(p.pull_from, len(chain), None)
+
+        def pulled(blocks: int) -> None:  # as Router._pull answers, just before the request goes
+            router._cold.pop(key, None)
+            if blocks:
+                sent(a, replace(p, cached_blocks=max(p.cached_blocks, p.pull_blocks)), spill)
+            else:
+                sent(a, replace(p, pull_from=None, pull_blocks=0, pull_wait=False), spill)
+
+        return Placed(group, router.groups[p.pull_from], chain, p.pull_wait, pulled)
 
     def first_token(rec) -> None:
         hits = placed[rec.request_id][0]
         router.ledger.add_in_flight(rec.group_id, hits - rec.prompt_tokens, -hits)
 
+    rules = PullRules(
+        PULL_TIMEOUT_S,
+        router.cold_wait_s,
+        COLD_POLL_S,
+        lambda blocks: pull_pays(blocks, cost, args.block_size, cfg.same_node),
+    )
     wall = time.perf_counter()
-    done = Simulation(groups, hasher, clock=clock).run(arrivals(), place, first_token)
+    done = Simulation(groups, hasher, clock=clock, pulls=rules).run(arrivals(), place, first_token)
     wall = time.perf_counter() - wall
     rows = [
         Row(d.group_id, d.prompt_tokens, placed[d.request_id][0], d.cached_tokens, d.ttft_s, *placed[d.request_id][1:])
@@ -234,6 +272,12 @@ def run_sim(args, policy_name: str, server: RedisServer | None, cost: CostModel,
         "index": args.index,
         "groups": args.groups,
         "blocks": args.blocks,
+        # KV pulled between groups instead of recomputed: pulls that brought blocks, the
+        # blocks, and pulls that brought none (no host tier, timed out, nothing committed)
+        "kv_pulls": pulls,
+        "pulls": sum(g.pulls for g in groups),
+        "blocks_pulled": sum(g.pulled_blocks for g in groups),
+        "pull_failures": sum(g.pull_failures for g in groups),
     }
     if host:  # the KV tiers under each pool: blocks, and prompt tokens restored from them
         extra.update(host_blocks=host, disk_blocks=disk, load_block_s=cost.load_block_s)
@@ -456,6 +500,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--cost-out")
     p.add_argument("--plot", help="also write the policies' results as an SVG (benchmarks/plot.py)")
     p.add_argument("--rates", help="sim mode: comma-separated requests/s to replay the trace at")
+    p.add_argument("--no-pulls", action="store_true", help="sim: the router's policies recompute instead of pulling KV")
     args = p.parse_args(argv)
     if args.calibrate:
         cost = calibrate(args.block_size)

@@ -9,6 +9,12 @@ the real engine (benchmarks/routing.py --calibrate). A `Simulation` advances sim
 
 Simulated groups live in simulated time: they have no asyncio stream (`generate` refuses); the
 driver places each arrival itself (e.g. with `Router.place`) and hands it to `SimGroup.submit`.
+A placement may name a pull (`Placed`): the group copies the leading blocks another group holds
+into its host tier first, as the real import does (worker/engine/llm_engine.py `import_blocks`),
+over a link that costs the cost model's `pull_seconds`; the request waits for the copy, and a
+pull past its timeout, from a dead group or onto a group without a host tier brings nothing
+(the request recomputes). A cold pull (`wait`) first waits for the holder to commit the prefix,
+reading its inventory every `PullRules.poll_s`, as the router's wait-and-pull reads the index.
 Given a `SimClock`, liveness and pending placements run in simulated time too: the publishers
 and an `InMemoryPrefixIndex(clock=clock)` read the clock, which the simulation sets to each
 event's time, so heartbeats and pending TTLs mean the same as in a real cluster. Without one
@@ -19,9 +25,11 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from cluster.cost_model import CostModel
 from cluster.group import GroupHandle, GroupStatus
@@ -32,7 +40,7 @@ from worker.engine.request import Request
 from worker.engine.scheduler import Scheduler
 from worker.engine.tier_index import TierIndex
 from worker.hashing import BlockHasher
-from worker.kv_events import DISK, HOST
+from worker.kv_events import DEVICE, DISK, HOST, BlockStored
 from worker.sampling_params import SamplingParams
 from worker.step import SchedulerOutput
 
@@ -78,6 +86,7 @@ class SimGroupConfig:
     disk_blocks: int = 0  # a disk tier under the host's (reads cost cost.fetch_block_s each)
     # tenant -> its KV quota in blocks (worker/engine/block_manager.py); None: the global LRU
     kv_quotas: dict[str, int] | None = field(default=None, hash=False)
+    same_node: bool = True  # pulls between these groups take the cost model's link within a node
 
     def __post_init__(self) -> None:
         if self.num_blocks < 1:
@@ -120,7 +129,14 @@ class SimGroup(GroupHandle):
         self.busy_until: float | None = None  # end of the step in flight; None when idle
         self._step: SchedulerOutput | None = None
         self._dirty = False  # KV events queued since the last flush
+        # blocks the step in flight computes: cached (committed at scheduling) but not yet
+        # written, so no pull can copy them before the step ends
+        self._computing: set[bytes] = set()
         self.prefill_tokens = 0  # prompt tokens computed (not served from the cache)
+        self.pulls = 0  # pulls that brought blocks into this group's host tier
+        self.pulled_blocks = 0  # the blocks they brought
+        self.pull_failures = 0  # pulls that brought nothing (no host tier, timeout, dead holder)
+        self.pull_s = 0.0  # simulated seconds its requests waited on links
         self.busy_s = 0.0  # simulated seconds spent in steps
         self.alive = True
         # status() only changes when a request is queued or a step starts or ends; a router
@@ -137,9 +153,10 @@ class SimGroup(GroupHandle):
         block_hashes: Sequence[bytes] = (),
         cache_salt: str | None = None,
         tenant: str = "",
+        arrival_s: float | None = None,
     ) -> None:
-        """Queue a request that arrived at simulated time `now` (`tenant`: whose fair share it
-        counts against)."""
+        """Queue a request at simulated time `now` (`tenant`: whose fair share it counts
+        against; `arrival_s`: when it reached the router, if earlier, e.g. before a pull)."""
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
         req = Request(
             request_id,
@@ -153,12 +170,14 @@ class SimGroup(GroupHandle):
         )
         self.scheduler.add_request(req)
         self._stale()
-        self.records[request_id] = SimRecord(request_id, self.group_id, now, len(prompt))
+        arrived = now if arrival_s is None else arrival_s
+        self.records[request_id] = SimRecord(request_id, self.group_id, arrived, len(prompt))
 
     def start_step(self, now: float) -> float | None:
         """Schedule the next step at `now`; returns when it ends, or None with nothing to run."""
         if self.busy_until is not None or not self.scheduler.has_unfinished():
             return None
+        self._computing.clear()
         out = self.scheduler.schedule()
         if out.is_empty:
             return None
@@ -195,8 +214,58 @@ class SimGroup(GroupHandle):
             rec.finished_s = now
             done.append(rec)
         self.busy_until, self._step = None, None
+        self._computing.clear()
         self._stale()
         return done
+
+    # ---- pulls ---------------------------------------------------------------------------
+    def held(self, block_hashes: Sequence[bytes]) -> int:
+        """Leading blocks of the chain this group holds (device or host): what a pull can copy."""
+        if not self.alive:
+            return 0
+        bm, n = self.scheduler.bm, 0
+        for h, _ in zip(block_hashes, bm.held_chain(block_hashes), strict=False):
+            if h in self._computing and (bm.host is None or h not in bm.host):
+                break
+            n += 1
+        return n
+
+    def start_pull(self, holder: SimGroup, block_hashes: Sequence[bytes], now: float, timeout_s: float) -> SimPull:
+        """Begin copying the leading blocks of the chain that `holder` holds into this group's
+        host tier; the holder's device blocks among them are pinned until `finish_pull`. A pull
+        that cannot bring anything (no host tier here, nothing held, a dead holder, itself) ends
+        at once; one whose link takes longer than `timeout_s` ends then, bringing nothing."""
+        held = holder.held(block_hashes) if holder is not self and self.config.host_blocks else 0
+        chain = tuple(block_hashes[:held])
+        seconds = self.config.cost.pull_seconds(held, self.config.same_node)
+        ok = held > 0 and seconds <= timeout_s
+        pinned = ()
+        if ok:
+            bm = holder.scheduler.bm
+            pinned = tuple(h for h in chain if h in bm.cached)
+            for h in pinned:
+                bm.pin([h])
+        return SimPull(holder, chain if ok else (), pinned, now + (seconds if ok else min(seconds, timeout_s)))
+
+    def finish_pull(self, pull: SimPull, now: float, started_s: float) -> int:
+        """The copy of `pull` arrived: its blocks into this group's host tier (those not held
+        here), published as host blocks; the holder's pins dropped. Returns the blocks written."""
+        holder = pull.holder
+        if pull.pinned and holder.alive:
+            for h in pull.pinned:
+                holder.scheduler.bm.unpin([h])
+        self.pull_s += now - started_s
+        written = 0
+        if pull.block_hashes and holder.alive and self.alive:
+            bm = self.scheduler.bm
+            rows, _ = bm.host_slots_for(pull.block_hashes)
+            bm.imported(rows, True)
+            written = len(rows)
+        self.pulls += written > 0
+        self.pulled_blocks += written
+        self.pull_failures += not pull.block_hashes or not holder.alive
+        self._stale()
+        return written
 
     def flush(self) -> None:
         """Publish queued KV events (the driver calls this before each placement)."""
@@ -215,6 +284,8 @@ class SimGroup(GroupHandle):
         return len(fetches)
 
     def _on_event(self, event) -> None:
+        if self.busy_until is None and isinstance(event, BlockStored) and event.medium == DEVICE:
+            self._computing.update(event.block_hashes)  # (while scheduling the next step)
         if self.publisher is not None:
             self.publisher.sink(event)
             self._dirty = True
@@ -263,6 +334,53 @@ class SimGroup(GroupHandle):
 
 
 @dataclass(frozen=True)
+class SimPull:
+    """A copy of blocks on its way from `holder` (see `SimGroup.start_pull`)."""
+
+    holder: SimGroup
+    block_hashes: tuple[bytes, ...]  # the leading blocks it copies (none: it brings nothing)
+    pinned: tuple[bytes, ...]  # the holder's device blocks held for the copy
+    end_s: float  # when it arrives (or fails)
+
+
+@dataclass(frozen=True)
+class PullRules:
+    """How the driver's router pulls (router/router.py: PULL_TIMEOUT_S, COLD_WAIT_S,
+    COLD_POLL_S, and what committed lead is worth a cold pull), in simulated seconds."""
+
+    timeout_s: float = 5.0
+    wait_s: float = 30.0
+    poll_s: float = 0.01
+    pays: Callable[[int], bool] = lambda blocks: blocks > 0
+
+
+class Placed(NamedTuple):
+    """A placement with a pull to make first: `group` copies the leading `block_hashes` that
+    `source` holds (`wait`: once `source` has committed them, a cold prefix it is computing);
+    `pulled` hears how many blocks came just before the request is submitted."""
+
+    group: SimGroup
+    source: SimGroup | None = None
+    block_hashes: Sequence[bytes] = ()
+    wait: bool = False
+    pulled: Callable[[int], None] | None = None
+
+
+@dataclass
+class _Pending:
+    """Arrivals waiting on one pull (or one cold wait) onto `group`, submitted when it ends."""
+
+    group: SimGroup
+    source: SimGroup
+    block_hashes: Sequence[bytes]
+    started_s: float
+    deadline_s: float = math.inf  # a cold wait gives up waiting for the commit then
+    waiting: list[tuple[Arrival, list[bytes], Callable[[int], None] | None]] = field(default_factory=list)
+    pull: SimPull | None = None  # the copy, once started
+    key: tuple | None = None  # a cold wait's key, while others may join it
+
+
+@dataclass(frozen=True)
 class Arrival:
     """One request of a trace, as the simulation replays it."""
 
@@ -275,8 +393,8 @@ class Arrival:
     block_hashes: Sequence[bytes] | None = None  # precomputed chain; None: hashed on arrival
 
 
-# place(arrival, block_hashes) -> the group that takes it
-PlaceFn = Callable[[Arrival, list[bytes]], SimGroup]
+# place(arrival, block_hashes) -> the group that takes it (and a pull to make first)
+PlaceFn = Callable[[Arrival, list[bytes]], "SimGroup | Placed"]
 # first_token(record): a request produced its first token (as a router's stream sees it)
 FirstTokenFn = Callable[[SimRecord], None]
 
@@ -296,8 +414,11 @@ class Simulation:
         hasher: BlockHasher,
         tick_every_s: float = 0.25,
         clock: SimClock | None = None,
+        pulls: PullRules | None = None,
     ):
         self.groups = list(groups)
+        self.pulls = pulls or PullRules()
+        self._cold: dict[tuple, _Pending] = {}  # (group, last hash) -> its cold wait-and-pull
         self.hasher = hasher
         self.tick_every_s = tick_every_s
         self.clock = clock
@@ -327,6 +448,8 @@ class Simulation:
             if isinstance(item, Arrival):
                 self._arrive(now, item, place)
                 self._push_next(pending)
+            elif isinstance(item, _Pending):
+                self._advance(item, now)
             else:
                 self.finished += item.end_step()
                 started, item.started = item.started, []
@@ -347,8 +470,55 @@ class Simulation:
         if hashes is None:
             hashes = self.hasher.hash_prompt(a.prompt, cache_salt=a.cache_salt)
         hashes = list(hashes)
-        group = place(a, hashes)
-        group.submit(a.request_id, a.prompt, a.max_tokens, now, hashes, a.cache_salt)
+        placed = place(a, hashes)
+        if not isinstance(placed, Placed):
+            placed = Placed(placed)
+        if placed.source is None or not placed.block_hashes:
+            self._submit(placed.group, a, hashes, placed.pulled, 0, now)
+            return
+        chain, key = placed.block_hashes, None
+        if placed.wait:  # one wait and one pull per group and prefix, as the router shares them
+            key = (placed.group.group_id, chain[-1])
+            joined = self._cold.get(key)
+            if joined is not None:
+                joined.waiting.append((a, hashes, placed.pulled))
+                return
+        job = _Pending(placed.group, placed.source, chain, now, key=key)
+        job.waiting.append((a, hashes, placed.pulled))
+        if placed.wait:
+            job.deadline_s = now + self.pulls.wait_s
+            self._cold[key] = job
+            self._advance(job, now)
+        else:
+            self._begin_pull(job, chain, now)
+
+    def _begin_pull(self, job: _Pending, chain: Sequence[bytes], now: float) -> None:
+        job.pull = job.group.start_pull(job.source, chain, now, self.pulls.timeout_s)
+        self._push(job.pull.end_s, job)
+
+    def _advance(self, job: _Pending, now: float) -> None:
+        """A pull's next event: its copy arrived (submit its requests), or a cold wait's poll
+        (pull once the holder committed the prefix, or at the deadline what it committed)."""
+        if job.pull is not None:
+            pulled = job.group.finish_pull(job.pull, now, job.started_s)
+            if job.key is not None:
+                del self._cold[job.key]
+            for a, hashes, heard in job.waiting:
+                self._submit(job.group, a, hashes, heard, pulled, now)
+            return
+        committed = job.source.held(job.block_hashes)
+        if committed < len(job.block_hashes) and job.source.alive and now < job.deadline_s:
+            self._push(now + self.pulls.poll_s, job)
+        elif job.source.alive and self.pulls.pays(committed):
+            self._begin_pull(job, job.block_hashes[:committed], now)
+        else:  # nothing worth pulling came: recompute
+            job.pull = SimPull(job.source, (), (), now)
+            self._advance(job, now)
+
+    def _submit(self, group: SimGroup, a: Arrival, hashes, heard, pulled: int, now: float) -> None:
+        if heard is not None:
+            heard(pulled)
+        group.submit(a.request_id, a.prompt, a.max_tokens, now, hashes, a.cache_salt, arrival_s=a.arrival_s)
         self._start(group, now)
 
     def _start(self, group: SimGroup, now: float) -> None:

@@ -263,11 +263,41 @@ def test_the_routing_sweep_reports_load_and_warns_past_capacity(tmp_path):
     assert lines[0]["offered_load"] < lines[2]["offered_load"]
     svg = ET.parse(tmp_path / "s.svg").getroot()
     curves = svg.findall(f"{SVG}polyline[@class='curve']")
-    assert len(curves) == 2 * len(policies)  # hit rate, then TTFT p99: a line per policy
+    assert len(curves) == 3 * len(policies)  # hit rate, TTFT p99, blocks pulled: a line per policy
     for curve in curves:
         assert len(curve.get("points").split()) == 2  # a point per rate
     texts = [t.text for t in svg.iter(f"{SVG}text")]
     assert all(p in texts for p in policies) and "2000" in texts
+
+
+def test_the_routers_policies_pull_in_the_simulation_and_the_references_do_not(tmp_path):
+    """A hot document's questions spilled off its holder pull its KV into the spill group's host
+    tier (the router's `pull_source` / `cold_source`), counted per line; oracle_balanced, a
+    reference, recomputes; --no-pulls makes prefix_aware recompute too."""
+    trace = tmp_path / "hot.jsonl"
+    shape = "--groups 2 --blocks-per-group 256 --docs 6 --zipf-s 1.2 --questions-min 6 --questions-max 6"
+    run("-m", "benchmarks.traces", "--out", str(trace), *shape.split(), "--requests", "60", "--seed", "0")
+    common = (
+        "-m",
+        "benchmarks.routing",
+        "--trace",
+        str(trace),
+        "--groups",
+        "2",
+        "--capacity",
+        "1.25",
+        "--rates",
+        "100",
+    )
+    pulled = run(*common, "--policy", "prefix_aware,oracle_balanced", "--host-capacity", "1")
+    alone = run(*common, "--policy", "prefix_aware", "--host-capacity", "1", "--no-pulls")
+    lines = {(c["policy"], c["kv_pulls"]): c for c in pulled + alone}
+    assert set(lines) == {("prefix_aware", True), ("oracle_balanced", False), ("prefix_aware", False)}
+    on = lines["prefix_aware", True]
+    assert on["pulls"] >= 1 and on["blocks_pulled"] >= on["pulls"]
+    for c in (lines["oracle_balanced", False], lines["prefix_aware", False]):
+        assert c["pulls"] == c["blocks_pulled"] == c["pull_failures"] == 0
+    assert on["restored_tokens"] > 0  # pulled blocks are hits, restored from the host tier
 
 
 def test_oracles_derive_documents_where_a_trace_names_none(tmp_path):
@@ -441,6 +471,19 @@ def test_tenants_benchmark_smoke():
     assert bounded["b_ttft_p99_vs_alone"] < fair["b_ttft_p99_vs_alone"]
     a_rate = bounded["A"]["finished_output_tokens_per_s"]
     assert a_rate > 0.95 * fair["A"]["finished_output_tokens_per_s"]
+
+
+def test_tenants_benchmark_real_engine_smoke():
+    """The fairness cases on one real engine (the built-in model), briefly: every request of
+    either tenant is answered in each case, B's documents are hit, and the lines carry B's
+    TTFT p99 against B alone (timing itself is for a quiet machine: benchmarks/RESULTS.md)."""
+    args = ("--quick", "--rate-b", "10", "--real", "--real-rate-b", "3", "--real-duration", "3")
+    lines = {c["case"]: c for c in run("-m", "benchmarks.tenants", *args)}
+    alone, fifo, fair = lines["real_b_alone"], lines["real_fifo"], lines["real_fair_bounded"]
+    assert alone["B"]["requests"] == fifo["B"]["requests"] == fair["B"]["requests"] > 0
+    assert fifo["A"]["requests"] == fair["A"]["requests"] > fair["B"]["requests"]
+    assert fair["B"]["hit_rate"] > 0 and fair["A"]["finished_output_tokens_per_s"] > 0
+    assert fair["b_ttft_p99_vs_alone"] > 0 and fifo["b_ttft_p99_vs_alone"] > 0
 
 
 def test_structured_benchmark_smoke():

@@ -61,7 +61,7 @@ in benchmarks/RESULTS.md (KV tiers).
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -79,6 +79,7 @@ from worker.kv_events import (
     KVEventSink,
     discard_events,
 )
+from worker.outputs import CachedTiers
 from worker.step import KVMoves
 
 # (disk writes to make first, [(hash, host slot)] to read from the disk) -> how many were read
@@ -166,6 +167,9 @@ class BlockManager:
         self.host_saves = 0  # blocks written back to the host tier
         self.pinned: dict[bytes, int] = {}  # block hash -> pins holding it (see `pin`)
         self.blocks_imported = 0  # blocks pulled from another group into the host tier
+        # host blocks that came from the disk ("disk") or another group ("pull") and are not
+        # restored yet: a request restoring one reports its tokens under that tier (`tiers_of`)
+        self.arrived: dict[bytes, str] = {}
         # tenant -> its KV quota in device blocks (see the module docstring); None: global LRU
         self.quotas = dict(quotas) if quotas is not None and hasher is not None else None
         # tenant -> its unreferenced cached blocks by id, least recently used first (quotas only)
@@ -293,6 +297,7 @@ class BlockManager:
             self.emit(BlockRemoved(tuple(failed), DISK))
         if got:
             self.emit(BlockStored(tuple(h for h, _ in slots[:got]), None, HOST))
+            self._arrive((h for h, _ in slots[:got]), "disk")
         self.disk_hits += got * self.block_size
         return got
 
@@ -355,6 +360,7 @@ class BlockManager:
                 self.emit(BlockRemoved(tuple(failed), DISK))
             if got:
                 self.emit(BlockStored(tuple(h for h, _ in slots[:got]), None, HOST))
+                self._arrive((h for h, _ in slots[:got]), "disk")
             self.disk_hits += got * self.block_size
         return done
 
@@ -416,6 +422,7 @@ class BlockManager:
                 table.append(next(device))
                 continue
             h, slot = loads[pos]
+            self.arrived.pop(h, None)  # (restored: from now on a host hit like any other)
             block = next(spare)
             block.block_hash = h
             self.cached[h] = block
@@ -652,6 +659,25 @@ class BlockManager:
         self.blocks_imported += len(hashes)
         if hashes:
             self.emit(BlockStored(hashes, None, HOST))
+            self._arrive(hashes, "pull")
+
+    def tiers_of(self, match: PrefixMatch) -> CachedTiers:
+        """A match's tokens by the tier they come from (read before `allocate` restores it):
+        the device's blocks, and each host load as a host hit unless it arrived from the disk
+        or another group and was not restored since."""
+        counts = {"host": 0, "disk": 0, "pull": 0}
+        for _, h, _ in match.loads:
+            counts[self.arrived.get(h, "host")] += self.block_size
+        return CachedTiers(len(match.blocks) * self.block_size, counts["host"], counts["disk"], counts["pull"])
+
+    def _arrive(self, hashes: Iterable[bytes], tier: str) -> None:
+        """Note host blocks that came from `tier`; forget the notes of blocks the host no
+        longer holds once there are more notes than host slots (so they stay bounded)."""
+        arrived = self.arrived
+        for h in hashes:
+            arrived[h] = tier
+        if len(arrived) > self.host.num_slots:
+            self.arrived = {h: t for h, t in arrived.items() if h in self.host}
 
     # ---- internals ---------------------------------------------------------------------
     def _blocks_to_grow(self, request: Request, num_new_tokens: int) -> int:

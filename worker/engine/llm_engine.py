@@ -590,6 +590,7 @@ def _output(
             req.finish_reason if finished else None,
             req.stop_reason,
         ),
+        req.cached_tiers,
     )
 
 

@@ -221,11 +221,14 @@ class Scheduler:
             if not self.bm.can_allocate(req, match, n, self._reserve_blocks):
                 break  # keep FCFS order: nobody overtakes the head of the queue
             self.waiting.pop()
+            first = req.num_cached_tokens < 0  # (a preempted request keeps its first admission's)
+            tiers = self.bm.tiers_of(match) if first else None  # (before the restore forgets them)
             self.bm.allocate(req, match, n)
             block_ids = self.bm.block_ids(req.request_id)
             req.num_computed_tokens = match.num_tokens
-            if req.num_cached_tokens < 0:
+            if first:
                 req.num_cached_tokens = min(match.num_tokens, req.num_prompt_tokens)
+                req.cached_tiers = tiers.clipped(req.num_cached_tokens)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.scheduled.append(self._record(req, n, list(block_ids), is_new=True))
