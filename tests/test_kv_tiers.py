@@ -163,6 +163,37 @@ def tokens(outs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_the_host_tiers_copies_move_the_rows_named_in_runs_and_scattered(model_dir, kv_cache_dtype):
+    """HostTier.apply on a rank's real pool (an int8 cache's scale rows too): saves and loads in
+    one run, in runs of a few rows, and scattered, each row landing where its pair names it."""
+    llm = LLM(str(model_dir), **{**SMALL, "kv_host_bytes": HOST_BYTES, "kv_cache_dtype": kv_cache_dtype})
+    tier = llm.engine.executor.worker.host_tier
+    rng = random.Random(3)
+    n = min(tier.num_slots, SMALL["num_blocks"])
+    orders = {
+        "run": list(range(n)),
+        "runs": [b for start in rng.sample(range(0, n - 3, 4), (n - 3) // 4 + 1) for b in range(start, start + 4)],
+        "scattered": rng.sample(range(n), n),
+    }
+    for name, blocks in orders.items():
+        slots = rng.sample(range(tier.num_slots), len(blocks)) if name == "scattered" else list(range(len(blocks)))
+        for t in (*tier.device_tensors, *tier.host_tensors):
+            t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8))
+        device = [t.clone() for t in tier.device_tensors]
+        tier.apply(KVMoves(saves=list(zip(blocks, slots, strict=True))))
+        for h, d in zip(tier.host_tensors, device, strict=True):
+            assert all(torch.equal(h[s], d[b]) for b, s in zip(blocks, slots, strict=True)), name
+        for t in tier.device_tensors:
+            t.zero_()
+        loads = list(zip(slots, reversed(blocks), strict=True))  # each slot into another block
+        tier.apply(KVMoves(loads=loads))
+        for h, d in zip(tier.host_tensors, tier.device_tensors, strict=True):
+            assert all(torch.equal(d[b], h[s]) for s, b in loads), name
+            loaded = {b for _, b in loads}
+            assert all(not d[b].any() for b in range(d.shape[0]) if b not in loaded), name
+
+
 def test_a_document_evicted_from_the_device_is_restored_from_the_host(model_dir):
     prompts = visits(documents(4))
     tier = LLM(str(model_dir), kv_host_bytes=HOST_BYTES, **SMALL)
