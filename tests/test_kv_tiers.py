@@ -8,7 +8,9 @@ restored block must be the very KV the device computed, scales included for 8-bi
 
 from __future__ import annotations
 
+import logging
 import random
+import shutil
 
 import pytest
 import torch
@@ -351,6 +353,27 @@ def test_a_damaged_block_file_is_a_miss_never_wrong_kv(model_dir, tmp_path, dama
     check_events_complete(tier, events)
     if damage != "missing":  # the blocks that failed are forgotten, their files removed
         assert len(list(tmp_path.rglob("*.kv"))) == stats["kv_disk_blocks_cached"]
+    tier.engine.executor.shutdown()
+
+
+def test_a_disk_that_fails_its_writes_degrades_to_the_host_tier_with_one_warning(model_dir, tmp_path, caplog):
+    """The disk tier's directory gone from under it (what a full or failing disk looks like to
+    the writes): every write after fails, one warning says so, the engine serves on from the
+    device and the host, and a block whose write failed is a miss, recomputed to the same tokens."""
+    prompts = visits(documents(4, seed=11))
+    tier = disk_tiered(model_dir, tmp_path)
+    (rank_dir,) = {p.parent for p in tmp_path.rglob("lock")}
+    shutil.rmtree(rank_dir)
+    rank_dir.write_text("not a directory")  # (root may write anywhere: no permission would stop it)
+    with caplog.at_level(logging.WARNING, logger="worker.exec.disk_tier"):
+        served = one_by_one(tier, prompts)
+    device = one_by_one(LLM(str(model_dir), **BIG), prompts)
+    assert tokens(served) == tokens(device)
+    stats = tier.engine.stats()
+    assert stats["kv_disk_write_failures"] > 0 and stats["kv_disk_bytes_written"] == 0
+    assert stats["kv_disk_hits"] == 0 and stats["kv_disk_failures"] >= 1  # the asked-for block: a miss
+    warned = [r for r in caplog.records if "could not be written" in r.getMessage()]
+    assert len(warned) == 1 and "serving from the host only" in warned[0].getMessage()
     tier.engine.executor.shutdown()
 
 

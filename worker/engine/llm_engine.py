@@ -558,6 +558,8 @@ class LLMEngine:
             "kv_host_bytes_loaded": host.bytes_loaded if host else 0,
             "kv_disk_bytes_written": disk.bytes_written if disk else 0,
             "kv_disk_bytes_read": disk.bytes_read if disk else 0,
+            # blocks rank 0 could not write (a full or failing disk: they are misses when asked)
+            "kv_disk_write_failures": disk.failed_writes if disk else 0,
         }
 
 
