@@ -22,7 +22,8 @@ serve, so that A's queue grows for the whole run. Cases, in the same run:
   cached blocks A's requests evicted of each tenant.
 
 One JSON line per case with each tenant's TTFT p50/p99 (simulated seconds), requests finished,
-output tokens/s and its share of the tokens the group computed, and B's TTFT p99 over
+output tokens/s, its share of the tokens the group computed and of the pool's blocks at the
+end (`cache_share`; first come first served knows no tenants: both read the whole), and B's TTFT p99 over
 `b_alone`'s (the goal: <= 1.25 with fairness; A keeps at least its weighted share, half).
 """
 
@@ -113,9 +114,13 @@ def run_case(
                 break
             group.start_step(now)
     bm = group.scheduler.bm
+    held: dict[str, int] = {}  # tenant -> the pool's cached blocks its requests computed, at the end
+    for block in bm.cached.values():
+        held[block.tenant] = held.get(block.tenant, 0) + 1
     return {
         t: {
             "hit_rate": round(hits.get(t, 0) / max(prompts.get(t, 0), 1), 3),
+            "cache_share": round(held.get(t if fair else "", 0) / num_blocks, 3),
             "evictions_suffered": bm.evictions_suffered.get(t, 0),
             "ttft_s_p50": round(statistics.median(ttfts.get(t, [0.0])), 3),
             "ttft_s_p99": round(_pct(ttfts.get(t, [0.0]), 0.99), 3),
@@ -177,11 +182,12 @@ def flood(args: argparse.Namespace, duration: float) -> None:
     weights = {"A": 1.0, "B": 1.0}
     common = {"bench": "tenants", "rate_b": args.rate_b, "ratio": args.ratio, "duration_s": duration}
     common |= {"blocks": args.flood_blocks, "a_docs": args.flood_docs, "b_docs": 3, "kv_quotas": quotas}
-    alone = run_case(b, True, args.flood_blocks, weights)["B"]
+    bound = SchedulerConfig().over_share_prefill_tokens  # (the engine's default)
+    alone = run_case(b, True, args.flood_blocks, weights, bound=bound)["B"]
     print(json.dumps({**common, "case": "flood_b_alone", "B": alone}))
-    lru = run_case(both, True, args.flood_blocks, weights)
+    lru = run_case(both, True, args.flood_blocks, weights, bound=bound)
     print(json.dumps({**common, "case": "flood_lru", "A": lru["A"], "B": lru["B"]}))
-    got = run_case(both, True, args.flood_blocks, weights, quotas)
+    got = run_case(both, True, args.flood_blocks, weights, quotas, bound=bound)
     ratio = round(got["B"]["hit_rate"] / max(lru["B"]["hit_rate"], 1e-9), 2)
     print(json.dumps({**common, "case": "flood_quotas", "A": got["A"], "B": got["B"], "b_hit_rate_vs_lru": ratio}))
 

@@ -380,12 +380,26 @@ class BlockManager:
         self.disk.unpin_all()
         self.emit(BlockStored(tuple(self.disk.hashes()), None, DISK))
 
-    def can_allocate(self, request: Request, match: PrefixMatch, num_new_tokens: int, reserve_blocks: int = 0) -> bool:
+    def can_allocate(
+        self, request: Request, match: PrefixMatch, num_new_tokens: int, reserve_blocks: int = 0, protect: bool = False
+    ) -> bool:
         """Whether `request` fits with its cached prefix plus `num_new_tokens`, leaving
-        `reserve_blocks` free (the admission watermark)."""
+        `reserve_blocks` free (the admission watermark); with `protect` (and KV quotas), also
+        leaving the other tenants' idle blocks within their quotas (`protected_blocks`)."""
         new = cdiv(match.num_tokens + num_new_tokens, self.block_size) - len(match.blocks)
         hits_on_free = sum(1 for b in match.blocks if b.ref_cnt == 0)
-        return new + hits_on_free + reserve_blocks <= self.num_free_blocks
+        free = self.num_free_blocks - (self.protected_blocks(request.tenant) if protect else 0)
+        return new + hits_on_free + reserve_blocks <= free
+
+    def protected_blocks(self, tenant: str) -> int:
+        """The other tenants' unreferenced cached blocks within their quotas: a working set
+        that admitting a request of `tenant` should not evict (0 without quotas). Evicting
+        them is what a flood does while its own requests hold the rest of the pool, since the
+        quotas rank only the idle blocks (see `_victim`)."""
+        if self.quotas is None:
+            return 0
+        quotas = self.quotas
+        return sum(min(len(idle), quotas.get(t, 0)) for t, idle in self._idle.items() if t != tenant)
 
     def allocate(self, request: Request, match: PrefixMatch, num_new_tokens: int) -> list[int]:
         """Take the cached prefix and enough new blocks for `num_new_tokens`; returns the
@@ -454,8 +468,11 @@ class BlockManager:
         return moves if moves else None
 
     # ---- grow --------------------------------------------------------------------------
-    def can_append(self, request: Request, num_new_tokens: int) -> bool:
-        return self._blocks_to_grow(request, num_new_tokens) <= self.num_free_blocks
+    def can_append(self, request: Request, num_new_tokens: int, protect: bool = False) -> bool:
+        """Whether a running request has room for `num_new_tokens` more; `protect`: as in
+        `can_allocate`, leaving the other tenants' idle blocks within their quotas."""
+        free = self.num_free_blocks - (self.protected_blocks(request.tenant) if protect else 0)
+        return self._blocks_to_grow(request, num_new_tokens) <= free
 
     def append_slots(self, request: Request, num_new_tokens: int, lookahead: int = 0) -> list[int]:
         """Room for `num_new_tokens` after the computed ones (and `lookahead` more, whose
