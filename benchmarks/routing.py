@@ -21,7 +21,8 @@ sooner than recomputing it, and wait for a cold one another group is computing, 
 does (router/router.py: `pull_source`, `cold_source`); the pulled blocks land in the puller's
 host tier (`--host-capacity`; without one a pull brings nothing) and count as hits. The
 references recompute what their group lacks; `--no-pulls` makes every policy do so. A line
-gives `pulls`, `blocks_pulled` and `pull_failures`. `--capacity X` sizes the groups'
+gives `pull_placements` (placements naming a pull), `pulls` (those that brought blocks),
+`blocks_pulled` and `pull_failures`. `--capacity X` sizes the groups'
 pools to X times the blocks of the trace's documents. `--mode sim`
 runs simulated groups (cluster/sim_group.py: the real scheduler and block manager, a calibrated
 cost model for the forward) in simulated time, by default over the in-process index on the
@@ -214,6 +215,7 @@ def run_sim(args, policy_name: str, server: RedisServer | None, cost: CostModel,
     # prefix's `cold_source`, a shared cold pull joined); the references recompute what their
     # group lacks, as their systems do. --no-pulls: every policy recomputes.
     pulls = not args.no_pulls and policy_name in POLICIES
+    asked = [0]  # placements that named a pull (some find the blocks already there)
     if not pulls:
         router.cold_wait_s = 0.0
 
@@ -236,6 +238,7 @@ def run_sim(args, policy_name: str, server: RedisServer | None, cost: CostModel,
             sent(a, replace(p, pull_from=None, pull_blocks=0, pull_wait=False), spill)
             return group
         chain = hashes[: p.pull_blocks]
+        asked[0] += 1
         key = (p.group_id, chain[-1])
         if p.pull_wait and key not in router._cold:  # later requests join it (Router.joined_pull)
             router._cold[key] = _ColdPull(p.pull_from, len(chain), None)
@@ -275,6 +278,7 @@ def run_sim(args, policy_name: str, server: RedisServer | None, cost: CostModel,
         # KV pulled between groups instead of recomputed: pulls that brought blocks, the
         # blocks, and pulls that brought none (no host tier, timed out, nothing committed)
         "kv_pulls": pulls,
+        "pull_placements": asked[0],
         "pulls": sum(g.pulls for g in groups),
         "blocks_pulled": sum(g.pulled_blocks for g in groups),
         "pull_failures": sum(g.pull_failures for g in groups),

@@ -219,13 +219,14 @@ class SimGroup(GroupHandle):
         return done
 
     # ---- pulls ---------------------------------------------------------------------------
-    def held(self, block_hashes: Sequence[bytes]) -> int:
-        """Leading blocks of the chain this group holds (device or host): what a pull can copy."""
+    def held(self, block_hashes: Sequence[bytes], computing: bool = False) -> int:
+        """Leading blocks of the chain this group holds (device or host): what a pull can copy
+        now, or (`computing`) once the step in flight has written the blocks it computes."""
         if not self.alive:
             return 0
         bm, n = self.scheduler.bm, 0
         for h, _ in zip(block_hashes, bm.held_chain(block_hashes), strict=False):
-            if h in self._computing and (bm.host is None or h not in bm.host):
+            if not computing and h in self._computing and (bm.host is None or h not in bm.host):
                 break
             n += 1
         return n
@@ -234,10 +235,17 @@ class SimGroup(GroupHandle):
         """Begin copying the leading blocks of the chain that `holder` holds into this group's
         host tier; the holder's device blocks among them are pinned until `finish_pull`. A pull
         that cannot bring anything (no host tier here, nothing held, a dead holder, itself) ends
-        at once; one whose link takes longer than `timeout_s` ends then, bringing nothing."""
-        held = holder.held(block_hashes) if holder is not self and self.config.host_blocks else 0
+        at once; one whose link takes longer than `timeout_s` ends then, bringing nothing. Blocks
+        the holder's step in flight computes (committed, so indexed, but not yet written) are
+        copied once that step ends, as a holder exports between its steps."""
+        can = holder is not self and self.config.host_blocks
+        held = holder.held(block_hashes) if can else 0
+        seconds = 0.0
+        if can and holder.busy_until is not None and holder.held(block_hashes, computing=True) > held:
+            held = holder.held(block_hashes, computing=True)
+            seconds = max(0.0, holder.busy_until - now)  # the copy waits for the step's end
         chain = tuple(block_hashes[:held])
-        seconds = self.config.cost.pull_seconds(held, self.config.same_node)
+        seconds += self.config.cost.pull_seconds(held, self.config.same_node)
         ok = held > 0 and seconds <= timeout_s
         pinned = ()
         if ok:

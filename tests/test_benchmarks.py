@@ -295,8 +295,9 @@ def test_the_routers_policies_pull_in_the_simulation_and_the_references_do_not(t
     assert set(lines) == {("prefix_aware", True), ("oracle_balanced", False), ("prefix_aware", False)}
     on = lines["prefix_aware", True]
     assert on["pulls"] >= 1 and on["blocks_pulled"] >= on["pulls"]
+    assert on["pull_placements"] >= on["pulls"] + on["pull_failures"]
     for c in (lines["oracle_balanced", False], lines["prefix_aware", False]):
-        assert c["pulls"] == c["blocks_pulled"] == c["pull_failures"] == 0
+        assert c["pull_placements"] == c["pulls"] == c["blocks_pulled"] == c["pull_failures"] == 0
     assert on["restored_tokens"] > 0  # pulled blocks are hits, restored from the host tier
 
 

@@ -84,3 +84,14 @@ def test_a_cold_document_is_computed_once_and_pulled_after_its_commit():
     assert g0.prefill_tokens + g1.prefill_tokens == 320 + 8 + 8  # the document once
     # g1's question waited for g0's prefill (polled every 10 ms), then the link
     assert done["r1"].ttft_s > done["r0"].ttft_s
+
+
+def test_a_pull_of_blocks_the_holders_step_computes_copies_them_when_it_ends():
+    """Blocks are indexed when a step that computes them is scheduled: a pull asked for them
+    then waits for the step's end (the holder exports between steps), and brings them all."""
+    g0, g1 = make_groups()
+    done, heard = run(g0, g1, at=0.001)  # g0's step computing the document ends at 0.0338
+    assert heard == [20] and g1.pulls == 1 and g1.prefill_tokens == len(QUESTION)
+    step = COST.step_seconds(328, 0)
+    link = COST.pull_latency_s + 20 * COST.block_bytes / COST.pull_bandwidth
+    assert done["r1"].ttft_s == pytest.approx(step - 0.001 + link + COST.step_seconds(8, 0, loads=20))
