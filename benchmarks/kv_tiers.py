@@ -333,8 +333,10 @@ def disk_async(model: str | None, doc_tokens: int, vocab: int, block_bytes: int,
 def restore_bandwidth(model: str | None, device: str, blocks: int = 256) -> dict:
     """Host -> device restore bandwidth: `HostTier.apply` loading `blocks` blocks (the restore
     path itself: an indexed read of the host slots, the copy, an indexed write into the pool),
-    against a plain copy of the same bytes from pinned host memory (pageable on a CPU device)
-    to the device, the copy engine's own rate; the median of 5 each."""
+    slots and blocks in the same order (one run) and `scattered` (none), against a plain copy
+    of the same bytes from pinned host memory (pageable on a CPU device) to the device, the
+    copy engine's own rate, and against `plain`, the byte-wise indexed copies through pageable
+    memory that the restore once made; the median of 15 each."""
     import torch
 
     probe = LLM(model, device=device, block_size=16, num_blocks=8, max_model_len=64)
@@ -351,14 +353,24 @@ def restore_bandwidth(model: str | None, device: str, blocks: int = 256) -> dict
         fn()
         sync()
         times = []
-        for _ in range(5):
+        for _ in range(15):
             t0 = time.perf_counter()
             fn()
             sync()
             times.append(time.perf_counter() - t0)
         return statistics.median(times)
 
+    # the blocks in another order than the slots: no run of consecutive slots and blocks
+    scattered = KVMoves(loads=list(zip(range(blocks), random.Random(0).sample(range(blocks), blocks), strict=True)))
+
+    def plain(m: KVMoves) -> None:  # the indexed copies on bytes that HostTier.apply once made
+        slots, ids = (torch.tensor([p[i] for p in m.loads]) for i in (0, 1))
+        for d, h in zip(tier.device_tensors, tier.host_tensors, strict=True):
+            d.index_copy_(0, ids.to(device), h.index_select(0, slots).to(device))
+
     restore_s = timed(lambda: tier.apply(moves))
+    scattered_s = timed(lambda: tier.apply(scattered))
+    plain_s, plain_scattered_s = timed(lambda: plain(moves)), timed(lambda: plain(scattered))
     nbytes = blocks * tier.block_bytes
     src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.startswith("cuda"))
     dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
@@ -372,6 +384,11 @@ def restore_bandwidth(model: str | None, device: str, blocks: int = 256) -> dict
         "restore_gb_s": round(nbytes / restore_s / 1e9, 2),
         "memcpy_gb_s": round(nbytes / memcpy_s / 1e9, 2),
         "restore_over_memcpy": round(memcpy_s / restore_s, 3),
+        "scattered_over_memcpy": round(memcpy_s / scattered_s, 3),
+        "plain_over_memcpy": round(memcpy_s / plain_s, 3),
+        "plain_scattered_over_memcpy": round(memcpy_s / plain_scattered_s, 3),
+        "restore_over_plain": round(plain_s / restore_s, 2),
+        "scattered_over_plain": round(plain_scattered_s / scattered_s, 2),
     }
 
 

@@ -22,7 +22,8 @@ serve, so that A's queue grows for the whole run. Cases, in the same run:
   cached blocks A's requests evicted of each tenant.
 
 One JSON line per case with each tenant's TTFT p50/p99 (simulated seconds), requests finished,
-output tokens/s and its share of the tokens the group computed, and B's TTFT p99 over
+output tokens/s, its share of the tokens the group computed and of the pool's blocks at the
+end (`cache_share`; first come first served knows no tenants: both read the whole), and B's TTFT p99 over
 `b_alone`'s (the goal: <= 1.25 with fairness; A keeps at least its weighted share, half).
 """
 
@@ -43,12 +44,13 @@ BLOCK_SIZE = 16
 
 
 def arrivals(
-    rate: float, duration: float, tenant: str, seed: int, num_docs: int = 6
+    rate: float, duration: float, tenant: str, seed: int, num_docs: int = 6, **shape
 ) -> list[tuple[float, str, tuple, int]]:
-    """Poisson arrivals of `tenant`'s research trace (its own documents), cycled to fill
-    `duration` seconds: (time, tenant, prompt, output tokens)."""
+    """Poisson arrivals of `tenant`'s research trace (its own documents; `shape`: other
+    ResearchWorkload fields), cycled to fill `duration` seconds: (time, tenant, prompt, output
+    tokens)."""
     rng = random.Random(seed)
-    trace = research_requests(ResearchWorkload(num_docs=num_docs, seed=seed))
+    trace = research_requests(ResearchWorkload(num_docs=num_docs, seed=seed, **shape))
     out, t, i = [], 0.0, 0
     while True:
         t += rng.expovariate(rate)
@@ -112,9 +114,13 @@ def run_case(
                 break
             group.start_step(now)
     bm = group.scheduler.bm
+    held: dict[str, int] = {}  # tenant -> the pool's cached blocks its requests computed, at the end
+    for block in bm.cached.values():
+        held[block.tenant] = held.get(block.tenant, 0) + 1
     return {
         t: {
             "hit_rate": round(hits.get(t, 0) / max(prompts.get(t, 0), 1), 3),
+            "cache_share": round(held.get(t if fair else "", 0) / num_blocks, 3),
             "evictions_suffered": bm.evictions_suffered.get(t, 0),
             "ttft_s_p50": round(statistics.median(ttfts.get(t, [0.0])), 3),
             "ttft_s_p99": round(_pct(ttfts.get(t, [0.0]), 0.99), 3),
@@ -140,6 +146,9 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="a shorter trace (smoke)")
     p.add_argument("--flood-docs", type=int, default=0, help="A's documents in the cache flood (0: no flood)")
     p.add_argument("--flood-blocks", type=int, default=1024, help="the group's KV blocks in the cache flood")
+    p.add_argument("--real", action="store_true", help="and the fairness cases on one real engine (built-in model)")
+    p.add_argument("--real-rate-b", type=float, default=5.0, help="tenant B's requests/s on the real engine")
+    p.add_argument("--real-duration", type=float, default=20.0, help="seconds of arrivals on the real engine")
     args = p.parse_args()
     duration = 20.0 if args.quick else args.duration
     b = arrivals(args.rate_b, duration, "B", seed=1)
@@ -158,6 +167,8 @@ def main() -> None:
         print(json.dumps({**common, "case": case, "A": got["A"], "B": got["B"], "b_ttft_p99_vs_alone": ratio}))
     if args.flood_docs:
         flood(args, duration)
+    if args.real:
+        real(args)
 
 
 def flood(args: argparse.Namespace, duration: float) -> None:
@@ -171,13 +182,90 @@ def flood(args: argparse.Namespace, duration: float) -> None:
     weights = {"A": 1.0, "B": 1.0}
     common = {"bench": "tenants", "rate_b": args.rate_b, "ratio": args.ratio, "duration_s": duration}
     common |= {"blocks": args.flood_blocks, "a_docs": args.flood_docs, "b_docs": 3, "kv_quotas": quotas}
-    alone = run_case(b, True, args.flood_blocks, weights)["B"]
+    bound = SchedulerConfig().over_share_prefill_tokens  # (the engine's default)
+    alone = run_case(b, True, args.flood_blocks, weights, bound=bound)["B"]
     print(json.dumps({**common, "case": "flood_b_alone", "B": alone}))
-    lru = run_case(both, True, args.flood_blocks, weights)
+    lru = run_case(both, True, args.flood_blocks, weights, bound=bound)
     print(json.dumps({**common, "case": "flood_lru", "A": lru["A"], "B": lru["B"]}))
-    got = run_case(both, True, args.flood_blocks, weights, quotas)
+    got = run_case(both, True, args.flood_blocks, weights, quotas, bound=bound)
     ratio = round(got["B"]["hit_rate"] / max(lru["B"]["hit_rate"], 1e-9), 2)
     print(json.dumps({**common, "case": "flood_quotas", "A": got["A"], "B": got["B"], "b_hit_rate_vs_lru": ratio}))
+
+
+# The real engine's trace: shorter documents and answers than the simulation's, so that the
+# built-in model on a CPU saturates at a few requests a second.
+REAL_SHAPE = dict(doc_len=(300, 500), question_len=(16, 32), output_len=(8, 32), vocab_size=1000)
+
+
+def real(args: argparse.Namespace) -> None:
+    """The fairness cases on one real engine in this process (the built-in model, float32, on
+    this machine's CPU): tenant B at `--real-rate-b`, A at `--ratio` times that, replayed in
+    wall-clock time; TTFT from each request's arrival to its first token. `real_b_alone`,
+    `real_fifo`, `real_fair_bounded` (the defaults: weighted fair queue, bounded prefill)."""
+    duration = args.real_duration
+    b = arrivals(args.real_rate_b, duration, "B", seed=1, num_docs=3, **REAL_SHAPE)
+    a = arrivals(args.real_rate_b * args.ratio, duration, "A", seed=2, num_docs=3, **REAL_SHAPE)
+    both = sorted(a + b, key=lambda r: r[0])
+    common = {"bench": "tenants", "engine": "real", "model": "builtin", "rate_b": args.real_rate_b}
+    common |= {"ratio": args.ratio, "duration_s": duration}
+    alone = run_real(b, fair=True)["B"]
+    print(json.dumps({**common, "case": "real_b_alone", "B": alone}), flush=True)
+    for case, fair in (("real_fifo", False), ("real_fair_bounded", True)):
+        got = run_real(both, fair)
+        ratio = round(got["B"]["ttft_s_p99"] / max(alone["ttft_s_p99"], 1e-9), 2)
+        print(
+            json.dumps({**common, "case": case, "A": got["A"], "B": got["B"], "b_ttft_p99_vs_alone": ratio}), flush=True
+        )
+
+
+def run_real(requests: list, fair: bool) -> dict[str, dict]:
+    """Replay `requests` on a fresh engine (LLMEngine, stepped here) at their arrival times;
+    per tenant: TTFTs (wall seconds), finished output tokens/s, prefix hit rate. Without
+    `fair` every request reaches the engine as the one tenant "" (first come, first served)."""
+    import time
+
+    from pagefleet.llm import LLM
+    from worker.sampling_params import SamplingParams
+
+    llm = LLM("builtin", dtype="float32", num_blocks=2048, max_model_len=1024, max_num_batched_tokens=512)
+    engine = llm.engine
+    tenant_of, arrived, first, tokens, prompts, hits = {}, {}, {}, {}, {}, {}
+    pending = list(reversed(requests))
+    t0 = time.perf_counter()
+    while pending or engine.has_unfinished():
+        now = time.perf_counter() - t0
+        while pending and pending[-1][0] <= now:
+            at, tenant, prompt, max_tokens = pending.pop()
+            rid = f"{tenant}-{len(tenant_of)}"
+            tenant_of[rid], arrived[rid] = tenant, at
+            params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+            engine.add_request(list(prompt), params, request_id=rid, tenant=tenant if fair else "")
+        if not engine.has_unfinished():
+            time.sleep(max(0.0, min(0.01, pending[-1][0] - now)))
+            continue
+        for out in engine.step():
+            rid, t = out.request_id, tenant_of[out.request_id]
+            if rid not in first and out.new_token_ids:
+                first[rid] = time.perf_counter() - t0 - arrived[rid]
+                prompts[t] = prompts.get(t, 0) + len(out.prompt_token_ids)
+                hits[t] = hits.get(t, 0) + max(out.num_cached_tokens, 0)
+            if out.finished:
+                tokens[t] = tokens.get(t, 0) + len(out.token_ids)
+    elapsed = time.perf_counter() - t0
+    llm.shutdown()
+    ttfts: dict[str, list[float]] = {}
+    for rid, ttft in first.items():
+        ttfts.setdefault(tenant_of[rid], []).append(ttft)
+    return {
+        t: {
+            "requests": len(ttfts.get(t, [])),
+            "hit_rate": round(hits.get(t, 0) / max(prompts.get(t, 0), 1), 3),
+            "ttft_s_p50": round(statistics.median(ttfts.get(t, [0.0])), 3),
+            "ttft_s_p99": round(_pct(ttfts.get(t, [0.0]), 0.99), 3),
+            "finished_output_tokens_per_s": round(tokens.get(t, 0) / max(elapsed, 1e-9), 1),
+        }
+        for t in sorted(set(tenant_of.values()))
+    }
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ class GroupStatus:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     preemptions: int = 0
+    loading: int = 0  # requests waiting for their prefix's blocks from the disk tier
     error: str | None = None
     draining: bool = False  # alive, but taking no new request (its in-flight ones finish)
     state: str = ""  # the supervisor's view (cluster/ray/supervisor.py); "" for a local group
@@ -82,6 +83,7 @@ def status_from_stats(
         prefix_cache_queries=stats.get("prefix_cache_queries", 0),
         prefix_cache_hits=stats.get("prefix_cache_hits", 0),
         preemptions=stats.get("preemptions", 0),
+        loading=stats.get("loading", 0),
         error=error,
         draining=bool(stats.get("draining", False)),
         pinned=dict(stats.get("pinned", {})),
@@ -91,20 +93,24 @@ def status_from_stats(
 
 
 def tenant_kv_of(stats: dict) -> dict[str, dict[str, int]]:
-    """The engine's per-tenant KV figures (worker/engine/llm_engine.py `stats`), by tenant."""
-    blocks = stats.get("tenant_kv_blocks", {})
-    caused = stats.get("tenant_kv_evictions_caused", {})
-    suffered = stats.get("tenant_kv_evictions_suffered", {})
+    """The engine's per-tenant KV figures (worker/engine/llm_engine.py `stats`), by tenant: on
+    the device (`blocks`, `bytes`, `evictions_caused`, `evictions_suffered`) and, for a tier
+    with KV quotas, the same prefixed by its medium (`host_blocks`, `disk_bytes`, ...)."""
     block_bytes = stats.get("kv_block_bytes", 0)
-    return {
-        t: {
-            "blocks": blocks.get(t, 0),
-            "bytes": blocks.get(t, 0) * block_bytes,
-            "evictions_caused": caused.get(t, 0),
-            "evictions_suffered": suffered.get(t, 0),
-        }
-        for t in {*blocks, *caused, *suffered}
-    }
+    out: dict[str, dict[str, int]] = {}
+    for prefix, key in (("", "tenant_kv_"), ("host_", "tenant_kv_host_"), ("disk_", "tenant_kv_disk_")):
+        if f"{key}blocks" not in stats and prefix:
+            continue  # (a tier without quotas, or none)
+        blocks = stats.get(f"{key}blocks", {})
+        caused = stats.get(f"{key}evictions_caused", {})
+        suffered = stats.get(f"{key}evictions_suffered", {})
+        for t in {*blocks, *caused, *suffered}:
+            into = out.setdefault(t, {})
+            into[f"{prefix}blocks"] = blocks.get(t, 0)
+            into[f"{prefix}bytes"] = blocks.get(t, 0) * block_bytes
+            into[f"{prefix}evictions_caused"] = caused.get(t, 0)
+            into[f"{prefix}evictions_suffered"] = suffered.get(t, 0)
+    return out
 
 
 class GroupHandle(ABC):

@@ -28,16 +28,18 @@ def write_kv_torch(
     """Scatter each token's K and V into its slot of the paged pool (quantized when the
     cache is 8-bit: per-token scales are computed and written, a per-tensor one is read)."""
     num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
-    valid = slot_mapping >= 0
-    slots = slot_mapping[valid].long()
+    slots = slot_mapping.long()
+    if slots.numel() and int(slots.min()) < 0:  # some skipped (a profiling pass): rare
+        valid = slots >= 0
+        slots, key, value = slots[valid], key[valid], value[valid]
     if is_quantized(key_cache.dtype):
-        write_quantized(key[valid], key_cache, k_scale, slots)
-        write_quantized(value[valid], value_cache, v_scale, slots)
+        write_quantized(key, key_cache, k_scale, slots)
+        write_quantized(value, value_cache, v_scale, slots)
         return
     flat_k = key_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
     flat_v = value_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
-    flat_k.index_copy_(0, slots, key[valid].to(key_cache.dtype))
-    flat_v.index_copy_(0, slots, value[valid].to(value_cache.dtype))
+    flat_k.index_copy_(0, slots, key if key.dtype == key_cache.dtype else key.to(key_cache.dtype))
+    flat_v.index_copy_(0, slots, value if value.dtype == value_cache.dtype else value.to(value_cache.dtype))
 
 
 def paged_attention_torch(

@@ -23,6 +23,10 @@ from kernels.kv_quant import dequantize, gather_scale
 # Padded K/V of a decode batch is gathered in groups of at most this many elements, so that a
 # batch of long contexts does not double the memory of the pool it reads.
 _DECODE_GATHER_ELEMS = 1 << 24
+# Decodes of a step up to this many attend one sequence at a time (`_decode_one`: a dozen ops
+# each, no padding, no masks); more go through the length buckets, whose ~35 ops a bucket are
+# shared by every sequence in it. At 2 decodes the two ran even on CPU (benchmarks/RESULTS.md).
+_PER_SEQUENCE_DECODES = 2
 # Queries per tile of a 16-bit prefill: larger tiles make fewer and larger matmuls, smaller
 # ones compute less of the masked triangle; 128 ran fastest of 32-256 on CPU
 # (benchmarks/RESULTS.md). A tile's scores (kvh x g x tile x keys) stay in the last-level cache.
@@ -85,15 +89,19 @@ def paged_attention_sdpa(
     v_scale: torch.Tensor | None = None,
     workspace: Workspace | None = None,  # scratch for gathered K/V; None: fresh tensors
 ) -> torch.Tensor:
+    pool = _Pool(key_cache, value_cache, k_scale, v_scale, workspace)
+    lens = seq_lens.tolist()
+    if out is None and len(lens) == 1 and query.shape[0] == 1:  # one decode: its output is the result
+        return _decode_one(query[0], pool, block_tables[0], lens[0], scale).unsqueeze(0)
     if out is None:
         out = torch.empty_like(query)
-    pool = _Pool(key_cache, value_cache, k_scale, v_scale, workspace)
     starts = query_start_loc.tolist()
-    lens = seq_lens.tolist()
     q_lens = [b - a for a, b in zip(starts, starts[1:], strict=False)]
     decodes = [s for s, n in enumerate(q_lens) if n == 1]
-    if decodes:
+    if len(decodes) > _PER_SEQUENCE_DECODES:
         _decode(query, pool, block_tables, starts, lens, decodes, scale, out)
+    for s in decodes if len(decodes) <= _PER_SEQUENCE_DECODES else ():
+        out[starts[s]] = _decode_one(query[starts[s]], pool, block_tables[s], lens[s], scale)
     for s, n in enumerate(q_lens):
         if n > 1:
             _prefill(query, pool, block_tables[s], starts[s], n, lens[s], scale, out)
@@ -159,6 +167,26 @@ def _prefill_tiled(
         torch.bmm(scores, vt[:, :keys], out=o)
         out[a : a + n].view(n, kvh, group, d).copy_(o.view(kvh, n, group, d).transpose(0, 1))
     return out
+
+
+def _decode_one(q, pool: _Pool, table, seq_len: int, scale: float) -> torch.Tensor:
+    """One query token (h, d) over its sequence's first `seq_len` cached positions: (h, d).
+
+    The blocks are gathered in the pool's layout and cut at the sequence's end, so no slot
+    past it is read and nothing needs a mask. The scores are one matmul of the query heads,
+    spread block-diagonally over their KV heads' columns (`_spread_heads`, here one
+    `block_diag`), against the gathered (L, kvh * d) keys, which BLAS reads transposed in
+    place; the values one batched matmul per KV head over its group's probabilities. Same
+    roundings as the bucketed path: the scaled query and the scores in the query's dtype,
+    the softmax in float32, the probabilities back in the query's dtype."""
+    _, block_size, kvh, d = pool.key.shape
+    heads = q.shape[0]
+    g = heads // kvh
+    k, v = (t.view(-1, kvh * d)[:seq_len] for t in pool.gather(table[: -(-seq_len // block_size)], q.dtype))
+    spread = torch.block_diag(*(q.view(kvh, g, d) * scale).unbind(0))  # (h, kvh * d)
+    probs = torch.softmax(torch.mm(spread, k.t()), dim=-1, dtype=torch.float32).to(q.dtype)  # (h, L)
+    o = torch.bmm(probs.view(kvh, g, seq_len), v.view(seq_len, kvh, d).transpose(0, 1))  # (kvh, g, d)
+    return o.view(heads, d)
 
 
 def _decode(query, pool: _Pool, block_tables, starts, lens, seqs, scale, out) -> None:

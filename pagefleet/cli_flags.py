@@ -11,8 +11,9 @@ from worker.config import KV_CACHE_DTYPES, WEIGHT_DTYPES
 
 # engine options given as positive integers, each as --NAME with dashes
 ENGINE_FLAGS = ("num_blocks", "block_size", "max_model_len", "max_num_seqs", "max_waiting")
-# the KV tiers under each device's pool: byte sizes (24GiB, 512MB, 4096) and a directory
-TIER_FLAGS = ("kv_host_bytes", "kv_disk_bytes", "kv_disk_dir")
+# the KV tiers under each device's pool: byte sizes (24GiB, 512MB, 4096), a directory, whether
+# disk reads run off the step's path, and a delay added to each disk read (a slower disk emulated)
+TIER_FLAGS = ("kv_host_bytes", "kv_disk_bytes", "kv_disk_dir", "kv_disk_async", "kv_disk_read_delay_s")
 DTYPE_FLAGS = ("dtype", "weight_dtype", "kv_cache_dtype")
 
 
@@ -33,6 +34,18 @@ def add_engine_flags(parser: argparse.ArgumentParser, dtypes: bool) -> None:
         help="disk per device under the host tier for blocks it evicts (needs --kv-host-bytes and --kv-disk-dir)",
     )
     engine.add_argument("--kv-disk-dir", metavar="DIR", help="the disk tier's directory (local NVMe), one per group")
+    engine.add_argument(
+        "--kv-disk-async",
+        action=argparse.BooleanOptionalAction,
+        help="read the disk tier off the step's path, a request waiting in a loading state meanwhile "
+        "(the default); --no-kv-disk-async reads between two steps",
+    )
+    engine.add_argument(
+        "--kv-disk-read-delay-s",
+        type=non_negative_float,
+        metavar="SECONDS",
+        help="seconds added to each block read from the disk tier: a slower disk emulated (tests, benchmarks)",
+    )
     if not dtypes:
         return
     engine.add_argument(
@@ -82,6 +95,16 @@ def non_negative_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
     if value < 0:
         raise argparse.ArgumentTypeError(f"must not be negative, got {text!r}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
     return value
 
 

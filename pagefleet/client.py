@@ -48,6 +48,8 @@ class Completion:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # those by tier ("device", "host", "disk", "pull"); empty when the server did not say
+    cached_tiers: dict[str, int] = field(default_factory=dict)
     ttft_seconds: float = 0.0
     e2e_seconds: float = 0.0
     group_id: str = ""
@@ -103,6 +105,8 @@ def add_chunk(done: Completion, r: pb.GenerateResponse) -> None:
         done.finish_reason = _FINISH.get(r.finish_reason)
         done.prompt_tokens, done.completion_tokens = u.prompt_tokens, u.completion_tokens
         done.cached_tokens, done.ttft_seconds, done.e2e_seconds = (u.cached_tokens, u.ttft_seconds, u.e2e_seconds)
+        if u.HasField("cached_tiers"):
+            done.cached_tiers = {f.name: getattr(u.cached_tiers, f.name) for f in u.cached_tiers.DESCRIPTOR.fields}
 
 
 def _options(max_message_bytes: int) -> list[tuple[str, int]]:

@@ -37,7 +37,7 @@ from router.hash_cache import PrefixHashCache
 from router.placement import Ledger, Placement, Policy, make_policy
 from worker.chat import check_messages, message_chars, render_chat
 from worker.hashing import BlockHasher
-from worker.outputs import RequestMetrics, RequestOutput
+from worker.outputs import CachedTiers, RequestMetrics, RequestOutput
 from worker.protocol import (
     EngineDeadError,
     GenerationRequest,
@@ -175,12 +175,16 @@ class RouteRecord:
     resumes: int = 0  # times the request moved to another group mid-stream
     pulled_from: str | None = None  # the group whose KV blocks the chosen group pulled first
     pulled_blocks: int = 0  # how many blocks came
+    # the cached tokens by tier: as the placement predicted them, as the engine reported them
+    predicted_tiers: CachedTiers = CachedTiers()
+    actual_tiers: CachedTiers | None = None
 
-    def moved(self, placement: Placement, predicted: int, decided: float, resumes: int) -> None:
+    def moved(self, placement: Placement, predicted: CachedTiers, decided: float, resumes: int) -> None:
         """The request went to another group (a retry, a spill, a resume)."""
         self.group_id, self.reason = placement.group_id, placement.reason
-        self.predicted_cached_tokens, self.decision_seconds = predicted, decided
-        self.actual_cached_tokens, self.resumes = None, resumes
+        self.predicted_cached_tokens, self.predicted_tiers = predicted.total, predicted
+        self.decision_seconds, self.resumes = decided, resumes
+        self.actual_cached_tokens = self.actual_tiers = None
 
 
 class _Stream:
@@ -399,6 +403,7 @@ class Router:
         matches = self.ledger.matches(block_hashes)
         placement = self.policy.choose(block_hashes, statuses, matches, self.ledger.placed)
         self.ledger.record(placement, block_hashes, len(statuses))
+        placement = replace(placement, tier_lead=tier_lead(matches.get(placement.group_id)))
         placement = self.joined_pull(placement, block_hashes)
         bs = self.model_info.block_size
         if placement.pull_from is None:
@@ -448,15 +453,16 @@ class Router:
                 pulled = 0
                 if placement.pull_from is not None:
                     placement, pulled = await self._pull(placement, hashes)
-            predicted = placement.cached_tokens(len(ids), self.model_info.block_size)
+            predicted = placement.cached_tiers(len(ids), self.model_info.block_size)
             if state.record is None:  # one record per request, updated when it moves
                 state.record = RouteRecord(
                     rid,
                     placement.group_id,
                     placement.reason,
-                    predicted,
+                    predicted.total,
                     decision_seconds=decided,
                     resumes=state.resumes,
+                    predicted_tiers=predicted,
                 )
             else:
                 state.record.moved(placement, predicted, decided, state.resumes)
@@ -485,6 +491,7 @@ class Router:
                             self.ledger.add_in_flight(placement.group_id, -sent, -hits)
                             if not state.resumes:
                                 record.actual_cached_tokens = out.num_cached_tokens
+                                record.actual_tiers = out.cached_tiers
                             yield state.passed(out), record
                         else:
                             yield state.passed(out), None
@@ -691,6 +698,18 @@ def pull_pays(blocks: int, cost: CostModel, block_size: int, near: bool = True) 
     return blocks > 0 and cost.pull_seconds(blocks, near) < cost.recompute_seconds(blocks * block_size)
 
 
+def tier_lead(m: GroupMatch | None) -> tuple[int, int, int]:
+    """A group's lead of a chain on its device, with its host tier, with its disk tier
+    (`Placement.tier_lead`). Blocks pending beyond what it committed in any tier count as on
+    the device (it is computing them, as `cold_source` reads it); pending blocks it committed
+    already are the ones placed before, wherever they are now (on the host, once evicted)."""
+    if m is None:
+        return (0, 0, 0)
+    device = m.pending_blocks if m.pending_blocks > m.tier_blocks else m.blocks
+    host = max(device, m.blocks + m.host_blocks)
+    return (device, host, max(host, m.tier_blocks))
+
+
 def pull_source(
     placement: Placement,
     matches: Mapping[str, GroupMatch],
@@ -699,23 +718,26 @@ def pull_source(
     block_size: int = 16,
 ) -> Placement:
     """The placement with the live group to pull the prefix from: of those whose committed
-    leading blocks exceed the chosen group's, the one whose pull saves the most time over
-    recomputing the blocks it adds (the cost model's link to it, `pull_pays`); unchanged when
-    no pull is sooner. `statuses`: the live groups (with their statuses, their nodes)."""
+    leading blocks (on the device or the host tier: what a holder exports) exceed what the
+    chosen group holds in any tier (a lead it holds on its host or disk tier is restored
+    there, not pulled again), the one whose pull saves the most time over recomputing the
+    blocks it adds (the cost model's link to it, `pull_pays`); unchanged when no pull is
+    sooner. `statuses`: the live groups (with their statuses, their nodes)."""
     cost = cost or CostModel()
     chosen = matches.get(placement.group_id)
-    own = chosen.blocks if chosen is not None else 0
+    own = chosen.tier_blocks if chosen is not None else 0
     here = statuses.get(placement.group_id) if isinstance(statuses, Mapping) else None
     best, most, saved = None, 0, 0.0
     for gid in touched_ids(matches):
         m = matches[gid]
-        extra = m.blocks - own
+        held = m.blocks + m.host_blocks  # (worker/engine/block_manager.py: `held_chain`)
+        extra = held - own
         if extra <= 0 or gid == placement.group_id or gid not in statuses:
             continue
         near = same_node(here, statuses[gid]) if isinstance(statuses, Mapping) else True
         gain = cost.recompute_seconds(extra * block_size) - cost.pull_seconds(extra, near)
         if gain > saved:
-            best, most, saved = gid, m.blocks, gain
+            best, most, saved = gid, held, gain
     return placement if best is None else replace(placement, pull_from=best, pull_blocks=most)
 
 

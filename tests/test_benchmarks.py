@@ -474,6 +474,19 @@ def test_tenants_benchmark_smoke():
     assert a_rate > 0.95 * fair["A"]["finished_output_tokens_per_s"]
 
 
+def test_tenants_benchmark_real_engine_smoke():
+    """The fairness cases on one real engine (the built-in model), briefly: every request of
+    either tenant is answered in each case, B's documents are hit, and the lines carry B's
+    TTFT p99 against B alone (timing itself is for a quiet machine: benchmarks/RESULTS.md)."""
+    args = ("--quick", "--rate-b", "10", "--real", "--real-rate-b", "3", "--real-duration", "3")
+    lines = {c["case"]: c for c in run("-m", "benchmarks.tenants", *args)}
+    alone, fifo, fair = lines["real_b_alone"], lines["real_fifo"], lines["real_fair_bounded"]
+    assert alone["B"]["requests"] == fifo["B"]["requests"] == fair["B"]["requests"] > 0
+    assert fifo["A"]["requests"] == fair["A"]["requests"] > fair["B"]["requests"]
+    assert fair["B"]["hit_rate"] > 0 and fair["A"]["finished_output_tokens_per_s"] > 0
+    assert fair["b_ttft_p99_vs_alone"] > 0 and fifo["b_ttft_p99_vs_alone"] > 0
+
+
 def test_structured_benchmark_smoke():
     """benchmarks/structured.py on the built-in model: every decode case runs its steps with all
     32 rows decoding (asserted there), serial and run ahead, constrained cases spend time in the

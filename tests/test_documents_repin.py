@@ -141,3 +141,49 @@ def test_max_documents_is_checked_at_start_naming_the_tenant():
     for bad in (0, 1.5, True, "3"):
         with pytest.raises(ValueError, match=r"tenants\.acme\.max_documents must be an integer > 0"):
             TenantsConfig.parse({"acme": {"max_documents": bad}})
+
+
+def test_a_replacement_group_re_pins_a_document_from_its_disk_tier(fast_reconcile, tmp_path):
+    """A group replaced on its disk directory (its clean shutdown wrote the pinned document
+    down) pins the document again from the disk: every full block read back, none of its
+    prompt tokens computed; then a question on it is a whole hit with the first group's tokens."""
+    index = InMemoryPrefixIndex()
+    tiers = {"kv_host_bytes": "2MiB", "kv_disk_bytes": "8MiB", "kv_disk_dir": str(tmp_path)}
+    config = engine_config("builtin", num_blocks=64, max_model_len=256, cluster_secret="repin", **tiers)
+    g0 = LocalGroup(config, index, group_id="g0")
+    made = [g0]
+    info = ModelInfo("builtin", 256, 16, "auto", 1024)
+    question = DOC + [5, 6]
+
+    def stats(group: LocalGroup) -> dict:
+        return group.engine.call(lambda e: e.stats()).result(10)
+
+    async def answer(router: Router) -> tuple[int, list[int]]:
+        req = RouteRequest(prompt_token_ids=question, params=SamplingParams(max_tokens=4, temperature=0.0))
+        outs = [out async for out in router.generate(req)]
+        return outs[-1].num_cached_tokens, list(outs[-1].token_ids)
+
+    async def run() -> None:
+        router = Router([g0], index, g0.hasher, info)
+        store = router.documents
+        doc = await store.put(check_token_ids(DOC, 1024)[1], None, "", ttl_s=300, groups=["g0"])
+        assert store.holders(doc) == {"g0": 4}
+        _, before = await answer(router)
+
+        g0.shutdown()  # a clean stop: the device's pinned blocks are written down to the disk
+        assert len(list(tmp_path.rglob("*.kv"))) >= 4
+        fresh = LocalGroup(config, index, group_id="g0")
+        made.append(fresh)
+        router.set_groups([fresh])
+        assert await until(lambda: fresh.status().pinned == {doc.document_id: 4})
+        got = stats(fresh)
+        assert got["kv_disk_hits"] == 48 and got["kv_disk_failures"] == 0
+        assert got["tokens_computed"] == 16  # the last block only
+        assert await answer(router) == (64, before)
+        store.close()
+
+    try:
+        asyncio.run(run())
+    finally:
+        for g in made:
+            g.shutdown()

@@ -182,6 +182,10 @@ def test_a_second_question_about_the_same_document_reports_cached_tokens(served)
     assert cached >= (document_tokens // block - 1) * block > 0, (cached, document_tokens)
     extension = second.model_extra["pagefleet"]["choices"][0]
     assert extension["cached_tokens"] == cached and extension["group_id"]
+    # the same by tier: a hit in the device pool (the server has no host tier)
+    tiers = {"device": cached, "host": 0, "disk": 0, "pull": 0}
+    assert second.usage.prompt_tokens_details.model_extra["cached_tokens_by_tier"] == tiers
+    assert extension["cached_tiers"] == extension["predicted_cached_tiers"] == tiers
 
 
 # ---- one request path -------------------------------------------------------------------

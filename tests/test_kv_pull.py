@@ -11,6 +11,7 @@ from a holder that is gone falls back to recompute with the same tokens.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Mapping, Sequence
 
 import pytest
@@ -24,8 +25,9 @@ from cluster.ray.runtime import ray
 from pagefleet.llm import engine_config
 from router.launch.local import router_side
 from router.placement.policy import PlacedShare, Placement, Policy
-from router.router import Router, RouteRequest, pull_pays, pull_source
+from router.router import PULL_TIMEOUT_S, Router, RouteRequest, pull_pays, pull_source
 from worker.kv_transfer import KVTransferError
+from worker.outputs import CachedTiers
 from worker.protocol import GenerationRequest
 from worker.sampling_params import SamplingParams
 
@@ -53,7 +55,8 @@ class Chosen(Policy):
         placed: PlacedShare,
     ) -> Placement:
         m = matches.get(self.group_id)
-        return Placement(self.group_id, "chosen", m.expected_blocks if m is not None else 0)
+        # (what it holds in any tier or has pending, as prefix_aware counts a hit)
+        return Placement(self.group_id, "chosen", max(m.expected_blocks, m.tier_blocks) if m is not None else 0)
 
 
 def last(group, ids: list[int], rid: str, hasher):
@@ -84,6 +87,8 @@ def check_pulled(router, holder, puller, stats_of, hasher) -> None:
     assert record.group_id == puller.group_id and record.pulled_from == holder.group_id
     assert record.pulled_blocks == len(DOC) // 16
     assert out.num_cached_tokens == record.predicted_cached_tokens == record.actual_cached_tokens == len(DOC)
+    # by tier: predicted and served as pulled blocks (through the Ray group's outputs too)
+    assert record.predicted_tiers == out.cached_tiers == record.actual_tiers == CachedTiers(pull=len(DOC))
     # the question's prompt tokens, then a token per decode step after the first sampled one
     assert after["tokens_computed"] - before["tokens_computed"] == len(QUESTION) + PARAMS.max_tokens - 1
     assert after["kv_blocks_imported"] - before["kv_blocks_imported"] == len(DOC) // 16
@@ -168,6 +173,65 @@ def test_a_pull_within_a_node_is_weighed_against_one_across_nodes():
     short = {"far": GroupMatch("far", 1, 2, 0)}
     assert pull_source(chosen, short, statuses, cost).pull_from is None
     assert pull_source(chosen, short, {**statuses, "far": status("far", "n1")}, cost).pull_from == "far"
+
+
+def indexed(index, hashes, gid: str, **want) -> GroupMatch:
+    """The index's match of `hashes` for `gid` once it shows `want` (fields of GroupMatch)."""
+    deadline = time.monotonic() + 10
+    while True:
+        m = index.match(hashes)[gid]
+        if all(getattr(m, k) == v for k, v in want.items()) or time.monotonic() > deadline:
+            return m
+        time.sleep(0.01)
+
+
+def test_a_document_pulled_once_onto_the_host_tier_is_not_pulled_again(local_groups):
+    """g1 has pulled a document from g0 into its host tier (the router's pull, before its
+    question reached g1's device): the next question placed on g1 is a host hit and asks no
+    pull (g0 exports nothing, g1 imports nothing); the one after it a device hit. Both have
+    the tokens g0 gives the same questions."""
+    index, g0, g1, hasher, info = local_groups
+    doc = [(37 * i + 3) % 1000 for i in range(160)]
+    hashes = hasher.hash_prompt(doc)
+    last(g0, doc + [1, 2, 3], "doc4", hasher)
+    assert asyncio.run(g1.pull_from(g0, hashes, PULL_TIMEOUT_S)) == len(hashes)
+    m = indexed(index, hashes, "g1", host_blocks=len(hashes))
+    assert (m.blocks, m.host_blocks) == (0, len(hashes))
+    router = Router([g0, g1], index, hasher, info, policy=Chosen("g1", info.block_size))
+    stats = [g.engine.engine.stats for g in (g0, g1)]
+    # the first restores the pulled blocks (served as pulled, predicted on the host: the index
+    # cannot tell), the second finds them on the device
+    served = (CachedTiers(pull=len(doc)), CachedTiers(device=len(doc)))
+    predicted = (CachedTiers(host=len(doc)), CachedTiers(device=len(doc)))
+    for question, hit, tiers, guess in zip(([4, 5, 6], [7, 8, 9, 10]), (True, False), served, predicted, strict=True):
+        e0, i0 = stats[0](), stats[1]()
+        out, record = routed(router, doc + question)
+        e1, i1 = stats[0](), stats[1]()
+        assert record.group_id == "g1" and record.pulled_from is None and record.pulled_blocks == 0
+        assert e1["kv_blocks_exported"] == e0["kv_blocks_exported"]  # no pull was asked
+        assert i1["kv_blocks_imported"] == i0["kv_blocks_imported"]
+        assert out.num_cached_tokens == record.actual_cached_tokens == len(doc)
+        assert (out.cached_tiers, record.predicted_tiers) == (tiers, guess)
+        assert i1["kv_host_hits"] - i0["kv_host_hits"] == (len(doc) if hit else 0)  # else a device hit
+        own = last(g0, doc + question, f"own-{len(question)}", hasher)
+        assert out.outputs[0].token_ids == own.outputs[0].token_ids
+        indexed(index, hashes, "g1", blocks=len(hashes))
+
+
+def test_a_pull_adds_only_the_blocks_the_chosen_group_holds_in_no_tier():
+    """The chosen group's lead in any tier (device, host, disk) is what a pull must exceed;
+    a holder exports its device and host lead, not its disk's."""
+    cost = CostModel(prefill_token_s=1e-4, pull_latency_s=1e-3)
+    chosen = Placement("a", "spill", 0)
+    holder = {"b": GroupMatch("b", 1, 20, 0)}
+    for own in (GroupMatch("a", 1, 0, 0, host_blocks=20), GroupMatch("a", 1, 5, 0, host_blocks=5, disk_blocks=10)):
+        assert pull_source(chosen, {**holder, "a": own}, {"a", "b"}, cost).pull_from is None
+    # 4 blocks held on a's host, 16 more on b: b's 20 are pulled (the import skips a's 4)
+    placed = pull_source(chosen, {**holder, "a": GroupMatch("a", 1, 0, 0, host_blocks=4)}, {"a", "b"}, cost)
+    assert (placed.pull_from, placed.pull_blocks) == ("b", 20)
+    # a holder's host lead counts, its disk lead does not (it exports the device and the host)
+    on_host = {"b": GroupMatch("b", 1, 2, 0, host_blocks=18, disk_blocks=30)}
+    assert pull_source(chosen, on_host, {"a", "b"}, cost).pull_blocks == 20
 
 
 def test_a_pull_from_a_stopped_holder_recomputes_with_the_same_tokens():

@@ -153,10 +153,14 @@ def test_triton_attention_on_8bit_caches_matches_reference(case):
     torch.testing.assert_close(got.float(), expected.float(), atol=ATOL[dtype], rtol=0)
 
 
+@pytest.mark.parametrize("per_sequence", [8, 0], ids=["decodes_one_by_one", "decodes_bucketed"])
 @pytest.mark.parametrize("layout", [*LAYOUTS, *CROSSED])
 @pytest.mark.parametrize("page", [16, 32])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2), (4, 1)], ids=["mha", "gqa", "mqa"])
-def test_sdpa_path_on_8bit_caches_matches_reference(heads, kv_heads, page, layout):
+def test_sdpa_path_on_8bit_caches_matches_reference(heads, kv_heads, page, layout, per_sequence, monkeypatch):
+    import kernels.torch_sdpa as mod
+
+    monkeypatch.setattr(mod, "_PER_SEQUENCE_DECODES", per_sequence)
     shape = ([9, 6, 1, 1, 1], [9, 40, 1, 17, 70], heads, kv_heads, 32, page, torch.float32)
     query, k8, v8, table, starts, lens, scale, ks, vs = quantized_batch(*shape, layout)
     args = (query, k8, v8, table, starts, lens, scale)

@@ -2,7 +2,7 @@
 eviction takes from the tenant furthest over its quota (LRU within it), and a tenant under its
 quota keeps its blocks against another tenant's flood."""
 
-from factories import make_hasher, make_request
+from factories import check_all_released, make_hasher, make_request, run_to_completion
 
 from worker.engine.block_manager import BlockManager
 from worker.kv_events import BlockRemoved
@@ -141,3 +141,42 @@ def test_kv_quota_is_a_share_or_bytes_checked_at_start_naming_tenant_and_field()
     for bad in (0, 1.5, -0.1, True, "lots", "1"):
         with pytest.raises(ValueError, match=r"tenants\.A\.kv_quota"):
             ServeConfig.from_mapping({"tenants": {"A": {"kv_quota": bad}}})
+
+
+def flood_running(quotas):
+    """On a scheduler over 32 blocks: B's document (8 blocks) cached and idle, then 3 of A's
+    (each 8 blocks of prompt and growing), all submitted at once: more than the pool holds
+    beside B's document. Returns B's revisit's cached tokens, the steps A needed, and the
+    most of A's requests that ran at once."""
+    from worker.config import SchedulerConfig
+    from worker.engine.scheduler import Scheduler
+
+    events: list = []
+    bm = BlockManager(32, BS, make_hasher(BS), events.append, quotas=quotas)
+    sched = Scheduler(SchedulerConfig(max_model_len=256, watermark=0.0), bm)
+    b_doc = make_request(list(range(1_000_000, 1_000_000 + 8 * BS)) + [7], max_tokens=2)
+    b_doc.tenant = "B"
+    sched.add_request(b_doc)
+    run_to_completion(sched)
+    for i in range(3):
+        a = make_request(list(range(2_000_000 + i * 100, 2_000_000 + i * 100 + 8 * BS)) + [7], max_tokens=8)
+        a.tenant = "A"
+        sched.add_request(a)
+    at_once = []
+    steps = run_to_completion(sched, on_step=lambda out: at_once.append(len(sched.running)))
+    check_all_released(bm)
+    again = make_request(list(range(1_000_000, 1_000_000 + 8 * BS)) + [9], max_tokens=2)
+    again.tenant = "B"
+    return bm.match_prefix(again).num_tokens, len(steps), max(at_once)
+
+
+def test_a_tenants_idle_blocks_within_its_quota_are_kept_from_the_others_running_requests():
+    """The quotas rank idle blocks only: with A's requests holding the rest of the pool, B's
+    idle document is all that eviction could take. A request of A is admitted only beside the
+    other tenants' idle blocks within their quotas while A has requests running (they will free
+    blocks); so B's document survives, and A's third request waits for one of its first two."""
+    kept, steps, at_once = flood_running({"A": 4, "B": 8})
+    assert kept == 8 * BS and at_once == 2
+    lost, lru_steps, lru_at_once = flood_running(None)  # the global LRU admits all three at once
+    assert lost < 8 * BS and lru_at_once == 3
+    assert steps <= lru_steps + 10  # (A waits a few steps; nothing hangs)

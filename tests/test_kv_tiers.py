@@ -8,7 +8,9 @@ restored block must be the very KV the device computed, scales included for 8-bi
 
 from __future__ import annotations
 
+import logging
 import random
+import shutil
 
 import pytest
 import torch
@@ -21,6 +23,7 @@ from worker.engine.tier_index import TierIndex
 from worker.exec.step_codec import FETCH, decode_moves, encode_moves
 from worker.kv_events import DEVICE, DISK, HOST, BlockRemoved, BlockStored
 from worker.model.builtin_model import make_model_dir
+from worker.outputs import CachedTiers
 from worker.sampling_params import SamplingParams
 from worker.step import KVMoves
 
@@ -162,6 +165,37 @@ def tokens(outs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_the_host_tiers_copies_move_the_rows_named_in_runs_and_scattered(model_dir, kv_cache_dtype):
+    """HostTier.apply on a rank's real pool (an int8 cache's scale rows too): saves and loads in
+    one run, in runs of a few rows, and scattered, each row landing where its pair names it."""
+    llm = LLM(str(model_dir), **{**SMALL, "kv_host_bytes": HOST_BYTES, "kv_cache_dtype": kv_cache_dtype})
+    tier = llm.engine.executor.worker.host_tier
+    rng = random.Random(3)
+    n = min(tier.num_slots, SMALL["num_blocks"])
+    orders = {
+        "run": list(range(n)),
+        "runs": [b for start in rng.sample(range(0, n - 3, 4), (n - 3) // 4 + 1) for b in range(start, start + 4)],
+        "scattered": rng.sample(range(n), n),
+    }
+    for name, blocks in orders.items():
+        slots = rng.sample(range(tier.num_slots), len(blocks)) if name == "scattered" else list(range(len(blocks)))
+        for t in (*tier.device_tensors, *tier.host_tensors):
+            t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8))
+        device = [t.clone() for t in tier.device_tensors]
+        tier.apply(KVMoves(saves=list(zip(blocks, slots, strict=True))))
+        for h, d in zip(tier.host_tensors, device, strict=True):
+            assert all(torch.equal(h[s], d[b]) for b, s in zip(blocks, slots, strict=True)), name
+        for t in tier.device_tensors:
+            t.zero_()
+        loads = list(zip(slots, reversed(blocks), strict=True))  # each slot into another block
+        tier.apply(KVMoves(loads=loads))
+        for h, d in zip(tier.host_tensors, tier.device_tensors, strict=True):
+            assert all(torch.equal(d[b], h[s]) for s, b in loads), name
+            loaded = {b for _, b in loads}
+            assert all(not d[b].any() for b in range(d.shape[0]) if b not in loaded), name
+
+
 def test_a_document_evicted_from_the_device_is_restored_from_the_host(model_dir):
     prompts = visits(documents(4))
     tier = LLM(str(model_dir), kv_host_bytes=HOST_BYTES, **SMALL)
@@ -175,6 +209,7 @@ def test_a_document_evicted_from_the_device_is_restored_from_the_host(model_dir)
     # the last visit's document came back from the host: 10 full blocks of its 80 tokens
     assert recomputed[-1].num_cached_tokens == 0
     assert restored[-1].num_cached_tokens == device[-1].num_cached_tokens == 80
+    assert (restored[-1].cached_tiers, device[-1].cached_tiers) == (CachedTiers(host=80), CachedTiers(device=80))
     stats, base = tier.engine.stats(), none.engine.stats()
     assert stats["kv_host_hits"] == 80 and stats["kv_host_saves"] > 0
     block = stats["kv_bytes_per_token"] * stats["block_size"]
@@ -282,6 +317,9 @@ def test_a_document_evicted_from_the_host_is_restored_from_the_disk(model_dir, t
     stats = tier.engine.stats()
     assert restored[-1].num_cached_tokens == 80
     assert stats["kv_disk_hits"] > 0 and stats["kv_disk_failures"] == 0
+    # its blocks the host had lost came from the disk (through the host), the rest from the host
+    tiers = restored[-1].cached_tiers
+    assert tiers.disk > 0 and tiers.host + tiers.disk == 80 and tiers.device == tiers.pull == 0
     assert stats["kv_host_hits"] == 80  # every restored block reaches the pool through the host
     files = list(tmp_path.rglob("*.kv"))
     assert len(files) == stats["kv_disk_blocks_cached"] > 0
@@ -315,6 +353,27 @@ def test_a_damaged_block_file_is_a_miss_never_wrong_kv(model_dir, tmp_path, dama
     check_events_complete(tier, events)
     if damage != "missing":  # the blocks that failed are forgotten, their files removed
         assert len(list(tmp_path.rglob("*.kv"))) == stats["kv_disk_blocks_cached"]
+    tier.engine.executor.shutdown()
+
+
+def test_a_disk_that_fails_its_writes_degrades_to_the_host_tier_with_one_warning(model_dir, tmp_path, caplog):
+    """The disk tier's directory gone from under it (what a full or failing disk looks like to
+    the writes): every write after fails, one warning says so, the engine serves on from the
+    device and the host, and a block whose write failed is a miss, recomputed to the same tokens."""
+    prompts = visits(documents(4, seed=11))
+    tier = disk_tiered(model_dir, tmp_path)
+    (rank_dir,) = {p.parent for p in tmp_path.rglob("lock")}
+    shutil.rmtree(rank_dir)
+    rank_dir.write_text("not a directory")  # (root may write anywhere: no permission would stop it)
+    with caplog.at_level(logging.WARNING, logger="worker.exec.disk_tier"):
+        served = one_by_one(tier, prompts)
+    device = one_by_one(LLM(str(model_dir), **BIG), prompts)
+    assert tokens(served) == tokens(device)
+    stats = tier.engine.stats()
+    assert stats["kv_disk_write_failures"] > 0 and stats["kv_disk_bytes_written"] == 0
+    assert stats["kv_disk_hits"] == 0 and stats["kv_disk_failures"] >= 1  # the asked-for block: a miss
+    warned = [r for r in caplog.records if "could not be written" in r.getMessage()]
+    assert len(warned) == 1 and "serving from the host only" in warned[0].getMessage()
     tier.engine.executor.shutdown()
 
 
@@ -359,6 +418,7 @@ def test_a_restarted_engine_reopens_its_disk_inventory_and_restores_from_it(mode
     last = again.generate([prompts[5]], GREEDY)[0]
     stats = again.engine.stats()
     assert last.num_cached_tokens == 80 and stats["kv_disk_hits"] == 80
+    assert last.cached_tiers == CachedTiers(disk=80)
     assert stats["tokens_computed"] == 3 + GREEDY.max_tokens - 1  # the question, then decodes
     device = one_by_one(LLM(str(model_dir), **BIG), prompts)
     assert tokens([*before, last]) == tokens(device)

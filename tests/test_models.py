@@ -400,3 +400,35 @@ def test_builtin_model_tokenizer_and_greedy_choices(tmp_path):
     gaps = top2[:, 0] - top2[:, 1]  # margin of each greedy choice
     assert gaps.median() > 0.5 and gaps.min() > 1e-3, f"greedy choices are nearly tied: {gaps}"
     assert model.config == cfg
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_norm_and_rotary_round_as_transformers_bit_for_bit(dtype):
+    """The decoder's RMSNorm and rotary embedding, each a few fused ops, give transformers'
+    own results exactly in every dtype (the same roundings, not merely close ones)."""
+    from transformers.models.llama.modeling_llama import (
+        LlamaConfig,
+        LlamaRMSNorm,
+        LlamaRotaryEmbedding,
+        apply_rotary_pos_emb,
+    )
+
+    from worker.model.layers.norm import RMSNorm
+    from worker.model.layers.rotary import RotaryEmbedding, apply_rotary
+
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(7, 96, generator=g) * 3).to(dtype)
+    ours, theirs = RMSNorm(96, 1e-5), LlamaRMSNorm(96, eps=1e-5)
+    ours.weight.data = theirs.weight.data = torch.randn(96, generator=g)
+    ours, theirs = ours.to(dtype), theirs.to(dtype)
+    assert torch.equal(ours(x), theirs(x))
+
+    hf = LlamaConfig(hidden_size=96, num_attention_heads=3, num_key_value_heads=1, rope_theta=10000.0)
+    positions = torch.tensor([0, 3, 4, 100, 1000, 5, 9])
+    q = torch.randn(7, 3, 32, generator=g).to(dtype)  # (T, heads, d)
+    k = torch.randn(7, 1, 32, generator=g).to(dtype)
+    cos, sin = RotaryEmbedding(hf, 32).rotation(positions, dtype)
+    ref_cos, ref_sin = (t.to(dtype) for t in LlamaRotaryEmbedding(hf)(q, positions[None]))
+    want_q, want_k = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], ref_cos, ref_sin)
+    assert torch.equal(apply_rotary(q, cos, sin), want_q[0].transpose(0, 1))
+    assert torch.equal(apply_rotary(k, cos, sin), want_k[0].transpose(0, 1))

@@ -144,7 +144,8 @@ def groups(request, ray_runtime, model_dirs, tier_dir):
         started["kv4"] = start("kv4", 2, node_a, cpu_binding=f"0|{min(1, last)}")  # bound ranks
         started["kv2"] = start("kv2", 2, node_b, cluster_secret=SECRET)
         started["kv2-tp4"] = start("kv2", 4, node_a, timeout_s=HANG_TIMEOUT_S, cluster_secret=SECRET)
-        started["kv2-tiers"] = start("kv2", 2, node_b, **tiers(tier_dir))
+        # (its disk reads slowed: a read stays in flight while another request decodes)
+        started["kv2-tiers"] = start("kv2", 2, node_b, **tiers(tier_dir), kv_disk_read_delay_s=READ_DELAY_S)
         llm_started = pool.submit(LLM, str(model_dirs["kv1"]), tensor_parallel_size=2, **OPTIONS)
         request.getfixturevalue("expected")  # meanwhile, transformers and TP=1 here
         for g in started.values():
@@ -249,6 +250,7 @@ def test_tp2_equals_tp1_and_transformers_with_prefix_hits_and_preemption(name, g
 
 
 TIER_SECRET = SECRET  # (a restarted group names its blocks alike; a puller as its holder)
+READ_DELAY_S = 0.06  # added to each block read from kv2-tiers' disk tier
 
 
 def tiers(directory) -> dict:
@@ -270,6 +272,62 @@ def test_tp2_restores_evicted_documents_from_the_host_and_disk_tiers(groups, mod
     assert got == [tp1.generate([p], GREEDY)[0].token_ids for p in prompts]
     s = settled_stats(group)
     assert s["kv_host_hits"] == 40 and s["kv_disk_hits"] > 0 and s["kv_disk_failures"] == 0, s
+
+
+def test_tp2_decodes_on_while_a_requests_prefix_is_read_from_the_disk(groups, model_dirs):
+    """A question whose document is on the disk waits in the loading state while both ranks
+    read its blocks (slowed by `kv_disk_read_delay_s`); a request decoding meanwhile makes
+    tokens; the question's greedy tokens are the untiered TP=1 engine's; nothing is left held."""
+    group = groups[0]["kv2-tiers"]
+    docs = prompts_of([40] * 5, seed=79)
+    for d in docs:  # document 0 goes down to the disk
+        asyncio.run(stream_all(group, [d + [5]]))
+    question, short = docs[0] + [9, 10], SamplingParams(temperature=0.0, max_tokens=8)
+    decode_prompt, long = [9, 8, 7], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    before = settled_stats(group)
+    decoded: list[float] = []  # when each of the decode's tokens came
+    seen_loading: set[int] = set()
+
+    async def run() -> tuple[list[int], list[int], float, float]:
+        async def decode() -> list[int]:
+            async for o in group.generate(GenerationRequest(decode_prompt, long)):
+                decoded.extend([time.monotonic()] * len(o.new_token_ids))
+            return o.token_ids
+
+        task = asyncio.create_task(decode())
+        while len(decoded) < 2:
+            await asyncio.sleep(0.002)
+        asked, first = time.monotonic(), None
+        async for o in group.generate(GenerationRequest(question, short)):
+            if first is None and o.new_token_ids:
+                first = time.monotonic()
+        return await task, o.token_ids, asked, first
+
+    def watch(done: threading.Event) -> None:
+        while not done.is_set():
+            seen_loading.add(group.engine_stats()["loading"])
+            time.sleep(0.01)
+
+    done = threading.Event()
+    watcher = threading.Thread(target=watch, args=(done,))
+    watcher.start()
+    try:
+        decode_tokens, answer, asked, first = asyncio.run(run())
+    finally:
+        done.set()
+        watcher.join()
+    s = settled_stats(group)
+    read = s["kv_disk_hits"] - before["kv_disk_hits"]
+    assert read == 40 and s["kv_disk_failures"] == before["kv_disk_failures"], s
+    assert 1 in seen_loading, seen_loading
+    assert first - asked >= 5 * READ_DELAY_S  # the question waited for its five blocks' reads
+    during = sum(asked <= t < first for t in decoded)
+    assert during >= 3, f"the decode made {during} tokens while the disk was read"
+    tp1 = LLM(str(model_dirs["kv2"]), **OPTIONS)
+    assert answer == tp1.generate([question], short)[0].token_ids
+    assert decode_tokens == tp1.generate([decode_prompt], long)[0].token_ids
+    assert s["blocks_free"] == s["blocks_total"] and s["running"] == s["waiting"] == s["loading"] == 0, s
+    assert s["kv_loads_in_flight"] == 0 and s["kv_host_blocks_held"] == 0, s
 
 
 def test_tp2_pulls_a_document_from_another_tp2_group_rank_by_rank(groups, model_dirs):

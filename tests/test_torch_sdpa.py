@@ -75,6 +75,7 @@ def test_decode_slices_when_the_gather_budget_is_small(monkeypatch):
     import kernels.torch_sdpa as mod
 
     monkeypatch.setattr(mod, "_DECODE_GATHER_ELEMS", 1)  # one sequence per slice
+    monkeypatch.setattr(mod, "_PER_SEQUENCE_DECODES", 0)  # every decode through the buckets
     batch = make_batch([1, 1, 1, 1], [3, 50, 17, 64], 4, 2)
     torch.testing.assert_close(
         paged_attention_sdpa(*batch, scale=0.3),
@@ -123,3 +124,32 @@ def test_the_backends_reused_workspace_gives_each_call_its_own_answer(dtype):
         batch = make_batch(q_lens, seq_lens, 8, 2, dtype=dtype, seed=seed)
         want = paged_attention_torch(*batch, scale=0.2)
         torch.testing.assert_close(backend.attention(*batch, scale=0.2), want, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (9, 3), (4, 1)], ids=["mha", "gqa", "mqa"])
+@pytest.mark.parametrize("seq_len", [1, 16, 37])
+def test_a_single_decode_matches_reference_and_reads_nothing_past_its_end(seq_len, heads, kv_heads, dtype):
+    """One decode alone (a single stream's step) attends one sequence without padding: its
+    output equals the reference, and NaN in the slots past its end is never read."""
+    query, k_cache, v_cache, tables, qsl, seq_lens = make_batch([1], [seq_len], heads, kv_heads, dtype=dtype)
+    want = paged_attention_torch(query, k_cache, v_cache, tables, qsl, seq_lens, scale=0.3)
+    last = tables[0, (seq_len - 1) // 16]
+    k_cache[last, seq_len % 16 or 16 :] = float("nan")
+    v_cache[last, seq_len % 16 or 16 :] = float("nan")
+    got = paged_attention_sdpa(query, k_cache, v_cache, tables, qsl, seq_lens, scale=0.3)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    assert got.shape == query.shape and got.dtype == dtype
+    torch.testing.assert_close(got, want, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_few_decodes_one_by_one_equal_the_bucketed_path(dtype, monkeypatch):
+    """Up to _PER_SEQUENCE_DECODES decodes attend one sequence at a time, more go through the
+    length buckets: both give the bucketed path's answer, rounding for rounding."""
+    import kernels.torch_sdpa as mod
+
+    batch = make_batch([1, 7, 1], [33, 20, 90], 9, 3, dtype=dtype)
+    one_by_one = paged_attention_sdpa(*batch, scale=0.125)
+    monkeypatch.setattr(mod, "_PER_SEQUENCE_DECODES", 0)
+    torch.testing.assert_close(one_by_one, paged_attention_sdpa(*batch, scale=0.125), atol=1e-6, rtol=0)

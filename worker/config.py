@@ -80,17 +80,25 @@ class CacheConfig:
     # tenant -> its KV quota on the device pool (worker/engine/block_manager.py): a share of
     # the pool (a float in (0, 1]) or bytes per device (an int > 1); a tenant not named has none
     tenant_kv_quotas: Mapping[str, float | int] = field(default_factory=dict, hash=False)
+    # the same for the host tier (a share of its slots or bytes per device) and the disk tier:
+    # a tenant's blocks there beyond it are the first the tier evicts (worker/engine/tier_index.py)
+    tenant_kv_host_quotas: Mapping[str, float | int] = field(default_factory=dict, hash=False)
+    tenant_kv_disk_quotas: Mapping[str, float | int] = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
         _positive(self, "block_size")
-        for tenant, quota in self.tenant_kv_quotas.items():
-            check_kv_quota(f"tenant_kv_quotas[{tenant!r}]", quota)
+        for name in ("tenant_kv_quotas", "tenant_kv_host_quotas", "tenant_kv_disk_quotas"):
+            for tenant, quota in getattr(self, name).items():
+                check_kv_quota(f"{name}[{tenant!r}]", quota)
         if self.kv_host_bytes is not None and (
             not isinstance(self.kv_host_bytes, int) or isinstance(self.kv_host_bytes, bool) or self.kv_host_bytes < 1
         ):
             raise ValueError(f"kv_host_bytes must be a positive number of bytes, got {self.kv_host_bytes!r}")
-        if not isinstance(self.kv_disk_read_delay_s, int | float) or not self.kv_disk_read_delay_s >= 0:
-            raise ValueError(f"kv_disk_read_delay_s must be >= 0 seconds, got {self.kv_disk_read_delay_s!r}")
+        delay = self.kv_disk_read_delay_s
+        if not isinstance(delay, int | float) or isinstance(delay, bool) or not 0 <= delay < float("inf"):
+            raise ValueError(f"kv_disk_read_delay_s must be a number of seconds >= 0, got {delay!r}")
+        if not isinstance(self.kv_disk_async, bool):
+            raise ValueError(f"kv_disk_async must be true or false, got {self.kv_disk_async!r}")
         if self.kv_disk_bytes is not None:
             if (
                 not isinstance(self.kv_disk_bytes, int)

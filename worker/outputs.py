@@ -91,6 +91,34 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
+class CachedTiers(NamedTuple):
+    """A prompt's cached tokens by where the group found them: on the device (a hit), restored
+    from its host tier, fetched from its disk tier (through the host), or pulled from another
+    group (into the host tier, then restored). The engine reports what it served
+    (`RequestOutput.cached_tiers`); the router what its placement predicted."""
+
+    device: int = 0
+    host: int = 0
+    disk: int = 0
+    pull: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.device + self.host + self.disk + self.pull
+
+    def clipped(self, tokens: int) -> CachedTiers:
+        """The first `tokens` of these, in the chain's order of its tiers (device, host, disk,
+        pull): a prefix cut short keeps its leading part."""
+        out = []
+        for n in self:
+            out.append(min(n, max(0, tokens)))
+            tokens -= n
+        return CachedTiers(*out)
+
+    def as_dict(self) -> dict[str, int]:
+        return self._asdict()
+
+
 class RequestOutput:
     """A request's state after a step, in vLLM's shape (`outputs`: its completions so far), plus
     what vLLM lacks: this step's delta and single-completion shortcuts (`text`, `token_ids`,
@@ -114,6 +142,7 @@ class RequestOutput:
         "new_logprobs",
         "token_time",
         "prompt",
+        "cached_tiers",
         "_outputs",
         "_one",
     )
@@ -129,6 +158,7 @@ class RequestOutput:
         "new_logprobs",
         "token_time",
         "prompt",
+        "cached_tiers",
     )
 
     request_id: str
@@ -143,6 +173,7 @@ class RequestOutput:
     new_logprobs: list[TokenLogprobs] | None
     token_time: float | None
     prompt: str | None  # the prompt's text, when it was given as text
+    cached_tiers: CachedTiers | None  # num_cached_tokens by tier (None: not told, e.g. a resume)
 
     def __init__(
         self,
@@ -158,6 +189,7 @@ class RequestOutput:
         token_time: float | None = None,
         prompt: str | None = None,
         _one: tuple | None = None,
+        cached_tiers: CachedTiers | None = None,
     ) -> None:
         # (one store per line: the fastest form, this being made per request per step)
         self.request_id = request_id
@@ -170,6 +202,7 @@ class RequestOutput:
         self.new_logprobs = new_logprobs
         self.token_time = token_time
         self.prompt = prompt
+        self.cached_tiers = cached_tiers
         self._outputs = outputs
         self._one = _one
 

@@ -13,7 +13,7 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from worker.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprobs
+from worker.outputs import CachedTiers, CompletionOutput, RequestMetrics, RequestOutput, TokenLogprobs
 
 
 @dataclass(slots=True)
@@ -37,6 +37,7 @@ class OutputDelta:
     first_token_time: float | None
     finished_time: float | None
     token_time: float | None  # when this step's token was sampled
+    cached_tiers: tuple[int, int, int, int] | None  # num_cached_tokens by tier (CachedTiers' fields)
 
     @classmethod
     def of(cls, out: RequestOutput, with_prompt: bool) -> OutputDelta:
@@ -58,6 +59,7 @@ class OutputDelta:
             m.first_token_time,
             m.finished_time,
             out.token_time,
+            None if out.cached_tiers is None else tuple(out.cached_tiers),
         )
 
     def __reduce__(self) -> tuple:
@@ -78,6 +80,7 @@ class OutputDelta:
                 self.first_token_time,
                 self.finished_time,
                 self.token_time,
+                self.cached_tiers,
             ),
         )
 
@@ -148,6 +151,7 @@ class OutputAssembler:
             new_text=d.new_text,
             new_logprobs=d.new_logprobs,
             token_time=d.token_time,
+            cached_tiers=None if d.cached_tiers is None else CachedTiers(*d.cached_tiers),
         )
 
     def drop(self, request_id: str) -> None:

@@ -197,7 +197,10 @@ def response_message(
     if record is not None:
         msg.placement.CopyFrom(
             pb.Placement(
-                group_id=record.group_id, reason=record.reason, predicted_cached_tokens=record.predicted_cached_tokens
+                group_id=record.group_id,
+                reason=record.reason,
+                predicted_cached_tokens=record.predicted_cached_tokens,
+                predicted_cached_tiers=pb.CachedTiers(**record.predicted_tiers.as_dict()),
             )
         )
     if out.finished:
@@ -218,6 +221,8 @@ def response_message(
                 e2e_seconds=e2e_seconds,
             )
         )
+        if out.cached_tiers is not None:
+            msg.usage.cached_tiers.CopyFrom(pb.CachedTiers(**out.cached_tiers.as_dict()))
     return msg
 
 

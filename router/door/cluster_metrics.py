@@ -81,6 +81,21 @@ class GroupCollector(Collector):
                 f"{P}tenant_kv_evictions_suffered", "A tenant's cached KV blocks evicted.", labels=gt
             ),
         }
+        gtt = [*gt, "tier"]
+        tier_fams = {  # (the host and disk tiers' figures, where the groups give them quotas)
+            "blocks": GaugeMetricFamily(
+                f"{P}tenant_kv_tier_blocks", "A tenant's KV blocks in a tier under the devices.", labels=gtt
+            ),
+            "bytes": GaugeMetricFamily(
+                f"{P}tenant_kv_tier_bytes", "Bytes of a tenant's KV blocks in a tier, per device.", labels=gtt
+            ),
+            "evictions_caused": CounterMetricFamily(
+                f"{P}tenant_kv_tier_evictions_caused", "A tier's KV blocks a tenant's blocks evicted.", labels=gtt
+            ),
+            "evictions_suffered": CounterMetricFamily(
+                f"{P}tenant_kv_tier_evictions_suffered", "A tenant's KV blocks a tier evicted.", labels=gtt
+            ),
+        }
         for s in self.statuses():
             lab = [self.model_name, s.group_id]
             used = s.blocks_total - s.blocks_free
@@ -104,13 +119,18 @@ class GroupCollector(Collector):
             for label, figures in sorted(by_label.items()):
                 for name, fam in tenant_fams.items():
                     fam.add_metric([*lab, label], figures.get(name, 0))
-        return [*fams.values(), *tenant_fams.values()]
+                for tier in (HOST, DISK):
+                    if f"{tier}_blocks" in figures:
+                        for name, fam in tier_fams.items():
+                            fam.add_metric([*lab, label, tier], figures[f"{tier}_{name}"])
+        return [*fams.values(), *tenant_fams.values(), *tier_fams.values()]
 
 
 class TierCollector(Collector):
     """Per-group figures of the KV tiers under the device pool (device, host, disk), from the
     groups' status (`GroupStatus.tiers`, the engine's `kv_*` stats): prompt tokens hit by
-    tier, bytes moved each way, restore latency, blocks used and held, failed loads."""
+    tier, bytes moved each way, restore latency, blocks used and held, failed loads, and the
+    requests waiting in the loading state while their prefix's blocks are read."""
 
     def __init__(self, model_name: str, statuses: Callable[[], Sequence]) -> None:
         self.model_name = model_name
@@ -132,11 +152,18 @@ class TierCollector(Collector):
         failed = CounterMetricFamily(
             f"{P}kv_tier_load_failures", "Blocks a tier could not read whole (misses, never KV).", labels=gt
         )
+        loading = GaugeMetricFamily(
+            f"{P}num_requests_loading",
+            "Requests waiting for their prefix's KV blocks to be read from the disk tier.",
+            labels=["model_name", "group"],
+        )
         for s in self.statuses():
             t = s.tiers
             if not t:
                 continue
             lab = [self.model_name, s.group_id]
+            if t.get(f"kv_{DISK}_blocks_total"):
+                loading.add_metric(lab, s.loading)
             below = [m for m in (HOST, DISK) if t.get(f"kv_{m}_blocks_total")]  # the tiers it has
             host_hits, disk_hits = t.get("kv_host_hits", 0), t.get("kv_disk_hits", 0)
             # (every restored block reaches the pool through the host: its hits hold the disk's)
@@ -154,7 +181,7 @@ class TierCollector(Collector):
             for direction, tier, key in _MOVES:
                 if tier in below:
                     moved.add_metric([*lab, direction], t.get(key, 0))
-        return [hits, moved, load, used, capacity, failed]
+        return [hits, moved, load, used, capacity, failed, loading]
 
 
 # (direction label, the tier it needs, the engine's stat): bytes of rank 0's shard, which every rank moves alike

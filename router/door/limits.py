@@ -10,7 +10,9 @@ share (worker/engine/fair_queue.py) and, each optional,
 - `concurrent`: requests of the tenant in flight at once;
 - `max_documents`: documents it may keep pinned at once (router/documents.py; 16 unless given);
 - `kv_quota`: its share of each group's device KV pool (0-1) or bytes per device ("64MiB"): its
-  unreferenced cached blocks beyond it are evicted first (worker/engine/block_manager.py).
+  unreferenced cached blocks beyond it are evicted first (worker/engine/block_manager.py);
+  `kv_host_quota`, `kv_disk_quota`: the same for the host and disk tiers under the pool (a share
+  of the tier or bytes per device; worker/engine/tier_index.py).
 
 A request over a limit is refused before it reaches a group: gRPC RESOURCE_EXHAUSTED, HTTP 429,
 each with when to retry (the end of the window; 1 s for the concurrency limit), counted per
@@ -34,6 +36,12 @@ from worker.config import check_kv_quota
 
 _TENANT = re.compile(r"[A-Za-z0-9_.\-]{1,128}")  # as the gRPC API's `tenant` field
 HELD_S = 3600.0  # a request in flight holds its slot at most this long (a router that died)
+# a tenant's KV quota fields -> the engine option that takes them (worker/config.py: CacheConfig)
+KV_QUOTA_FIELDS = {
+    "kv_quota": "tenant_kv_quotas",
+    "kv_host_quota": "tenant_kv_host_quotas",
+    "kv_disk_quota": "tenant_kv_disk_quotas",
+}
 
 
 @dataclass(frozen=True)
@@ -46,6 +54,8 @@ class TenantLimits:
     concurrent: int | None = None
     max_documents: int | None = None  # live documents at once (router/documents.py)
     kv_quota: float | int | None = None  # share of the device pool, or bytes (CacheConfig.tenant_kv_quotas)
+    kv_host_quota: float | int | None = None  # of the host tier (CacheConfig.tenant_kv_host_quotas)
+    kv_disk_quota: float | int | None = None  # of the disk tier (CacheConfig.tenant_kv_disk_quotas)
 
     @property
     def request_window_s(self) -> float:
@@ -83,10 +93,11 @@ def parse_tenants(section: Mapping[str, Any] | None, where: str = "tenants") -> 
         if unknown:
             raise ValueError(f"{where}.{tenant}: unknown field(s) {unknown}; known: {sorted(known)}")
         spec = dict(spec)
-        if "kv_quota" in spec:
-            spec["kv_quota"] = check_kv_quota(f"{where}.{tenant}.kv_quota", spec["kv_quota"])
+        for name in KV_QUOTA_FIELDS:
+            if name in spec:
+                spec[name] = check_kv_quota(f"{where}.{tenant}.{name}", spec[name])
         for name, value in spec.items():
-            if name == "kv_quota":
+            if name in KV_QUOTA_FIELDS:
                 continue
             whole = name in ("tokens_per_min", "concurrent", "max_documents")
             ok = isinstance(value, int) if whole else isinstance(value, int | float)

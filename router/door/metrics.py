@@ -22,7 +22,8 @@ A request is observed by a `RequestObserver` from the door's receipt of the call
   tokens counted once), and counts once more in `request_resumes` per resume.
 Each placement's predicted and actual cached tokens are counted per group when its first
 output comes, beside the prompt tokens placed, so a router's predicted hit rate can be held
-against the actual one. The per-group series and the prefix index's health are read at scrape
+against the actual one; and again by tier (`tier`: device, host, disk, pull), so that a
+prediction of a device hit served by a restore, or of a pull that did not come, shows. The per-group series and the prefix index's health are read at scrape
 time (router/door/cluster_metrics.py); process_* and python_* are prometheus_client's.
 """
 
@@ -299,6 +300,20 @@ class ServerMetrics:
         self.actual_cached = Counter(
             f"{P}actual_cached_tokens", "Prompt tokens the chosen group served from its prefix cache.", g, registry=r
         )
+        # the same two by tier (worker/outputs.py: CachedTiers): device hits, host and disk
+        # restores, blocks pulled from another group; each sums to the series above
+        self.predicted_tier = Counter(
+            f"{P}predicted_cached_tier_tokens",
+            "Prompt tokens this router predicted cached on the group it chose, by tier.",
+            [*g, "tier"],
+            registry=r,
+        )
+        self.actual_tier = Counter(
+            f"{P}actual_cached_tier_tokens",
+            "Prompt tokens the chosen group served from its prefix cache, by the tier they came from.",
+            [*g, "tier"],
+            registry=r,
+        )
         # Every series exists from the start, at zero (as vLLM's do): a rate over a counter that
         # appears with its first event would miss that event, and a dashboard would show no
         # data where the truth is zero.
@@ -424,6 +439,11 @@ class RequestObserver:
         self.m.routed_prompt.labels(name, r.group_id).inc(len(out.prompt_token_ids))
         self.m.predicted_cached.labels(name, r.group_id).inc(r.predicted_cached_tokens)
         self.m.actual_cached.labels(name, r.group_id).inc(r.actual_cached_tokens)
+        for tier, n in r.predicted_tiers.as_dict().items():
+            self.m.predicted_tier.labels(name, r.group_id, tier).inc(n)
+        if r.actual_tiers is not None:
+            for tier, n in r.actual_tiers.as_dict().items():
+                self.m.actual_tier.labels(name, r.group_id, tier).inc(n)
 
     def _first_token(self, out, now: float) -> None:
         name, em = self.m.model_name, out.metrics

@@ -2,9 +2,10 @@
 stream chunks, with logprobs and usage where OpenAI puts them.
 
 Prompt tokens served from the prefix cache are `usage.prompt_tokens_details.cached_tokens`, as
-OpenAI reports them. pagefleet's own facts go in the extension field `pagefleet`: per choice,
+OpenAI reports them, and by the tier they came from (device, host, disk, pull) in the extra
+field `cached_tokens_by_tier` beside it. pagefleet's own facts go in the extension field `pagefleet`: per choice,
 the group that served it, why it was placed there, the cached tokens the router predicted and
-those the group reported, the group's time to first token (`choices`), and the placement on the
+those the group reported (each also by tier), the group's time to first token (`choices`), and the placement on the
 first chunk of each choice when streaming.
 """
 
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from router.door.openai_tools import ToolCalls
+from worker.outputs import CachedTiers
 
 if TYPE_CHECKING:
     from router.router import RouteRecord
@@ -132,12 +134,16 @@ class Formatter:
         firsts = {}
         for c in choices:
             firsts.setdefault(c.prompt_index, c)
-        cached = sum(c.last.num_cached_tokens for c in firsts.values() if c.last is not None)
+        lasts = [c.last for c in firsts.values() if c.last is not None]
+        details = {"cached_tokens": sum(out.num_cached_tokens for out in lasts)}
+        tiers = [out.cached_tiers for out in lasts if out.cached_tiers is not None]
+        if tiers:  # (an extra field: the `openai` client keeps it, as `model_extra`)
+            details["cached_tokens_by_tier"] = CachedTiers(*map(sum, zip(*tiers, strict=True))).as_dict()
         return {
             "prompt_tokens": prompt,
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached},
+            "prompt_tokens_details": details,
         }
 
     def _envelope(self, kind: str) -> dict:
@@ -175,6 +181,7 @@ def placement(record: RouteRecord) -> dict:
         "group_id": record.group_id,
         "reason": record.reason,
         "predicted_cached_tokens": record.predicted_cached_tokens,
+        "predicted_cached_tiers": record.predicted_tiers.as_dict(),
         "resumes": record.resumes,
     }
 
@@ -189,5 +196,7 @@ def extension(choices: Sequence[Choice]) -> dict:
         if c.last is not None:
             ttft = c.last.metrics.ttft  # the group's: its receipt of the request to 1st token
             row |= {"cached_tokens": c.last.num_cached_tokens, "ttft_seconds": ttft}
+            if c.last.cached_tiers is not None:
+                row["cached_tiers"] = c.last.cached_tiers.as_dict()
         rows.append(row)
     return {"choices": rows}

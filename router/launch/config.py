@@ -27,7 +27,7 @@ import yaml
 from router.door.auth import key_file_tenants
 from router.door.http import DEFAULT_HTTP_PORT
 from router.door.http_limits import HeaderLimits
-from router.door.limits import TenantLimits, merge_tenants, parse_tenants
+from router.door.limits import KV_QUOTA_FIELDS, TenantLimits, merge_tenants, parse_tenants
 from router.door.server import DEFAULT_PORT, MAX_MESSAGE_BYTES
 from worker.config import EngineConfig
 from worker.model_source import check_model_name
@@ -181,7 +181,10 @@ class TenantsConfig:
     @property
     def kv_quotas(self) -> dict[str, float | int]:
         """The tenants with a KV quota, each a share or bytes (CacheConfig.tenant_kv_quotas)."""
-        return {t: lim.kv_quota for t, lim in self.limits.items() if lim.kv_quota is not None}
+        return self._quotas("kv_quota")
+
+    def _quotas(self, name: str) -> dict[str, float | int]:
+        return {t: getattr(lim, name) for t, lim in self.limits.items() if getattr(lim, name) is not None}
 
     @property
     def weights(self) -> dict[str, float]:
@@ -190,11 +193,13 @@ class TenantsConfig:
 
     def engine_options(self) -> dict[str, Any]:
         """What the groups' engines take of the tenants: their weights in the fair share
-        (SchedulerConfig.tenant_weights) and their KV quotas (CacheConfig.tenant_kv_quotas);
+        (SchedulerConfig.tenant_weights) and their KV quotas per tier (CacheConfig.tenant_kv_quotas,
+        tenant_kv_host_quotas, tenant_kv_disk_quotas);
         the same for `pagefleet serve`'s groups and `pagefleet groups start`'s."""
         options: dict[str, Any] = {"tenant_weights": self.weights} if self.limits else {}
-        if quotas := self.kv_quotas:
-            options["tenant_kv_quotas"] = quotas
+        for name, option in KV_QUOTA_FIELDS.items():
+            if quotas := self._quotas(name):
+                options[option] = quotas
         return options
 
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from cluster.group import GroupStatus
 from cluster.index import GroupMatch
+from worker.outputs import CachedTiers
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,22 @@ class Placement:
     # the source has those blocks pending (sent, not yet committed): the pull waits for them
     # (router/router.py: `cold_source`, COLD_WAIT_S)
     pull_wait: bool = False
+    # the chosen group's lead as the index had it, in blocks, each tier with those above it:
+    # on the device (or pending there), then with the host tier, then with the disk tier
+    # (set by the router: router/router.py, `Router.place`)
+    tier_lead: tuple[int, int, int] = (0, 0, 0)
+
+    def cached_tiers(self, prompt_tokens: int, block_size: int) -> CachedTiers:
+        """`cached_tokens` by the tier the placement expects them from: the lead's device,
+        host and disk parts, and the blocks beyond it pulled (with a source) or, without one,
+        on the device (a policy's prediction beyond the index)."""
+        c = self.cached_blocks
+        device, host, disk = (min(c, n) for n in self.tier_lead)
+        beyond = c - max(device, host, disk)
+        pull = beyond if self.pull_from is not None else 0
+        host, disk = max(0, host - device), max(0, disk - max(device, host))
+        tiers = CachedTiers(device + beyond - pull, host, disk, pull)
+        return CachedTiers(*(n * block_size for n in tiers)).clipped(self.cached_tokens(prompt_tokens, block_size))
 
     def cached_tokens(self, prompt_tokens: int, block_size: int) -> int:
         """The prompt tokens the placement predicts the group serves from its cache: whole

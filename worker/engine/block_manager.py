@@ -61,7 +61,7 @@ in benchmarks/RESULTS.md (KV tiers).
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -79,6 +79,7 @@ from worker.kv_events import (
     KVEventSink,
     discard_events,
 )
+from worker.outputs import CachedTiers
 from worker.step import KVMoves
 
 # (disk writes to make first, [(hash, host slot)] to read from the disk) -> how many were read
@@ -166,6 +167,9 @@ class BlockManager:
         self.host_saves = 0  # blocks written back to the host tier
         self.pinned: dict[bytes, int] = {}  # block hash -> pins holding it (see `pin`)
         self.blocks_imported = 0  # blocks pulled from another group into the host tier
+        # host blocks that came from the disk ("disk") or another group ("pull") and are not
+        # restored yet: a request restoring one reports its tokens under that tier (`tiers_of`)
+        self.arrived: dict[bytes, str] = {}
         # tenant -> its KV quota in device blocks (see the module docstring); None: global LRU
         self.quotas = dict(quotas) if quotas is not None and hasher is not None else None
         # tenant -> its unreferenced cached blocks by id, least recently used first (quotas only)
@@ -247,14 +251,14 @@ class BlockManager:
             else:
                 break
         if self.loader is not None and (fetches or waits):
-            started = self._start_load(fetches)
+            started = self._start_load(fetches, request.tenant)
             if waits or started:
                 return PrefixMatch((), self.block_size, (), frozenset(h for _, h in waits + fetches[:started]))
             end = fetches[0][0]  # no host slot for a load this step: the match ends there
             blocks = blocks[: end - len([p for p, *_ in loads if p < end])]
             return PrefixMatch(tuple(blocks), self.block_size, tuple(x for x in loads if x[0] < end))
         if fetches:
-            got = self._fetch(fetches)
+            got = self._fetch(fetches, request.tenant)
             if got < len(fetches):  # the chain ends at the first block not read whole
                 end = fetches[got][0]
                 blocks = blocks[: end - len([p for p, *_ in loads if p < end]) - got]
@@ -262,19 +266,19 @@ class BlockManager:
             loads = sorted(loads + [(pos, h, host.get(h)) for pos, h in fetches[:got]])
         return PrefixMatch(tuple(blocks), self.block_size, tuple(loads))
 
-    def _fetch(self, fetches: list[tuple[int, bytes]]) -> int:
-        """Read disk blocks (position, hash) into host slots; returns how many of them, in
-        order, every rank read whole. The ones after are forgotten (misses)."""
+    def _fetch(self, fetches: list[tuple[int, bytes]], tenant: str = "") -> int:
+        """Read disk blocks (position, hash) into host slots (`tenant`'s); returns how many of
+        them, in order, every rank read whole. The ones after are forgotten (misses)."""
         host, disk = self.host, self.disk
         slots, victims = [], []
         for _, h in fetches:
-            put = host.put(h)
+            put = host.put(h, disk.owner(h) or tenant)
             if put is None:  # the host's slots are all in use this step: fetch fewer
                 break
             slot, victim = put
             if victim is not None:
                 victims.append(victim)
-                self._demote(victim, slot)
+                self._demote(victim, slot, host.victim_tenant)
             slots.append((h, slot))
         if victims:
             self.emit(BlockRemoved(tuple(victims), HOST))
@@ -293,22 +297,24 @@ class BlockManager:
             self.emit(BlockRemoved(tuple(failed), DISK))
         if got:
             self.emit(BlockStored(tuple(h for h, _ in slots[:got]), None, HOST))
+            self._arrive((h for h, _ in slots[:got]), "disk")
         self.disk_hits += got * self.block_size
         return got
 
-    def _start_load(self, fetches: list[tuple[int, bytes]]) -> int:
-        """Start reading disk blocks (position, hash) into host slots, held until the read is
-        done on every rank; returns how many (the leading ones the host has slots for)."""
+    def _start_load(self, fetches: list[tuple[int, bytes]], tenant: str = "") -> int:
+        """Start reading disk blocks (position, hash) into host slots (`tenant`'s), held until
+        the read is done on every rank; returns how many (the leading ones the host has slots
+        for)."""
         host, slots, victims = self.host, [], []
         for _, h in fetches:
-            put = host.put(h)
+            put = host.put(h, self.disk.owner(h) or tenant)
             if put is None:
                 break
             slot, victim = put
             host.hold(slot)
             if victim is not None:
                 victims.append(victim)
-                self._demote(victim, slot)
+                self._demote(victim, slot, host.victim_tenant)
             slots.append((h, slot))
             self.loading[h] = slot
         if victims:
@@ -355,6 +361,7 @@ class BlockManager:
                 self.emit(BlockRemoved(tuple(failed), DISK))
             if got:
                 self.emit(BlockStored(tuple(h for h, _ in slots[:got]), None, HOST))
+                self._arrive((h for h, _ in slots[:got]), "disk")
             self.disk_hits += got * self.block_size
         return done
 
@@ -373,12 +380,26 @@ class BlockManager:
         self.disk.unpin_all()
         self.emit(BlockStored(tuple(self.disk.hashes()), None, DISK))
 
-    def can_allocate(self, request: Request, match: PrefixMatch, num_new_tokens: int, reserve_blocks: int = 0) -> bool:
+    def can_allocate(
+        self, request: Request, match: PrefixMatch, num_new_tokens: int, reserve_blocks: int = 0, protect: bool = False
+    ) -> bool:
         """Whether `request` fits with its cached prefix plus `num_new_tokens`, leaving
-        `reserve_blocks` free (the admission watermark)."""
+        `reserve_blocks` free (the admission watermark); with `protect` (and KV quotas), also
+        leaving the other tenants' idle blocks within their quotas (`protected_blocks`)."""
         new = cdiv(match.num_tokens + num_new_tokens, self.block_size) - len(match.blocks)
         hits_on_free = sum(1 for b in match.blocks if b.ref_cnt == 0)
-        return new + hits_on_free + reserve_blocks <= self.num_free_blocks
+        free = self.num_free_blocks - (self.protected_blocks(request.tenant) if protect else 0)
+        return new + hits_on_free + reserve_blocks <= free
+
+    def protected_blocks(self, tenant: str) -> int:
+        """The other tenants' unreferenced cached blocks within their quotas: a working set
+        that admitting a request of `tenant` should not evict (0 without quotas). Evicting
+        them is what a flood does while its own requests hold the rest of the pool, since the
+        quotas rank only the idle blocks (see `_victim`)."""
+        if self.quotas is None:
+            return 0
+        quotas = self.quotas
+        return sum(min(len(idle), quotas.get(t, 0)) for t, idle in self._idle.items() if t != tenant)
 
     def allocate(self, request: Request, match: PrefixMatch, num_new_tokens: int) -> list[int]:
         """Take the cached prefix and enough new blocks for `num_new_tokens`; returns the
@@ -416,6 +437,7 @@ class BlockManager:
                 table.append(next(device))
                 continue
             h, slot = loads[pos]
+            self.arrived.pop(h, None)  # (restored: from now on a host hit like any other)
             block = next(spare)
             block.block_hash = h
             self.cached[h] = block
@@ -446,8 +468,11 @@ class BlockManager:
         return moves if moves else None
 
     # ---- grow --------------------------------------------------------------------------
-    def can_append(self, request: Request, num_new_tokens: int) -> bool:
-        return self._blocks_to_grow(request, num_new_tokens) <= self.num_free_blocks
+    def can_append(self, request: Request, num_new_tokens: int, protect: bool = False) -> bool:
+        """Whether a running request has room for `num_new_tokens` more; `protect`: as in
+        `can_allocate`, leaving the other tenants' idle blocks within their quotas."""
+        free = self.num_free_blocks - (self.protected_blocks(request.tenant) if protect else 0)
+        return self._blocks_to_grow(request, num_new_tokens) <= free
 
     def append_slots(self, request: Request, num_new_tokens: int, lookahead: int = 0) -> list[int]:
         """Room for `num_new_tokens` after the computed ones (and `lookahead` more, whose
@@ -571,7 +596,7 @@ class BlockManager:
                 self._flush_demote(moves, slot, h)
             pending, stored, dropped = [], [], []
             for block in device[at : at + n]:
-                put = host.put(block.block_hash)
+                put = host.put(block.block_hash, block.tenant)
                 if put is None:
                     break
                 slot, victim = put
@@ -592,7 +617,7 @@ class BlockManager:
 
     def _flush_demote(self, moves: KVMoves, slot: int, block_hash: bytes) -> None:
         """`block_hash`, in host `slot`, to be written to the disk by `moves` (its victim dropped)."""
-        put = self.disk.put(block_hash)
+        put = self.disk.put(block_hash, self.host.owner(block_hash))
         if put is None:
             return
         if put[1] is not None:
@@ -616,24 +641,27 @@ class BlockManager:
                 break
         return held
 
-    def host_slots_for(self, block_hashes: Sequence[bytes]) -> tuple[list[tuple[int, bytes, int]], KVMoves]:
-        """Host slots for a pulled chain's blocks that this group holds nowhere, each (its
-        position in the chain, hash, slot), stopping where the host has no slot free this step;
-        and the disk writes of the slots' victims, to make before the slots are written."""
+    def host_slots_for(
+        self, block_hashes: Sequence[bytes], tenant: str = ""
+    ) -> tuple[list[tuple[int, bytes, int]], KVMoves]:
+        """Host slots (`tenant`'s) for a pulled chain's blocks that this group holds nowhere,
+        each (its position in the chain, hash, slot), stopping where the host has no slot free
+        this step; and the disk writes of the slots' victims, to make before the slots are
+        written."""
         if self.host is None:
             return [], KVMoves()
         host, rows, victims = self.host, [], []
         for i, h in enumerate(block_hashes):
             if h in self.cached or h in host:
                 continue
-            put = host.put(h)
+            put = host.put(h, tenant)
             if put is None:
                 break
             slot, victim = put
             if victim is not None:
                 victims.append(victim)
                 if self.disk is not None:
-                    self._demote(victim, slot)
+                    self._demote(victim, slot, host.victim_tenant)
             rows.append((i, h, slot))
         if victims:
             self.emit(BlockRemoved(tuple(victims), HOST))
@@ -652,6 +680,25 @@ class BlockManager:
         self.blocks_imported += len(hashes)
         if hashes:
             self.emit(BlockStored(hashes, None, HOST))
+            self._arrive(hashes, "pull")
+
+    def tiers_of(self, match: PrefixMatch) -> CachedTiers:
+        """A match's tokens by the tier they come from (read before `allocate` restores it):
+        the device's blocks, and each host load as a host hit unless it arrived from the disk
+        or another group and was not restored since."""
+        counts = {"host": 0, "disk": 0, "pull": 0}
+        for _, h, _ in match.loads:
+            counts[self.arrived.get(h, "host")] += self.block_size
+        return CachedTiers(len(match.blocks) * self.block_size, counts["host"], counts["disk"], counts["pull"])
+
+    def _arrive(self, hashes: Iterable[bytes], tier: str) -> None:
+        """Note host blocks that came from `tier`; forget the notes of blocks the host no
+        longer holds once there are more notes than host slots (so they stay bounded)."""
+        arrived = self.arrived
+        for h in hashes:
+            arrived[h] = tier
+        if len(arrived) > self.host.num_slots:
+            self.arrived = {h: t for h, t in arrived.items() if h in self.host}
 
     # ---- internals ---------------------------------------------------------------------
     def _blocks_to_grow(self, request: Request, num_new_tokens: int) -> int:
@@ -720,36 +767,36 @@ class BlockManager:
                 if block.block_hash is not None:
                     self.evictions_caused[tenant] = self.evictions_caused.get(tenant, 0) + 1
                     self.evictions_suffered[block.tenant] = self.evictions_suffered.get(block.tenant, 0) + 1
-                block.tenant = tenant
             if block.block_hash is not None:  # evict the least recently used cached block
                 del self.cached[block.block_hash]
-                evicted.append((block.block_id, block.block_hash))
+                evicted.append((block.block_id, block.block_hash, block.tenant))
                 block.block_hash = None
+            block.tenant = tenant
             block.ref_cnt = 1
             taken.append(block)
         if evicted:
-            self.emit(BlockRemoved(tuple(h for _, h in evicted)))
+            self.emit(BlockRemoved(tuple(h for _, h, _ in evicted)))
             if self.host is not None:
                 self._save(evicted)
         return taken
 
-    def _save(self, evicted: list[tuple[int, bytes]]) -> None:
-        """Write evicted (block id, hash) back to the host tier, unless it holds them; a
-        host block evicted for room is dropped (removed from the host)."""
+    def _save(self, evicted: list[tuple[int, bytes, str]]) -> None:
+        """Write evicted (block id, hash, tenant) back to the host tier, unless it holds them;
+        a host block evicted for room is dropped (removed from the host)."""
         host, saves = self.host, self.moves.saves
         stored, dropped = [], []
-        for block_id, h in evicted:
+        for block_id, h, tenant in evicted:
             if h in host:
                 host.touch(h)
                 continue
-            put = host.put(h)
+            put = host.put(h, tenant)
             if put is None:  # every host slot is in use this step: the block is lost
                 continue
             slot, victim = put
             if victim is not None:
                 dropped.append(victim)
                 if self.disk is not None:
-                    self._demote(victim, slot)
+                    self._demote(victim, slot, host.victim_tenant)
             saves.append((block_id, slot))
             stored.append(h)
         self.host_saves += len(stored)
@@ -758,14 +805,14 @@ class BlockManager:
         if stored:
             self.emit(BlockStored(tuple(stored), None, HOST))
 
-    def _demote(self, block_hash: bytes, slot: int) -> None:
-        """The host evicts `block_hash` from `slot`: write it to the disk tier (before the
-        slot is reused), unless the disk holds it; the disk's own victim is dropped."""
+    def _demote(self, block_hash: bytes, slot: int, tenant: str = "") -> None:
+        """The host evicts `block_hash` (`tenant`'s) from `slot`: write it to the disk tier
+        (before the slot is reused), unless the disk holds it; the disk's own victim is dropped."""
         disk = self.disk
         if block_hash in disk:
             disk.touch(block_hash)
             return
-        put = disk.put(block_hash)
+        put = disk.put(block_hash, tenant)
         if put is None:
             return
         _, victim = put

@@ -110,10 +110,14 @@ class LLMEngine:
         self.on_kv_events = on_kv_events
         hasher = self.hasher if cache.enable_prefix_caching else None
         host_slots = host_blocks(cache, self.layout)  # (each rank's tier holds as many)
-        host = TierIndex(host_slots, HOST) if host_slots and hasher is not None else None
+        block_bytes = self.layout.block_bytes
+        host = None
+        if host_slots and hasher is not None:
+            host = TierIndex(host_slots, HOST, quota_blocks(cache.tenant_kv_host_quotas, host_slots, block_bytes))
         disk = None
         if host is not None and cache.kv_disk_bytes:
-            disk = TierIndex(disk_blocks(cache, self.layout), DISK)
+            disk_slots = disk_blocks(cache, self.layout)
+            disk = TierIndex(disk_slots, DISK, quota_blocks(cache.tenant_kv_disk_quotas, disk_slots, block_bytes))
         quotas = quota_blocks(cache.tenant_kv_quotas, num_blocks, self.layout.block_bytes) or None
         loader = self.executor if disk is not None and cache.kv_disk_async else None
         bm = BlockManager(
@@ -516,6 +520,8 @@ class LLMEngine:
             "kv_host_blocks_cached": len(bm.host) if bm.host is not None else 0,
             "kv_host_hits": bm.host_hits,  # prompt tokens restored from the host tier
             "kv_host_saves": bm.host_saves,  # blocks written back to the host tier
+            "kv_host_blocks_held": bm.host.num_held if bm.host is not None else 0,  # by reads in flight
+            "kv_loads_in_flight": bm.loads_in_flight,  # disk reads started, not yet completed
             "kv_disk_blocks_total": bm.disk.num_slots if bm.disk is not None else 0,
             "kv_disk_blocks_cached": len(bm.disk) if bm.disk is not None else 0,
             "kv_disk_hits": bm.disk_hits,  # prompt tokens fetched from the disk tier
@@ -534,6 +540,7 @@ class LLMEngine:
             "tenant_kv_idle_blocks": bm.tenant_idle_blocks(),
             "tenant_kv_evictions_caused": dict(bm.evictions_caused),
             "tenant_kv_evictions_suffered": dict(bm.evictions_suffered),
+            **_tier_tenants(bm.host, bm.disk),
             "kv_block_bytes": self.layout.block_bytes,
         }
 
@@ -551,6 +558,8 @@ class LLMEngine:
             "kv_host_bytes_loaded": host.bytes_loaded if host else 0,
             "kv_disk_bytes_written": disk.bytes_written if disk else 0,
             "kv_disk_bytes_read": disk.bytes_read if disk else 0,
+            # blocks rank 0 could not write (a full or failing disk: they are misses when asked)
+            "kv_disk_write_failures": disk.failed_writes if disk else 0,
         }
 
 
@@ -588,6 +597,7 @@ def _output(
             req.finish_reason if finished else None,
             req.stop_reason,
         ),
+        req.cached_tiers,
     )
 
 
@@ -613,3 +623,15 @@ def load_tokenizer(model_dir: str):
 
 
 __all__ = ["EngineConfig", "LLMEngine", "SchedulerOutput"]
+
+
+def _tier_tenants(*tiers: TierIndex | None) -> dict[str, dict[str, int]]:
+    """For each tier with KV quotas (`tenant_kv_host_blocks`, `tenant_kv_disk_...`): tenant ->
+    its blocks in the tier, the tier's blocks its requests evicted, and its blocks evicted."""
+    out: dict[str, dict[str, int]] = {}
+    for tier in tiers:
+        if tier is not None and tier.quotas is not None:
+            out[f"tenant_kv_{tier.medium}_blocks"] = tier.tenant_blocks()
+            out[f"tenant_kv_{tier.medium}_evictions_caused"] = dict(tier.evictions_caused)
+            out[f"tenant_kv_{tier.medium}_evictions_suffered"] = dict(tier.evictions_suffered)
+    return out

@@ -70,6 +70,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prompt tokens served from the prefix cache; -1 until admitted
+        self.cached_tiers = None  # those tokens by tier (worker/outputs.py: CachedTiers), when admitted
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
         # the matcher of a structured output (worker/engine/grammar.py: RequestGrammar), set

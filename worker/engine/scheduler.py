@@ -191,7 +191,7 @@ class Scheduler:
         tokens more is taken only when free."""
         if lookahead and not self.bm.can_append(req, n + lookahead):
             lookahead = 0
-        while not self.bm.can_append(req, n):
+        while not self.bm.can_append(req, n, protect=len(self.running) > 1):
             victim = self._pick_victim(exclude={s.request.request_id for s in out.scheduled})
             victim = victim or req
             self._preempt(victim, out)
@@ -218,14 +218,18 @@ class Scheduler:
             n = self._prefill_room(req.tenant, min(req.num_tokens - match.num_tokens, budget))
             if n == 0:
                 break
-            if not self.bm.can_allocate(req, match, n, self._reserve_blocks):
+            # (while requests run, they will free blocks: the others' quotas can wait for them)
+            if not self.bm.can_allocate(req, match, n, self._reserve_blocks, protect=bool(self.running)):
                 break  # keep FCFS order: nobody overtakes the head of the queue
             self.waiting.pop()
+            first = req.num_cached_tokens < 0  # (a preempted request keeps its first admission's)
+            tiers = self.bm.tiers_of(match) if first else None  # (before the restore forgets them)
             self.bm.allocate(req, match, n)
             block_ids = self.bm.block_ids(req.request_id)
             req.num_computed_tokens = match.num_tokens
-            if req.num_cached_tokens < 0:
+            if first:
                 req.num_cached_tokens = min(match.num_tokens, req.num_prompt_tokens)
+                req.cached_tiers = tiers.clipped(req.num_cached_tokens)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.scheduled.append(self._record(req, n, list(block_ids), is_new=True))

@@ -26,6 +26,7 @@ can never be named again and are removed.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import logging
@@ -143,7 +144,7 @@ class DiskTier:
                 f.write(payload)
             os.replace(tmp, path)
         except OSError as e:
-            tmp.unlink(missing_ok=True)
+            _remove(tmp)
             if not self.failed_writes:
                 log.warning("KV disk tier %s: a block could not be written (%s); serving from the host only", path, e)
             self.failed_writes += 1
@@ -165,7 +166,7 @@ class DiskTier:
             self.failed_reads += 1
             return False
         if not self._valid(data, block_hash):
-            path.unlink(missing_ok=True)
+            _remove(path)
             self.failed_reads += 1
             return False
         at = _HEADER.size
@@ -201,7 +202,7 @@ class DiskTier:
     def remove(self, hashes) -> None:
         """Forget blocks: the tier evicted them, or they follow a block that failed."""
         for h in hashes:
-            self.path(h).unlink(missing_ok=True)
+            _remove(self.path(h))
 
     def close(self) -> None:
         self._lock.close()
@@ -242,3 +243,10 @@ def _remove_orphans(directory: Path) -> None:
                     f.unlink(missing_ok=True)
             if files:
                 log.info("KV disk tier: removed %d blocks of %s (another secret or model)", len(files), rank)
+
+
+def _remove(path: Path) -> None:
+    """Remove a block file if it is there; a disk that refuses (failing, gone, read-only) leaves
+    it, as it leaves what it could not write: a miss when read, never wrong KV."""
+    with contextlib.suppress(OSError):
+        path.unlink(missing_ok=True)

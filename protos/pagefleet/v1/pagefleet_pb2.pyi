@@ -155,7 +155,7 @@ class TokenLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., rank: _Optional[int] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "ttft_seconds", "queue_seconds", "e2e_seconds", "resumes")
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "ttft_seconds", "queue_seconds", "e2e_seconds", "resumes", "cached_tiers")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -163,6 +163,7 @@ class Usage(_message.Message):
     QUEUE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     E2E_SECONDS_FIELD_NUMBER: _ClassVar[int]
     RESUMES_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TIERS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
@@ -170,17 +171,32 @@ class Usage(_message.Message):
     queue_seconds: float
     e2e_seconds: float
     resumes: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., ttft_seconds: _Optional[float] = ..., queue_seconds: _Optional[float] = ..., e2e_seconds: _Optional[float] = ..., resumes: _Optional[int] = ...) -> None: ...
+    cached_tiers: CachedTiers
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., ttft_seconds: _Optional[float] = ..., queue_seconds: _Optional[float] = ..., e2e_seconds: _Optional[float] = ..., resumes: _Optional[int] = ..., cached_tiers: _Optional[_Union[CachedTiers, _Mapping]] = ...) -> None: ...
+
+class CachedTiers(_message.Message):
+    __slots__ = ("device", "host", "disk", "pull")
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    DISK_FIELD_NUMBER: _ClassVar[int]
+    PULL_FIELD_NUMBER: _ClassVar[int]
+    device: int
+    host: int
+    disk: int
+    pull: int
+    def __init__(self, device: _Optional[int] = ..., host: _Optional[int] = ..., disk: _Optional[int] = ..., pull: _Optional[int] = ...) -> None: ...
 
 class Placement(_message.Message):
-    __slots__ = ("group_id", "reason", "predicted_cached_tokens")
+    __slots__ = ("group_id", "reason", "predicted_cached_tokens", "predicted_cached_tiers")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_CACHED_TIERS_FIELD_NUMBER: _ClassVar[int]
     group_id: str
     reason: str
     predicted_cached_tokens: int
-    def __init__(self, group_id: _Optional[str] = ..., reason: _Optional[str] = ..., predicted_cached_tokens: _Optional[int] = ...) -> None: ...
+    predicted_cached_tiers: CachedTiers
+    def __init__(self, group_id: _Optional[str] = ..., reason: _Optional[str] = ..., predicted_cached_tokens: _Optional[int] = ..., predicted_cached_tiers: _Optional[_Union[CachedTiers, _Mapping]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "logprobs", "finished", "finish_reason", "stop_token_id", "stop_string", "usage", "placement")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -12,14 +13,14 @@ class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float):
         super().__init__()
         self.eps = eps
+        self.normalized_shape = (size,)
         self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # transformers: w * (x.float() * rsqrt(mean(x.float() ** 2) + eps)).to(x.dtype). The
-        # same roundings in fewer passes: x times the float32 rsqrt is computed in float32
-        # and rounded once, into x's dtype, then scaled by the weight in place.
-        var = x.to(torch.float32, copy=True).square_().mean(-1, keepdim=True)
-        out = torch.mul(x, var.add_(self.eps).rsqrt_(), out=torch.empty_like(x))
+        # transformers: w * (x.float() * rsqrt(mean(x.float() ** 2) + eps)).to(x.dtype).
+        # torch's rms_norm without a weight computes the same in float32 and rounds once into
+        # x's dtype (bit for bit, tests/test_models.py); the weight then scales it in place.
+        out = F.rms_norm(x, self.normalized_shape, None, self.eps)
         if self.weight.dtype != x.dtype:
             return self.weight * out
         return out.mul_(self.weight)

@@ -50,21 +50,25 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)  # (T, d)
         return emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
 
+    def rotation(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions (T,) -> cos, signed sin (T, 1, head_dim) in `dtype`, for `apply_rotary`:
+        made once per step for every layer and head. The model dtype, as transformers casts
+        them; the sin's first half negated (exact), so that rotate_half(x) * sin is
+        roll(x) * signed sin."""
+        cos, sin = (t.to(dtype).unsqueeze(1) for t in self(positions))  # (T, 1, d)
+        half = sin.shape[-1] // 2
+        sin[..., :half].neg_()
+        return cos, sin
+
 
 def apply_rotary(
     x: torch.Tensor,  # (T, heads, head_dim)
-    cos: torch.Tensor,  # (T, head_dim), float32 or x's dtype
-    sin: torch.Tensor,  # (T, head_dim)
+    cos: torch.Tensor,  # (T, 1, head_dim) in x's dtype (RotaryEmbedding.rotation)
+    sin: torch.Tensor,  # (T, 1, head_dim), its first half negated
 ) -> torch.Tensor:
     """Rotate each head's (first half, second half) pairs by its position's angle:
     x * cos + rotate_half(x) * sin in x's dtype, as transformers computes it (each product
-    rounded, then the sum), without building rotate_half(x): its halves are (-x2, x1), so
-    each half of x * cos takes its product with sin in place (negating is exact)."""
-    cos = cos.to(x.dtype).unsqueeze(1)  # (T, 1, d): the model dtype, as transformers does
-    sin = sin.to(x.dtype).unsqueeze(1)
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
+    rounded, then the sum). rotate_half(x) is (-x2, x1): x rolled by half a head is (x2, x1),
+    and the sign is in `sin`."""
     out = x * cos
-    out[..., :half] -= x2 * sin[..., :half]
-    out[..., half:] += x1 * sin[..., half:]
-    return out
+    return out.add_(x.roll(x.shape[-1] // 2, -1).mul_(sin))

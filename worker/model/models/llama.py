@@ -90,8 +90,7 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # (T, hidden)
-        # (T, head_dim) each in the model's dtype (as transformers casts them), for all layers
-        cos, sin = (t.to(x.dtype) for t in self.rotary_emb(positions))
+        cos, sin = self.rotary_emb.rotation(positions, x.dtype)  # (T, 1, head_dim) each, for all layers
         for layer in self.layers:
             x = layer(x, cos, sin, meta)
         return self.norm(x)
