@@ -8,7 +8,7 @@ A decode step at concurrency 1 reads every weight once, so its time is bounded b
 copy and a read of a buffer larger than the caches, best of several), loads the model with each
 `--weight-dtype` (float, int8, int4), counts the bytes its weights take as loaded
 (worker/exec/kv_pool.py: `weights_bytes`), and times a greedy single-stream decode through
-`LLM` (TPOT: the time from the first to the last token over the tokens between them). One JSON
+`LLM` (TPOT: the engine's mean gap between consecutive sampled tokens of the stream). One JSON
 line for the bandwidth, then one per format with its bound, its TPOT, achieved / bound and the
 same-run ratio of its TPOT to the float format's.
 """
@@ -48,18 +48,18 @@ def bandwidth(buffer_mib: int, repeats: int) -> dict[str, float]:
 
 
 def tpot_s(llm: LLM, tokens: int, repeats: int) -> float:
-    """Median seconds per output token after the first, one greedy stream at a time."""
+    """Median seconds per output token after the first, one greedy stream at a time.
+
+    Read from the engine's own sample times (RequestMetrics.time_per_output_token): the mean gap
+    between consecutive tokens of one stream. Subtracting a one-token run's wall time from a
+    longer run's, as this once did, can come out at or below zero on a busy machine.
+    """
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
-    first = SamplingParams(temperature=0.0, max_tokens=1)
     llm.generate([PROMPT], params, use_tqdm=False)  # warm: compiles, caches the prompt
     out = []
     for _ in range(repeats):
-        t = time.perf_counter()
-        llm.generate([PROMPT], first, use_tqdm=False)
-        one = time.perf_counter() - t
-        t = time.perf_counter()
-        llm.generate([PROMPT], params, use_tqdm=False)
-        out.append((time.perf_counter() - t - one) / (tokens - 1))
+        (done,) = llm.generate([PROMPT], params, use_tqdm=False)
+        out.append(done.metrics.time_per_output_token)
     return statistics.median(out)
 
 

@@ -286,6 +286,9 @@ class Router:
         self.set_groups(groups)
         # (group, last hash of the prefix) -> the shared wait-and-pull of a cold prefix
         self._cold: dict[tuple[str, bytes], _ColdPull] = {}
+        # (group, the chain's last hash) -> the pull of that chain onto that group in flight,
+        # which a request placed there for the same prefix meanwhile joins (one copy, not two)
+        self._pulls: dict[tuple[str, bytes], asyncio.Future[int]] = {}
         self.cold_wait_s = COLD_WAIT_S  # 0: a spilled cold prefix is recomputed (no wait)
         self.move_drained = True  # streams on a draining group move with their KV (DRAIN_CHECK_S)
         self.move_pull = True  # False: a moved stream recomputes its KV (a benchmark's peer)
@@ -593,10 +596,28 @@ class Router:
         elif placement.pull_wait:
             pulled = await asyncio.shield(self._cold_pull(group, holder, chain))
         else:
-            pulled = await group.pull_from(holder, chain, PULL_TIMEOUT_S)
+            pulled = await asyncio.shield(self._shared_pull(group, holder, chain))
         if not pulled:
             return replace(placement, pull_from=None, pull_blocks=0, pull_wait=False), 0
         return replace(placement, cached_blocks=max(placement.cached_blocks, placement.pull_blocks)), pulled
+
+    def _shared_pull(self, group: GroupHandle, holder: GroupHandle, chain: Sequence[bytes]) -> asyncio.Future[int]:
+        """The pull of `chain` from `holder` onto `group`: a new one, or the one in flight (so
+        that concurrent questions on one document copy it once); forgotten when it ends, as
+        what it brought is then in the group's tiers, which placement reads."""
+        key = (group.group_id, chain[-1])
+        task = self._pulls.get(key)
+        if task is None:
+            task = self._pulls[key] = asyncio.ensure_future(group.pull_from(holder, chain, PULL_TIMEOUT_S))
+
+            def forget(t: asyncio.Future[int]) -> None:
+                if self._pulls.get(key) is t:
+                    del self._pulls[key]
+                if not t.cancelled():
+                    t.exception()  # (retrieved: a failed pull recomputes, whoever awaited it)
+
+            task.add_done_callback(forget)
+        return task
 
     def _cold_pull(self, group: GroupHandle, holder: GroupHandle, chain: Sequence[bytes]) -> asyncio.Future[int]:
         """The one wait-and-pull of `chain` onto `group` (a new one, or the one going)."""

@@ -218,6 +218,33 @@ def test_a_document_pulled_once_onto_the_host_tier_is_not_pulled_again(local_gro
         indexed(index, hashes, "g1", blocks=len(hashes))
 
 
+def test_concurrent_questions_on_a_cold_group_share_one_pull_of_their_document(local_groups):
+    """Three questions on one document placed together on a group that lacks it: the first
+    asks the pull, the others join it (the holder exports the document once), and each is
+    served from the pulled blocks with the tokens the holder gives it."""
+    index, g0, g1, hasher, info = local_groups
+    doc = [(41 * i + 5) % 1000 for i in range(160)]
+    last(g0, doc + [1, 2, 3], "doc5", hasher)
+    router = Router([g0, g1], index, hasher, info, policy=Chosen("g1", info.block_size))
+    exported = g0.engine.engine.stats()["kv_blocks_exported"]
+    questions = [[4, 5, 6], [7, 8], [9, 10, 11, 12]]
+
+    async def ask_all():
+        async def ask(ids):
+            return [o async for o in router.generate(RouteRequest(prompt_token_ids=ids, params=PARAMS))][-1]
+
+        return await asyncio.gather(*(ask(doc + q) for q in questions))
+
+    outs = asyncio.run(ask_all())
+    assert g0.engine.engine.stats()["kv_blocks_exported"] - exported == len(doc) // 16
+    for q, out in zip(questions, outs, strict=True):
+        record = router.records[out.request_id]
+        assert record.group_id == "g1" and record.pulled_from == "g0" and out.num_cached_tokens == len(doc)
+        own = last(g0, doc + q, f"own5-{len(q)}", hasher)
+        assert out.outputs[0].token_ids == own.outputs[0].token_ids
+    assert router._pulls == {}  # (forgotten once done)
+
+
 def test_a_pull_adds_only_the_blocks_the_chosen_group_holds_in_no_tier():
     """The chosen group's lead in any tier (device, host, disk) is what a pull must exceed;
     a holder exports its device and host lead, not its disk's."""
