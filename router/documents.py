@@ -54,7 +54,7 @@ log = logging.getLogger(__name__)
 DEFAULT_TTL_S = 3600
 MAX_TTL_S = 7 * 24 * 3600  # a week: a pin longer than that is a deployment's job, not a cache's
 DEFAULT_MAX_DOCUMENTS = 16  # live documents per tenant, unless its `max_documents` says
-TIERS = ("device",)  # where a pin may hold a document (lower tiers: not in this version)
+TIERS = ("device", "host")  # where a pin holds a document (Pin.tier; "host" needs a host tier)
 RECONCILE_S = 1.0  # how often documents that no live group holds are pinned again
 REPIN_GRACE_S = 3.0  # a group's status may lag its pin by a batch: wait this long before re-pinning
 REPORT_WAIT_S = 5.0  # a put waits this long for its groups' statuses to list the pin
@@ -238,6 +238,18 @@ class Documents:
                 raise DocumentFieldError(
                     f"groups[{i}]", f"groups[{i}]: no group {gid[:128]!r} (GetClusterStatus lists them)"
                 )
+        if tier == "host":
+            lacking = [gid for gid in groups if not self._has_host_tier(gid)]
+            if lacking:
+                raise DocumentFieldError(
+                    "tier", f"tier 'host': group {lacking[0]!r} has no host tier (--kv-host-bytes)"
+                )
+            if not groups and not any(self._has_host_tier(gid) for gid in list(self.router.groups)):
+                raise DocumentFieldError("tier", "tier 'host': no group has a host tier (--kv-host-bytes)")
+
+    def _has_host_tier(self, group_id: str) -> bool:
+        group = self.router.groups.get(group_id)
+        return group is not None and group.status().tiers.get("kv_host_blocks_total", 0) > 0
 
     def check_quota(self, owner: str | None, tenant: str) -> None:
         """DocumentLimitError when the owner holds its tenant's limit of live documents."""
@@ -284,6 +296,8 @@ class Documents:
         self._start_reconciler()
         try:
             targets = list(groups) or [self.router.place(doc.hashes).group_id]
+            if tier == "host" and not self._has_host_tier(targets[0]):  # placed where no host tier is
+                targets = [next(gid for gid in list(self.router.groups) if self._has_host_tier(gid))]
             await asyncio.gather(*(self._prefill(doc, gid) for gid in targets))
         except BaseException:
             self._drop(doc)
@@ -308,7 +322,7 @@ class Documents:
             cache_salt=doc.owner,
             block_hashes=doc.hashes,
             tenant=doc.tenant,
-            pin=Pin(doc.document_id, doc.expires_at),
+            pin=Pin(doc.document_id, doc.expires_at, doc.tier),
         )
         doc.prefills += 1
         try:
@@ -400,15 +414,15 @@ class Documents:
             log.warning("prefix index unavailable (%s); documents located by their pins", e)
             matches = {}
         out = []
-        for gid in sorted(set(pinned) | {gid for gid, m in matches.items() if m.blocks}):
+        for gid in sorted(set(pinned) | {gid for gid, m in matches.items() if m.blocks or m.host_blocks}):
             m = matches.get(gid)
-            out.append(Location(gid, "device", pinned.get(gid, 0), m.blocks if m is not None else 0))
-            if m is None:
-                continue
-            # the chain's blocks after the device's, continued in the tiers under it
-            for tier, more in (("host", m.host_blocks), ("disk", m.disk_blocks)):
-                if more:
-                    out.append(Location(gid, tier, 0, more))
+            pins = pinned.get(gid, 0)  # held in the tier the document names (doc.tier)
+            # the device's blocks, then the chain's blocks after them, continued in the tiers under it
+            cached = (m.blocks, m.host_blocks, m.disk_blocks) if m is not None else (0, 0, 0)
+            for tier, n in zip(("device", "host", "disk"), cached, strict=True):
+                held = pins if tier == doc.tier else 0
+                if tier == "device" or n or held:
+                    out.append(Location(gid, tier, held, n))
         return out
 
     def by_tenant(self) -> dict[str, tuple[int, int]]:
@@ -462,6 +476,8 @@ class Documents:
                 missing = [gid for gid in doc.groups if gid in live and gid not in held]
             else:
                 missing = [] if held or not live else [self.router.place(doc.hashes).group_id]
+                if missing and doc.tier == "host" and not self._has_host_tier(missing[0]):
+                    missing = [gid for gid in sorted(live) if self._has_host_tier(gid)][:1]
             for gid in missing:
                 log.info("document %s is not pinned on %s any more; pinning it again", doc.document_id, gid)
                 try:

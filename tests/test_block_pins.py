@@ -138,3 +138,104 @@ def test_the_engine_pins_a_prefilled_document_until_its_deadline():
     run(doc, pin=Pin("doc-a", time.time() + 60))
     assert engine.unpin("doc-a") and not engine.unpin("doc-a")
     assert bm.num_free_blocks == bm.num_blocks and engine.stats()["pinned"] == {}
+
+
+# ---- a pin in the host tier ------------------------------------------------------------
+
+
+def test_a_document_pinned_in_the_host_tier_leaves_the_device_and_stays_in_the_host():
+    """A host pin holds no device block: the document's blocks are evicted from the pool as any
+    idle block and written back to the host, which then never evicts them while the pin holds,
+    however many other blocks pass through it; the unpinned control is lost from both."""
+    events: list = []
+    bm = BlockManager(4, 4, make_hasher(4), events.append, TierIndex(4, HOST))
+    doc = make_request(list(range(100, 108)) + [1])  # 2 full blocks
+    control = make_request(list(range(300, 308)) + [1])
+    admit(bm, doc)
+    bm.free(doc)
+    hashes = doc.block_hashes[:2]
+    assert bm.pin(hashes, "host") == 2
+    assert bm.num_pinned_blocks == 0 and bm.num_host_pinned_blocks == 2
+    assert all(bm.cached[h].ref_cnt == 0 for h in hashes)  # nothing held on the device
+    admit(bm, control)
+    bm.free(control)
+    bm.take_moves()
+    for i in range(8):  # a flood through the pool (4 blocks) and the host (4 slots), twice over
+        other = make_request([500 + i * 10 + j for j in range(8)] + [1])
+        admit(bm, other)
+        bm.free(other)
+        bm.take_moves()  # (the step is handed over: its host slots may be reused)
+    assert all(h not in bm.cached for h in hashes)  # evicted from the device...
+    assert all(h in bm.host for h in hashes)  # ...and kept by the host
+    assert all(h not in bm.host and h not in bm.cached for h in control.block_hashes[:2])
+    removed = {h for e in events if isinstance(e, BlockRemoved) and e.medium == HOST for h in e.block_hashes}
+    assert not removed & set(hashes)
+    hit = make_request(list(range(100, 108)) + [7])
+    match = bm.match_prefix(hit)
+    assert match.num_tokens == 8  # the whole document, through the host tier
+    bm.unpin(hashes, "host")
+    assert bm.num_host_pinned_blocks == 0
+    for i in range(8):  # unpinned: the next flood takes its slots like any others
+        other = make_request([900 + i * 10 + j for j in range(8)] + [1])
+        admit(bm, other)
+        bm.free(other)
+        bm.take_moves()  # (the step is handed over: its host slots may be reused)
+    assert not any(h in bm.host for h in hashes)
+    check_accounting(bm)
+
+
+def test_a_host_pin_without_a_host_tier_is_refused():
+    bm, _ = make_block_manager(num_blocks=8, block_size=4)
+    doc = make_request(list(range(100, 108)) + [1])
+    admit(bm, doc)
+    bm.free(doc)
+    with pytest.raises(ValueError, match="host tier"):
+        bm.pin(doc.block_hashes[:2], "host")
+
+
+def test_the_engine_pins_a_document_in_its_host_tier_until_its_deadline():
+    import time
+
+    from pagefleet.llm import engine_config
+    from worker.engine.llm_engine import LLMEngine
+    from worker.outputs import CachedTiers
+    from worker.protocol import Pin, PinRefusedError
+    from worker.sampling_params import SamplingParams
+
+    def engine_with(**kw):
+        return LLMEngine(engine_config("builtin", num_blocks=24, max_model_len=64, block_size=4, **kw))
+
+    probe = engine_with()
+    block_bytes = probe.stats()["kv_bytes_per_token"] * 4
+    engine = engine_with(kv_host_bytes=24 * block_bytes)  # a host tier of 24 blocks
+    greedy = SamplingParams(max_tokens=1, temperature=0.0)
+    doc = [(7 * i + 3) % 200 + 10 for i in range(32)]  # 8 full blocks
+    control = [(11 * i + 5) % 200 + 10 for i in range(32)]
+
+    def run(e, prompt, **kw):
+        rid = e.add_request(prompt, greedy, **kw)
+        while e.has_unfinished():
+            for out in e.step():
+                if out.request_id == rid and out.finished:
+                    last = out
+        return last
+
+    run(engine, doc, pin=Pin("doc-a", time.time() + 60, "host"))
+    stats = engine.stats()
+    assert stats["pinned"] == {"doc-a": 8}
+    assert stats["blocks_pinned"] == 0 and stats["blocks_pinned_host"] == 8  # no device block held
+    run(engine, control)
+    for i in range(12):  # a flood through the pool and, written back, through the host tier
+        run(engine, [(i * 31 + j) % 300 + 5 for j in range(60)])
+    hit = run(engine, doc + [5, 6, 7])
+    assert hit.num_cached_tokens == 32 and hit.cached_tiers == CachedTiers(host=32)  # restored whole
+    assert run(engine, control + [5, 6, 7]).num_cached_tokens == 0  # the unpinned prefix is gone
+    assert engine.scheduler.bm.num_pinned_blocks == 0
+    with pytest.raises(PinRefusedError, match="host tier"):  # at most half the tier: 12 of 24
+        engine.add_request(control + doc[:24], greedy, pin=Pin("doc-b", time.time() + 60, "host"))
+    with pytest.raises(PinRefusedError, match="no host tier"):
+        probe.add_request(doc, greedy, pin=Pin("doc-c", time.time() + 60, "host"))
+    assert engine.expire_pins(time.time() + 61) == ["doc-a"]
+    assert engine.stats()["blocks_pinned_host"] == 0 and engine.stats()["pinned"] == {}
+    bm = engine.scheduler.bm
+    assert bm.num_free_blocks == bm.num_blocks  # nothing leaked

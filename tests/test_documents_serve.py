@@ -160,6 +160,7 @@ def test_a_document_expires_with_its_ttl(served):
         ({}, "text"),
         ({"text": "too short"}, "text"),
         ({"text": DOC, "tier": "disk"}, "tier"),
+        ({"text": DOC, "tier": "host"}, "tier"),  # (this server has no host tier)
         ({"text": DOC, "groups": ["no-such-group"]}, "groups[0]"),
         ({"text": DOC, "ttl": 60}, "ttl"),
         ({"token_ids": [1, -2, 3]}, "token_ids"),

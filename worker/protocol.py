@@ -34,11 +34,15 @@ class GenerationRequest:
 @dataclass(frozen=True)
 class Pin:
     """A document the group keeps warm: once the request that carries it is prefilled, the
-    prompt's full blocks stay pinned in the device pool (never evicted) under `document_id`
-    until `expires_at` (time.time(), so that it means the same on every node) or an unpin."""
+    prompt's full blocks stay pinned under `document_id` until `expires_at` (time.time(), so
+    that it means the same on every node) or an unpin. `tier` "device": held in the device
+    pool (never evicted); "host": free to leave the device as any block does, but kept in the
+    host tier once there (never evicted from it), so that a question restores it rather than
+    recomputing, without holding device blocks."""
 
     document_id: str
     expires_at: float
+    tier: str = "device"
 
 
 @dataclass(frozen=True)

@@ -515,10 +515,25 @@ class BlockManager:
                         self._idle_append(block)
 
     # ---- pins --------------------------------------------------------------------------
-    def pin(self, hashes: Sequence[bytes]) -> int:
+    def pin(self, hashes: Sequence[bytes], tier: str = "device") -> int:
         """Hold the leading device-cached blocks of the chain `hashes` (a reference each, so
         they are never evicted); returns how many were pinned. Release them with `unpin` of
-        the same leading hashes."""
+        the same leading hashes and tier.
+
+        `tier` "host": the leading blocks cached on the device or in the host tier are kept in
+        the host tier instead (TierIndex.keep): the device evicts them as any idle block, its
+        write-back puts them in the host tier, and the host never evicts them while pinned."""
+        if tier == "host":
+            host = self.host
+            if host is None:
+                raise ValueError("a pin in the host tier needs a host tier (kv_host_bytes)")
+            n = 0
+            for h in hashes:
+                if h not in self.cached and h not in host:
+                    break
+                n += 1
+            host.keep(hashes[:n])
+            return n
         n = 0
         for h in hashes:
             block = self.cached.get(h)
@@ -529,9 +544,12 @@ class BlockManager:
             n += 1
         return n
 
-    def unpin(self, hashes: Sequence[bytes]) -> None:
+    def unpin(self, hashes: Sequence[bytes], tier: str = "device") -> None:
         """Drop one pin of each hash (as `pin` returned them), tail first: an unpinned chain is
         then evicted tail before head, as a freed request's is."""
+        if tier == "host":
+            self.host.unkeep(hashes)
+            return
         for h in reversed(hashes):
             count = self.pinned.pop(h)
             if count > 1:
@@ -546,6 +564,11 @@ class BlockManager:
     @property
     def num_pinned_blocks(self) -> int:
         return len(self.pinned)
+
+    @property
+    def num_host_pinned_blocks(self) -> int:
+        """Blocks documents keep in the host tier (`pin(..., tier="host")`)."""
+        return 0 if self.host is None else self.host.num_kept
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block; refused (False) while any block is in use or loading."""

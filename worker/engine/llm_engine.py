@@ -76,6 +76,7 @@ class _Pinned:
 
     hashes: list[bytes]
     expires_at: float
+    tier: str = "device"  # where they are held (Pin.tier)
 
 
 class LLMEngine:
@@ -249,9 +250,23 @@ class LLMEngine:
         bm = self.scheduler.bm
         if bm.hasher is None:
             raise ValueError("documents need the prefix cache (enable_prefix_caching)")
-        held = bm.num_pinned_blocks + sum(n for _, n in self._pin_on_finish.values()) + num_blocks
+        if pin.tier not in ("device", "host"):
+            raise ValueError(f"a pin's tier is device or host, got {pin.tier!r}")
+        pending = sum(n for p, n in self._pin_on_finish.values() if p.tier == pin.tier)
         old = self.pins.get(pin.document_id)
-        held -= len(old.hashes) if old is not None else 0
+        replaced = len(old.hashes) if old is not None and old.tier == pin.tier else 0
+        if pin.tier == "host":
+            if bm.host is None:
+                raise PinRefusedError("this group has no host tier (kv_host_bytes) to pin a document in")
+            held = bm.num_host_pinned_blocks + pending + num_blocks - replaced
+            cap = int(bm.host.num_slots * PINNED_SHARE)
+            if held > cap:
+                raise PinRefusedError(
+                    f"pinning {num_blocks} blocks in the host tier would hold {held} of its "
+                    f"{bm.host.num_slots}; documents may pin at most {cap} there (half the tier)"
+                )
+            return
+        held = bm.num_pinned_blocks + pending + num_blocks - replaced
         longest = -(-self.max_model_len // bm.block_size)  # (blocks of one whole context)
         cap = min(int(bm.num_blocks * PINNED_SHARE), bm.num_blocks - longest)
         if held > cap:
@@ -269,14 +284,14 @@ class LLMEngine:
         pin, num_blocks = entry
         self.unpin(pin.document_id)  # (a document pinned again: its new pin replaces the old)
         hashes = req.block_hashes[:num_blocks]
-        held = self.scheduler.bm.pin(hashes)
-        self.pins[pin.document_id] = _Pinned(hashes[:held], pin.expires_at)
+        held = self.scheduler.bm.pin(hashes, pin.tier)
+        self.pins[pin.document_id] = _Pinned(hashes[:held], pin.expires_at, pin.tier)
 
     def unpin(self, document_id: str) -> bool:
         """Release a document's blocks (evictable again, tail first); False if none is held."""
         pinned = self.pins.pop(document_id, None)
         if pinned is not None:
-            self.scheduler.bm.unpin(pinned.hashes)
+            self.scheduler.bm.unpin(pinned.hashes, pinned.tier)
         return pinned is not None
 
     def expire_pins(self, now: float | None = None) -> list[str]:
@@ -530,6 +545,7 @@ class LLMEngine:
             "kv_blocks_exported": self.blocks_exported,  # copied out for another group
             **self._tier_bytes(),
             "blocks_pinned": bm.num_pinned_blocks,
+            "blocks_pinned_host": bm.num_host_pinned_blocks,
             "pinned": {d: len(p.hashes) for d, p in self.pins.items()},  # document -> blocks
             # tenant -> tokens processed over its weight (worker/engine/fair_queue.py); empty
             # while one tenant sends

@@ -5,7 +5,9 @@ Pure Python, no torch, as the block manager it serves: it names slots; each rank
 the step is handed over (`unpin_all`), so that no later decision of the same step reuses it:
 every rank then makes the step's copies in one fixed order (worker/step.py `KVMoves`). A slot
 that a fetch from the disk fills off the step's path is held across steps (`hold`) until its
-read is done on every rank (`release`).
+read is done on every rank (`release`). A hash a document pins in the tier (`keep`) is never
+taken for room while kept, whether or not the tier holds it yet: the block manager writes a
+device block back as it is evicted, and from then on the tier keeps it.
 
 KV quotas (`quotas`, tenant -> slots): each block belongs to the tenant named when it was put
 (the tenant whose request computed it). The slot a put takes for room is then the least
@@ -33,6 +35,7 @@ class TierIndex:
         self._free = list(range(num_slots - 1, -1, -1))  # slot 0 handed out first
         self._pinned: set[int] = set()
         self._held: set[int] = set()  # slots a read in flight fills (see `hold`)
+        self._kept: dict[bytes, int] = {}  # hash -> the pins of documents keeping it (see `keep`)
         self.quotas = dict(quotas) if quotas else None  # tenant -> its quota in slots
         self._owner: dict[bytes, str] = {}  # hash -> its tenant (quotas only)
         self._of: dict[str, OrderedDict[bytes, None]] = {}  # tenant -> its hashes, LRU first
@@ -82,6 +85,25 @@ class TierIndex:
     def release(self, slot: int) -> None:
         self._held.discard(slot)
 
+    def keep(self, hashes) -> None:
+        """Pin `hashes` in the tier for a document: never evicted while kept (`unkeep`)."""
+        kept = self._kept
+        for h in hashes:
+            kept[h] = kept.get(h, 0) + 1
+
+    def unkeep(self, hashes) -> None:
+        """Drop one document pin of each of `hashes` (as `keep` took them)."""
+        kept = self._kept
+        for h in hashes:
+            count = kept.pop(h, 0)
+            if count > 1:
+                kept[h] = count - 1
+
+    @property
+    def num_kept(self) -> int:
+        """Hashes that documents keep in the tier (held by it or still to come)."""
+        return len(self._kept)
+
     @property
     def num_held(self) -> int:
         """Slots held by reads in flight."""
@@ -115,11 +137,12 @@ class TierIndex:
         return slot, evicted
 
     def _lru(self, hashes) -> tuple[bytes, int] | None:
-        """The first of `hashes` (LRU first) whose slot is neither pinned nor held."""
-        slots, pinned, held = self._slots, self._pinned, self._held
+        """The first of `hashes` (LRU first) whose slot is neither pinned nor held, and that no
+        document keeps."""
+        slots, pinned, held, kept = self._slots, self._pinned, self._held, self._kept
         for h in hashes:
             s = slots[h]
-            if s not in pinned and s not in held:
+            if s not in pinned and s not in held and h not in kept:
                 return h, s
         return None
 
