@@ -103,6 +103,7 @@ class Document:
     expires_at: float  # time.time()
     groups: tuple[str, ...] = ()  # the groups the caller named (empty: the router places it)
     tier: str = "device"
+    replicas: int = 1  # without named groups: the groups the router keeps it pinned on
     created_at: float = field(default_factory=time.time)
     prefills: int = 0  # prefills in flight
     settled_at: float = 0.0  # time.monotonic() when the last prefill ended
@@ -155,6 +156,7 @@ class SharedRegistry:
             "expires_at": doc.expires_at,
             "groups": list(doc.groups),
             "tier": doc.tier,
+            "replicas": doc.replicas,
             "created_at": doc.created_at,
         }
         keys = [self._owner_key(doc.owner), self._doc_key(doc.document_id)]
@@ -215,9 +217,18 @@ class Documents:
         ids = ids["input_ids"] if isinstance(ids, Mapping) else ids
         return check_token_ids(list(ids), router.model_info.vocab_size)[1]
 
-    def check(self, ids: CheckedIds, ttl_s: int, groups: Sequence[str], tier: str) -> None:
+    def check(self, ids: CheckedIds, ttl_s: int, groups: Sequence[str], tier: str, replicas: int = 1) -> None:
         """DocumentFieldError (a ValueError) naming the field of a document that cannot be
         pinned as asked."""
+        if replicas < 1:
+            raise DocumentFieldError("replicas", f"replicas must be at least 1, got {replicas}")
+        if replicas > 1 and groups:
+            raise DocumentFieldError("replicas", "give groups or replicas, not both: groups names where it is pinned")
+        able = [gid for gid in list(self.router.groups) if tier != "host" or self._has_host_tier(gid)]
+        if replicas > max(len(able), 1):
+            raise DocumentFieldError(
+                "replicas", f"replicas {replicas}: the cluster has {len(able)} group(s) that can pin it"
+            )
         bs, context = self.router.model_info.block_size, self.router.model_info.max_model_len
         if not 1 <= ttl_s <= MAX_TTL_S:
             raise DocumentFieldError("ttl_seconds", f"ttl_seconds must be in [1, {MAX_TTL_S}], got {ttl_s}")
@@ -251,6 +262,25 @@ class Documents:
         group = self.router.groups.get(group_id)
         return group is not None and group.status().tiers.get("kv_host_blocks_total", 0) > 0
 
+    def _placed(self, doc: Document, n: int, held, live: set[str] | None = None) -> list[str]:
+        """`n` groups to pin `doc` on, none of `held`: the one the placement policy picks, then
+        those with the most free blocks (each with a host tier, for a host pin)."""
+        statuses = {gid: g.status() for gid, g in list(self.router.groups.items())}
+        able = [
+            gid
+            for gid, s in statuses.items()
+            if gid not in held
+            and (live is None or gid in live)
+            and s.alive
+            and (doc.tier != "host" or s.tiers.get("kv_host_blocks_total", 0) > 0)
+        ]
+        if not able or n < 1:
+            return []
+        first = self.router.place(doc.hashes).group_id
+        chosen = [first] if first in able else []
+        rest = sorted((gid for gid in able if gid != first), key=lambda gid: (-statuses[gid].blocks_free, gid))
+        return chosen + rest[: n - len(chosen)]
+
     def check_quota(self, owner: str | None, tenant: str) -> None:
         """DocumentLimitError when the owner holds its tenant's limit of live documents."""
         limit = self.max_documents.get(tenant, DEFAULT_MAX_DOCUMENTS)
@@ -269,11 +299,12 @@ class Documents:
         ttl_s: int = DEFAULT_TTL_S,
         groups: Sequence[str] = (),
         tier: str = "device",
+        replicas: int = 1,
     ) -> Document:
         """Register a document and prefill it pinned on its groups; returns it once every
         target holds it. Errors: ValueError (a field), DocumentLimitError, and what a group
         answers (PinRefusedError: its pins are full; EngineDeadError; NoGroupAvailableError)."""
-        self.check(ids, ttl_s, groups, tier)
+        self.check(ids, ttl_s, groups, tier, replicas)
         self._forget_expired()
         self.check_quota(owner, tenant)
         hashes = self.router.hash_cache.hash_prompt(ids, cache_salt=owner)
@@ -287,6 +318,7 @@ class Documents:
             time.time() + ttl_s,
             tuple(groups),
             tier,
+            replicas,
         )
         if self.shared is not None:  # (counted and registered at once: no two replicas take one slot)
             held = self.shared.put(doc, self.max_documents.get(tenant, DEFAULT_MAX_DOCUMENTS))
@@ -295,9 +327,7 @@ class Documents:
         self.docs[doc.document_id] = doc
         self._start_reconciler()
         try:
-            targets = list(groups) or [self.router.place(doc.hashes).group_id]
-            if tier == "host" and not self._has_host_tier(targets[0]):  # placed where no host tier is
-                targets = [next(gid for gid in list(self.router.groups) if self._has_host_tier(gid))]
+            targets = list(groups) or self._placed(doc, replicas, held=())
             await asyncio.gather(*(self._prefill(doc, gid) for gid in targets))
         except BaseException:
             self._drop(doc)
@@ -365,6 +395,7 @@ class Documents:
             record["expires_at"],
             tuple(record["groups"]),
             record["tier"],
+            record.get("replicas", 1),
             record["created_at"],
             settled_at=time.monotonic(),  # (its pins are as fresh as its put: no re-pin at once)
         )
@@ -475,9 +506,8 @@ class Documents:
             if doc.groups:
                 missing = [gid for gid in doc.groups if gid in live and gid not in held]
             else:
-                missing = [] if held or not live else [self.router.place(doc.hashes).group_id]
-                if missing and doc.tier == "host" and not self._has_host_tier(missing[0]):
-                    missing = [gid for gid in sorted(live) if self._has_host_tier(gid)][:1]
+                short = doc.replicas - len(set(held) & live)
+                missing = self._placed(doc, short, held, live) if short > 0 and live else []
             for gid in missing:
                 log.info("document %s is not pinned on %s any more; pinning it again", doc.document_id, gid)
                 try:

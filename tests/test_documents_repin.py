@@ -84,6 +84,45 @@ def test_pins_are_renewed_on_a_replacement_group_and_moved_off_a_gone_one(fast_r
             g.shutdown()
 
 
+def test_a_document_with_replicas_is_kept_on_that_many_groups(fast_reconcile):
+    """replicas 2 over three groups: pinned on two (the placed one first); when one of them
+    leaves, the reconciler pins it on the third, so that two groups hold it again. Asking for
+    more replicas than groups, none, or replicas beside named groups names the field."""
+    index = InMemoryPrefixIndex()
+    config = engine_config("builtin", num_blocks=64, max_model_len=256, cluster_secret="replicas")
+    groups = [LocalGroup(config, index, group_id=f"g{i}") for i in range(3)]
+    info = ModelInfo("builtin", 256, 16, "auto", 1024)
+
+    async def run() -> None:
+        router = Router(groups, index, groups[0].hasher, info)
+        store = router.documents
+        ids = check_token_ids(DOC, 1024)[1]
+        for kw, field in [({"replicas": 4}, "replicas"), ({"replicas": 0}, "replicas")]:
+            with pytest.raises(documents.DocumentFieldError) as refused:
+                await store.put(ids, None, "", ttl_s=300, **kw)
+            assert refused.value.field == field
+        with pytest.raises(documents.DocumentFieldError, match="groups or replicas"):
+            await store.put(ids, None, "", ttl_s=300, groups=["g0"], replicas=2)
+        doc = await store.put(ids, None, "", ttl_s=300, replicas=2)
+        held = store.holders(doc)
+        assert len(held) == 2 and set(held.values()) == {4}
+        assert {x.group_id for x in await store.locate(doc) if x.blocks_pinned} == set(held)
+
+        gone = sorted(held)[0]
+        router.set_groups([g for g in groups if g.group_id != gone])
+        next(g for g in groups if g.group_id == gone).shutdown()
+        assert await until(lambda: len(store.holders(doc)) == 2)
+        assert set(store.holders(doc)) == {g.group_id for g in groups} - {gone}
+        store.delete(doc.document_id, None)
+        store.close()
+
+    try:
+        asyncio.run(run())
+    finally:
+        for g in groups:
+            g.shutdown()
+
+
 def test_a_ray_group_pins_reports_and_unpins_a_document(ray_runtime):
     from cluster.ray.group import RayGroup, RayGroupConfig
     from router.launch.local import router_side

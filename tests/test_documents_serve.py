@@ -161,6 +161,9 @@ def test_a_document_expires_with_its_ttl(served):
         ({"text": "too short"}, "text"),
         ({"text": DOC, "tier": "disk"}, "tier"),
         ({"text": DOC, "tier": "host"}, "tier"),  # (this server has no host tier)
+        ({"text": DOC, "replicas": 0}, "replicas"),
+        ({"text": DOC, "replicas": 2}, "replicas"),  # (one group)
+        ({"text": DOC, "replicas": "2"}, "replicas"),
         ({"text": DOC, "groups": ["no-such-group"]}, "groups[0]"),
         ({"text": DOC, "ttl": 60}, "ttl"),
         ({"token_ids": [1, -2, 3]}, "token_ids"),
@@ -183,6 +186,7 @@ def test_grpc_bad_inputs_are_invalid_argument_naming_the_field(served):
             (pb.PutDocumentRequest(text=DOC, token_ids=[1, 2]), "exactly one"),
             (pb.PutDocumentRequest(text=DOC, tier="host"), "tier"),
             (pb.PutDocumentRequest(text=DOC, groups=["nope"]), "groups[0]"),
+            (pb.PutDocumentRequest(text=DOC, replicas=3), "replicas"),
             (pb.PutDocumentRequest(token_ids=[10**6] * 40), "token"),
         ]:
             with pytest.raises(grpc.RpcError) as refused:

@@ -63,6 +63,7 @@ class DocumentBody(BaseModel):
     ttl_seconds: Annotated[int, INT64] = DEFAULT_TTL_S
     groups: list[Text] = Field(default_factory=list)
     tier: Text = "device"
+    replicas: Annotated[int, INT64] = 1
     cache_salt: Text | None = None
 
 
@@ -79,6 +80,7 @@ async def put(
     ttl_s: int,
     groups: list[str],
     tier: str,
+    replicas: int = 1,
 ) -> Document:
     """Register and pin a document (errors as `Reject`s naming the field)."""
     given = [text is not None, token_ids is not None and len(token_ids) > 0, bool(messages)]
@@ -93,7 +95,7 @@ async def put(
                 raise invalid(f"token_ids: {e}".replace("prompt token id", "token id"), "token_ids") from None
         else:
             ids = await asyncio.to_thread(store.document_ids, text, messages)
-        return await store.put(ids, owner, tenant, ttl_s, groups, tier)
+        return await store.put(ids, owner, tenant, ttl_s, groups, tier, replicas)
     except Exception as e:
         raise rejected(e) from None
 
@@ -131,6 +133,7 @@ def described(router: Router, doc: Document, locations: list[Location]) -> dict:
         "expires_at": doc.expires_at,
         "tier": doc.tier,
         "groups": list(doc.groups),
+        "replicas": doc.replicas,
         "locations": [
             {"group_id": x.group_id, "tier": x.tier, "blocks_pinned": x.blocks_pinned, "blocks_cached": x.blocks_cached}
             for x in locations
@@ -154,7 +157,16 @@ def add_document_routes(app: FastAPI, door: HttpDoor) -> None:
         if body.messages is not None:
             messages = chat_messages(body.messages, router.model_info.max_model_len)
         doc = await put(
-            router, body.text, body.token_ids, messages, owner, tenant or "", body.ttl_seconds, body.groups, body.tier
+            router,
+            body.text,
+            body.token_ids,
+            messages,
+            owner,
+            tenant or "",
+            body.ttl_seconds,
+            body.groups,
+            body.tier,
+            body.replicas,
         )
         return JSONResponse(described(router, doc, await router.documents.locate(doc)))
 
@@ -210,6 +222,7 @@ async def grpc_put(servicer: PageFleetServicer, request, context) -> pb.Document
             ttl,
             list(request.groups),
             request.tier or "device",
+            request.replicas or 1,
         )
     except Reject as r:
         await servicer._abort(context, r.code, r.message)
@@ -241,6 +254,7 @@ def document_message(router: Router, doc: Document, locations: list[Location]) -
         expires_at=doc.expires_at,
         tier=doc.tier,
         groups=list(doc.groups),
+        replicas=doc.replicas,
         locations=[
             pb.DocumentLocation(
                 group_id=x.group_id, tier=x.tier, blocks_pinned=x.blocks_pinned, blocks_cached=x.blocks_cached

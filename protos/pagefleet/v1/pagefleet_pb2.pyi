@@ -307,7 +307,7 @@ class ClusterStatus(_message.Message):
     def __init__(self, groups: _Optional[_Iterable[_Union[GroupStatus, _Mapping]]] = ...) -> None: ...
 
 class PutDocumentRequest(_message.Message):
-    __slots__ = ("text", "token_ids", "messages", "ttl_seconds", "groups", "tier", "cache_salt", "tenant")
+    __slots__ = ("text", "token_ids", "messages", "ttl_seconds", "groups", "tier", "cache_salt", "tenant", "replicas")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
@@ -316,6 +316,7 @@ class PutDocumentRequest(_message.Message):
     TIER_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
@@ -324,7 +325,8 @@ class PutDocumentRequest(_message.Message):
     tier: str
     cache_salt: str
     tenant: str
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., ttl_seconds: _Optional[int] = ..., groups: _Optional[_Iterable[str]] = ..., tier: _Optional[str] = ..., cache_salt: _Optional[str] = ..., tenant: _Optional[str] = ...) -> None: ...
+    replicas: int
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., ttl_seconds: _Optional[int] = ..., groups: _Optional[_Iterable[str]] = ..., tier: _Optional[str] = ..., cache_salt: _Optional[str] = ..., tenant: _Optional[str] = ..., replicas: _Optional[int] = ...) -> None: ...
 
 class GetDocumentRequest(_message.Message):
     __slots__ = ("document_id", "cache_salt", "tenant")
@@ -367,7 +369,7 @@ class DocumentLocation(_message.Message):
     def __init__(self, group_id: _Optional[str] = ..., tier: _Optional[str] = ..., blocks_pinned: _Optional[int] = ..., blocks_cached: _Optional[int] = ...) -> None: ...
 
 class Document(_message.Message):
-    __slots__ = ("document_id", "state", "tokens", "blocks", "ttl_seconds", "created_at", "expires_at", "tier", "groups", "locations")
+    __slots__ = ("document_id", "state", "tokens", "blocks", "ttl_seconds", "created_at", "expires_at", "tier", "groups", "locations", "replicas")
     DOCUMENT_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -378,6 +380,7 @@ class Document(_message.Message):
     TIER_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FIELD_NUMBER: _ClassVar[int]
     LOCATIONS_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
     document_id: str
     state: DocumentState
     tokens: int
@@ -388,4 +391,5 @@ class Document(_message.Message):
     tier: str
     groups: _containers.RepeatedScalarFieldContainer[str]
     locations: _containers.RepeatedCompositeFieldContainer[DocumentLocation]
-    def __init__(self, document_id: _Optional[str] = ..., state: _Optional[_Union[DocumentState, str]] = ..., tokens: _Optional[int] = ..., blocks: _Optional[int] = ..., ttl_seconds: _Optional[int] = ..., created_at: _Optional[float] = ..., expires_at: _Optional[float] = ..., tier: _Optional[str] = ..., groups: _Optional[_Iterable[str]] = ..., locations: _Optional[_Iterable[_Union[DocumentLocation, _Mapping]]] = ...) -> None: ...
+    replicas: int
+    def __init__(self, document_id: _Optional[str] = ..., state: _Optional[_Union[DocumentState, str]] = ..., tokens: _Optional[int] = ..., blocks: _Optional[int] = ..., ttl_seconds: _Optional[int] = ..., created_at: _Optional[float] = ..., expires_at: _Optional[float] = ..., tier: _Optional[str] = ..., groups: _Optional[_Iterable[str]] = ..., locations: _Optional[_Iterable[_Union[DocumentLocation, _Mapping]]] = ..., replicas: _Optional[int] = ...) -> None: ...
