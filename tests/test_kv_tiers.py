@@ -328,6 +328,30 @@ def test_a_document_evicted_from_the_host_is_restored_from_the_disk(model_dir, t
     tier.engine.executor.shutdown()
 
 
+def test_a_bfloat16_cache_restored_from_the_host_and_the_disk_gives_the_device_runs_tokens(model_dir, tmp_path):
+    """In bfloat16 (the default dtype off float32 checkpoints' tests): the restored blocks are
+    the very KV the device computed, so greedy outputs equal a pool that holds everything."""
+    prompts = visits(documents(4, seed=17))
+    b = block_bytes(model_dir) // 2  # (block_bytes is float32's)
+    bf16 = {**SMALL, "dtype": "bfloat16"}
+    tier = LLM(
+        str(model_dir),
+        kv_host_bytes=12 * b,
+        kv_disk_bytes=200 * b,
+        kv_disk_dir=str(tmp_path),
+        cluster_secret=SECRET,
+        **bf16,
+    )
+    restored = one_by_one(tier, prompts)
+    device = one_by_one(LLM(str(model_dir), **{**bf16, "num_blocks": 200}), prompts)
+    assert tokens(restored) == tokens(device)
+    tiers = restored[-1].cached_tiers
+    assert tiers.host + tiers.disk == 80 and tiers.disk > 0  # through both tiers
+    stats = tier.engine.stats()
+    assert stats["kv_disk_failures"] == 0 and stats["blocks_free"] == stats["blocks_total"]
+    tier.engine.executor.shutdown()
+
+
 @pytest.mark.parametrize("damage", ["bit flip", "truncated", "missing"])
 def test_a_damaged_block_file_is_a_miss_never_wrong_kv(model_dir, tmp_path, damage):
     prompts = visits(documents(4, seed=11))
