@@ -203,6 +203,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the weights' and activations' dtype, for every system; auto: "
         "pagefleet's default for the model and device",
     )
+    p.add_argument(
+        "--weight-dtype",
+        default="auto",
+        help="pagefleet's weights (float, int8, int4; auto: int4/int8 for a quantized GGUF, else float); "
+        "transformers reads the file dequantized",
+    )
     p.add_argument("--quick", action="store_true", help="tiny trace: a smoke run")
     p.add_argument("--profile", action="store_true", help="pagefleet only, under cProfile")
     kv = p.add_argument_group("8-bit KV caches (benchmarks/kv_cache.py)")

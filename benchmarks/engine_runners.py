@@ -100,6 +100,7 @@ def run_pagefleet(model_dir: str, reqs: list[BenchRequest], args, vocab: int) ->
         max_model_len=args.kv_tokens,  # at most the pool (the engine caps it at the model's)
         device=args.device,
         dtype=args.dtype,
+        weight_dtype=getattr(args, "weight_dtype", "auto"),
     )
     with PeakRss() as mem:
         llm = LLM(model_dir, **options)

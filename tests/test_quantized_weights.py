@@ -65,6 +65,48 @@ def test_kernels_multiply_by_the_weight_they_hold():
     torch.testing.assert_close(int8.rows(rows), int8.dequantize()[rows])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", [Int8Weight, Int4Weight])
+def test_a_matmul_of_many_rows_runs_a_dense_gemm_over_the_weight_dequantized(kind, dtype, monkeypatch):
+    """From DENSE_ROWS rows (a prefill step) the weight is dequantized for the call and a dense
+    GEMM runs, not the quantized kernel; its output is the same product (within the dtype's
+    rounding of the weight); fewer rows (decodes) go through the kernel."""
+    from worker.model.layers import quant as quant_module
+
+    torch.manual_seed(1)
+    w = torch.randn(192, 128) * 0.05
+    quant = kind(dtype)
+    quant.quantize(w)
+    held = quant.dequantize()
+    many = torch.randn(quant_module.DENSE_ROWS, 128, dtype=dtype)
+    few = many[:7]
+    kernel = quant.kernel
+    calls = []
+    monkeypatch.setattr(quant, "kernel", lambda x: calls.append(x.shape[0]) or kernel(x))
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
+    with torch.inference_mode():
+        torch.testing.assert_close(quant.matmul(many).float(), many.float() @ held.T, **tol)
+        assert calls == []  # the dense GEMM
+        torch.testing.assert_close(quant.matmul(few).float(), few.float() @ held.T, **tol)
+        assert calls == [7]  # the kernel
+    dense = quant.dense(dtype).float()
+    assert (dense - held).abs().max() <= (1e-6 if dtype == torch.float32 else held.abs().max() / 128)
+
+
+def test_int4_codes_unpack_from_the_kernels_packing():
+    """`unpack_int4` reads this torch's packing back to the codes it was given; a shape whose
+    packing it does not know (rows not a multiple of 64) keeps the kernel."""
+    from worker.model.layers.quant import _int4_layout_is_tiled, unpack_int4
+
+    codes = torch.randint(0, 16, (320, 96), dtype=torch.int32)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+    assert torch.equal(unpack_int4(packed).to(torch.int32), codes)
+    assert _int4_layout_is_tiled(320, 96) and not _int4_layout_is_tiled(48, 96)
+    small = Int4Weight(torch.float32)
+    small.quantize(torch.randn(48, 96))
+    assert small.dense(torch.float32) is None
+
+
 @pytest.mark.parametrize("qtype", ["Q4_1"])
 def test_int4_holds_a_q4_files_own_codes_and_scales(files, qtype):
     """Loaded from a 4-bit file, every int4 layer holds exactly the file's weights."""

@@ -15,6 +15,13 @@ registers (nothing is dequantized to 16 bits in memory):
   needs the output features a multiple of 16 and the input features of 32; a layer (or a
   tensor-parallel shard) that is not falls back to int8.
 
+Those kernels unpack the weight again for every block of rows, so their time grows with the
+rows as a dense GEMM's does not: at 2,048 rows (a prefill step) the int4 kernel takes 2.5x a
+bf16 GEMM over the same shape. A matmul of at least DENSE_ROWS rows on CPU therefore
+dequantizes the weight, once for the call, into a per-thread scratch buffer in the activations'
+dtype and runs a dense GEMM over it (`QuantizedWeight.dense`). A prefill step costs one more
+pass over the weights, and the weights stay small between steps.
+
 Q8_0 blocks carry one scale per 32 weights, but the int8 kernel takes one per row, so an int8
 layer re-quantizes them per row (benchmarks/RESULTS.md reports what that costs in perplexity).
 
@@ -26,13 +33,32 @@ has arrived (`shard_loaded`), so at most one layer is held in float32 at a time.
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
+from functools import cache
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 INT4_GROUP = 32  # input features per int4 scale and zero: one GGUF block
 _INT4_OUT_MULTIPLE = 16  # the int4 kernel's packing of output rows
+# Rows from which a CPU matmul dequantizes the weight for the call and runs a dense GEMM: the
+# int4 kernel at 256 rows took 2.7x a bf16 GEMM of the same shape, plus 0.4x for the weight's
+# dequantization (576 x 3072, 2 threads; benchmarks/RESULTS.md).
+DENSE_ROWS = 256
+_scratch = threading.local()  # a rank's thread reuses its buffer; two ranks in threads do not share
+
+
+def _scratch_buffer(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """This thread's grow-only scratch of `dtype`, `numel` long: the dequantized weight of one
+    matmul (a fresh tensor of megabytes per call costs page faults on CPU)."""
+    bufs = _scratch.__dict__.setdefault("bufs", {})
+    buf = bufs.get(dtype)
+    if buf is None or buf.numel() < numel:
+        with torch.inference_mode(False):  # (a normal tensor: written in and out of inference mode)
+            buf = bufs[dtype] = torch.empty(numel, dtype=dtype)
+    return buf[:numel]
 
 
 class QuantizedWeight(nn.Module, ABC):
@@ -46,9 +72,23 @@ class QuantizedWeight(nn.Module, ABC):
     def quantize(self, w: torch.Tensor) -> None:
         """Take w (out, in), float32, and keep its quantized form."""
 
-    @abstractmethod
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x (T, in) -> (T, out) in x's dtype."""
+        """x (T, in) -> (T, out) in x's dtype: the quantized kernel, or from DENSE_ROWS rows on
+        CPU a dense GEMM over the weight dequantized for the call."""
+        if x.shape[0] >= DENSE_ROWS and x.device.type == "cpu":
+            w = self.dense(x.dtype)
+            if w is not None:
+                return F.linear(x, w)
+        return self.kernel(x)
+
+    @abstractmethod
+    def kernel(self, x: torch.Tensor) -> torch.Tensor:
+        """x (T, in) -> (T, out) in x's dtype, through the quantized kernel."""
+
+    def dense(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """The weight (out, in) in `dtype`, in this thread's scratch buffer (valid until the
+        next call), or None where it cannot be unpacked here (the kernel is used instead)."""
+        return None
 
     @abstractmethod
     def dequantize(self) -> torch.Tensor:
@@ -64,8 +104,12 @@ class Int8Weight(QuantizedWeight):
         self.register_buffer("qweight", q)
         self.register_buffer("scales", scales.to(self.dtype))
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+    def kernel(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
+
+    def dense(self, dtype: torch.dtype) -> torch.Tensor:
+        out = _scratch_buffer(self.qweight.numel(), dtype).view(self.qweight.shape)
+        return torch.mul(self.qweight, self.scales[:, None], out=out)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` (T,) of the weight, (T, in) in the model's dtype: an embedding lookup."""
@@ -99,13 +143,49 @@ class Int4Weight(QuantizedWeight):
         sz = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()  # (groups, out, 2)
         self.register_buffer("scales_and_zeros", sz.to(self.dtype))
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+    def kernel(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.qweight, INT4_GROUP, self.scales_and_zeros)
+
+    def dense(self, dtype: torch.dtype) -> torch.Tensor | None:
+        out, k = self.qweight.shape[0], self.qweight.shape[1] * 2
+        if self.qweight.device.type != "cpu" or not _int4_layout_is_tiled(out, k):
+            return None
+        groups = k // INT4_GROUP
+        codes = unpack_int4(self.qweight).view(out, groups, INT4_GROUP)
+        sz = self.scales_and_zeros.transpose(0, 1)  # (out, groups, 2)
+        w = _scratch_buffer(out * k, dtype).view(out, groups, INT4_GROUP)
+        w.copy_(codes).sub_(8)  # (exact in any float dtype: integers in -8..7)
+        w.mul_(sz[..., :1]).add_(sz[..., 1:])  # (q - 8) * scale + zero, in the scales' dtype
+        return w.view(out, k)
 
     def dequantize(self) -> torch.Tensor:
         k = self.scales_and_zeros.shape[0] * INT4_GROUP
         eye = torch.eye(k, dtype=self.dtype)  # x = I gives W^T, (in, out)
-        return self.matmul(eye).float().T.contiguous()
+        return self.kernel(eye).float().T.contiguous()
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """The (out, in) uint8 codes of `_convert_weight_to_int4pack_for_cpu`'s (out, in / 2) packing:
+    per tile of 64 output rows, byte (i, j) of the tile's (in, 32) block holds row j's code for
+    input i in its low nibble and row j + 32's in its high one (`_int4_layout_is_tiled` checks
+    that this torch packs so)."""
+    out, k = packed.shape[0], packed.shape[1] * 2
+    tiles = packed.view(out // 64, k, 32)
+    codes = torch.empty(out // 64, 64, k, dtype=torch.uint8, device=packed.device)
+    codes[:, :32].copy_(torch.bitwise_and(tiles, 15).transpose(1, 2))
+    codes[:, 32:].copy_(torch.bitwise_right_shift(tiles, 4).transpose(1, 2))
+    return codes.view(out, k)
+
+
+@cache
+def _int4_layout_is_tiled(out: int, k: int) -> bool:
+    """Whether this torch packs an (out, k) int4 weight as `unpack_int4` reads it: checked once
+    per shape on random codes, since the packing is the kernel's own and may change."""
+    if out % 64:
+        return False
+    codes = torch.randint(0, 16, (out, k), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+    return packed.shape == (out, k // 2) and torch.equal(unpack_int4(packed).to(torch.int32), codes)
 
 
 def make_quantized(weight_dtype: str, out_features: int, in_features: int, dtype: torch.dtype) -> QuantizedWeight:
