@@ -40,6 +40,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from cluster.group import GroupStatus
 from cluster.index import PrefixIndexError
 from worker.chat import check_messages
 from worker.protocol import GenerationRequest, Pin
@@ -224,7 +225,7 @@ class Documents:
             raise DocumentFieldError("replicas", f"replicas must be at least 1, got {replicas}")
         if replicas > 1 and groups:
             raise DocumentFieldError("replicas", "give groups or replicas, not both: groups names where it is pinned")
-        able = [gid for gid in list(self.router.groups) if tier != "host" or self._has_host_tier(gid)]
+        able = [gid for gid, g in list(self.router.groups.items()) if tier != "host" or _has_host_tier(g.status())]
         if replicas > max(len(able), 1):
             raise DocumentFieldError(
                 "replicas", f"replicas {replicas}: the cluster has {len(able)} group(s) that can pin it"
@@ -250,17 +251,13 @@ class Documents:
                     f"groups[{i}]", f"groups[{i}]: no group {gid[:128]!r} (GetClusterStatus lists them)"
                 )
         if tier == "host":
-            lacking = [gid for gid in groups if not self._has_host_tier(gid)]
+            lacking = [gid for gid in groups if gid not in able]
             if lacking:
                 raise DocumentFieldError(
                     "tier", f"tier 'host': group {lacking[0]!r} has no host tier (--kv-host-bytes)"
                 )
-            if not groups and not any(self._has_host_tier(gid) for gid in list(self.router.groups)):
+            if not able:
                 raise DocumentFieldError("tier", "tier 'host': no group has a host tier (--kv-host-bytes)")
-
-    def _has_host_tier(self, group_id: str) -> bool:
-        group = self.router.groups.get(group_id)
-        return group is not None and group.status().tiers.get("kv_host_blocks_total", 0) > 0
 
     def _placed(self, doc: Document, n: int, held, live: set[str] | None = None) -> list[str]:
         """`n` groups to pin `doc` on, none of `held`: the one the placement policy picks, then
@@ -272,7 +269,7 @@ class Documents:
             if gid not in held
             and (live is None or gid in live)
             and s.alive
-            and (doc.tier != "host" or s.tiers.get("kv_host_blocks_total", 0) > 0)
+            and (doc.tier != "host" or _has_host_tier(s))
         ]
         if not able or n < 1:
             return []
@@ -523,6 +520,11 @@ class Documents:
     def close(self) -> None:
         if self._reconciler is not None:
             self._reconciler.cancel()
+
+
+def _has_host_tier(status: GroupStatus) -> bool:
+    """Whether a group has a host tier to pin a document in (its engine's kv_host_blocks_total)."""
+    return status.tiers.get("kv_host_blocks_total", 0) > 0
 
 
 def _limit_error(tenant: str, held: int) -> DocumentLimitError:

@@ -18,6 +18,16 @@ def admit(bm, req):
     return match
 
 
+def run_to_end(engine, prompt, params, **kw):
+    """Step `engine` until it is idle; the final output of the request made of `prompt`."""
+    rid = engine.add_request(prompt, params, **kw)
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.request_id == rid and out.finished:
+                last = out
+    return last
+
+
 def check_accounting(bm):
     """Every block's ref count is its requests' references plus its pins; the free queue holds
     exactly the unreferenced blocks."""
@@ -118,12 +128,7 @@ def test_the_engine_pins_a_prefilled_document_until_its_deadline():
     doc = [(7 * i + 3) % 200 + 10 for i in range(32)]  # 8 full blocks
 
     def run(prompt, **kw):
-        rid = engine.add_request(prompt, greedy, **kw)
-        while engine.has_unfinished():
-            for out in engine.step():
-                if out.request_id == rid and out.finished:
-                    last = out
-        return last
+        return run_to_end(engine, prompt, greedy, **kw)
 
     run(doc, pin=Pin("doc-a", time.time() + 60))
     assert engine.stats()["pinned"] == {"doc-a": 8} and engine.stats()["blocks_pinned"] == 8
@@ -213,12 +218,7 @@ def test_the_engine_pins_a_document_in_its_host_tier_until_its_deadline():
     control = [(11 * i + 5) % 200 + 10 for i in range(32)]
 
     def run(e, prompt, **kw):
-        rid = e.add_request(prompt, greedy, **kw)
-        while e.has_unfinished():
-            for out in e.step():
-                if out.request_id == rid and out.finished:
-                    last = out
-        return last
+        return run_to_end(e, prompt, greedy, **kw)
 
     run(engine, doc, pin=Pin("doc-a", time.time() + 60, "host"))
     stats = engine.stats()

@@ -16,8 +16,8 @@ registers (nothing is dequantized to 16 bits in memory):
   tensor-parallel shard) that is not falls back to int8.
 
 Those kernels unpack the weight again for every block of rows, so their time grows with the
-rows as a dense GEMM's does not: at 2,048 rows (a prefill step) the int4 kernel takes 2.5x a
-bf16 GEMM over the same shape. A matmul of at least DENSE_ROWS rows on CPU therefore
+rows as a dense GEMM's does not (benchmarks/RESULTS.md, "Prefill steps on quantized weights").
+A matmul of at least DENSE_ROWS rows on CPU therefore
 dequantizes the weight, once for the call, into a per-thread scratch buffer in the activations'
 dtype and runs a dense GEMM over it (`QuantizedWeight.dense`). A prefill step costs one more
 pass over the weights, and the weights stay small between steps.
@@ -43,9 +43,8 @@ from torch import nn
 
 INT4_GROUP = 32  # input features per int4 scale and zero: one GGUF block
 _INT4_OUT_MULTIPLE = 16  # the int4 kernel's packing of output rows
-# Rows from which a CPU matmul dequantizes the weight for the call and runs a dense GEMM: the
-# int4 kernel at 256 rows took 2.7x a bf16 GEMM of the same shape, plus 0.4x for the weight's
-# dequantization (576 x 3072, 2 threads; benchmarks/RESULTS.md).
+# Rows from which a CPU matmul dequantizes the weight for the call and runs a dense GEMM: from
+# about here the dequantization and the GEMM together beat the kernel (benchmarks/RESULTS.md).
 DENSE_ROWS = 256
 _scratch = threading.local()  # a rank's thread reuses its buffer; two ranks in threads do not share
 
