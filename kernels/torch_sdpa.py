@@ -41,6 +41,20 @@ class Workspace:
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
 
+    def spread(self, q: torch.Tensor, kvh: int, scale: float) -> torch.Tensor:
+        """`_spread_heads` of one decode's (h, d) query, (h, kvh * d), in a kept buffer whose
+        off-diagonal blocks stay zero: only the diagonal is written, one op instead of a
+        block_diag. Valid until the next call."""
+        heads, d = q.shape
+        key = f"spread-{heads}-{kvh}-{d}"
+        buf = self._buffers.get(key)
+        if buf is None or buf.dtype != q.dtype or buf.device != q.device:
+            buf = self._buffers[key] = q.new_zeros(heads, kvh * d)
+        g = heads // kvh
+        diagonal = buf.view(kvh, g, kvh, d).diagonal(dim1=0, dim2=2)  # (g, d, kvh): head i's own KV head
+        torch.mul(q.view(kvh, g, d).permute(1, 2, 0), scale, out=diagonal)
+        return buf
+
     def take(self, name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
         """A scratch tensor of `shape` with `like`'s dtype and device; its contents are
         whatever the last user left, and it is valid until the next `take` of `name`."""
@@ -174,16 +188,19 @@ def _decode_one(q, pool: _Pool, table, seq_len: int, scale: float) -> torch.Tens
 
     The blocks are gathered in the pool's layout and cut at the sequence's end, so no slot
     past it is read and nothing needs a mask. The scores are one matmul of the query heads,
-    spread block-diagonally over their KV heads' columns (`_spread_heads`, here one
-    `block_diag`), against the gathered (L, kvh * d) keys, which BLAS reads transposed in
-    place; the values one batched matmul per KV head over its group's probabilities. Same
-    roundings as the bucketed path: the scaled query and the scores in the query's dtype,
-    the softmax in float32, the probabilities back in the query's dtype."""
+    spread block-diagonally over their KV heads' columns (`_spread_heads`, here the
+    workspace's kept buffer), against the gathered (L, kvh * d) keys, which BLAS reads
+    transposed in place; the values one batched matmul per KV head over its group's
+    probabilities. Same roundings as the bucketed path: the scaled query and the scores in
+    the query's dtype, the softmax in float32, the probabilities back in the query's dtype."""
     _, block_size, kvh, d = pool.key.shape
     heads = q.shape[0]
     g = heads // kvh
     k, v = (t.view(-1, kvh * d)[:seq_len] for t in pool.gather(table[: -(-seq_len // block_size)], q.dtype))
-    spread = torch.block_diag(*(q.view(kvh, g, d) * scale).unbind(0))  # (h, kvh * d)
+    if pool.workspace is not None:
+        spread = pool.workspace.spread(q, kvh, scale)  # (h, kvh * d)
+    else:
+        spread = torch.block_diag(*(q.view(kvh, g, d) * scale).unbind(0))
     probs = torch.softmax(torch.mm(spread, k.t()), dim=-1, dtype=torch.float32).to(q.dtype)  # (h, L)
     o = torch.bmm(probs.view(kvh, g, seq_len), v.view(seq_len, kvh, d).transpose(0, 1))  # (kvh, g, d)
     return o.view(heads, d)

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kernels.registry import TorchBackend
 from kernels.torch_ref import paged_attention_torch
 from kernels.torch_sdpa import paged_attention_sdpa
 
@@ -153,3 +154,15 @@ def test_few_decodes_one_by_one_equal_the_bucketed_path(dtype, monkeypatch):
     one_by_one = paged_attention_sdpa(*batch, scale=0.125)
     monkeypatch.setattr(mod, "_PER_SEQUENCE_DECODES", 0)
     torch.testing.assert_close(one_by_one, paged_attention_sdpa(*batch, scale=0.125), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_a_single_decode_reuses_its_spread_query_buffer_call_after_call(dtype):
+    """A single decode writes its scaled query into the workspace's kept spread buffer (zeros
+    off its KV heads' blocks): call after call on one backend, with other shapes between, each
+    answer is what a fresh call without a workspace gives, bit for bit."""
+    backend = TorchBackend()
+    for seed, (heads, kv_heads, seq_len) in enumerate([(9, 3, 40), (9, 3, 17), (4, 1, 33), (9, 3, 300)]):
+        batch = make_batch([1], [seq_len], heads, kv_heads, dtype=dtype, seed=seed)
+        want = paged_attention_sdpa(*batch, scale=0.125)  # no workspace: a block_diag spread
+        assert torch.equal(backend.attention(*batch, scale=0.125), want)
