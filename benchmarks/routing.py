@@ -4,7 +4,7 @@
     python -m benchmarks.routing --trace T.jsonl --groups 4 --capacity 1.25 --rates 25,100 --plot s.svg
     python -m benchmarks.routing --trace T.jsonl --groups 2 --policy all --mode real
     python -m benchmarks.routing --latency 4,16,64
-    python -m benchmarks.routing --calibrate --cost-out cost.json
+    python -m benchmarks.routing --calibrate --cost-out cost.json   # [--no-ray]
 
 Every policy replays the same trace against fresh groups and prints one JSON line; `all` runs the
 router's policies and the references of benchmarks/oracles.py: `oracle_balanced`, the
@@ -383,10 +383,11 @@ def run_real(args, policy_name: str, server: RedisServer, cost: CostModel) -> di
 
 
 # ---- calibration --------------------------------------------------------------------------
-def calibrate(block_size: int = 16) -> CostModel:
+def calibrate(block_size: int = 16, across_nodes: bool = True) -> CostModel:
     """Fit the cost model to steps of the real engine (built-in model, this CPU), time a
-    restore from its host tier (`load_block_s`) and a pull between two groups (`pull_link`:
-    the link within a node; the across-nodes link keeps its stated default unless given)."""
+    restore from its host tier (`load_block_s`) and pulls between two groups (`pull_link`):
+    within a node (two groups in one process) and, unless `across_nodes` is False (then the
+    stated default stays), across two Ray nodes on loopback."""
     from pagefleet.llm import engine_config
     from worker.engine.llm_engine import LLMEngine
 
@@ -411,24 +412,34 @@ def calibrate(block_size: int = 16) -> CostModel:
             engine.step()
             samples.append((prefill, decodes, time.perf_counter() - t0))
             engine.abort([r.request_id for r in list(engine.scheduler.requests.values())])
+    engine.shutdown()
     latency, bandwidth, block_bytes = pull_link(block_size)
-    return replace(
+    cost = replace(
         CostModel.fit(samples),
         load_block_s=load_block_seconds(block_size),
         pull_latency_s=latency,
         pull_bandwidth=bandwidth,
         block_bytes=block_bytes,
     )
+    if across_nodes:
+        latency, bandwidth, _ = pull_link(block_size, transport="ray")
+        cost = replace(cost, remote_pull_latency_s=latency, remote_pull_bandwidth=bandwidth)
+    return cost
 
 
-def pull_link(block_size: int = 16, sizes: tuple[int, ...] = (4, 16, 64), repeats: int = 3) -> tuple[float, float, int]:
-    """(latency s, bandwidth bytes/s, bytes a block) of a pull between two groups over the
-    transport the groups of one node use (two LocalGroups: the holder's engine exports the
-    blocks between its steps, the puller's imports them into its host tier), fitted to timed
-    pulls of several sizes (`CostModel.fit_link`)."""
+def pull_link(
+    block_size: int = 16, sizes: tuple[int, ...] = (4, 16, 64), repeats: int = 3, transport: str = "in_process"
+) -> tuple[float, float, int]:
+    """(latency s, bandwidth bytes/s, bytes a block) of a pull between two groups, fitted to
+    timed pulls of several sizes (`link_samples`, `CostModel.fit_link`), over `transport`
+    (benchmarks/kv_pull.py's `Groups`): `in_process`, two LocalGroups, the link within a node
+    (the holder's engine exports the blocks between its steps, the puller's imports them into
+    its host tier); `ray`, a two-node Ray cluster on loopback with one group per node, each
+    rank's shard crossing the object store from one node's store to the other's, the link
+    across nodes (less the network a real cluster adds)."""
+    from benchmarks.kv_pull import Groups
     from pagefleet.llm import engine_config
     from router.launch.local import router_side
-    from worker.protocol import GenerationRequest
 
     most = max(sizes)
     config = engine_config(
@@ -440,34 +451,48 @@ def pull_link(block_size: int = 16, sizes: tuple[int, ...] = (4, 16, 64), repeat
         cluster_secret="routing-calibration",
     )
     hasher = router_side(config, "builtin")[0]
-    g0, g1 = LocalGroup(config, group_id="c0"), LocalGroup(config, group_id="c1")
-    rng, samples, block_bytes = random.Random(1), [], 0
+    groups = Groups(transport, config)
     try:
-
-        async def one(blocks: int, tag: str) -> float:
-            ids = [rng.randrange(3, 1000) for _ in range(blocks * block_size + 1)]
-            hashes = hasher.hash_prompt(ids)
-            params = SamplingParams(max_tokens=1, temperature=0.0)
-            request = GenerationRequest(ids, params, request_id=tag, block_hashes=hashes)
-            [_ async for _ in g0.generate(request)]
-            t0 = time.perf_counter()
-            got = await g1.pull_from(g0, hashes[:blocks], timeout_s=30.0)
-            if got != blocks:
-                raise RuntimeError(f"calibration pull brought {got} of {blocks} blocks")
-            return time.perf_counter() - t0
-
-        stats = g0.engine.stats()
+        stats = groups.stats(groups.g0)
         block_bytes = int(stats["block_size"] * stats["kv_bytes_per_token"])
-        for r in range(repeats + 1):  # the first round warms up
-            for blocks in sizes:
-                seconds = asyncio.run(one(blocks, f"pull-{r}-{blocks}"))
-                if r:
-                    samples.append((blocks * block_bytes, seconds))
+        samples = link_samples(groups.g0, groups.g1, hasher, block_bytes, sizes, repeats)
     finally:
-        g0.shutdown()
-        g1.shutdown()
+        groups.close()
     latency, bandwidth = CostModel.fit_link(samples)
     return latency, bandwidth, block_bytes
+
+
+def link_samples(
+    holder, puller, hasher, block_bytes: int, sizes: tuple[int, ...], repeats: int, seed: int = 1
+) -> list[tuple[int, float]]:
+    """(bytes, seconds) of `repeats` timed pulls of each size in `sizes` blocks of
+    `block_bytes` (all layers' K and V): the holder
+    computes a fresh prompt of that many full blocks, then the puller pulls them
+    (`GroupHandle.pull_from`); a first round warms up and is not kept. A pull that brings
+    fewer blocks than asked raises: the link was not measured."""
+    from worker.protocol import GenerationRequest
+
+    rng, samples = random.Random(seed), []
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    block_size = hasher.block_size
+
+    async def one(blocks: int, tag: str) -> float:
+        ids = [rng.randrange(3, 1000) for _ in range(blocks * block_size + 1)]
+        hashes = hasher.hash_prompt(ids)
+        request = GenerationRequest(ids, params, request_id=tag, block_hashes=hashes)
+        [_ async for _ in holder.generate(request)]
+        t0 = time.perf_counter()
+        got = await puller.pull_from(holder, hashes[:blocks], timeout_s=30.0)
+        if got != blocks:
+            raise RuntimeError(f"calibration pull brought {got} of {blocks} blocks")
+        return time.perf_counter() - t0
+
+    for r in range(repeats + 1):  # the first round warms up
+        for blocks in sizes:
+            seconds = asyncio.run(one(blocks, f"pull-{seed}-{r}-{blocks}"))
+            if r:
+                samples.append((blocks * block_bytes, seconds))
+    return samples
 
 
 def load_block_seconds(block_size: int = 16, blocks: int = 128) -> float:
@@ -501,13 +526,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tuning", type=json.loads, default={}, help="PrefixAwareConfig fields, JSON")
     p.add_argument("--latency", help="comma-separated group counts: decision latency over Redis")
     p.add_argument("--calibrate", action="store_true")
+    p.add_argument("--no-ray", action="store_true", help="calibrate: skip the link across Ray nodes")
     p.add_argument("--cost-out")
     p.add_argument("--plot", help="also write the policies' results as an SVG (benchmarks/plot.py)")
     p.add_argument("--rates", help="sim mode: comma-separated requests/s to replay the trace at")
     p.add_argument("--no-pulls", action="store_true", help="sim: the router's policies recompute instead of pulling KV")
     args = p.parse_args(argv)
     if args.calibrate:
-        cost = calibrate(args.block_size)
+        cost = calibrate(args.block_size, across_nodes=not args.no_ray)
         print(json.dumps({"cost_model": cost.__dict__}))
         if args.cost_out:
             with open(args.cost_out, "w") as f:

@@ -321,6 +321,23 @@ def test_a_question_on_a_cold_group_pulls_the_document_across_nodes(ray_groups):
     check_pulled(router, r0, r1, lambda g: g.engine_stats(), hasher)
 
 
+def test_the_link_across_nodes_is_fitted_from_pulls_timed_between_the_nodes(ray_groups):
+    """`benchmarks/routing.py --calibrate`'s link across nodes: pulls of two sizes between the
+    two Ray nodes, each bringing every block (or the calibration raises), fitted to a latency
+    and a bandwidth that a cost model takes for the link across nodes."""
+    from benchmarks.routing import link_samples
+
+    _, r0, r1, hasher, info = ray_groups
+    stats = r0.engine_stats()
+    block_bytes = int(stats["block_size"] * stats["kv_bytes_per_token"])
+    samples = link_samples(r0, r1, hasher, block_bytes, sizes=(2, 12), repeats=2, seed=7)
+    assert [b for b, _ in samples] == [2 * block_bytes, 12 * block_bytes] * 2
+    latency, bandwidth = CostModel.fit_link(samples)
+    assert latency >= 0 and 0 < bandwidth < float("inf")
+    cost = CostModel(remote_pull_latency_s=latency, remote_pull_bandwidth=bandwidth, block_bytes=block_bytes)
+    assert cost.pull_seconds(12, same_node=False) >= cost.pull_seconds(2, same_node=False) > 0
+
+
 def test_a_pull_from_a_dead_ray_holder_recomputes_with_the_same_tokens(ray_groups):
     _, r0, r1, hasher, _ = ray_groups
     doc = [(19 * i + 1) % 1000 for i in range(160)]
