@@ -4,6 +4,7 @@ one of them killed mid-run.
     python -m benchmarks.failover              # both cases
     python -m benchmarks.failover --quick      # a smaller trace (smoke)
     python -m benchmarks.failover --case drain_kv [--model default]   # drain with KV only
+    python -m benchmarks.failover --case load_move    # moves for load, on vs off
 
 The cluster is the one a deployment runs (README, "A cluster"), on a multi-node Ray cluster on
 loopback (ray.cluster_utils: a head and two nodes with one group slot each), a real
@@ -30,6 +31,13 @@ Runs, in order:
   (their longest gap between two tokens) p50/p99, the tokens g1 recomputed at the resumes and
   the blocks it pulled, streams whose tokens differ from an undisturbed run's (goal: 0); and
   the stall ratio pull / recompute.
+- `load_move` (alone, with `--case load_move`): two groups in this process, the same streams
+  running on g0 alone; once each has `--drain-after` tokens g1 joins the router (a group added,
+  or back from a restart), once with moves for load (`Router.move_for_load`: streams move to g1
+  with their KV while the cost model says they finish sooner there) and once without, same run.
+  Per mode: streams moved and blocks pulled, the streams' end-to-end time (a stream's start to
+  its last token) p50/p99 and time per output token (after its first) p50, streams whose tokens
+  differ from an undisturbed run's (goal: 0); and the ratios on / off.
 
 One JSON line per run: requests sent / completed / failed (goal: 0 failed); streams whose tokens
 differ from the undisturbed run's, with the tokens repeated and missing against it (goal: 0);
@@ -301,17 +309,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kill-at", type=float, default=4.0, help="seconds into the run")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="a smaller trace (smoke)")
-    p.add_argument("--case", choices=("kill", "drain_kv"), default="kill", help="kill: the cluster cases above")
-    p.add_argument("--model", default="builtin", help="drain_kv: the model (pagefleet.models)")
-    p.add_argument("--dtype", default="float32", help="drain_kv: the model's dtype")
-    p.add_argument("--streams", type=int, default=8, help="drain_kv: streams moved")
-    p.add_argument("--prompt-len", type=int, default=1000, help="drain_kv: each stream's prompt tokens")
-    p.add_argument("--max-tokens", type=int, default=96, help="drain_kv: each stream's output tokens")
-    p.add_argument("--drain-after", type=int, default=48, help="drain_kv: tokens each has before the drain")
+    choices = ("kill", "drain_kv", "load_move")
+    p.add_argument("--case", choices=choices, default="kill", help="kill: the cluster cases above")
+    p.add_argument("--model", default="builtin", help="drain_kv, load_move: the model (pagefleet.models)")
+    p.add_argument("--dtype", default="float32", help="drain_kv, load_move: the model's dtype")
+    p.add_argument("--streams", type=int, default=8, help="drain_kv, load_move: streams on g0")
+    p.add_argument("--prompt-len", type=int, default=1000, help="drain_kv, load_move: each stream's prompt tokens")
+    p.add_argument("--max-tokens", type=int, default=96, help="drain_kv, load_move: each stream's output tokens")
+    p.add_argument(
+        "--drain-after", type=int, default=48, help="tokens each stream has before g0 drains (load_move: g1 joins)"
+    )
     return p.parse_args(argv)
 
 
-def _drain_params(i: int, max_tokens: int):
+def _stream_params(i: int, max_tokens: int):
     """Half the streams greedy, half seeded (temperature 1)."""
     from worker.sampling_params import SamplingParams
 
@@ -333,7 +344,7 @@ async def _drain_run(router, g0, g1, prompts: list[list[int]], args: argparse.Na
         """The stream's tokens, its stall at the move (the gap before its first token from
         the new group) and how many tokens it had then."""
         tokens, last, stall, moved_at = [], 0.0, 0.0, 0
-        request = RouteRequest(prompt_token_ids=prompts[i], params=_drain_params(i, args.max_tokens))
+        request = RouteRequest(prompt_token_ids=prompts[i], params=_stream_params(i, args.max_tokens))
         async for out in router.generate(request):
             now = time.perf_counter()
             if not moved_at and router.records[out.request_id].resumes:
@@ -388,8 +399,9 @@ def _drain_mode(config, hasher, info, args: argparse.Namespace, pull: bool, prom
     }
 
 
-def drain_kv(args: argparse.Namespace) -> list[dict]:
-    """The drain-with-KV case (see the module docstring): one line per mode, then the ratio."""
+def _moved_streams(args: argparse.Namespace, secret: str) -> tuple:
+    """What the drain_kv and load_move cases share: the groups' config, the router's hasher and
+    model info, the streams' prompts and their undisturbed tokens (on a group of their own)."""
     from cluster.local_group import LocalGroup
     from pagefleet.llm import engine_config
     from router.launch.local import router_side
@@ -401,7 +413,7 @@ def drain_kv(args: argparse.Namespace) -> list[dict]:
         num_blocks=2048,
         max_model_len=4096,
         kv_host_bytes=1 << 28,
-        cluster_secret="failover-drain",
+        cluster_secret=secret,
         dtype=args.dtype,
     )
     config = engine_config(args.model, **options)
@@ -410,7 +422,7 @@ def drain_kv(args: argparse.Namespace) -> list[dict]:
     reference = LocalGroup(config, group_id="ref")
 
     async def undisturbed(i: int) -> list[int]:
-        request = GenerationRequest(prompts[i], _drain_params(i, args.max_tokens))
+        request = GenerationRequest(prompts[i], _stream_params(i, args.max_tokens))
         return list([o async for o in reference.generate(request)][-1].outputs[0].token_ids)
 
     async def all_undisturbed() -> list[list[int]]:
@@ -420,6 +432,12 @@ def drain_kv(args: argparse.Namespace) -> list[dict]:
         refs = asyncio.run(all_undisturbed())
     finally:
         reference.shutdown()
+    return config, hasher, info, prompts, refs
+
+
+def drain_kv(args: argparse.Namespace) -> list[dict]:
+    """The drain-with-KV case (see the module docstring): one line per mode, then the ratio."""
+    config, hasher, info, prompts, refs = _moved_streams(args, "failover-drain")
     lines = []
     for pull in (True, False):
         lines.append(_drain_mode(config, hasher, info, args, pull, prompts, refs))
@@ -438,10 +456,93 @@ def drain_kv(args: argparse.Namespace) -> list[dict]:
     return [*lines, ratio]
 
 
+async def _load_run(router, g0, g1, prompts: list[list[int]], args: argparse.Namespace) -> list:
+    """Every stream on g0 alone; once each has `drain_after` tokens g1 joins the router: each
+    stream's tokens, its start, first token and end (seconds)."""
+    from router.router import RouteRequest
+
+    counts = [0] * len(prompts)
+
+    async def one(i: int) -> tuple[list[int], float, float, float]:
+        tokens, start, first = [], time.perf_counter(), 0.0
+        request = RouteRequest(prompt_token_ids=prompts[i], params=_stream_params(i, args.max_tokens))
+        async for out in router.generate(request):
+            tokens = list(out.outputs[0].token_ids)
+            first = first or time.perf_counter()
+            counts[i] = len(tokens)
+            if min(counts) >= args.drain_after and len(router.groups) == 1:
+                router.set_groups([g0, g1])
+        return tokens, start, first, time.perf_counter()
+
+    return await asyncio.gather(*(one(i) for i in range(len(prompts))))
+
+
+def _load_mode(config, hasher, info, args: argparse.Namespace, on: bool, prompts, refs) -> dict:
+    """One mode of the load_move case on two fresh groups: its JSON line."""
+    from cluster.index import InMemoryPrefixIndex
+    from cluster.local_group import LocalGroup
+    from router.router import Router
+
+    index = InMemoryPrefixIndex()
+    g0, g1 = LocalGroup(config, index, group_id="g0"), LocalGroup(config, index, group_id="g1")
+    try:
+        router = Router([g0], index, hasher, info)
+        router.move_for_load = on
+        results = asyncio.run(_load_run(router, g0, g1, prompts, args))
+    finally:
+        g0.shutdown()
+        g1.shutdown()
+    e2e = [end - start for _, start, _, end in results]
+    tpot = [(end - first) / max(1, len(tokens) - 1) for tokens, _, first, end in results]
+    records = list(router.records.values())
+    return {
+        "case": f"load_move_{'on' if on else 'off'}",
+        "model": args.model,
+        "dtype": args.dtype,
+        "streams": len(prompts),
+        "prompt_len": args.prompt_len,
+        "max_tokens": args.max_tokens,
+        "joined_after": args.drain_after,
+        "moved": sum(r.resumes for r in records),
+        "blocks_pulled": sum(r.pulled_blocks for r in records),
+        "e2e_ms_p50": pct(e2e, 0.5),
+        "e2e_ms_p99": pct(e2e, 0.99),
+        "tpot_ms_p50": pct(tpot, 0.5),
+        "tokens_differing": sum(_differing(r[0], ref) for r, ref in zip(results, refs, strict=True)),
+    }
+
+
+def _differing(tokens: list[int], reference: list[int]) -> int:
+    """Positions where a stream's tokens differ from the reference's (a missing or extra token
+    counts)."""
+    return sum(a != b for a, b in zip(tokens, reference, strict=False)) + abs(len(tokens) - len(reference))
+
+
+def load_move(args: argparse.Namespace) -> list[dict]:
+    """The load_move case (see the module docstring): one line per mode, then the ratios."""
+    config, hasher, info, prompts, refs = _moved_streams(args, "failover-load")
+    lines = []
+    for on in (True, False):
+        lines.append(_load_mode(config, hasher, info, args, on, prompts, refs))
+        print(json.dumps(lines[-1]), flush=True)
+    on, off = lines
+    ratio = {
+        "case": "load_move_ratio",
+        "model": args.model,
+        "e2e_p50_on_vs_off": round(on["e2e_ms_p50"] / max(1e-9, off["e2e_ms_p50"]), 3),
+        "e2e_p99_on_vs_off": round(on["e2e_ms_p99"] / max(1e-9, off["e2e_ms_p99"]), 3),
+        "tpot_p50_on_vs_off": round(on["tpot_ms_p50"] / max(1e-9, off["tpot_ms_p50"]), 3),
+    }
+    print(json.dumps(ratio), flush=True)
+    return [*lines, ratio]
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     if args.case == "drain_kv":
         return drain_kv(args)
+    if args.case == "load_move":
+        return load_move(args)
     workload = ResearchWorkload(
         num_docs=3,
         doc_len=(300, 500),

@@ -9,7 +9,9 @@ token is retried on another group. The ledger of recent placements is
 router/placement/ledger.py. A group chosen for a prefix that another group holds pulls it
 from there (`pull_source`); one chosen for a prefix that another group is computing waits for
 that group's commit and pulls it, so a burst on a cold document computes it once
-(`cold_source`, COLD_WAIT_S).
+(`cold_source`, COLD_WAIT_S). A stream moves to another group with its KV (the new group pulls
+it, DRAIN_CHECK_S) when its group drains and, with `move_for_load`, when another group would
+finish it sooner (`load_move_target`).
 """
 
 from __future__ import annotations
@@ -66,8 +68,17 @@ PULL_TIMEOUT_S = 5.0  # a pull not done by then is given up: the group recompute
 # group pulls the full committed blocks of the prompt and the tokens generated so far from the
 # draining group (alive until its streams are gone), then resumes, recomputing only the tail
 # (a failed pull recomputes it all, with the same tokens). Routers look at a streaming group's
-# drain flag at most this often.
+# drain flag, and whether the stream should move for load, at most this often.
 DRAIN_CHECK_S = 0.05
+# A stream moves for load the same way (`Router.move_for_load`, `load_move_target`) when the cost
+# model says its tokens left finish sooner on another live group, the pull and the tail's
+# recompute included. The groups' requests (running and waiting) must differ by at least
+# LOAD_MOVE_MARGIN: after the move its old group still has at least as many as its new one, so a
+# move never reverses the imbalance it corrects and two groups never trade a stream back and forth.
+LOAD_MOVE_MARGIN = 2
+# Of a stream's MAX_RESUMES, moves for load leave this many: a group that dies or drains under the
+# stream must still find it a resume (load is an optimisation, a failure is not).
+RESUMES_KEPT = 1
 # A cold prefix is computed once: a request placed on a group that lacks a prefix (by at least
 # COLD_MIN_BLOCKS blocks) which another live group has pending and not committed (a burst of
 # questions on a new document, spilled by the load bound while the first group computes it)
@@ -99,6 +110,13 @@ class _ColdPull(NamedTuple):
     source: str  # the group computing the prefix
     blocks: int  # its leading blocks the pull waits for
     task: asyncio.Future[int]  # the blocks that came (0: recompute)
+
+
+class _Departure(NamedTuple):
+    """Why a stream leaves its group now (for the log), and for which group."""
+
+    why: str  # "drains", "is loaded"
+    to: str | None  # the group it moves to for load; None: any live group it has not tried
 
 
 class NoGroupAvailableError(RuntimeError):
@@ -291,6 +309,9 @@ class Router:
         self._pulls: dict[tuple[str, bytes], asyncio.Future[int]] = {}
         self.cold_wait_s = COLD_WAIT_S  # 0: a spilled cold prefix is recomputed (no wait)
         self.move_drained = True  # streams on a draining group move with their KV (DRAIN_CHECK_S)
+        # streams move off a loaded group with their KV (`load_move_target`); off by default: it
+        # did not pay on groups sharing one CPU (benchmarks/RESULTS.md, "Moves for load")
+        self.move_for_load = False
         self.move_pull = True  # False: a moved stream recomputes its KV (a benchmark's peer)
         self.documents = Documents(self)  # documents pinned through this router (router/documents.py)
 
@@ -307,6 +328,8 @@ class Router:
         self._polled = [g for g in groups if not g.watch(self._changed.append)]
         self._live = {gid: s for gid, s in self._live.items() if gid in self.groups}
         self._read_all_at = -math.inf
+        # the live statuses the streams' load checks read, and when (`_load_statuses`)
+        self._loads: tuple[float, dict[str, GroupStatus]] = (-math.inf, {})
 
     # ---- input -------------------------------------------------------------------------
     def tokenize(self, request: RouteRequest) -> list[int]:
@@ -445,7 +468,7 @@ class Router:
         rid = request.request_id or f"rt-{next(self._ids)}"
         hashes = self.hash_cache.hash_prompt(ids, cache_salt=request.cache_salt)
         state = _Stream(request.resume)  # what reached the caller, for a resume
-        moved: tuple[Placement, int, float] | None = None  # where a drained stream goes, pulled
+        moved: tuple[Placement, int, float] | None = None  # where a moved stream goes, pulled
         while True:
             t0 = time.perf_counter()
             if moved is not None:
@@ -484,34 +507,38 @@ class Router:
             )
             hits = record.predicted_cached_tokens
             sent = len(ids) - hits
-            self.ledger.add_in_flight(placement.group_id, sent, hits)
+            self.ledger.add_in_flight(placement.group_id, sent, hits, 1)
             started, checked = False, time.monotonic()
             try:
                 async with contextlib.aclosing(group.generate(forwarded)) as outs:
                     async for out in outs:
                         if not started:
                             started = True
-                            self.ledger.add_in_flight(placement.group_id, -sent, -hits)
+                            self.ledger.add_in_flight(placement.group_id, -sent, -hits, -1)
+                            self._arrived(rid)
                             if not state.resumes:
                                 record.actual_cached_tokens = out.num_cached_tokens
                                 record.actual_tiers = out.cached_tiers
                             yield state.passed(out), record
                         else:
                             yield state.passed(out), None
-                        if out.finished or not self.move_drained or time.monotonic() - checked < DRAIN_CHECK_S:
+                        if out.finished or time.monotonic() - checked < DRAIN_CHECK_S:
                             continue
                         checked = time.monotonic()
-                        if state.resumes < MAX_RESUMES and group.status().draining:
-                            moved = await self._move(group, ids, hashes, request.cache_salt, state)
+                        leave = self._departure(group, len(ids), request.params, state)
+                        if leave is not None:
+                            moved = await self._move(group, ids, hashes, request.cache_salt, state, leave.to)
                             if moved is not None:  # (closing the stream aborts it on the old group)
                                 break
                 if moved is None:
                     return
                 state.resumes += 1
                 log.info(
-                    "group %s drains: %s moved to %s after %d tokens, %d blocks pulled",
+                    "group %s %s: %s moved%s to %s after %d tokens, %d blocks pulled",
                     placement.group_id,
+                    leave.why,
                     rid,
+                    " for load" if leave.to else "",
                     moved[0].group_id,
                     len(state.tokens),
                     moved[1],
@@ -544,8 +571,58 @@ class Router:
                     )
             finally:
                 if not started:
-                    self.ledger.add_in_flight(placement.group_id, -sent, -hits)
+                    self.ledger.add_in_flight(placement.group_id, -sent, -hits, -1)
+                if moved is None:  # (not moving on: whatever move it was in is over)
+                    self.ledger.arrived(rid)
                 self._trim_records()
+
+    def _departure(
+        self, group: GroupHandle, prompt_tokens: int, params: SamplingParams, state: _Stream
+    ) -> _Departure | None:
+        """Whether the stream on `group` leaves it now, and why: the group drains
+        (`move_drained`), or another live group it has not tried would finish it sooner
+        (`move_for_load`, `load_move_target`); None: it stays."""
+        if self.move_drained and state.resumes < MAX_RESUMES and group.status().draining:
+            return _Departure("drains", None)
+        if not self.move_for_load:
+            return None
+        statuses = self._load_statuses()
+        here = statuses.get(group.group_id)
+        if here is None:  # (it left the router, died or drains)
+            return None
+        if state.tried:
+            statuses = {gid: s for gid, s in statuses.items() if self.groups.get(gid) not in state.tried}
+        known = prompt_tokens + len(state.tokens)
+        limit = params.max_tokens or self.model_info.max_model_len - prompt_tokens
+        to = load_move_target(
+            here,
+            statuses,
+            self.ledger.moving_groups(),
+            known,
+            limit - len(state.tokens),
+            state.resumes,
+            self.cost,
+            self.model_info.block_size,
+            self.move_pull,
+        )
+        return None if to is None else _Departure("is loaded", to)
+
+    def _load_statuses(self) -> dict[str, GroupStatus]:
+        """The live statuses the load checks read: read at most once a DRAIN_CHECK_S for all of
+        this router's streams, and again once a moved stream arrives (the moves in between are
+        in the ledger, `Ledger.moving`)."""
+        at, statuses = self._loads
+        now = time.monotonic()
+        if now - at >= DRAIN_CHECK_S:
+            statuses = self.ledger.with_requests_in_flight(self.live_statuses())
+            self._loads = (now, statuses)
+        return statuses
+
+    def _arrived(self, request_id: str) -> None:
+        """The stream's first token from its group: a move that brought it there is over."""
+        if request_id in self.ledger.moving:
+            self.ledger.arrived(request_id)
+            self._loads = (-math.inf, {})  # (its groups' statuses show it from now)
 
     async def _move(
         self,
@@ -554,22 +631,29 @@ class Router:
         hashes: Sequence[bytes],
         cache_salt: str | None,
         state: _Stream,
+        to: str | None = None,
     ) -> tuple[Placement, int, float] | None:
-        """Where a stream on the draining `group` goes: a placement among the live groups it has
-        not tried, whose group has pulled from `group` the full committed blocks of the prompt
-        and the tokens generated so far (`move_pull`; a failed pull brings 0: the new group
-        recomputes), with the pulled blocks and the decision's seconds. None when no other
-        group is live: the stream finishes where it is. Called before the old stream is
-        closed, so the draining group still holds the blocks (a drain waits for its streams)."""
+        """Where a stream leaving `group` goes: the live group `to` (a move for load; `group`
+        stays one it may go back to on a failure) or, with None (`group` drains), a placement
+        among the live groups it has not tried. That group has pulled from `group` the full
+        committed blocks of the prompt and the tokens generated so far (`move_pull`; a failed
+        pull brings 0: the new group recomputes). Returns the placement, the pulled blocks and
+        the decision's seconds; None when the group is not live (no other group, or `to` left):
+        the stream goes on where it is. Called before the old stream is closed, so `group` still
+        holds the blocks (a drain waits for its streams). The ledger counts the move until the
+        stream's first token there (`Ledger.moving`)."""
         t0 = time.perf_counter()
-        state.tried.add(group)
+        if to is None:
+            state.tried.add(group)
+        exclude = {gid for gid, g in self.groups.items() if g in state.tried or to not in (None, gid)}
         try:
-            placement = self.place(hashes, exclude={gid for gid, g in self.groups.items() if g in state.tried})
+            placement = self.place(hashes, exclude=exclude)
         except NoGroupAvailableError:
             state.tried.discard(group)
             return None
         decided = time.perf_counter() - t0
         placement = replace(placement, pull_from=None, pull_blocks=0, pull_wait=False)
+        self.ledger.move(state.record.request_id, group.group_id, placement.group_id)
         chain = self.hasher.hash_prompt(list(ids) + state.tokens, cache_salt=cache_salt)
         pulled = 0
         if self.move_pull and chain:
@@ -717,6 +801,44 @@ def pull_pays(blocks: int, cost: CostModel, block_size: int, near: bool = True) 
     """Whether pulling `blocks` blocks is sooner than computing them (the cost model's link
     within a node if `near`, else across nodes)."""
     return blocks > 0 and cost.pull_seconds(blocks, near) < cost.recompute_seconds(blocks * block_size)
+
+
+def load_move_target(
+    here: GroupStatus,
+    statuses: Mapping[str, GroupStatus],
+    moving: Collection[str],
+    known: int,
+    left: int,
+    resumes: int,
+    cost: CostModel,
+    block_size: int,
+    pull: bool = True,
+) -> str | None:
+    """The live group a stream on `here` should move to for load, or None to stay: of the
+    `statuses` with at least LOAD_MOVE_MARGIN fewer requests (running and waiting), the one
+    where the stream's `left` tokens (at most) would finish soonest, if sooner than on `here`.
+    On a group the stream waits for its queued prefill, then decodes with its requests, at the
+    cost model's step; on another, first the pull of the full blocks of its `known` tokens (the
+    prompt and its output so far; `pull` False: none) and the recompute of the rest. `moving`:
+    the groups a stream of this router is moving from or to (`Ledger.moving_groups`), which
+    take part in no other move until it arrives (their statuses may not show it yet). A stream
+    that has moved `resumes` times keeps RESUMES_KEPT of its MAX_RESUMES for failures."""
+    if left <= 0 or resumes >= MAX_RESUMES - RESUMES_KEPT or here.group_id in moving:
+        return None
+    load = here.running + here.waiting  # (the stream among them)
+    soonest = cost.recompute_seconds(here.pending_prefill_tokens) + left * cost.step_seconds(0, load)
+    blocks = (known - 1) // block_size if pull else 0  # (the last token's block is computed)
+    best = None
+    for gid, s in statuses.items():
+        other = s.running + s.waiting
+        if gid == here.group_id or gid in moving or load - other < LOAD_MOVE_MARGIN:
+            continue
+        stall = cost.pull_seconds(blocks, same_node(here, s))
+        queued = s.pending_prefill_tokens + known - blocks * block_size
+        finish = stall + cost.recompute_seconds(queued) + left * cost.step_seconds(0, other + 1)
+        if finish < soonest:
+            best, soonest = gid, finish
+    return best
 
 
 def tier_lead(m: GroupMatch | None) -> tuple[int, int, int]:

@@ -5,10 +5,15 @@ a decision needs:
   at once and written to the shared prefix index in the background, so that requests sharing a
   prefix find the group that is computing it before that group reports its blocks;
 - the prefill in flight: prompt tokens sent to each group that have not produced a first token,
-  uncached and predicted cached (a group's own load report lags by up to a step, and a burst
-  must not all see it idle; it counts a waiting request's cached prefix as work);
+  uncached and predicted cached, and their requests (a group's own load report lags by up to a
+  step, and a burst must not all see it idle; it counts a waiting request's cached prefix as
+  work);
 - the placed share (`PlacedShare`): each group's part of the recent placements, for the
-  policy's load bound.
+  policy's load bound;
+- the streams moving: each stream this router is moving to another group (a drain, or for
+  load), until its first token there (the groups' statuses may not show the move before; until
+  then neither group takes part in another move for load, or one check's streams would all
+  leave for the same idle group).
 """
 
 from __future__ import annotations
@@ -46,9 +51,12 @@ class Ledger:
         self.block_size = block_size
         self.pending = PendingPlacements(index)
         self.placed = PlacedShare(window)
-        # group -> (prompt tokens sent uncached, predicted cached) of requests without a first
-        # token yet
-        self.in_flight: dict[str, tuple[int, int]] = {}
+        # group -> (prompt tokens sent uncached, predicted cached, requests) of requests without
+        # a first token yet
+        self.in_flight: dict[str, tuple[int, int, int]] = {}
+        # request id -> (the group its stream leaves, the group it moves to), until its first
+        # token there
+        self.moving: dict[str, tuple[str, str]] = {}
 
     def matches(self, block_hashes: Sequence[bytes]) -> Matches:
         """The index's answer for the chain, with this router's own placements that the index
@@ -69,15 +77,28 @@ class Ledger:
         new_tokens = (len(block_hashes) - placement.cached_blocks) * self.block_size
         self.placed.add(placement.group_id, new_tokens, live_groups)
 
-    def add_in_flight(self, group_id: str, tokens: int, cached: int = 0) -> None:
-        """Prompt tokens sent to the group uncached and predicted cached (negative: they
-        produced their first token)."""
-        sent, hits = self.in_flight.get(group_id, (0, 0))
-        sent, hits = sent + tokens, hits + cached
-        if sent > 0 or hits > 0:
-            self.in_flight[group_id] = (sent, hits)
+    def add_in_flight(self, group_id: str, tokens: int, cached: int = 0, requests: int = 0) -> None:
+        """Prompt tokens sent to the group uncached and predicted cached, of `requests`
+        requests (negative: they produced their first token)."""
+        sent, hits, n = self.in_flight.get(group_id, (0, 0, 0))
+        sent, hits, n = sent + tokens, hits + cached, n + requests
+        if sent > 0 or hits > 0 or n > 0:
+            self.in_flight[group_id] = (sent, hits, n)
         else:
             self.in_flight.pop(group_id, None)
+
+    def move(self, request_id: str, source: str, target: str) -> None:
+        """Count a stream as moving from `source` to `target` until `arrived`."""
+        self.moving[request_id] = (source, target)
+
+    def arrived(self, request_id: str) -> None:
+        """The stream's move is over: its first token came from the new group, or it stopped
+        moving (any end of the attempt; a stream not moving is left as it is)."""
+        self.moving.pop(request_id, None)
+
+    def moving_groups(self) -> set[str]:
+        """The groups that streams are moving from or to."""
+        return {g for pair in self.moving.values() for g in pair}
 
     def with_in_flight(self, statuses: dict[str, GroupStatus]) -> dict[str, GroupStatus]:
         """`statuses` (a copy of this router's to change) with each group's queued prefill
@@ -86,12 +107,23 @@ class Ledger:
         cached (a group counts a waiting request's whole prompt as work until it admits it and
         finds its prefix: a hot document's questions queued on its holder would count the
         document once each)."""
-        for gid, (sent, hits) in self.in_flight.items():  # only groups with prefill in flight
+        for gid, (sent, hits, _) in self.in_flight.items():  # only groups with prefill in flight
             s = statuses.get(gid)
             if s is not None:
                 queued = max(sent, s.pending_prefill_tokens - hits)
                 if queued != s.pending_prefill_tokens:
                     statuses[gid] = replace(s, pending_prefill_tokens=queued)
+        return statuses
+
+    def with_requests_in_flight(self, statuses: dict[str, GroupStatus]) -> dict[str, GroupStatus]:
+        """`statuses` (a copy to change) with each group's waiting requests at least this
+        router's requests in flight there: until its first token a request waits, or is not
+        in the group's report yet (it lags by up to a step). For the load checks of streams
+        (router/router.py, `load_move_target`): a group that was just sent requests is not idle."""
+        for gid, (*_, n) in self.in_flight.items():
+            s = statuses.get(gid)
+            if s is not None and n > s.waiting:
+                statuses[gid] = replace(s, waiting=n)
         return statuses
 
 
