@@ -19,7 +19,7 @@ from pagefleet.llm import LLM
 from worker.exec.kv_pool import weights_bytes
 from worker.model.builtin_model import make_model_dir
 from worker.model.dtypes import resolve_weight_dtype
-from worker.model.layers.quant import Int4Weight, Int8Weight
+from worker.model.layers.quant import Int4Weight, Int8Weight, QuantizedWeight
 from worker.model.model_loader import load_model
 from worker.sampling_params import SamplingParams
 
@@ -183,19 +183,28 @@ def test_auto_follows_the_file_and_the_weight_dtype_names_blocks(files, llama_di
     assert resolve_weight_dtype("auto", files["F32"], "cpu") == "float"
     assert resolve_weight_dtype("auto", llama_dir, "cpu") == "float"
     assert resolve_weight_dtype("auto", files["Q4_1"], "cuda") == "float"  # the kernels are CPU ones
+    # under float32 activations torch's quantized CPU kernels have no fast path: float weights
+    assert resolve_weight_dtype("auto", files["Q4_1"], "cpu", torch.float32) == "float"
+    assert resolve_weight_dtype("auto", files["Q8_0"], "cpu", torch.float32) == "float"
+    assert resolve_weight_dtype("auto", files["Q4_1"], "cpu", torch.bfloat16) == "int4"
+    assert resolve_weight_dtype("int4", files["Q4_1"], "cpu", torch.float32) == "int4"  # (asked for)
     with pytest.raises(ValueError, match="weight_dtype"):
         resolve_weight_dtype("int3", files["Q4_1"], "cpu")
     with pytest.raises(ValueError, match="weight_dtype"):
         LLM(str(files["Q4_1"]), weight_dtype="int3")
-    options = dict(num_blocks=16, max_model_len=128, dtype="float32", cluster_secret="s")
+    options = dict(num_blocks=16, max_model_len=128, dtype="bfloat16", cluster_secret="s")
     auto = LLM(str(files["Q4_1"]), **options).engine
     flt = LLM(str(files["Q4_1"]), weight_dtype="float", **options).engine
     assert auto.facts().fingerprint.weight_dtype == "int4"
     assert flt.facts().fingerprint.weight_dtype == "float"
+    full = LLM(str(files["Q4_1"]), **{**options, "dtype": "float32"}).engine
+    assert full.facts().fingerprint.weight_dtype == "float"
+    assert not any(isinstance(m, QuantizedWeight) for m in full.executor.worker.model.modules())
     tokens = list(range(3, 40))
     assert auto.hasher.hash_prompt(tokens)[0] != flt.hasher.hash_prompt(tokens)[0]
     int4 = weights_bytes(auto.executor.worker.model)
-    assert int4 < 0.3 * weights_bytes(flt.executor.worker.model)  # float32 -> ~4.5 bits + int8 vocab
+    assert int4 < 0.45 * weights_bytes(flt.executor.worker.model)  # bfloat16 -> ~4.5 bits + int8 vocab
+    assert int4 < 0.3 * weights_bytes(full.executor.worker.model)  # float32 -> the same
 
 
 def test_serve_takes_weight_dtype_from_the_flag_and_the_config(tmp_path):

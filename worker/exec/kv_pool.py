@@ -75,7 +75,7 @@ def kv_fingerprint(config, mc: ModelConfig) -> ModelFingerprint:
         dtype=str(model_dtype).removeprefix("torch."),
         kv_cache_dtype=str(kv_dtype).removeprefix("torch."),
         block_size=config.cache.block_size,
-        weight_dtype=resolve_weight_dtype(config.weight_dtype, config.model, config.device),
+        weight_dtype=resolve_weight_dtype(config.weight_dtype, config.model, config.device, model_dtype),
     )
 
 

@@ -70,13 +70,19 @@ def resolve_dtype(dtype: torch.dtype | str, mc: ModelConfig, device: torch.devic
 _FOUR_BIT_GGUF = frozenset({"Q4_0", "Q4_1"})
 
 
-def resolve_weight_dtype(weight_dtype: str, model: str | Path, device: torch.device | str) -> str:
+def resolve_weight_dtype(
+    weight_dtype: str, model: str | Path, device: torch.device | str, dtype: torch.dtype | None = None
+) -> str:
     """How the linear layers hold their weights: "float" (the model's dtype), "int8" or "int4".
 
-    "auto" is resolved here and only here (the loader and the block hasher both call this): on
-    CPU, a GGUF file whose layer weights are quantized keeps them quantized, in int4 when they
-    are all 4-bit blocks (Q4_0, Q4_1: the same codes and scales) and in int8 otherwise (Q8_0,
-    Q5_*); float for float checkpoints, and off CPU, where the quantized kernels are CPU ones."""
+    "auto" is resolved here and only here (the loader and the block hasher both call this, with
+    the activations' `dtype` as resolved): on CPU, a GGUF file whose layer weights are quantized
+    keeps them quantized, in int4 when they are all 4-bit blocks (Q4_0, Q4_1: the same codes and
+    scales) and in int8 otherwise (Q8_0, Q5_*), under 16-bit activations; float for float
+    checkpoints, off CPU, where the quantized kernels are CPU ones, and under float32
+    activations, for which torch's int4 and int8 CPU kernels have no fast path (a decode step
+    several times slower than on the float weights: benchmarks/RESULTS.md, "float32
+    activations")."""
     if weight_dtype not in WEIGHT_DTYPES:
         raise ValueError(f"weight_dtype must be one of {WEIGHT_DTYPES}, got {weight_dtype!r}")
     on_cpu = torch.device(device).type == "cpu"
@@ -86,7 +92,7 @@ def resolve_weight_dtype(weight_dtype: str, model: str | Path, device: torch.dev
         return weight_dtype
     from worker.model_source import is_gguf
 
-    if not on_cpu or not is_gguf(model):
+    if not on_cpu or dtype == torch.float32 or not is_gguf(model):
         return "float"
     from worker.model.gguf_loader import layer_weight_types
 

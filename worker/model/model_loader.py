@@ -61,7 +61,7 @@ def load_model(
     model_dir = Path(model_dir)
     config = read_model_config(model_dir)
     torch_dtype = resolve_dtype(dtype, config, device)
-    weight_dtype = resolve_weight_dtype(weight_dtype, model_dir, device)
+    weight_dtype = resolve_weight_dtype(weight_dtype, model_dir, device, torch_dtype)
     attention_backend = attention_backend or get_backend(None, device)
     # Parameters start as torch.empty on CPU (untouched pages cost nothing), then move once.
     model = MODEL_REGISTRY[config.architecture](config, collectives, attention_backend)
