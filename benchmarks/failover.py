@@ -5,6 +5,7 @@ one of them killed mid-run.
     python -m benchmarks.failover --quick      # a smaller trace (smoke)
     python -m benchmarks.failover --case drain_kv [--model default]   # drain with KV only
     python -m benchmarks.failover --case load_move    # moves for load, on vs off
+    python -m benchmarks.failover --case death_disk   # a group's death, resumed from its disk
 
 The cluster is the one a deployment runs (README, "A cluster"), on a multi-node Ray cluster on
 loopback (ray.cluster_utils: a head and two nodes with one group slot each), a real
@@ -38,6 +39,15 @@ Runs, in order:
   Per mode: streams moved and blocks pulled, the streams' end-to-end time (a stream's start to
   its last token) p50/p99 and time per output token (after its first) p50, streams whose tokens
   differ from an undisturbed run's (goal: 0); and the ratios on / off.
+- `death_disk` (alone, with `--case death_disk`): two groups in this process sharing a
+  --kv-disk-dir, d0 and d1; d0 has read every stream's prompt once and stopped (its blocks
+  written down to its subdirectory), then came back under its id, so that its disk holds the
+  prompts; the streams run on d0, whose device fails once each has `--drain-after` tokens;
+  the router resumes them on d1, which first reads the blocks d0's disk tier left
+  (`Router.read_dead_disk`), and, same run, recomputes them instead. Per mode: the blocks read,
+  the tokens d1 computed, the streams' stall at the resume (their longest gap between two
+  tokens) p50/p99, streams whose tokens differ from an undisturbed run's (goal: 0); and the
+  stall ratio read / recompute.
 
 One JSON line per run: requests sent / completed / failed (goal: 0 failed); streams whose tokens
 differ from the undisturbed run's, with the tokens repeated and missing against it (goal: 0);
@@ -60,7 +70,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from benchmarks.serving import pct
@@ -309,7 +319,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kill-at", type=float, default=4.0, help="seconds into the run")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="a smaller trace (smoke)")
-    choices = ("kill", "drain_kv", "load_move")
+    choices = ("kill", "drain_kv", "load_move", "death_disk")
     p.add_argument("--case", choices=choices, default="kill", help="kill: the cluster cases above")
     p.add_argument("--model", default="builtin", help="drain_kv, load_move: the model (pagefleet.models)")
     p.add_argument("--dtype", default="float32", help="drain_kv, load_move: the model's dtype")
@@ -537,8 +547,116 @@ def load_move(args: argparse.Namespace) -> list[dict]:
     return [*lines, ratio]
 
 
+async def _death_run(router, d0, d1, prompts: list[list[int]], args: argparse.Namespace) -> list:
+    """Every stream placed on d0 (which holds their prompts; d1 takes no placement until each
+    has a token); once each has `drain_after` tokens d0's device fails: each stream's tokens
+    and its stall at the resume."""
+    from router.router import RouteRequest
+
+    d1.set_draining(True)
+    counts = [0] * len(prompts)
+    engine = d0.engine.engine
+    execute = engine.executor.execute
+
+    def fails(out):
+        if min(counts) >= args.drain_after:
+            raise RuntimeError("device lost")
+        return execute(out)
+
+    engine.executor.execute = fails
+
+    async def one(i: int) -> tuple[list[int], float]:
+        tokens, last, stall = [], 0.0, 0.0
+        request = RouteRequest(prompt_token_ids=prompts[i], params=_stream_params(i, args.max_tokens))
+        async for out in router.generate(request):
+            now = time.perf_counter()
+            if not stall and router.records[out.request_id].resumes:
+                stall = now - last
+            last, tokens = now, list(out.outputs[0].token_ids)
+            counts[i] = len(tokens)
+            if min(counts) and d1.draining:
+                d1.set_draining(False)
+        return tokens, stall
+
+    return await asyncio.gather(*(one(i) for i in range(len(prompts))))
+
+
+def _death_mode(config, hasher, info, args: argparse.Namespace, read: bool, prompts, refs) -> dict:
+    """One mode of the death_disk case on a fresh directory and two fresh groups: its line."""
+    from cluster.index import InMemoryPrefixIndex
+    from cluster.local_group import LocalGroup
+    from router.router import Router
+    from worker.protocol import GenerationRequest
+    from worker.sampling_params import SamplingParams
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cache = replace(config.cache, kv_disk_dir=tmp, kv_disk_bytes=1 << 30)
+        config = replace(config, cache=cache)
+        first = LocalGroup(config, group_id="d0")
+
+        async def read_all() -> None:
+            for i, ids in enumerate(prompts):
+                request = GenerationRequest(ids, SamplingParams(max_tokens=1), request_id=f"read-{i}")
+                [_ async for _ in first.generate(request)]
+
+        try:
+            asyncio.run(read_all())
+        finally:
+            first.shutdown()  # (its blocks written down to tmp/d0)
+        index = InMemoryPrefixIndex()
+        d0, d1 = LocalGroup(config, index, group_id="d0"), LocalGroup(config, index, group_id="d1")
+        try:
+            router = Router([d0, d1], index, hasher, info)
+            router.read_dead_disk = read
+            before = d1.engine.engine.stats()["tokens_computed"]
+            results = asyncio.run(_death_run(router, d0, d1, prompts, args))
+            computed = d1.engine.engine.stats()["tokens_computed"] - before
+        finally:
+            d0.shutdown()
+            d1.shutdown()
+    stalls = [stall for _, stall in results]
+    records = list(router.records.values())
+    return {
+        "case": f"death_disk_{'read' if read else 'recompute'}",
+        "model": args.model,
+        "dtype": args.dtype,
+        "streams": len(prompts),
+        "prompt_len": args.prompt_len,
+        "resumed": sum(r.resumes for r in records),
+        "on_d1": sum(r.group_id == "d1" for r in records),
+        "blocks_read": sum(r.pulled_blocks for r in records),
+        "tokens_computed_d1": computed,
+        "stall_ms_p50": pct(stalls, 0.5),
+        "stall_ms_p99": pct(stalls, 0.99),
+        "differing": [i for i, (r, ref) in enumerate(zip(results, refs, strict=True)) if r[0] != ref],
+    }
+
+
+def death_disk(args: argparse.Namespace) -> list[dict]:
+    """The death_disk case (see the module docstring): one line per mode, then the ratio."""
+    config, hasher, info, prompts, refs = _moved_streams(args, "failover-death")
+    lines = []
+    for read in (True, False):
+        lines.append(_death_mode(config, hasher, info, args, read, prompts, refs))
+        print(json.dumps(lines[-1]), flush=True)
+    done, redone = lines
+    ratio = {
+        "case": "death_disk_ratio",
+        "model": args.model,
+        "stall_p50_read_vs_recompute": round(done["stall_ms_p50"] / max(1e-9, redone["stall_ms_p50"]), 3),
+        "stall_p99_read_vs_recompute": round(done["stall_ms_p99"] / max(1e-9, redone["stall_ms_p99"]), 3),
+        "tokens_computed_read_vs_recompute": round(
+            done["tokens_computed_d1"] / max(1, redone["tokens_computed_d1"]), 3
+        ),
+    }
+    print(json.dumps(ratio), flush=True)
+    return [*lines, ratio]
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
+    if args.case == "death_disk":
+        return death_disk(args)
     if args.case == "drain_kv":
         return drain_kv(args)
     if args.case == "load_move":

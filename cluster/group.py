@@ -13,12 +13,26 @@ from __future__ import annotations
 import itertools
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
+from worker.config import EngineConfig, check_disk_group
 from worker.outputs import RequestOutput
 from worker.protocol import GenerationRequest
 
 _versions = itertools.count(1)
+
+
+def for_group(config: EngineConfig, group_id: str) -> EngineConfig:
+    """`config` as the group `group_id` runs it: a disk tier in the group's own subdirectory
+    of kv_disk_dir (`CacheConfig.kv_disk_group`), so that the groups of one node can share a
+    --kv-disk-dir, a replacement under the same id reopens its predecessor's blocks, and a
+    group of the node can read those of a group that is gone. Unchanged without a disk tier
+    or with a subdirectory already named. (A group given no id, as `pagefleet.LLM`'s, keeps
+    kv_disk_dir itself: one such group a directory.)"""
+    cache = config.cache
+    if not cache.kv_disk_dir or cache.kv_disk_group:
+        return config
+    return replace(config, cache=replace(cache, kv_disk_group=check_disk_group(group_id)))
 
 
 @dataclass(frozen=True)
@@ -156,4 +170,12 @@ class GroupHandle(ABC):
         where the next request's lookup finds them; returns how many came. Never raises: a
         pull that fails or takes longer than `timeout_s` brings 0, and the request recomputes
         what did not come. A handle that cannot pull from `holder` brings 0."""
+        return 0
+
+    async def pull_from_disk(self, group_id: str, block_hashes: Sequence[bytes], timeout_s: float) -> int:
+        """Copy the leading blocks of the chain that the disk tier of `group_id`, a group of
+        this group's node that is gone, left in its directory (the node's shared --kv-disk-dir)
+        into this group's host tier; returns how many came. Never raises: nothing there, a
+        failure or a timeout brings 0, and the request recomputes. A handle without a disk
+        tier (or off that node, where the directory is not) brings 0."""
         return 0

@@ -8,7 +8,7 @@ import itertools
 import logging
 from collections.abc import AsyncIterator, Sequence
 
-from cluster.group import GroupHandle, GroupStatus, status_from_stats
+from cluster.group import GroupHandle, GroupStatus, for_group, status_from_stats
 from cluster.index import GroupPublisher, IndexWriter
 from worker.config import EngineConfig
 from worker.engine.async_engine import AsyncEngine
@@ -31,6 +31,8 @@ class LocalGroup(GroupHandle):
     ) -> None:
         """`index`: where the group publishes its KV events and load (one index or several;
         None: nowhere)."""
+        if group_id is not None:  # (a disk tier of its own under an id a restart keeps)
+            config = for_group(config, group_id)
         self.group_id = group_id or f"group-{next(_group_ids)}"
         self.config = config
         engine = LLMEngine(config)
@@ -72,6 +74,19 @@ class LocalGroup(GroupHandle):
         except Exception as e:  # (TimeoutError, a dead engine, another format): recompute instead
             log.warning(
                 "group %s: pulling %d blocks from %s failed (%s)", self.group_id, len(hashes), holder.group_id, e
+            )
+            return 0
+
+    async def pull_from_disk(self, group_id: str, block_hashes: Sequence[bytes], timeout_s: float) -> int:
+        """Between two of this engine's steps, its ranks read the files that `group_id`'s disk
+        tier left and write them into the host tier (LLMEngine.import_from_disk)."""
+        hashes = tuple(block_hashes)
+        try:
+            async with asyncio.timeout(timeout_s):
+                return await asyncio.wrap_future(self.engine.call(lambda e: e.import_from_disk(group_id, hashes)))
+        except Exception as e:  # (TimeoutError, a dead engine, another format): recompute instead
+            log.warning(
+                "group %s: reading %d blocks of %s's disk tier failed (%s)", self.group_id, len(hashes), group_id, e
             )
             return 0
 

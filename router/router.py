@@ -221,6 +221,9 @@ class _Stream:
         self.record: RouteRecord | None = None
         self.tried: set = set()  # group handles that failed or refused it
         self.full: set = set()  # of which refused it for a full queue
+        # the group that died under it and its last status (its node), until the next group
+        # has read what its disk tier left (`Router._read_dead`)
+        self.dead: tuple[str, GroupStatus] | None = None
 
     def resume(self) -> Resume | None:
         if not self.tokens:
@@ -313,6 +316,9 @@ class Router:
         # did not pay on groups sharing one CPU (benchmarks/RESULTS.md, "Moves for load")
         self.move_for_load = False
         self.move_pull = True  # False: a moved stream recomputes its KV (a benchmark's peer)
+        # a stream whose group died resumes from what its disk tier left on the node
+        # (`_read_dead`); False: it recomputes that too (a benchmark's peer)
+        self.read_dead_disk = True
         self.documents = Documents(self)  # documents pinned through this router (router/documents.py)
 
     def set_groups(self, groups: Sequence[GroupHandle]) -> None:
@@ -479,6 +485,9 @@ class Router:
                 pulled = 0
                 if placement.pull_from is not None:
                     placement, pulled = await self._pull(placement, hashes)
+                if state.dead is not None:  # a resume: what the dead group left on its node's disk
+                    placement, read = await self._read_dead(placement, ids, request.cache_salt, state)
+                    pulled += read
             predicted = placement.cached_tiers(len(ids), self.model_info.block_size)
             if state.record is None:  # one record per request, updated when it moves
                 state.record = RouteRecord(
@@ -553,6 +562,8 @@ class Router:
                     if state.resumes >= MAX_RESUMES:
                         raise
                     state.resumes += 1
+                    if self.read_dead_disk:
+                        state.dead = (placement.group_id, group.status())
                     log.warning(
                         "group %s died after %d tokens of %s (%s); resuming it elsewhere",
                         placement.group_id,
@@ -667,6 +678,29 @@ class Router:
                 cached_blocks=max(placement.cached_blocks, prompt_blocks),
             )
         return placement, pulled, decided
+
+    async def _read_dead(
+        self, placement: Placement, ids: Sequence[int], cache_salt: str | None, state: _Stream
+    ) -> tuple[Placement, int]:
+        """A stream whose group died resumes on `placement`'s group: when that group is on the
+        dead one's node, it reads the leading blocks of the prompt and the tokens generated so
+        far that the dead group's disk tier left whole in its directory there (and it holds in
+        no tier: `GroupHandle.pull_from_disk`), and recomputes only the rest; the placement
+        then names them among its pulled blocks (with the dead group as their source, unless
+        a live holder gave some). Elsewhere, or with nothing there: unchanged, 0."""
+        (gone, status), state.dead = state.dead, None
+        if not same_node(status, self.live_statuses().get(placement.group_id)):
+            return placement, 0
+        chain = self.hasher.hash_prompt(list(ids) + state.tokens, cache_salt=cache_salt)
+        pulled = await self.groups[placement.group_id].pull_from_disk(gone, chain, PULL_TIMEOUT_S) if chain else 0
+        if not pulled:
+            return placement, 0
+        log.info("group %s read %d blocks that %s left on its node's disk", placement.group_id, pulled, gone)
+        cached = max(placement.cached_blocks, min(len(ids) // self.model_info.block_size, pulled))
+        source = placement.pull_from or gone
+        return replace(
+            placement, pull_from=source, pull_blocks=placement.pull_blocks + pulled, cached_blocks=cached
+        ), pulled
 
     async def _pull(self, placement: Placement, hashes: Sequence[bytes]) -> tuple[Placement, int]:
         """Have the chosen group pull the prefix from `placement.pull_from` before the request

@@ -404,6 +404,19 @@ def test_the_failover_benchmark_counts_tokens_repeated_and_missing():
     assert Stream(times=[0.0, 0.1, 0.5, 0.6]).stall == pytest.approx(0.4)
 
 
+def test_the_failover_benchmark_resumes_a_dead_groups_streams_from_its_disk():
+    """benchmarks/failover.py --case death_disk: with the read, every stream resumed on d1 read
+    its prompt's blocks that d0's disk tier left and d1 computed fewer tokens than without it;
+    no stream's tokens differ from an undisturbed run's in either mode."""
+    args = ("--streams", "2", "--prompt-len", "64", "--max-tokens", "24", "--drain-after", "8")
+    read, recompute, ratio = run("-m", "benchmarks.failover", "--case", "death_disk", *args)
+    assert read["resumed"] == recompute["resumed"] == 2 and read["on_d1"] == 2
+    assert read["blocks_read"] == 2 * 4 and recompute["blocks_read"] == 0
+    assert read["differing"] == recompute["differing"] == []
+    assert read["tokens_computed_d1"] < recompute["tokens_computed_d1"]
+    assert ratio["tokens_computed_read_vs_recompute"] < 1
+
+
 def test_step_overhead_benchmark_smoke():
     """benchmarks/step_overhead.py: every case runs its steps with every request decoding
     (the benchmark asserts it) and reports a positive step time and gap; with overlap, forwards

@@ -93,7 +93,7 @@ def test_a_killed_server_restarted_on_its_directory_restores_from_the_disk(tmp_p
         assert on_disk >= 10 and m[("kv_tier_blocks_capacity", "disk", None)] == 200
         first.proc.send_signal(signal.SIGKILL)
         first.proc.wait(30)
-    (rank_dir,) = directory.glob("*/rank0")
+    (rank_dir,) = directory.glob("group-0/*/rank0")  # the group's own subdirectory, then the digest
     files = sorted(rank_dir.glob("*.kv"))
     assert len(files) == on_disk
     torn = rank_dir / f"{'ab' * 16}.kv.tmp"  # a write the kill interrupted
@@ -141,7 +141,7 @@ def test_a_server_stopped_with_sigterm_writes_its_tiers_down_and_restores_from_t
         assert first.proc.wait(60) == 0
     log = (tmp_path / "first.log").read_text()
     assert "to the disk tier at shutdown" in log, log
-    (rank_dir,) = directory.glob("*/rank0")
+    (rank_dir,) = directory.glob("group-0/*/rank0")  # the group's own subdirectory, then the digest
     on_disk = len(list(rank_dir.glob("*.kv")))
     assert on_disk >= 30  # the three documents' full blocks
 

@@ -127,7 +127,7 @@ def groups(request, ray_runtime, model_dirs, tier_dir):
     this process computes the expected outputs."""
     node_a, node_b = ray_runtime.node_labels
 
-    def start(name, tp, label, timeout_s=60.0, cpu_binding=None, **options):
+    def start(name, tp, label, timeout_s=60.0, cpu_binding=None, group_id=None, **options):
         gc = RayGroupConfig(
             tensor_parallel_size=tp,
             bundle_resources={label: 1},
@@ -135,7 +135,7 @@ def groups(request, ray_runtime, model_dirs, tier_dir):
             heartbeat_s=0.5,
             cpu_binding=cpu_binding,
         )
-        return RayGroup(engine_config(model_dirs[name], **OPTIONS, **options), gc, wait=False)
+        return RayGroup(engine_config(model_dirs[name], **OPTIONS, **options), gc, group_id=group_id, wait=False)
 
     started, llm, llm_started = {}, None, None
     pool = concurrent.futures.ThreadPoolExecutor(1)
@@ -145,7 +145,10 @@ def groups(request, ray_runtime, model_dirs, tier_dir):
         started["kv2"] = start("kv2", 2, node_b, cluster_secret=SECRET)
         started["kv2-tp4"] = start("kv2", 4, node_a, timeout_s=HANG_TIMEOUT_S, cluster_secret=SECRET)
         # (its disk reads slowed: a read stays in flight while another request decodes)
-        started["kv2-tiers"] = start("kv2", 2, node_b, **tiers(tier_dir), kv_disk_read_delay_s=READ_DELAY_S)
+        # (under its own id: its disk tier in tier_dir/kv2-tiers, which a restart reopens)
+        started["kv2-tiers"] = start(
+            "kv2", 2, node_b, group_id="kv2-tiers", **tiers(tier_dir), kv_disk_read_delay_s=READ_DELAY_S
+        )
         llm_started = pool.submit(LLM, str(model_dirs["kv1"]), tensor_parallel_size=2, **OPTIONS)
         request.getfixturevalue("expected")  # meanwhile, transformers and TP=1 here
         for g in started.values():
@@ -362,7 +365,7 @@ def test_a_restarted_tp2_group_reopens_the_disk_blocks_every_rank_holds(ray_runt
     for p in prompts[:5]:
         asyncio.run(stream_all(group, [p]))
     group.shutdown()
-    rank_dirs = sorted(tier_dir.glob("*/rank*"))
+    rank_dirs = sorted(tier_dir.glob("kv2-tiers/*/rank*"))  # the group's own subdirectory
     assert [d.name for d in rank_dirs] == ["rank0", "rank1"]
     files = [{f.name for f in d.glob("*.kv")} for d in rank_dirs]
     hasher = LLM(str(model_dirs["kv2"]), cluster_secret=TIER_SECRET, **OPTIONS).engine.hasher
@@ -372,7 +375,7 @@ def test_a_restarted_tp2_group_reopens_the_disk_blocks_every_rank_holds(ray_runt
     assert set(doc4) <= files[0]  # on the device at the end: written down by the shutdown, on both ranks
     (rank_dirs[1] / doc0[3]).unlink()  # rank 1 lost the document's fourth block
     gc = RayGroupConfig(tensor_parallel_size=2, bundle_resources={ray_runtime.node_labels[1]: 1}, heartbeat_s=0.5)
-    again = RayGroup(engine_config(model_dirs["kv2"], **OPTIONS, **tiers(tier_dir)), gc)
+    again = RayGroup(engine_config(model_dirs["kv2"], **OPTIONS, **tiers(tier_dir)), gc, group_id="kv2-tiers")
     try:
         got = asyncio.run(stream_all(again, [prompts[5]]))
         s = settled_stats(again)
@@ -387,6 +390,29 @@ def test_a_restarted_tp2_group_reopens_the_disk_blocks_every_rank_holds(ray_runt
         assert got == [tp1.generate([last], GREEDY)[0].token_ids]
     finally:
         again.shutdown()
+
+
+def test_a_tp2_group_reads_the_disk_blocks_a_gone_group_of_its_node_left(ray_runtime, groups, model_dirs, tier_dir):
+    """kv2-tiers is gone (stopped by the test above, its blocks written down at the stop); a
+    group of the same node and --kv-disk-dir under another id reads the last document's
+    blocks from kv2-tiers' directory, each rank its own rank's files, into its host tier, and
+    answers from them as a TP=1 engine does; a group it never heard of brings nothing."""
+    doc = prompts_of([40] * 5, seed=78)[4]
+    question = doc + [9, 10, 11]
+    hasher = LLM(str(model_dirs["kv2"]), cluster_secret=TIER_SECRET, **OPTIONS).engine.hasher
+    chain = hasher.hash_prompt(question)
+    gc = RayGroupConfig(tensor_parallel_size=2, bundle_resources={ray_runtime.node_labels[1]: 1}, heartbeat_s=0.5)
+    reader = RayGroup(engine_config(model_dirs["kv2"], **OPTIONS, **tiers(tier_dir)), gc, group_id="kv2-reader")
+    try:
+        assert asyncio.run(reader.pull_from_disk("kv2-nobody", chain, timeout_s=30)) == 0
+        assert asyncio.run(reader.pull_from_disk("kv2-tiers", chain, timeout_s=30)) == 5
+        got = asyncio.run(stream_all(reader, [question]))
+        s = settled_stats(reader)
+        assert s["kv_blocks_imported"] == 5 and s["kv_host_hits"] == 40, s
+        tp1 = LLM(str(model_dirs["kv2"]), **OPTIONS)
+        assert got == [tp1.generate([question], GREEDY)[0].token_ids]
+    finally:
+        reader.shutdown()
 
 
 def test_tp4_with_replicated_kv_heads(groups, expected):

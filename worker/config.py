@@ -71,6 +71,11 @@ class CacheConfig:
     # kv_disk_dir (local NVMe): blocks the host evicts are written there; None: no disk tier
     kv_disk_bytes: int | None = None
     kv_disk_dir: str | None = None
+    # the group's own subdirectory of kv_disk_dir, its id (set by the cluster floor,
+    # cluster/group.py `for_group`): the groups of one node share a --kv-disk-dir, each
+    # in a directory of its own, which its replacement under the same id reopens and another
+    # group of the node can read when it is gone (LLMEngine.import_from_disk); "": none
+    kv_disk_group: str = ""
     # reads from the disk tier off the step's path (a reader thread per rank; a request waits
     # in a loading state meanwhile, worker/engine/scheduler.py); False: read between two steps
     kv_disk_async: bool = True
@@ -110,6 +115,8 @@ class CacheConfig:
                 raise ValueError("kv_disk_bytes needs kv_host_bytes: blocks reach the disk tier through the host's")
             if not self.kv_disk_dir:
                 raise ValueError("kv_disk_bytes needs kv_disk_dir, the directory of the disk tier")
+        if self.kv_disk_group:
+            check_disk_group(self.kv_disk_group)
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
         if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
@@ -118,6 +125,19 @@ class CacheConfig:
             raise ValueError(f"memory_utilization must be in (0, 1], got {self.memory_utilization}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+
+
+_DISK_GROUP = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+def check_disk_group(group: str) -> str:
+    """A group's subdirectory name under kv_disk_dir (its id): one path component of letters,
+    digits, '.', '_' and '-', so that no id can name a directory outside kv_disk_dir."""
+    if not isinstance(group, str) or not _DISK_GROUP.fullmatch(group):
+        raise ValueError(
+            f"kv_disk_group must be 1-128 letters, digits, '.', '_' or '-' (not starting with '.'), got {group!r}"
+        )
+    return group
 
 
 def check_kv_quota(name: str, quota: object) -> float | int:

@@ -43,7 +43,7 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import replace
 
-from cluster.group import GroupHandle, GroupStatus, status_from_stats
+from cluster.group import GroupHandle, GroupStatus, for_group, status_from_stats
 from cluster.index import GroupPublisher, IndexWriter
 from cluster.ray.config import RayGroupConfig
 from cluster.ray.output_delta import OutputAssembler
@@ -76,6 +76,8 @@ class RayGroup(GroupHandle):
         `index`: where its KV events and load go, through this handle (one index or several;
         None: nowhere)."""
         gc = group_config or RayGroupConfig()
+        if group_id is not None:  # (a disk tier of its own under an id a restart keeps)
+            config = for_group(config, group_id)
         group_id = group_id or f"ray-group-{next(_group_ids)}-{uuid.uuid4().hex[:6]}"
         target = None if index is None else IndexTarget(group_id, subscriber=OWNER)
         ranks = RankSet(config, gc, target)
@@ -273,6 +275,21 @@ class RayGroup(GroupHandle):
         except Exception as e:  # (TimeoutError, RayActorError, KVTransferError): recompute instead
             log.warning(
                 "group %s: pulling %d blocks from %s failed (%s)", self.group_id, len(hashes), holder.group_id, e
+            )
+            return 0
+
+    async def pull_from_disk(self, group_id: str, block_hashes: Sequence[bytes], timeout_s: float) -> int:
+        """Every rank reads rank r's files that `group_id`'s disk tier left on this node, and
+        rank 0 writes the blocks all of them read into the host tiers between two steps
+        (cluster/ray/rank_actor.py: `pull_disk`)."""
+        if self._closed:
+            return 0
+        hashes = tuple(block_hashes)
+        try:
+            return await asyncio.wait_for(self._rank0.pull_disk.remote(group_id, hashes), timeout_s)
+        except Exception as e:  # (TimeoutError, RayActorError, KVTransferError): recompute instead
+            log.warning(
+                "group %s: reading %d blocks of %s's disk tier failed (%s)", self.group_id, len(hashes), group_id, e
             )
             return 0
 

@@ -366,6 +366,27 @@ class RankActor:
         await asyncio.gather(*staged)
         return await asyncio.wrap_future(self.engine.call(lambda e: e.import_blocks(export, shard, import_id)))
 
+    async def stage_disk(self, import_id: bytes, group: str, block_hashes: tuple[bytes, ...]) -> int:
+        """Rank r > 0 of a puller: read rank r's files that `group`'s disk tier left on this
+        node, kept for rank 0's IMPORT message; returns how many leading blocks were whole."""
+        shard = await asyncio.to_thread(self.worker.worker.sibling_shard, group, block_hashes)
+        self.worker.stash.put(import_id, shard)
+        return shard[0].shape[0] if shard else 0
+
+    async def pull_disk(self, group: str, block_hashes: tuple[bytes, ...]) -> int:
+        """Rank 0 of a puller: the leading blocks of the chain that every rank found whole in
+        `group`'s disk directory of this node, into this group's host tier; returns how many
+        were written."""
+        import_id = uuid.uuid4().bytes
+        staged = [p.stage_disk.remote(import_id, group, block_hashes) for p in self._peers]
+        shard = await asyncio.to_thread(self.executor.sibling_shard, group, block_hashes)
+        n = min([shard[0].shape[0] if shard else 0, *await asyncio.gather(*staged)])
+        if not n:
+            return 0
+        return await asyncio.wrap_future(
+            self.engine.call(lambda e: e.import_from_disk(group, block_hashes[:n], shard, import_id))
+        )
+
     async def shutdown(self) -> None:
         self._closing = True
         if self._node_watch is not None:

@@ -23,6 +23,7 @@ import threading
 import time
 from dataclasses import dataclass, field, replace
 
+from cluster.group import for_group
 from cluster.ray.config import RayGroupConfig
 from cluster.ray.rank_actor import IndexTarget
 from cluster.ray.ranks import RankSet
@@ -203,7 +204,8 @@ class Supervisor:
         name = f"{slot.group_id}.g{slot.generation}"
         index = IndexTarget(slot.group_id, spec.redis_url, spec.cluster, spec.model, spec.events_to)
         try:
-            ranks = slot.placing_ranks = RankSet(spec.engine, spec.group_config, index, name, self.detached)
+            engine = for_group(spec.engine, slot.group_id)
+            ranks = slot.placing_ranks = RankSet(engine, spec.group_config, index, name, self.detached)
             ranks.wait_ready()
         except Exception as e:  # noqa: BLE001  (placement or start-up failed: a restart)
             if not self._stopping:

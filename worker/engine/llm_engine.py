@@ -493,6 +493,21 @@ class LLMEngine:
         self.flush_events()
         return len(rows) if ok else 0
 
+    def import_from_disk(self, group: str, block_hashes: Sequence[bytes], shard=None, import_id: bytes = b"") -> int:
+        """The leading blocks of the chain that the disk tier of `group` (another group of this
+        node, gone: a shared --kv-disk-dir, its own subdirectory) left whole, into this group's
+        host tier as a pull's blocks go (`import_blocks`); returns how many were written, 0
+        when there are none or this group has no disk tier. A block's file is named by its
+        hash, which means the same K/V here under the cluster's secret and the model's
+        fingerprint (the directory's digest). `shard`: rank 0's, when the caller read every
+        rank's (the chain then cut to its blocks); each other rank's kept under `import_id`."""
+        shard = self.executor.sibling_shard(group, block_hashes) if shard is None else shard
+        n = shard[0].shape[0] if shard else 0
+        if not n:
+            return 0
+        export = BlockExport(self.kv_format(), tuple(block_hashes[:n]), [shard])
+        return self.import_blocks(export, shard, import_id)
+
     # ---- introspection -----------------------------------------------------------------
     def cached_hashes(self) -> list[bytes]:
         """Every block hash in the prefix cache on the device."""

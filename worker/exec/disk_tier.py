@@ -13,10 +13,12 @@ group agrees on the leading blocks that every rank read whole (the smallest coun
 ranks) before rank 0 lets any request use them (`DeviceWorker.fetch_wait`). With
 `kv_disk_async` False they are made between two steps, the engine's thread waiting.
 
-The directory survives its owner. It is `<kv_disk_dir>/<digest>/rank<r>`, the digest keyed by
-the cluster secret over the model's fingerprint and the group's size: a block's name (its
-hash) means the same K/V exactly under that secret and fingerprint, so a group restarted with
-both finds its blocks where it left them. At open the owner locks it (`flock`), removes torn
+The directory survives its owner. It is `<kv_disk_dir>/<group>/<digest>/rank<r>` (a group
+given no id: `<kv_disk_dir>/<digest>/rank<r>`), the digest keyed by the cluster secret over the
+model's fingerprint and the group's size: a block's name (its hash) means the same K/V exactly
+under that secret and fingerprint, so a group restarted with both under its id finds its blocks
+where it left them, and another group of the node with both can read (never write nor remove)
+the blocks a group that is gone left in its directory (`read_shard`). At open the owner locks it (`flock`), removes torn
 temporary files, and lists the block files whose header is whole (name, size, magic, version,
 hash: no payload read; the checksum is checked when a block is read) as its `inventory`,
 oldest first; the block manager then adopts what every rank holds, up to the tier's capacity
@@ -57,12 +59,12 @@ class DiskDirectoryInUse(RuntimeError):
     """Another process owns the tier's directory."""
 
 
-def disk_directory(root: str | os.PathLike, fingerprint: bytes, key: bytes, rank: int) -> Path:
-    """This rank's directory under `root`: one per model fingerprint (model, dtypes, block size,
-    group size) and cluster secret `key`, whose digest names it (keyed: it tells nothing of
-    the secret)."""
+def disk_directory(root: str | os.PathLike, fingerprint: bytes, key: bytes, rank: int, group: str = "") -> Path:
+    """This rank's directory under `root` (and the group's own subdirectory, `group`, where
+    one is given): one per model fingerprint (model, dtypes, block size, group size) and
+    cluster secret `key`, whose digest names it (keyed: it tells nothing of the secret)."""
     digest = hashlib.blake2b(b"kv-disk\x00" + fingerprint, key=key[:64], digest_size=8).hexdigest()
-    return Path(root) / digest / f"rank{rank}"
+    return Path(root) / group / digest / f"rank{rank}"
 
 
 def disk_blocks(cache: CacheConfig, layout: KVLayout) -> int:
@@ -160,36 +162,43 @@ class DiskTier:
         self.reads += 1
         if self.read_delay_s:
             time.sleep(self.read_delay_s)
-        try:
-            data = path.read_bytes()
-        except OSError:
+        payload = read_payload(path, block_hash, self.host.block_bytes)
+        if payload is None:
+            if path.exists():
+                _remove(path)
             self.failed_reads += 1
             return False
-        if not self._valid(data, block_hash):
-            _remove(path)
-            self.failed_reads += 1
-            return False
-        at = _HEADER.size
+        at = 0
         for t in self.host.host_tensors:
             row = t[slot]
             n = row.numel()
-            row.copy_(torch.frombuffer(bytearray(data[at : at + n]), dtype=torch.uint8).view(row.shape))
+            row.copy_(torch.frombuffer(bytearray(payload[at : at + n]), dtype=torch.uint8).view(row.shape))
             at += n
-        self.bytes_read += len(data)
+        self.bytes_read += _HEADER.size + len(payload)
         return True
 
-    def _valid(self, data: bytes, block_hash: bytes) -> bool:
-        if len(data) < _HEADER.size:
-            return False
-        magic, version, stored, length, crc = _HEADER.unpack_from(data, 0)
-        payload = memoryview(data)[_HEADER.size :]
-        return (
-            magic == _MAGIC
-            and version == _VERSION
-            and stored == block_hash
-            and length == len(payload) == self.host.block_bytes
-            and zlib.crc32(payload) == crc
-        )
+    def read_shard(self, directory: Path, block_hashes) -> list[torch.Tensor]:
+        """The leading blocks of the chain `block_hashes` whose files in `directory` (another
+        group's tier of this node, left when it stopped: read only, unlocked, nothing removed)
+        are whole, as a pulled shard is (worker/exec/kv_transfer.py): per host tensor, the
+        blocks' rows (n, ...) uint8, n possibly 0."""
+        payloads = []
+        for block_hash in block_hashes:
+            payload = read_payload(directory / f"{block_hash.hex()}.kv", block_hash, self.host.block_bytes)
+            if payload is None:
+                break
+            payloads.append(payload)
+        self.reads += len(payloads)
+        self.bytes_read += len(payloads) * (_HEADER.size + self.host.block_bytes)
+        shard, at = [], 0
+        for t in self.host.host_tensors:
+            n = t[0].numel()
+            rows = torch.empty((len(payloads), *t.shape[1:]), dtype=torch.uint8)  # (blocks, ...)
+            for i, payload in enumerate(payloads):
+                rows[i].view(-1).copy_(torch.frombuffer(bytearray(payload[at : at + n]), dtype=torch.uint8))
+            shard.append(rows)
+            at += n
+        return shard
 
     def fetch(self, fetches: list[tuple[bytes, int]]) -> int:
         """Read a chain's blocks in order into their host slots; the count read whole
@@ -206,6 +215,29 @@ class DiskTier:
 
     def close(self) -> None:
         self._lock.close()
+
+
+def read_payload(path: Path, block_hash: bytes, block_bytes: int) -> memoryview | None:
+    """The payload of the block file `path` when it is whole: its header's magic, version,
+    hash (`block_hash`) and length (`block_bytes`) as expected and its checksum right; None
+    when it is missing, torn, of another block or corrupt."""
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return None
+    if len(data) < _HEADER.size:
+        return None
+    magic, version, stored, length, crc = _HEADER.unpack_from(data, 0)
+    payload = memoryview(data)[_HEADER.size :]
+    if (
+        magic == _MAGIC
+        and version == _VERSION
+        and stored == block_hash
+        and length == len(payload) == block_bytes
+        and zlib.crc32(payload) == crc
+    ):
+        return payload
+    return None
 
 
 def _lock(path: Path, wait_s: float):

@@ -9,12 +9,14 @@ from __future__ import annotations
 import collections
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 
 import torch
 
 from kernels.registry import get_backend
-from worker.config import cluster_secret
+from worker.config import check_disk_group, cluster_secret
 from worker.exec.disk_tier import DiskTier, disk_blocks, disk_directory
 from worker.exec.host_tier import HostTier, host_blocks
 from worker.exec.kv_calibration import calibrate_tensor_scales
@@ -48,6 +50,7 @@ class DeviceWorker:
         self.pool: KVPool | None = None
         self.host_tier: HostTier | None = None  # blocks under the pool, in host memory
         self.disk_tier: DiskTier | None = None  # and under the host tier, on disk
+        self._sibling_directory = None  # (group, ...) -> that group's directory for this rank
         self.load_times = {HOST: LoadTimes(), DISK: LoadTimes()}  # restores' latencies, by tier
         self._reader: ThreadPoolExecutor | None = None  # the disk reads off the step's path
         self._reads: collections.deque[tuple[Future, list[tuple[bytes, int]]]] = collections.deque()
@@ -87,9 +90,20 @@ class DeviceWorker:
                 c = self.collectives
                 fingerprint = kv_fingerprint(self.config, self.model_config).encode() + b"tp%d" % c.world_size
                 key = cluster_secret(self.config.cluster_secret)
-                directory = disk_directory(cache.kv_disk_dir, fingerprint, key, c.rank)
+                directory = disk_directory(cache.kv_disk_dir, fingerprint, key, c.rank, cache.kv_disk_group)
                 blocks = disk_blocks(cache, self.layout)
                 self.disk_tier = DiskTier(directory, self.host_tier, blocks, cache.kv_disk_read_delay_s)
+                if cache.kv_disk_group:  # the directory of another group of the node, by its id
+                    self._sibling_directory = partial(disk_directory, cache.kv_disk_dir, fingerprint, key, c.rank)
+
+    def sibling_shard(self, group: str, block_hashes: Sequence[bytes]) -> list[torch.Tensor]:
+        """This rank's shard of the chain's leading blocks that the disk tier of `group`,
+        another group of this node sharing its --kv-disk-dir, left whole in its directory
+        (`DiskTier.read_shard`); [] when this rank has no disk tier in a group's own
+        subdirectory, or `group` is this one."""
+        if self.disk_tier is None or self._sibling_directory is None or group == self.config.cache.kv_disk_group:
+            return []
+        return self.disk_tier.read_shard(self._sibling_directory(check_disk_group(group)), block_hashes)
 
     def disk_inventory(self, agree=None) -> list[bytes]:
         """The blocks this rank's disk tier reopened (oldest first), with `agree` only those
@@ -285,6 +299,11 @@ class Executor(ABC):
         every rank wrote its rows."""
         raise NotImplementedError(f"{type(self).__name__} cannot import KV blocks")
 
+    def sibling_shard(self, group: str, block_hashes: Sequence[bytes]) -> list:
+        """Rank 0's shard of the chain's leading blocks left whole in the disk directory of
+        `group`, another group of this node (`DeviceWorker.sibling_shard`); [] for none."""
+        return []
+
 
 class LocalExecutor(Executor):
     """A group of one device in this process."""
@@ -326,6 +345,9 @@ class LocalExecutor(Executor):
 
     def import_blocks(self, import_id: bytes, early: KVMoves, rows: list[tuple[int, int]], shard) -> bool:
         return self.worker.import_rows(early, rows, shard)
+
+    def sibling_shard(self, group: str, block_hashes: Sequence[bytes]) -> list:
+        return self.worker.sibling_shard(group, block_hashes)
 
     def disk_inventory(self) -> list[bytes]:
         return self.worker.disk_inventory()

@@ -141,6 +141,10 @@ class TPExecutor(Executor):
         ok = self._collective(self.worker.import_rows, early, rows, shard)
         return bool(self._collective(self.channel.all_reduce_min, int(ok)))
 
+    def sibling_shard(self, group: str, block_hashes) -> list:
+        """Rank 0's own shard; each other rank reads its own (cluster/ray/rank_actor.py)."""
+        return self.worker.sibling_shard(group, block_hashes)
+
     def flush_moves(self, moves: KVMoves) -> None:
         """Every rank makes the shutdown's copies (as a step's, sent ahead of no step)."""
         self._collective(self.channel.send, encode_moves(moves))
