@@ -370,23 +370,33 @@ async def _drain_run(router, g0, g1, prompts: list[list[int]], args: argparse.Na
     return await asyncio.gather(*(one(i) for i in range(len(prompts))))
 
 
-def _drain_mode(config, hasher, info, args: argparse.Namespace, pull: bool, prompts, refs) -> dict:
-    """One mode of the drain-with-KV case on two fresh groups: its JSON line."""
+def _two_groups(config, hasher, info, ids: tuple[str, str], switches: dict, run) -> tuple:
+    """Two fresh groups of `config` named `ids` under one router (`switches`: its attributes
+    to set), `run(router, first, second)` to its end: (the router, what the run returned, the
+    tokens the second group computed meanwhile)."""
     from cluster.index import InMemoryPrefixIndex
     from cluster.local_group import LocalGroup
     from router.router import Router
 
     index = InMemoryPrefixIndex()
-    g0, g1 = LocalGroup(config, index, group_id="g0"), LocalGroup(config, index, group_id="g1")
+    first, second = (LocalGroup(config, index, group_id=gid) for gid in ids)
     try:
-        router = Router([g0, g1], index, hasher, info)
-        router.move_pull = pull
-        before = g1.engine.engine.stats()["tokens_computed"]
-        results = asyncio.run(_drain_run(router, g0, g1, prompts, args))
-        delta = g1.engine.engine.stats()["tokens_computed"] - before
+        router = Router([first, second], index, hasher, info)
+        for name, value in switches.items():
+            setattr(router, name, value)
+        before = second.engine.engine.stats()["tokens_computed"]
+        results = asyncio.run(run(router, first, second))
+        computed = second.engine.engine.stats()["tokens_computed"] - before
     finally:
-        g0.shutdown()
-        g1.shutdown()
+        first.shutdown()
+        second.shutdown()
+    return router, results, computed
+
+
+def _drain_mode(config, hasher, info, args: argparse.Namespace, pull: bool, prompts, refs) -> dict:
+    """One mode of the drain-with-KV case on two fresh groups: its JSON line."""
+    drain = lambda router, g0, g1: _drain_run(router, g0, g1, prompts, args)  # noqa: E731
+    router, results, delta = _two_groups(config, hasher, info, ("g0", "g1"), {"move_pull": pull}, drain)
     stalls = [stall for _, stall, _ in results]
     known = sum(args.prompt_len + moved_at for *_, moved_at in results)
     # g1 computes, per stream, what it recomputes at the resume, then a token per decode step:
@@ -445,25 +455,30 @@ def _moved_streams(args: argparse.Namespace, secret: str) -> tuple:
     return config, hasher, info, prompts, refs
 
 
-def drain_kv(args: argparse.Namespace) -> list[dict]:
-    """The drain-with-KV case (see the module docstring): one line per mode, then the ratio."""
-    config, hasher, info, prompts, refs = _moved_streams(args, "failover-drain")
+def _paired(args: argparse.Namespace, case: str, run_mode, ratios: dict[str, str]) -> list[dict]:
+    """A case of two modes on the same streams (`run_mode(config, hasher, info, args, first,
+    prompts, refs)`, first True then False, each on fresh groups): a line per mode, then
+    `<case>_ratio` with each of `ratios` (name -> a key of the lines) first over second."""
+    config, hasher, info, prompts, refs = _moved_streams(args, f"failover-{case}")
     lines = []
-    for pull in (True, False):
-        lines.append(_drain_mode(config, hasher, info, args, pull, prompts, refs))
+    for first in (True, False):
+        lines.append(run_mode(config, hasher, info, args, first, prompts, refs))
         print(json.dumps(lines[-1]), flush=True)
-    pulled, recomputed = lines
-    ratio = {
-        "case": "drain_kv_ratio",
-        "model": args.model,
-        "stall_p50_pull_vs_recompute": round(pulled["stall_ms_p50"] / max(1e-9, recomputed["stall_ms_p50"]), 3),
-        "stall_p99_pull_vs_recompute": round(pulled["stall_ms_p99"] / max(1e-9, recomputed["stall_ms_p99"]), 3),
-        "tokens_recomputed_pull_vs_recompute": round(
-            pulled["tokens_recomputed"] / max(1, recomputed["tokens_recomputed"]), 3
-        ),
-    }
+    one, other = lines
+    ratio = {"case": f"{case}_ratio", "model": args.model}
+    ratio.update({name: round(one[key] / max(1e-9, other[key]), 3) for name, key in ratios.items()})
     print(json.dumps(ratio), flush=True)
     return [*lines, ratio]
+
+
+def drain_kv(args: argparse.Namespace) -> list[dict]:
+    """The drain-with-KV case (see the module docstring): one line per mode, then the ratio."""
+    ratios = {
+        "stall_p50_pull_vs_recompute": "stall_ms_p50",
+        "stall_p99_pull_vs_recompute": "stall_ms_p99",
+        "tokens_recomputed_pull_vs_recompute": "tokens_recomputed",
+    }
+    return _paired(args, "drain_kv", _drain_mode, ratios)
 
 
 async def _load_run(router, g0, g1, prompts: list[list[int]], args: argparse.Namespace) -> list:
@@ -530,21 +545,8 @@ def _differing(tokens: list[int], reference: list[int]) -> int:
 
 def load_move(args: argparse.Namespace) -> list[dict]:
     """The load_move case (see the module docstring): one line per mode, then the ratios."""
-    config, hasher, info, prompts, refs = _moved_streams(args, "failover-load")
-    lines = []
-    for on in (True, False):
-        lines.append(_load_mode(config, hasher, info, args, on, prompts, refs))
-        print(json.dumps(lines[-1]), flush=True)
-    on, off = lines
-    ratio = {
-        "case": "load_move_ratio",
-        "model": args.model,
-        "e2e_p50_on_vs_off": round(on["e2e_ms_p50"] / max(1e-9, off["e2e_ms_p50"]), 3),
-        "e2e_p99_on_vs_off": round(on["e2e_ms_p99"] / max(1e-9, off["e2e_ms_p99"]), 3),
-        "tpot_p50_on_vs_off": round(on["tpot_ms_p50"] / max(1e-9, off["tpot_ms_p50"]), 3),
-    }
-    print(json.dumps(ratio), flush=True)
-    return [*lines, ratio]
+    ratios = {"e2e_p50_on_vs_off": "e2e_ms_p50", "e2e_p99_on_vs_off": "e2e_ms_p99", "tpot_p50_on_vs_off": "tpot_ms_p50"}
+    return _paired(args, "load_move", _load_mode, ratios)
 
 
 async def _death_run(router, d0, d1, prompts: list[list[int]], args: argparse.Namespace) -> list:
@@ -583,9 +585,7 @@ async def _death_run(router, d0, d1, prompts: list[list[int]], args: argparse.Na
 
 def _death_mode(config, hasher, info, args: argparse.Namespace, read: bool, prompts, refs) -> dict:
     """One mode of the death_disk case on a fresh directory and two fresh groups: its line."""
-    from cluster.index import InMemoryPrefixIndex
     from cluster.local_group import LocalGroup
-    from router.router import Router
     from worker.protocol import GenerationRequest
     from worker.sampling_params import SamplingParams
 
@@ -603,17 +603,8 @@ def _death_mode(config, hasher, info, args: argparse.Namespace, read: bool, prom
             asyncio.run(read_all())
         finally:
             first.shutdown()  # (its blocks written down to tmp/d0)
-        index = InMemoryPrefixIndex()
-        d0, d1 = LocalGroup(config, index, group_id="d0"), LocalGroup(config, index, group_id="d1")
-        try:
-            router = Router([d0, d1], index, hasher, info)
-            router.read_dead_disk = read
-            before = d1.engine.engine.stats()["tokens_computed"]
-            results = asyncio.run(_death_run(router, d0, d1, prompts, args))
-            computed = d1.engine.engine.stats()["tokens_computed"] - before
-        finally:
-            d0.shutdown()
-            d1.shutdown()
+        die = lambda router, d0, d1: _death_run(router, d0, d1, prompts, args)  # noqa: E731
+        router, results, computed = _two_groups(config, hasher, info, ("d0", "d1"), {"read_dead_disk": read}, die)
     stalls = [stall for _, stall in results]
     records = list(router.records.values())
     return {
@@ -634,23 +625,12 @@ def _death_mode(config, hasher, info, args: argparse.Namespace, read: bool, prom
 
 def death_disk(args: argparse.Namespace) -> list[dict]:
     """The death_disk case (see the module docstring): one line per mode, then the ratio."""
-    config, hasher, info, prompts, refs = _moved_streams(args, "failover-death")
-    lines = []
-    for read in (True, False):
-        lines.append(_death_mode(config, hasher, info, args, read, prompts, refs))
-        print(json.dumps(lines[-1]), flush=True)
-    done, redone = lines
-    ratio = {
-        "case": "death_disk_ratio",
-        "model": args.model,
-        "stall_p50_read_vs_recompute": round(done["stall_ms_p50"] / max(1e-9, redone["stall_ms_p50"]), 3),
-        "stall_p99_read_vs_recompute": round(done["stall_ms_p99"] / max(1e-9, redone["stall_ms_p99"]), 3),
-        "tokens_computed_read_vs_recompute": round(
-            done["tokens_computed_d1"] / max(1, redone["tokens_computed_d1"]), 3
-        ),
+    ratios = {
+        "stall_p50_read_vs_recompute": "stall_ms_p50",
+        "stall_p99_read_vs_recompute": "stall_ms_p99",
+        "tokens_computed_read_vs_recompute": "tokens_computed_d1",
     }
-    print(json.dumps(ratio), flush=True)
-    return [*lines, ratio]
+    return _paired(args, "death_disk", _death_mode, ratios)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

@@ -134,3 +134,18 @@ def transformers_greedy(model, prompts: list[list[int]], max_new_tokens: int) ->
             )
         outs.append(gen[0, len(p) :].tolist())
     return outs
+
+
+def fail_after(group, steps: int) -> None:
+    """An in-process group's device fails after `steps` more steps: its engine dies of a
+    RuntimeError, as a lost device would kill it, and its streams with it."""
+    engine = group.engine.engine
+    done, execute = [0], engine.executor.execute
+
+    def fails(out):
+        done[0] += 1
+        if done[0] > steps:
+            raise RuntimeError("device lost")
+        return execute(out)
+
+    engine.executor.execute = fails

@@ -20,6 +20,7 @@ from cluster.local_group import LocalGroup
 from pagefleet.llm import engine_config
 from router.launch.local import router_side
 from router.router import ModelInfo, Router, RouteRequest
+from tests.factories import fail_after
 from worker.config import check_disk_group
 from worker.protocol import GenerationRequest
 from worker.sampling_params import SamplingParams
@@ -177,16 +178,7 @@ def test_a_stream_whose_group_dies_resumes_from_the_blocks_its_disk_tier_left(tm
     d0, d1 = LocalGroup(config(tmp_path), index, group_id="d0"), LocalGroup(config(tmp_path), index, group_id="d1")
     try:
         router = Router([d0, d1], index, d0.hasher, ModelInfo("builtin", 256, 16, "auto", 1024), policy="round_robin")
-        engine = d0.engine.engine
-        steps, execute = [0], engine.executor.execute
-
-        def dies(out):
-            steps[0] += 1
-            if steps[0] > 12:
-                raise RuntimeError("device lost")
-            return execute(out)
-
-        engine.executor.execute = dies
+        fail_after(d0, 12)
         before = d1.engine.engine.stats()
 
         async def stream():

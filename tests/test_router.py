@@ -15,7 +15,7 @@ from cluster.index import FailoverReader, InMemoryPrefixIndex, RedisPrefixIndex
 from cluster.local_group import LocalGroup
 from pagefleet.llm import engine_config
 from router.router import ModelInfo, Router, RouteRequest
-from tests.factories import wait_until
+from tests.factories import fail_after, wait_until
 from tests.redis_server import RedisServer
 from worker.sampling_params import SamplingParams
 
@@ -316,16 +316,7 @@ def test_a_group_dying_mid_stream_has_its_streams_resumed_elsewhere(params, capl
 
         whole = asyncio.run(stream())  # undisturbed, on m0 (round robin)
         assert router.records[whole[-1].request_id].group_id == "m0"
-        engine = made[1].engine.engine  # the next one goes to m1, which dies after 12 steps
-        steps, execute = [0], engine.executor.execute
-
-        def dies(out):
-            steps[0] += 1
-            if steps[0] > 12:
-                raise RuntimeError("device lost")
-            return execute(out)
-
-        engine.executor.execute = dies
+        fail_after(made[1], 12)  # the next one goes to m1, which dies after 12 steps
         with caplog.at_level(logging.WARNING):
             moved = asyncio.run(stream())
         record = router.records[moved[-1].request_id]
