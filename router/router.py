@@ -486,7 +486,7 @@ class Router:
                 if placement.pull_from is not None:
                     placement, pulled = await self._pull(placement, hashes)
                 if state.dead is not None:  # a resume: what the dead group left on its node's disk
-                    placement, read = await self._read_dead(placement, ids, request.cache_salt, state)
+                    placement, read = await self._read_dead(placement, ids, hashes, request.cache_salt, state)
                     pulled += read
             predicted = placement.cached_tiers(len(ids), self.model_info.block_size)
             if state.record is None:  # one record per request, updated when it moves
@@ -665,22 +665,19 @@ class Router:
         decided = time.perf_counter() - t0
         placement = replace(placement, pull_from=None, pull_blocks=0, pull_wait=False)
         self.ledger.move(state.record.request_id, group.group_id, placement.group_id)
-        chain = self.hasher.hash_prompt(list(ids) + state.tokens, cache_salt=cache_salt)
+        chain = self._known_chain(ids, cache_salt, state)
         pulled = 0
         if self.move_pull and chain:
             pulled = await self.groups[placement.group_id].pull_from(group, chain, PULL_TIMEOUT_S)
-        if pulled:
-            prompt_blocks = min(len(hashes), pulled)
-            placement = replace(
-                placement,
-                pull_from=group.group_id,
-                pull_blocks=pulled,
-                cached_blocks=max(placement.cached_blocks, prompt_blocks),
-            )
-        return placement, pulled, decided
+        return with_pulled(placement, group.group_id, pulled, len(hashes)), pulled, decided
+
+    def _known_chain(self, ids: Sequence[int], cache_salt: str | None, state: _Stream) -> list[bytes]:
+        """The block hashes of what a stream knows: its prompt and the tokens generated so far
+        (what a group it moves or resumes on can get instead of recomputing)."""
+        return self.hasher.hash_prompt(list(ids) + state.tokens, cache_salt=cache_salt)
 
     async def _read_dead(
-        self, placement: Placement, ids: Sequence[int], cache_salt: str | None, state: _Stream
+        self, placement: Placement, ids: Sequence[int], hashes: Sequence[bytes], cache_salt: str | None, state: _Stream
     ) -> tuple[Placement, int]:
         """A stream whose group died resumes on `placement`'s group: when that group is on the
         dead one's node, it reads the leading blocks of the prompt and the tokens generated so
@@ -691,16 +688,11 @@ class Router:
         (gone, status), state.dead = state.dead, None
         if not same_node(status, self.live_statuses().get(placement.group_id)):
             return placement, 0
-        chain = self.hasher.hash_prompt(list(ids) + state.tokens, cache_salt=cache_salt)
+        chain = self._known_chain(ids, cache_salt, state)
         pulled = await self.groups[placement.group_id].pull_from_disk(gone, chain, PULL_TIMEOUT_S) if chain else 0
-        if not pulled:
-            return placement, 0
-        log.info("group %s read %d blocks that %s left on its node's disk", placement.group_id, pulled, gone)
-        cached = max(placement.cached_blocks, min(len(ids) // self.model_info.block_size, pulled))
-        source = placement.pull_from or gone
-        return replace(
-            placement, pull_from=source, pull_blocks=placement.pull_blocks + pulled, cached_blocks=cached
-        ), pulled
+        if pulled:
+            log.info("group %s read %d blocks that %s left on its node's disk", placement.group_id, pulled, gone)
+        return with_pulled(placement, gone, pulled, len(hashes)), pulled
 
     async def _pull(self, placement: Placement, hashes: Sequence[bytes]) -> tuple[Placement, int]:
         """Have the chosen group pull the prefix from `placement.pull_from` before the request
@@ -835,6 +827,20 @@ def pull_pays(blocks: int, cost: CostModel, block_size: int, near: bool = True) 
     """Whether pulling `blocks` blocks is sooner than computing them (the cost model's link
     within a node if `near`, else across nodes)."""
     return blocks > 0 and cost.pull_seconds(blocks, near) < cost.recompute_seconds(blocks * block_size)
+
+
+def with_pulled(placement: Placement, source: str, pulled: int, prompt_blocks: int) -> Placement:
+    """`placement` with `pulled` more blocks brought to its group before the request (from
+    `source`, unless a pull from another holder came first): they count among its pulled
+    blocks, and those of the prompt's `prompt_blocks` full blocks among its cached ones."""
+    if not pulled:
+        return placement
+    return replace(
+        placement,
+        pull_from=placement.pull_from or source,
+        pull_blocks=placement.pull_blocks + pulled,
+        cached_blocks=max(placement.cached_blocks, min(prompt_blocks, pulled)),
+    )
 
 
 def load_move_target(

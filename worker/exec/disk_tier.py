@@ -18,8 +18,8 @@ given no id: `<kv_disk_dir>/<digest>/rank<r>`), the digest keyed by the cluster 
 model's fingerprint and the group's size: a block's name (its hash) means the same K/V exactly
 under that secret and fingerprint, so a group restarted with both under its id finds its blocks
 where it left them, and another group of the node with both can read (never write nor remove)
-the blocks a group that is gone left in its directory (`read_shard`). At open the owner locks it (`flock`), removes torn
-temporary files, and lists the block files whose header is whole (name, size, magic, version,
+the blocks a group that is gone left in its directory (`read_shard`). At open the owner locks
+it (`flock`), removes torn temporary files, and lists the block files whose header is whole (name, size, magic, version,
 hash: no payload read; the checksum is checked when a block is read) as its `inventory`,
 oldest first; the block manager then adopts what every rank holds, up to the tier's capacity
 (`adopt`). Blocks in sibling directories (another secret or fingerprint, whose owner is gone)
@@ -37,6 +37,7 @@ import re
 import struct
 import time
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -164,18 +165,22 @@ class DiskTier:
             time.sleep(self.read_delay_s)
         payload = read_payload(path, block_hash, self.host.block_bytes)
         if payload is None:
-            if path.exists():
-                _remove(path)
+            _remove(path)
             self.failed_reads += 1
             return False
-        at = 0
-        for t in self.host.host_tensors:
-            row = t[slot]
-            n = row.numel()
-            row.copy_(torch.frombuffer(bytearray(payload[at : at + n]), dtype=torch.uint8).view(row.shape))
-            at += n
+        for t, row in self._rows(payload):
+            t[slot].copy_(row)
         self.bytes_read += _HEADER.size + len(payload)
         return True
+
+    def _rows(self, payload: memoryview) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """(host tensor, its row of the block) for each tensor of the host tier, the rows cut
+        from a block file's payload (uint8, each of the tensor's row shape)."""
+        at = 0
+        for t in self.host.host_tensors:
+            n = t[0].numel()
+            yield t, torch.frombuffer(bytearray(payload[at : at + n]), dtype=torch.uint8).view(t.shape[1:])
+            at += n
 
     def read_shard(self, directory: Path, block_hashes) -> list[torch.Tensor]:
         """The leading blocks of the chain `block_hashes` whose files in `directory` (another
@@ -190,14 +195,10 @@ class DiskTier:
             payloads.append(payload)
         self.reads += len(payloads)
         self.bytes_read += len(payloads) * (_HEADER.size + self.host.block_bytes)
-        shard, at = [], 0
-        for t in self.host.host_tensors:
-            n = t[0].numel()
-            rows = torch.empty((len(payloads), *t.shape[1:]), dtype=torch.uint8)  # (blocks, ...)
-            for i, payload in enumerate(payloads):
-                rows[i].view(-1).copy_(torch.frombuffer(bytearray(payload[at : at + n]), dtype=torch.uint8))
-            shard.append(rows)
-            at += n
+        shard = [torch.empty((len(payloads), *t.shape[1:]), dtype=torch.uint8) for t in self.host.host_tensors]
+        for i, payload in enumerate(payloads):
+            for rows, (_, row) in zip(shard, self._rows(payload), strict=True):
+                rows[i].copy_(row)  # (blocks, ...) per host tensor
         return shard
 
     def fetch(self, fetches: list[tuple[bytes, int]]) -> int:
