@@ -78,12 +78,20 @@ class LocalGroup(GroupHandle):
             return 0
 
     async def pull_from_disk(self, group_id: str, block_hashes: Sequence[bytes], timeout_s: float) -> int:
-        """Between two of this engine's steps, its ranks read the files that `group_id`'s disk
-        tier left and write them into the host tier (LLMEngine.import_from_disk)."""
+        """Read the files that `group_id`'s disk tier left on a thread of its own, then, between
+        two of this engine's steps, write them into the host tier (LLMEngine.import_from_disk).
+        The reads (a file and its checksum a block) stay off the step loop, so the group's
+        other streams keep their pace while a dead group's stream is being resumed here."""
         hashes = tuple(block_hashes)
+        executor = self.engine.engine.executor
         try:
             async with asyncio.timeout(timeout_s):
-                return await asyncio.wrap_future(self.engine.call(lambda e: e.import_from_disk(group_id, hashes)))
+                shard = await asyncio.to_thread(executor.sibling_shard, group_id, hashes)
+                if not shard or not shard[0].shape[0]:
+                    return 0
+                return await asyncio.wrap_future(
+                    self.engine.call(lambda e: e.import_from_disk(group_id, hashes, shard))
+                )
         except Exception as e:  # (TimeoutError, a dead engine, another format): recompute instead
             log.warning(
                 "group %s: reading %d blocks of %s's disk tier failed (%s)", self.group_id, len(hashes), group_id, e

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import pytest
 
@@ -28,6 +29,7 @@ from worker.sampling_params import SamplingParams
 SECRET = "disk-siblings-test-secret"
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 DOC_BLOCKS = 6  # the document: 6 full blocks of 16 tokens
+READ_DELAY_S = 0.2  # a slow disk: 1.2 s to read the document's files
 
 
 def config(directory, **options):
@@ -96,6 +98,39 @@ def test_a_group_reads_the_blocks_a_gone_group_of_its_node_left_and_answers_as_i
     assert after["kv_blocks_imported"] - before["kv_blocks_imported"] == DOC_BLOCKS
     assert after["tokens_computed"] - before["tokens_computed"] == 3 + GREEDY.max_tokens - 1
     assert {f.name for f in directory.glob("g-gone/*/rank0/*.kv")}  # read, not taken: still there
+
+
+def test_reading_a_gone_groups_files_leaves_the_other_streams_stepping(gone):
+    """The files are read on a thread of their own, not between two of the reader's steps: on a
+    slow disk (READ_DELAY_S a block), a stream the reader serves meanwhile keeps coming."""
+    _, question, directory = gone
+    reader = LocalGroup(config(directory, kv_disk_read_delay_s=READ_DELAY_S), group_id="g-reader")
+    long = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+    arrivals: list[float] = []
+
+    async def run():
+        async def stream():
+            async for _ in reader.generate(GenerationRequest(list(range(3, 11)), long, request_id="busy")):
+                arrivals.append(time.monotonic())
+
+        task = asyncio.create_task(stream())
+        while len(arrivals) < 2:
+            await asyncio.sleep(0.005)
+        start = time.monotonic()
+        pulled = await reader.pull_from_disk("g-gone", reader.hasher.hash_prompt(question), timeout_s=30)
+        end = time.monotonic()
+        await task
+        return pulled, start, end
+
+    try:
+        pulled, start, end = asyncio.run(run())
+        got = ask(reader, question, "reader-q")
+    finally:
+        reader.shutdown()
+    assert pulled == DOC_BLOCKS and got.num_cached_tokens == DOC_BLOCKS * 16
+    assert end - start >= DOC_BLOCKS * READ_DELAY_S
+    during = [t for t in arrivals if start <= t <= end]
+    assert len(during) >= 20, f"{len(during)} tokens in the {end - start:.2f} s of the read"
 
 
 def test_only_the_leading_blocks_whose_files_are_whole_are_read(gone):

@@ -35,6 +35,7 @@ import logging
 import os
 import re
 import struct
+import threading
 import time
 import zlib
 from collections.abc import Iterator
@@ -94,6 +95,7 @@ class DiskTier:
         self.failed_reads = 0
         self.failed_writes = 0
         self.reads = 0  # block files read (whole or not)
+        self._counts = threading.Lock()  # (a sibling's files are read on a thread: `read_shard`)
         self.read_delay_s = read_delay_s  # added to each read (`kv_disk_read_delay_s`)
 
     def _scan(self) -> list[bytes]:
@@ -160,7 +162,8 @@ class DiskTier:
         """Fill the host slot from the file of `block_hash`; False (and the file removed)
         when it is missing, torn, of another block or corrupt."""
         path = self.path(block_hash)
-        self.reads += 1
+        with self._counts:
+            self.reads += 1
         if self.read_delay_s:
             time.sleep(self.read_delay_s)
         payload = read_payload(path, block_hash, self.host.block_bytes)
@@ -170,7 +173,8 @@ class DiskTier:
             return False
         for t, row in self._rows(payload):
             t[slot].copy_(row)
-        self.bytes_read += _HEADER.size + len(payload)
+        with self._counts:
+            self.bytes_read += _HEADER.size + len(payload)
         return True
 
     def _rows(self, payload: memoryview) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -189,12 +193,15 @@ class DiskTier:
         blocks' rows (n, ...) uint8, n possibly 0."""
         payloads = []
         for block_hash in block_hashes:
+            if self.read_delay_s:
+                time.sleep(self.read_delay_s)
             payload = read_payload(directory / f"{block_hash.hex()}.kv", block_hash, self.host.block_bytes)
             if payload is None:
                 break
             payloads.append(payload)
-        self.reads += len(payloads)
-        self.bytes_read += len(payloads) * (_HEADER.size + self.host.block_bytes)
+        with self._counts:  # (this may run on a thread beside the step loop's reads)
+            self.reads += len(payloads)
+            self.bytes_read += len(payloads) * (_HEADER.size + self.host.block_bytes)
         shard = [torch.empty((len(payloads), *t.shape[1:]), dtype=torch.uint8) for t in self.host.host_tensors]
         for i, payload in enumerate(payloads):
             for rows, (_, row) in zip(shard, self._rows(payload), strict=True):
