@@ -6,6 +6,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from kernels import cpu_decode
 from kernels.torch_ref import write_kv_torch
 from kernels.torch_sdpa import Workspace, paged_attention_sdpa
 
@@ -46,6 +47,7 @@ class TorchBackend(AttentionBackend):
 
     def __init__(self) -> None:
         self.workspace = Workspace()  # one model's layers share it: they run one at a time
+        cpu_decode.library()  # (built now, with the model, rather than at the first decode)
 
     def write_kv(self, key, value, key_cache, value_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
         write_kv_torch(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)

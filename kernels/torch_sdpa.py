@@ -18,6 +18,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from kernels import cpu_decode
 from kernels.kv_quant import dequantize, gather_scale
 
 # Padded K/V of a decode batch is gathered in groups of at most this many elements, so that a
@@ -53,6 +54,14 @@ class Workspace:
         g = heads // kvh
         diagonal = buf.view(kvh, g, kvh, d).diagonal(dim1=0, dim2=2)  # (g, d, kvh): head i's own KV head
         torch.mul(q.view(kvh, g, d).permute(1, 2, 0), scale, out=diagonal)
+        return buf
+
+    def floats(self, name: str, n: int) -> torch.Tensor:
+        """A float32 CPU scratch buffer of at least `n` elements (its whole, grown as needed:
+        no view made per call), valid until the next call for `name`."""
+        buf = self._buffers.get(name)
+        if buf is None or buf.numel() < n:
+            buf = self._buffers[name] = torch.empty(n, dtype=torch.float32)
         return buf
 
     def take(self, name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
@@ -105,6 +114,8 @@ def paged_attention_sdpa(
 ) -> torch.Tensor:
     pool = _Pool(key_cache, value_cache, k_scale, v_scale, workspace)
     lens = seq_lens.tolist()
+    if workspace is not None and cpu_decode.supports(query, key_cache, value_cache, k_scale is not None):
+        return _with_kernel(query, pool, block_tables, query_start_loc, lens, scale, out)
     if out is None and len(lens) == 1 and query.shape[0] == 1:  # one decode: its output is the result
         return _decode_one(query[0], pool, block_tables[0], lens[0], scale).unsqueeze(0)
     if out is None:
@@ -119,6 +130,44 @@ def paged_attention_sdpa(
     for s, n in enumerate(q_lens):
         if n > 1:
             _prefill(query, pool, block_tables[s], starts[s], n, lens[s], scale, out)
+    return out
+
+
+def _with_kernel(query, pool: _Pool, block_tables, query_start_loc, lens, scale, out) -> torch.Tensor:
+    """The step's attention through the CPU kernel (kernels/cpu_decode.py): every decode in one
+    call, whether alone in its step or in a batch; and in 16 bits every prefill row too, each
+    as a decode of the positions it sees. A token's K/V then never depends on how it was
+    computed (the one arithmetic for all rows), so a stream resumed, moved or recomputed after
+    a pull continues with the tokens of the undisturbed one. A float32 prefill keeps fused
+    SDPA, several times faster there and as close to the kernel as float32 rounds."""
+    if out is None:
+        out = torch.empty_like(query)
+    heads, d, threads = query.shape[1], query.shape[2], torch.get_num_threads()
+    if query.shape[0] == len(lens):  # a step of decodes only: row s is sequence s's
+        scratch = pool.workspace.floats("decode-scratch", cpu_decode.scratch_size(heads, max(lens), d, threads))
+        cpu_decode.decode(query, pool.key, pool.value, block_tables, range(len(lens)), lens, scale, out, scratch)
+        return out
+    starts = query_start_loc.tolist()
+    q_lens = [b - a for a, b in zip(starts, starts[1:], strict=False)]
+    decodes = [s for s, n in enumerate(q_lens) if n == 1]
+    rows_of_all = query.dtype != torch.float32  # (prefill rows through the kernel too)
+    if decodes:
+        decode_lens = [lens[s] for s in decodes]
+        scratch = pool.workspace.floats("decode-scratch", cpu_decode.scratch_size(heads, max(decode_lens), d, threads))
+        rows = [starts[s] for s in decodes]
+        cpu_decode.decode(query, pool.key, pool.value, block_tables[decodes], rows, decode_lens, scale, out, scratch)
+    for s, n in enumerate(q_lens):
+        if n <= 1:
+            continue
+        if not rows_of_all:
+            _prefill(query, pool, block_tables[s], starts[s], n, lens[s], scale, out)
+            continue
+        scratch = pool.workspace.floats("decode-scratch", cpu_decode.scratch_size(heads, lens[s], d, threads))
+        seen = range(lens[s] - n + 1, lens[s] + 1)  # (row i sees the context and the rows up to itself)
+        table = block_tables[s : s + 1].expand(n, -1)  # (one table for every row: stride 0)
+        cpu_decode.decode(
+            query, pool.key, pool.value, table, range(starts[s], starts[s] + n), seen, scale, out, scratch
+        )
     return out
 
 

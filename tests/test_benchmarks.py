@@ -77,6 +77,18 @@ def test_cpu_attention_benchmark_smoke():
         assert c["pagefleet_ms"] > 0 and c["ratio_vs_fused_sdpa"] > 0
 
 
+def test_decode_attention_benchmark_smoke():
+    lines = run("benchmarks/decode_attention.py", "--repeat", "2", "--contexts", "20,300", "--batches", "1,3")
+    assert {(c["dtype"], c["context"], c["batch"]) for c in lines} == {
+        (dtype, context, batch) for dtype in ("bfloat16", "float32") for context in (20, 300) for batch in (1, 3)
+    }
+    for c in lines:
+        for state in ("cold", "warm"):
+            assert c[f"kernel_us_{state}"] > 0 and c[f"torch_us_{state}"] > 0
+            ratio = c[f"kernel_us_{state}"] / c[f"torch_us_{state}"]  # (of the unrounded times)
+            assert abs(c[f"kernel_vs_torch_{state}"] - ratio) < 0.01 * ratio + 1e-3
+
+
 def test_kernels_benchmark_smoke():
     lines = run("benchmarks/kernels.py", "--smoke", "--kv-cache-dtype", "auto,int8,fp8_e4m3")
     assert lines and all(line["max_abs_err_vs_sdpa"] < 1e-3 for line in lines)

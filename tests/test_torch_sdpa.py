@@ -112,12 +112,13 @@ def test_16bit_prefill_tiles_match_reference(dtype):
     torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("kernel", ["1", "0"], ids=["cpu-kernel", "torch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_backends_reused_workspace_gives_each_call_its_own_answer(dtype):
-    """The torch backend gathers K/V into one scratch buffer for all calls: calls of growing,
-    shrinking and again growing sizes each equal the reference (nothing stale is read)."""
-    from kernels.registry import TorchBackend
-
+def test_the_backends_reused_workspace_gives_each_call_its_own_answer(dtype, kernel, monkeypatch):
+    """The torch backend gathers K/V (or the CPU kernel keeps its scores) in one scratch buffer
+    for all calls: calls of growing, shrinking and again growing sizes each equal the
+    reference (nothing stale is read)."""
+    monkeypatch.setenv("PAGEFLEET_CPU_DECODE", kernel)
     backend = TorchBackend()
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     shapes = [([1, 1, 30], [40, 90, 30]), ([1, 1], [5, 17]), ([1, 1, 1, 50], [70, 120, 33, 80])]
@@ -157,10 +158,12 @@ def test_few_decodes_one_by_one_equal_the_bucketed_path(dtype, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_a_single_decode_reuses_its_spread_query_buffer_call_after_call(dtype):
+def test_a_single_decode_reuses_its_spread_query_buffer_call_after_call(dtype, monkeypatch):
     """A single decode writes its scaled query into the workspace's kept spread buffer (zeros
     off its KV heads' blocks): call after call on one backend, with other shapes between, each
-    answer is what a fresh call without a workspace gives, bit for bit."""
+    answer is what a fresh call without a workspace gives, bit for bit. (The torch path: the
+    CPU kernel, which takes these decodes otherwise, is tests/test_cpu_decode.py's.)"""
+    monkeypatch.setenv("PAGEFLEET_CPU_DECODE", "0")
     backend = TorchBackend()
     for seed, (heads, kv_heads, seq_len) in enumerate([(9, 3, 40), (9, 3, 17), (4, 1, 33), (9, 3, 300)]):
         batch = make_batch([1], [seq_len], heads, kv_heads, dtype=dtype, seed=seed)

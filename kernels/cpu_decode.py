@@ -1,0 +1,221 @@
+"""The CPU decode attention kernel (kernels/cpu_decode.cpp): built on first use, called by ctypes.
+
+A decode step's attention on CPU through torch is a gather of the sequence's blocks and four or
+five more ops, each with ~12 us of fixed cost in 16 bits; at the model sizes served on a CPU
+(a 135M model's 30 layers) that is most of a short context's token. The kernel attends every
+decode of a step in one call per layer, reading each position's K and V where it lies in the
+pool, in float32 throughout (benchmarks/cpu_attention.py measures it against the torch path).
+
+It is compiled by the machine's C++ compiler ($CXX, else c++ or g++) with -march=native into
+the cache folder ($PAGEFLEET_CACHE_DIR, else ~/.cache/pagefleet; `kernels/` under it), named by
+a digest of its source, the flags, the compiler and the CPU's features, so a shared folder
+never hands one machine another's build. Without a compiler, or on a build that fails, the
+torch path serves (logged once). PAGEFLEET_CPU_DECODE=0 turns the kernel off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_decode.cpp")
+# Reassociation lets the compiler vectorize the dot products and sums (each sequence's result
+# still depends only on its own inputs: the same bits alone or in a batch); no other fast-math.
+FLAGS = (
+    "-O3",
+    "-march=native",
+    "-fopenmp",  # (the process's OpenMP runtime, torch's: one pool of threads for both)
+    "-shared",
+    "-fPIC",
+    "-fno-math-errno",
+    "-fno-trapping-math",
+    "-fassociative-math",
+    "-fno-signed-zeros",
+)
+HEAD_DIMS = (32, 64, 96, 128, 256)  # the sizes the kernel is instantiated for
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_BUILD_TIMEOUT_S = 120
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_tried = False
+
+
+def enabled() -> bool:
+    """Whether the kernel may serve (PAGEFLEET_CPU_DECODE is not 0)."""
+    return os.environ.get("PAGEFLEET_CPU_DECODE", "1") != "0"
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def _cpu_features() -> str:
+    """What -march=native builds for: the CPU's feature flags (Linux), else the platform."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def build(cache_dir: str | os.PathLike | None = None) -> Path:
+    """The kernel's shared library, compiled unless a build of the same source, flags, compiler
+    and CPU is cached; raises if it cannot be built."""
+    cxx = _compiler()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler found (set CXX)")
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout
+    source = SOURCE.read_bytes()
+    digest = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), version.encode(), _cpu_features().encode()]))
+    root = Path(cache_dir or os.environ.get("PAGEFLEET_CACHE_DIR") or "~/.cache/pagefleet").expanduser()
+    target = root / "kernels" / f"cpu_decode-{digest.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Built beside its final name and renamed into place: processes building at once (a node's
+    # ranks) each load a whole library, never another's half-written one.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run(
+            [cxx, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S, check=False
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"{cxx} failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded kernel, built on the first call; None when it is off or cannot be built."""
+    global _lib, _tried
+    if not enabled():
+        return None
+    if _tried:
+        return _lib
+    with _lock:
+        if not _tried:
+            try:
+                lib = ctypes.CDLL(str(build()))
+                fn = lib.pagefleet_decode
+                p, i, n = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
+                fn.argtypes = [i, i, p, n, p, p, p, n, p, p, i, i, i, i, ctypes.c_float, p, n, p, i]
+                fn.restype = i
+                lib.pagefleet_decode_scratch.argtypes = [i, i, i, i]
+                lib.pagefleet_decode_scratch.restype = n
+                _lib = lib
+            except Exception as e:  # (no compiler, a failed build, an unloadable file)
+                log.warning("the CPU decode attention kernel is unavailable (%s); decoding through torch", e)
+            _tried = True
+    return _lib
+
+
+def supports(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, quantized: bool) -> bool:
+    """Whether the kernel takes this layer's decodes: a CPU bfloat16 or float32 cache of the
+    query's dtype (not an 8-bit one), a head size it was built for, whole query heads per KV
+    head, the layouts it reads (each query and output row's heads side by side, whole caches)."""
+    d = query.shape[-1]
+    return (
+        not quantized
+        and _fits(query.dtype, key_cache.dtype, value_cache.dtype, d, query.shape[-2], key_cache.shape[2], enabled())
+        and query.is_cpu
+        and query.stride(2) == 1
+        and query.stride(1) == d
+        and key_cache.is_contiguous()
+        and value_cache.is_contiguous()
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def _fits(dtype, k_dtype, v_dtype, head_dim: int, heads: int, kv_heads: int, on: bool) -> bool:
+    return (
+        on
+        and dtype in _DTYPES
+        and k_dtype == v_dtype == dtype
+        and head_dim in HEAD_DIMS
+        and heads % kv_heads == 0
+        and library() is not None
+    )
+
+
+def scratch_size(heads: int, longest: int, head_dim: int, threads: int) -> int:
+    """Floats of scratch a call needs for its longest row on `threads` threads: per query head
+    its scaled query, its scores (to 16 positions) and its values' partial sums (a span of 256
+    positions each), once per thread (the short rows are spread over them), and 16 to align
+    them; kernels/cpu_decode.cpp's `scratch_for`, which tests/test_cpu_decode.py holds equal."""
+    padded, spans = -(-longest // 16) * 16, -(-longest // 256)
+    return (heads * (head_dim + padded + spans * head_dim) + -(-heads // 16) * 16) * max(threads, 1) + 16
+
+
+def decode(
+    query: torch.Tensor,  # (tokens, heads, d)
+    key_cache: torch.Tensor,  # (num_blocks, block_size, kvh, d)
+    value_cache: torch.Tensor,
+    tables: torch.Tensor,  # (n, max_blocks) int32: each decode's block table
+    rows: Sequence[int],  # each decode's query row
+    lens: list[int],  # each decode's cached positions, its own included
+    scale: float,
+    out: torch.Tensor,  # (tokens, heads, d), rows of heads side by side: each decode's row written
+    scratch: torch.Tensor,  # float32, >= scratch_size(heads, max(lens), d, torch threads) elements
+) -> None:
+    """Attend decode i's query row rows[i] over its first lens[i] positions through block
+    table row i, into the same row of `out` (`supports` said yes)."""
+    _, heads, d = query.shape
+    _, block_size, kvh, _ = key_cache.shape
+    n, longest, threads = len(rows), max(lens), torch.get_num_threads()
+    if (
+        tables.dtype != torch.int32
+        or tables.stride(1) != 1
+        or out.stride(2) != 1
+        or out.stride(1) != d
+        or min(lens) < 1
+    ):
+        raise ValueError("the CPU decode kernel takes int32 block tables, output rows of whole heads, lengths >= 1")
+    if longest > tables.shape[1] * block_size or scratch.numel() < scratch_size(heads, longest, d, threads):
+        raise ValueError(f"a decode of {longest} positions does not fit its block table or the scratch")
+    status = library().pagefleet_decode(
+        _DTYPES[query.dtype],
+        d,
+        query.data_ptr(),
+        query.stride(0),
+        key_cache.data_ptr(),
+        value_cache.data_ptr(),
+        tables.data_ptr(),
+        tables.stride(0),
+        (ctypes.c_int32 * n)(*rows),
+        (ctypes.c_int32 * n)(*lens),
+        n,
+        block_size,
+        kvh,
+        heads,
+        scale,
+        out.data_ptr(),
+        out.stride(0),
+        scratch.data_ptr(),
+        threads,
+    )
+    if status != 0:
+        raise RuntimeError(f"the CPU decode kernel refused head size {d}")

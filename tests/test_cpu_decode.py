@@ -1,0 +1,171 @@
+"""The CPU decode attention kernel (kernels/cpu_decode.cpp) against a float64 reference, its
+batch invariance, what it refuses, and its build.
+
+The reference is kernels/torch_ref.py's plain attention over the same pool in float64: a
+float32 decode lands within float32's rounding of it, a bfloat16 one within one rounding of
+its output (the kernel keeps every intermediate in float32).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import cpu_decode
+from kernels.registry import TorchBackend
+from kernels.torch_ref import paged_attention_torch
+from kernels.torch_sdpa import paged_attention_sdpa
+from tests.test_torch_sdpa import make_batch
+
+TOL = {torch.float32: dict(atol=2e-6, rtol=2e-5), torch.bfloat16: dict(atol=4e-3, rtol=8e-3)}
+
+
+def reference(batch, scale: float) -> torch.Tensor:
+    """Float64 attention over the same pool."""
+    query, k, v, tables, qsl, lens = batch
+    return paged_attention_torch(query.double(), k.double(), v.double(), tables, qsl, lens, scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (9, 3), (8, 1), (20, 2)], ids=["mha", "gqa", "mqa", "gqa10"])
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_decodes_match_a_float64_reference(dtype, heads, kv_heads, head_dim, block_size):
+    """Decodes of 1 to 1,500 positions, their blocks scattered across the pool."""
+    lens = [1, 16, 17, 300, 1500] if block_size > 1 else [1, 17, 300]
+    batch = make_batch([1] * len(lens), lens, heads, kv_heads, head_dim, block_size, dtype=dtype, seed=head_dim)
+    got = TorchBackend().attention(*batch, scale=head_dim**-0.5)
+    assert got.dtype == dtype and got.shape == batch[0].shape
+    torch.testing.assert_close(got.double(), reference(batch, head_dim**-0.5), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_decode_rounds_the_same_alone_or_in_any_batch(dtype):
+    """The same query over the same blocks gives the same bits alone, among other decodes and
+    beside a prefill chunk (which takes the torch path), in any position of the batch."""
+    backend = TorchBackend()
+    mixed = make_batch([5, 1, 1, 9, 1], [40, 700, 33, 9, 120], 9, 3, 64, dtype=dtype, seed=3)
+    query, k, v, tables, qsl, lens = mixed
+    together = backend.attention(*mixed, scale=0.125)
+    for s, row in ((1, 5), (2, 6), (4, 16)):  # (each decode's sequence and query row)
+        alone = backend.attention(
+            query[row : row + 1],
+            k,
+            v,
+            tables[s : s + 1],
+            torch.tensor([0, 1], dtype=torch.int32),
+            lens[s : s + 1],
+            0.125,
+        )
+        assert torch.equal(alone[0], together[row])
+    torch.testing.assert_close(together.double(), reference(mixed, 0.125), **TOL[dtype])
+
+
+def test_a_16bit_prefill_row_is_the_decode_of_its_position():
+    """In bfloat16 every prefill row goes through the kernel as a decode of the positions it
+    sees (the chunk's context and the rows up to itself): each equals that decode bit for bit,
+    so a token's K/V is the same whether it was decoded or recomputed in a prefill."""
+    backend = TorchBackend()
+    context, n = 300, 40
+    batch = make_batch([n], [context + n], 9, 3, 64, dtype=torch.bfloat16, seed=13)
+    query, k, v, tables, qsl, lens = batch
+    chunk = backend.attention(*batch, scale=0.125)
+    one = torch.tensor([0, 1], dtype=torch.int32)
+    for i in (0, 1, 17, n - 1):
+        alone = backend.attention(query[i : i + 1], k, v, tables, one, torch.tensor([context + i + 1]).int(), 0.125)
+        assert torch.equal(alone[0], chunk[i])
+    torch.testing.assert_close(chunk.double(), reference(batch, 0.125), **TOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_threads_split_the_work_not_the_roundings(dtype):
+    """A long decode (several spans of the values' partial sums) is attended by every torch
+    thread, short ones are spread over them, a prefill's rows too: one thread gives the same
+    bits."""
+    batch = make_batch([1, 1, 1, 1, 1, 1, 30], [1500, 600, 20, 33, 100, 7, 80], 9, 3, 64, dtype=dtype, seed=11)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        two = TorchBackend().attention(*batch, scale=0.125)
+        torch.set_num_threads(1)
+        one = TorchBackend().attention(*batch, scale=0.125)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_slots_past_a_decodes_end_are_never_read(dtype):
+    """NaN in the slots after each sequence's last position (what an earlier owner left)."""
+    lens = [7, 16, 37]
+    batch = make_batch([1, 1, 1], lens, 9, 3, 64, dtype=dtype, seed=5)
+    want = reference(batch, 0.125)
+    _, k, v, tables, _, _ = batch
+    for s, n in enumerate(lens):
+        last = tables[s, (n - 1) // 16]
+        k[last, n % 16 or 16 :] = float("nan")
+        v[last, n % 16 or 16 :] = float("nan")
+    got = TorchBackend().attention(*batch, scale=0.125)
+    assert not got.isnan().any()
+    torch.testing.assert_close(got.double(), want, **TOL[dtype])
+
+
+def test_extreme_scores_stay_finite_and_exact():
+    """A query that makes one position's score dwarf the rest (a near one-hot softmax) and
+    scores of -1e4 spread (exponents far below float32's): still the reference's answer."""
+    batch = make_batch([1, 1], [50, 50], 4, 2, 64, dtype=torch.float32, seed=9)
+    query, k, v, tables, _, _ = batch
+    query[0] = k[tables[0, 1], 3].repeat_interleave(2, 0) * 40  # (position 19's key, scaled)
+    query[1] *= 300
+    got = TorchBackend().attention(*batch, scale=0.125)
+    assert got.isfinite().all()
+    torch.testing.assert_close(got.double(), reference(batch, 0.125), atol=1e-5, rtol=1e-5)
+
+
+def test_what_the_kernel_does_not_take_goes_through_torch():
+    """An 8-bit cache, float16, a head size it was not built for, a query whose heads are not
+    side by side: `supports` says no, and the torch path serves."""
+    q = torch.zeros(1, 4, 64)
+    cache = torch.zeros(2, 16, 2, 64)
+    assert cpu_decode.supports(q, cache, cache, quantized=False)
+    assert not cpu_decode.supports(q, cache, cache, quantized=True)
+    assert not cpu_decode.supports(q.half(), cache.half(), cache.half(), quantized=False)
+    assert not cpu_decode.supports(q.bfloat16(), cache, cache, quantized=False)  # (a cache of another dtype)
+    assert not cpu_decode.supports(torch.zeros(1, 4, 48), torch.zeros(2, 16, 2, 48), torch.zeros(2, 16, 2, 48), False)
+    assert not cpu_decode.supports(torch.zeros(1, 3, 64), cache, cache, quantized=False)  # (3 heads over 2)
+    assert not cpu_decode.supports(torch.zeros(1, 64, 4).transpose(1, 2), cache, cache, quantized=False)
+    assert not cpu_decode.supports(q, cache, cache[:, :, :1], quantized=False)  # (not a whole cache)
+
+
+def test_the_scratch_size_is_the_kernels_own():
+    """kernels/cpu_decode.py's scratch_size equals the library's layout, for every head size
+    it was built for and lengths around the vectors' and the spans' edges."""
+    lib = cpu_decode.library()
+    for d in cpu_decode.HEAD_DIMS:
+        for heads in (1, 9, 17, 32):
+            for longest in (1, 15, 16, 17, 255, 256, 257, 4000):
+                for threads in (1, 2, 3):
+                    want = lib.pagefleet_decode_scratch(d, heads, longest, threads)
+                    assert cpu_decode.scratch_size(heads, longest, d, threads) == want
+
+
+def test_turned_off_the_torch_path_serves(monkeypatch):
+    """PAGEFLEET_CPU_DECODE=0: the backend's answer is the torch path's, bit for bit."""
+    monkeypatch.setenv("PAGEFLEET_CPU_DECODE", "0")
+    assert cpu_decode.library() is None
+    batch = make_batch([1], [40], 9, 3, 64, dtype=torch.bfloat16, seed=1)
+    assert torch.equal(TorchBackend().attention(*batch, scale=0.125), paged_attention_sdpa(*batch, scale=0.125))
+
+
+def test_the_build_is_cached_and_a_failed_one_raises(tmp_path, monkeypatch):
+    """A second build of the same source finds the first's library; a source that does not
+    compile raises with the compiler's message, and leaves no file behind."""
+    first = cpu_decode.build(tmp_path)
+    stamp = first.stat().st_mtime_ns
+    assert cpu_decode.build(tmp_path) == first and first.stat().st_mtime_ns == stamp
+    broken = tmp_path / "broken.cpp"
+    broken.write_text('extern "C" int pagefleet_decode( {\n')
+    monkeypatch.setattr(cpu_decode, "SOURCE", broken)
+    with pytest.raises(RuntimeError, match="failed"):
+        cpu_decode.build(tmp_path)
+    assert sorted(p.name for p in (tmp_path / "kernels").iterdir()) == [first.name]
