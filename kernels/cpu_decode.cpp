@@ -100,6 +100,34 @@ inline void store_head(uint16_t* p, const f16v* v, int n) {
 #define SHUFFLE(a, b, ...) __builtin_shuffle(a, b, (i16v){__VA_ARGS__})
 #endif
 
+inline float load(const float* p) { return *p; }
+inline float load(const uint16_t* p) {
+    uint32_t u = (uint32_t)*p << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+typedef int8_t i8x16 __attribute__((vector_size(16)));
+typedef int8_t i8x32 __attribute__((vector_size(32)));
+
+// Vector c of a row of int8 weights in the order `load_head` gives the activations: as they
+// lie for float32; for bfloat16, of each 32, the even elements then the odd ones.
+inline f16v int8_head(const int8_t* w, int c, bool pairs) {
+    i8x16 b;
+    if (!pairs) {
+        memcpy(&b, w + c * W, sizeof b);
+    } else {
+        i8x32 two;
+        memcpy(&two, w + (c / 2) * 2 * W, sizeof two);
+        if (c % 2 == 0)
+            b = __builtin_shufflevector(two, two, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+        else
+            b = __builtin_shufflevector(two, two, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    }
+    return __builtin_convertvector(__builtin_convertvector(b, i16v), f16v);
+}
+
 // Two levels of four: lanes of v[0..15] summed so that lane o of the result is the sum of v[o]'s
 // lanes, in a fixed order (so the same bits whatever the call's other work).
 inline f16v sum_lanes(f16v* v) {
@@ -309,6 +337,60 @@ size_t scratch_for(int heads, int len, int threads) {
     return scratch_floats<D>(heads, len) * (threads > 1 ? threads : 1) + W;
 }
 
+// A few rows of activations (m, in) times an int8 weight (out, in) with one scale per output
+// row: out[r][o] = scale[o] * sum_i x[r][i] * w[o][i], in float32, rounded once. 16 output rows
+// at a time (their weights stay in the cache for every activation row), their 16 sums across
+// lanes together; the output rows split over the threads. xf: m * in floats, 64-byte aligned.
+constexpr int R = 4;  // activation rows per pass over a block of weights
+
+// RN activation rows (from r0) against one block of n <= W weight rows from o0: each weight
+// vector converted once for the RN rows; each row's sums the same as alone.
+template <typename T, int RN>
+void int8_block(const float* xf, int in, const int8_t* w, int o0, int n, f16v scale, T* out, long out_row, int r0) {
+    const int C = in / W;
+    f16v part[RN][W];
+    for (int o = 0; o < n; o++) {
+        const int8_t* wr = w + (size_t)(o0 + o) * in;
+        f16v s[RN] = {};
+        for (int c = 0; c < C; c++) {
+            const f16v wv = int8_head(wr, c, sizeof(T) == 2);
+            for (int r = 0; r < RN; r++) s[r] += ((const f16v*)(xf + (size_t)(r0 + r) * in))[c] * wv;
+        }
+        for (int r = 0; r < RN; r++) part[r][o] = s[r];
+    }
+    for (int r = 0; r < RN; r++) {
+        for (int o = n; o < W; o++) part[r][o] = f16v{};
+        f16v sums = sum_lanes(part[r]) * scale;
+        for (int o = 0; o < n; o++) store(out + (size_t)(r0 + r) * out_row + o0 + o, sums[o]);
+    }
+}
+
+template <typename T>
+void int8_rows(const T* x, long x_row, int m, const int8_t* w, const T* scales, int out_features, int in, T* out,
+               long out_row, float* xf, int threads) {
+    for (int r = 0; r < m; r++) load_head(x + (size_t)r * x_row, (f16v*)(xf + (size_t)r * in), in / W);
+    const int blocks = (out_features + W - 1) / W;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int b = 0; b < blocks; b++) {
+        const int o0 = b * W, n = out_features - o0 < W ? out_features - o0 : W;
+        f16v scale = {};
+        for (int o = 0; o < n; o++) scale[o] = load(scales + o0 + o);
+        int r0 = 0;
+        for (; r0 + R <= m; r0 += R) int8_block<T, R>(xf, in, w, o0, n, scale, out, out_row, r0);
+        switch (m - r0) {
+            case 3:
+                int8_block<T, 3>(xf, in, w, o0, n, scale, out, out_row, r0);
+                break;
+            case 2:
+                int8_block<T, 2>(xf, in, w, o0, n, scale, out, out_row, r0);
+                break;
+            case 1:
+                int8_block<T, 1>(xf, in, w, o0, n, scale, out, out_row, r0);
+                break;
+        }
+    }
+}
+
 }  // namespace
 
 // The decodes of one step: sequence s's query row rows[s] over its first lens[s] positions,
@@ -359,4 +441,21 @@ extern "C" long pagefleet_decode_scratch(int head_dim, int heads, int longest, i
             return (long)scratch_for<256>(heads, longest, threads);
     }
     return -1;
+}
+
+// x (m, in) times an int8 weight (out, in) scaled per output row (see int8_rows); in a multiple
+// of 32. dtype as pagefleet_decode's. xf: m * in + 16 floats.
+extern "C" int pagefleet_int8_rows(int dtype, const void* x, long x_row, int m, const int8_t* w, const void* scales,
+                                   int out_features, int in, void* out, long out_row, float* xf, int threads) {
+    if (in % (2 * W) != 0) return -1;
+    xf = (float*)(((uintptr_t)xf + 63) & ~(uintptr_t)63);
+    if (dtype == 0)
+        int8_rows<float>((const float*)x, x_row, m, w, (const float*)scales, out_features, in, (float*)out, out_row, xf,
+                         threads);
+    else if (dtype == 1)
+        int8_rows<uint16_t>((const uint16_t*)x, x_row, m, w, (const uint16_t*)scales, out_features, in,
+                            (uint16_t*)out, out_row, xf, threads);
+    else
+        return -1;
+    return 0;
 }

@@ -126,6 +126,8 @@ def library() -> ctypes.CDLL | None:
                 fn.restype = i
                 lib.pagefleet_decode_scratch.argtypes = [i, i, i, i]
                 lib.pagefleet_decode_scratch.restype = n
+                lib.pagefleet_int8_rows.argtypes = [i, p, n, i, p, p, i, i, p, n, p, i]
+                lib.pagefleet_int8_rows.restype = i
                 _lib = lib
             except Exception as e:  # (no compiler, a failed build, an unloadable file)
                 log.warning("the CPU decode attention kernel is unavailable (%s); decoding through torch", e)
@@ -219,3 +221,55 @@ def decode(
     )
     if status != 0:
         raise RuntimeError(f"the CPU decode kernel refused head size {d}")
+
+
+def int8_supports(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> bool:
+    """Whether `int8_rows` takes x (m, in) times this int8 weight (out, in): CPU, bfloat16 or
+    float32 activations with scales of their dtype, rows of x whole, in a multiple of 32."""
+    return (
+        x.is_cpu
+        and x.dim() == 2
+        and x.stride(1) == 1
+        and qweight.is_contiguous()
+        and _int8_fits(x.dtype, scales.dtype, qweight.dtype, qweight.shape[1], enabled())
+    )
+
+
+@functools.lru_cache(maxsize=16)
+def _int8_fits(dtype, scales_dtype, weight_dtype, in_features: int, on: bool) -> bool:
+    return (
+        on
+        and dtype in _DTYPES
+        and scales_dtype == dtype
+        and weight_dtype == torch.int8
+        and in_features % 32 == 0
+        and library() is not None
+    )
+
+
+def int8_rows(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, xf: torch.Tensor) -> torch.Tensor:
+    """x (m, in) @ (qweight (out, in) int8 * scales (out,))^T -> (m, out) in x's dtype, summed in
+    float32 and rounded once; each row of x the same whatever the others (`int8_supports` said
+    yes). xf: float32 scratch of at least m * in + 16 elements."""
+    m, in_features = x.shape
+    out_features = qweight.shape[0]
+    if xf.dtype != torch.float32 or xf.numel() < m * in_features + 16 or qweight.shape[1] != in_features:
+        raise ValueError("int8_rows: the scratch or the weight does not fit x")
+    out = torch.empty(m, out_features, dtype=x.dtype)
+    status = library().pagefleet_int8_rows(
+        _DTYPES[x.dtype],
+        x.data_ptr(),
+        x.stride(0),
+        m,
+        qweight.data_ptr(),
+        scales.contiguous().data_ptr(),
+        out_features,
+        in_features,
+        out.data_ptr(),
+        out.stride(0),
+        xf.data_ptr(),
+        torch.get_num_threads(),
+    )
+    if status != 0:
+        raise RuntimeError(f"the CPU int8 kernel refused {in_features} input features")
+    return out

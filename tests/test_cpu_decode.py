@@ -169,3 +169,44 @@ def test_the_build_is_cached_and_a_failed_one_raises(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="failed"):
         cpu_decode.build(tmp_path)
     assert sorted(p.name for p in (tmp_path / "kernels").iterdir()) == [first.name]
+
+
+# ---- the LM head's int8 rows ------------------------------------------------------------
+
+
+def int8_case(m: int, out_features: int, in_features: int, dtype, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randint(-127, 128, (out_features, in_features), dtype=torch.int8, generator=g)
+    scales = (torch.rand(out_features, generator=g) * 0.02 + 1e-3).to(dtype)
+    x = torch.randn(m, in_features, generator=g).to(dtype)
+    return x, w, scales
+
+
+def int8_rows(x, w, scales):
+    return cpu_decode.int8_rows(x, w, scales, torch.empty(x.numel() + 16))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,out_features,in_features", [(1, 1000, 576), (3, 4099, 64), (17, 160, 1024)])
+def test_int8_rows_match_a_float64_reference(dtype, m, out_features, in_features):
+    """Output rows not a multiple of 16, several activation rows: within the dtype's rounding
+    of x @ (w * scales)^T in float64."""
+    x, w, scales = int8_case(m, out_features, in_features, dtype)
+    assert cpu_decode.int8_supports(x, w, scales)
+    got = int8_rows(x, w, scales)
+    want = (x.double() @ w.double().T) * scales.double()
+    assert got.dtype == dtype and got.shape == (m, out_features)
+    # (float32: sums of up to 1,024 products of ~2.5 each)
+    tol = dict(atol=1e-4, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=8e-3)
+    torch.testing.assert_close(got.double(), want, **tol)
+    # torch's own int8 kernel (whose float32 sums are less exact than these), to its rounding
+    near = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else tol
+    torch.testing.assert_close(got, torch.ops.aten._weight_int8pack_mm(x, w, scales), **near)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_int8_row_is_the_same_alone_or_among_others(dtype):
+    x, w, scales = int8_case(5, 777, 576, dtype, seed=1)
+    together = int8_rows(x, w, scales)
+    for r in range(5):
+        assert torch.equal(int8_rows(x[r : r + 1], w, scales)[0], together[r])

@@ -19,7 +19,7 @@ from pagefleet.llm import LLM
 from worker.exec.kv_pool import weights_bytes
 from worker.model.builtin_model import make_model_dir
 from worker.model.dtypes import resolve_weight_dtype
-from worker.model.layers.quant import Int4Weight, Int8Weight, QuantizedWeight
+from worker.model.layers.quant import Int4Weight, Int8Weight, QuantizableLayer, QuantizedWeight
 from worker.model.model_loader import load_model
 from worker.sampling_params import SamplingParams
 
@@ -43,6 +43,19 @@ def logits_of(path, weight_dtype: str, prompts, comm=None) -> torch.Tensor:
     model, _ = load_model(path, dtype=torch.float32, collectives=comm, weight_dtype=weight_dtype)
     pool = Pool(model, block_size=4, num_blocks=32, seed=1)
     return run_step(model, pool, [(s, p, 0) for s, p in enumerate(prompts)])
+
+
+def test_the_lm_head_takes_the_cpu_int8_kernel_and_the_other_layers_do_not(files):
+    """The vocabulary layers' int8 weight (the LM head's, tied or not) goes through the C++
+    kernel on CPU (kernels/cpu_decode.py int8_rows), to float32's rounding of torch's kernel."""
+    model, _ = load_model(files["Q8_0"], dtype=torch.float32, weight_dtype="int4")
+    head = model.lm_head.quant
+    assert isinstance(head, Int8Weight) and head.cpu_rows
+    others = [m.quant for m in model.modules() if isinstance(m, QuantizableLayer) and not m.vocab_rows and m.quant]
+    assert others and not any(getattr(q, "cpu_rows", False) for q in others)
+    x = torch.randn(3, head.qweight.shape[1])
+    want = torch.ops.aten._weight_int8pack_mm(x, head.qweight, head.scales)
+    torch.testing.assert_close(head.matmul(x), want, atol=1e-5, rtol=1e-5)
 
 
 def test_kernels_multiply_by_the_weight_they_hold():

@@ -41,6 +41,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import cpu_decode
+
 INT4_GROUP = 32  # input features per int4 scale and zero: one GGUF block
 _INT4_OUT_MULTIPLE = 16  # the int4 kernel's packing of output rows
 # Rows from which a CPU matmul dequantizes the weight for the call and runs a dense GEMM: from
@@ -95,7 +97,19 @@ class QuantizedWeight(nn.Module, ABC):
 
 
 class Int8Weight(QuantizedWeight):
-    """Symmetric int8, one scale per output row: w[o, i] = qweight[o, i] * scales[o]."""
+    """Symmetric int8, one scale per output row: w[o, i] = qweight[o, i] * scales[o].
+
+    `cpu_rows` (a vocabulary layer's: the LM head): on CPU every row goes through the C++
+    kernel (kernels/cpu_decode.py `int8_rows`), twice torch's int8 kernel's speed on a decode's
+    row, and a row's logits the same however many rows the step has."""
+
+    cpu_rows = False
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cpu_rows and cpu_decode.int8_supports(x, self.qweight, self.scales):
+            xf = _scratch_buffer(x.shape[0] * x.shape[1] + 16, torch.float32)
+            return cpu_decode.int8_rows(x, self.qweight, self.scales, xf)
+        return super().matmul(x)
 
     def quantize(self, w: torch.Tensor) -> None:
         scales = w.abs().amax(dim=1).clamp_min(1e-12) / 127  # (out,)
@@ -262,6 +276,8 @@ def quantize_model(model: nn.Module, weight_dtype: str) -> None:
             continue
         kind = "int8" if module.vocab_rows else weight_dtype
         quant = make_quantized(kind, weight.shape[0], weight.shape[1], dtype)
+        if module.vocab_rows and isinstance(quant, Int8Weight):
+            quant.cpu_rows = True
         shared[id(weight)] = quant
         module.use_quantized(quant)
 
