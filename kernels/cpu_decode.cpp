@@ -391,6 +391,32 @@ void int8_rows(const T* x, long x_row, int m, const int8_t* w, const T* scales, 
     }
 }
 
+// RMSNorm of bfloat16 rows as transformers computes it in 16 bits: y = bf16(x * r) with
+// r = 1 / sqrt(mean(x^2) + eps) in float32, then bf16(y * w). The squares are summed W lanes at
+// a time and the lanes in a fixed order, so a row's result never depends on the others.
+void rms_norm_rows(const uint16_t* x, long x_row, int m, int n, const uint16_t* w, float eps, uint16_t* out,
+                   long out_row, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && m >= 64)
+    for (int r = 0; r < m; r++) {
+        const uint16_t* xr = x + (size_t)r * x_row;
+        uint16_t* o = out + (size_t)r * out_row;
+        f16v acc = {};
+        for (int i = 0; i < n; i += W) {
+            f16v v;
+            for (int l = 0; l < W; l++) v[l] = load(xr + i + l);
+            acc += v * v;
+        }
+        float sum = 0.0f;
+        for (int l = 0; l < W; l++) sum += acc[l];
+        const float inv = 1.0f / __builtin_sqrtf(sum / (float)n + eps);
+        for (int i = 0; i < n; i++) {
+            uint16_t y;
+            store(&y, load(xr + i) * inv);
+            store(o + i, load(&y) * load(w + i));
+        }
+    }
+}
+
 }  // namespace
 
 // The decodes of one step: sequence s's query row rows[s] over its first lens[s] positions,
@@ -457,5 +483,13 @@ extern "C" int pagefleet_int8_rows(int dtype, const void* x, long x_row, int m, 
                             (uint16_t*)out, out_row, xf, threads);
     else
         return -1;
+    return 0;
+}
+
+// RMSNorm of m bfloat16 rows of n (a multiple of 16) with a bfloat16 weight (see rms_norm_rows).
+extern "C" int pagefleet_rms_norm(const void* x, long x_row, int m, int n, const void* w, float eps, void* out,
+                                  long out_row, int threads) {
+    if (n % W != 0) return -1;
+    rms_norm_rows((const uint16_t*)x, x_row, m, n, (const uint16_t*)w, eps, (uint16_t*)out, out_row, threads);
     return 0;
 }

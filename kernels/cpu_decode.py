@@ -128,6 +128,8 @@ def library() -> ctypes.CDLL | None:
                 lib.pagefleet_decode_scratch.restype = n
                 lib.pagefleet_int8_rows.argtypes = [i, p, n, i, p, p, i, i, p, n, p, i]
                 lib.pagefleet_int8_rows.restype = i
+                lib.pagefleet_rms_norm.argtypes = [p, n, i, i, p, ctypes.c_float, p, n, i]
+                lib.pagefleet_rms_norm.restype = i
                 _lib = lib
             except Exception as e:  # (no compiler, a failed build, an unloadable file)
                 log.warning("the CPU decode attention kernel is unavailable (%s); decoding through torch", e)
@@ -272,4 +274,37 @@ def int8_rows(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, xf: 
     )
     if status != 0:
         raise RuntimeError(f"the CPU int8 kernel refused {in_features} input features")
+    return out
+
+
+def norm_supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `rms_norm` takes x: CPU bfloat16 rows, whole, of a multiple of 16, and a
+    bfloat16 weight (float32 keeps torch's rms_norm, which transformers' equals bit for bit)."""
+    return (
+        x.is_cpu
+        and x.dtype == torch.bfloat16
+        and weight.dtype == torch.bfloat16
+        and x.dim() == 2
+        and x.stride(1) == 1
+        and x.shape[1] % 16 == 0
+        and weight.is_contiguous()
+        and _norm_fits(enabled())
+    )
+
+
+@functools.lru_cache(maxsize=2)
+def _norm_fits(on: bool) -> bool:
+    return on and library() is not None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of x (m, n) bfloat16 as transformers computes it in 16 bits (`norm_supports`
+    said yes): a new (m, n) tensor."""
+    m, n = x.shape
+    out = torch.empty(m, n, dtype=x.dtype)
+    status = library().pagefleet_rms_norm(
+        x.data_ptr(), x.stride(0), m, n, weight.data_ptr(), eps, out.data_ptr(), n, torch.get_num_threads()
+    )
+    if status != 0:
+        raise RuntimeError(f"the CPU norm kernel refused rows of {n}")
     return out

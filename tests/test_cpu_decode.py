@@ -210,3 +210,25 @@ def test_an_int8_row_is_the_same_alone_or_among_others(dtype):
     together = int8_rows(x, w, scales)
     for r in range(5):
         assert torch.equal(int8_rows(x[r : r + 1], w, scales)[0], together[r])
+
+
+# ---- RMSNorm in 16 bits ---------------------------------------------------------------------
+
+
+def test_a_16bit_rms_norm_is_torchs_to_one_rounding_and_the_same_for_each_row():
+    """bfloat16 rows, the way transformers computes them (y = bf16(x r), then bf16(y w)): the
+    kernel's squares are summed in another order than torch's, so an element may differ by one
+    rounding, rarely; a row is the same bits alone or among others; float32 is not taken."""
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(4)
+    x = (torch.randn(70, 576, generator=g) * 3).bfloat16()
+    w = (torch.rand(576, generator=g) + 0.5).bfloat16()
+    assert cpu_decode.norm_supports(x, w) and not cpu_decode.norm_supports(x.float(), w.float())
+    got = cpu_decode.rms_norm(x, w, 1e-5)
+    want = F.rms_norm(x, (576,), None, 1e-5).mul_(w)
+    ulp = want.float().abs() * 2**-7  # (bfloat16's spacing, at most)
+    assert ((got.float() - want.float()).abs() <= ulp).all()
+    assert (got != want).float().mean() < 0.01
+    for r in (0, 33, 69):
+        assert torch.equal(cpu_decode.rms_norm(x[r : r + 1], w, 1e-5)[0], got[r])
