@@ -13,6 +13,10 @@
 //
 // Layouts (kernels/torch_ref.py): query (tokens, heads, D) with row stride q_row elements;
 // caches (num_blocks, block_size, kvh, D); block tables int32 rows of table_row entries.
+//
+// Below the attention, the rest of a CPU token's small work, each a call where torch took a
+// handful of ops: the int8 LM head's rows, the 16-bit RMSNorm and rotary embedding (rounded as
+// transformers rounds them), the KV write.
 
 #include <stdint.h>
 #include <string.h>
@@ -491,5 +495,45 @@ extern "C" int pagefleet_rms_norm(const void* x, long x_row, int m, int n, const
                                   long out_row, int threads) {
     if (n % W != 0) return -1;
     rms_norm_rows((const uint16_t*)x, x_row, m, n, (const uint16_t*)w, eps, (uint16_t*)out, out_row, threads);
+    return 0;
+}
+
+// Each token's K and V rows (row_bytes each: its KV heads side by side) into its slot of the
+// pool, slots[t] < 0 skipped; -1 (nothing written) when a slot lies past the pool's.
+extern "C" int pagefleet_write_kv(const void* key, long k_row, const void* value, long v_row, void* key_cache,
+                                  void* value_cache, long num_slots, const int64_t* slots, int n, long row_bytes) {
+    for (int t = 0; t < n; t++)
+        if (slots[t] >= num_slots) return -1;
+    for (int t = 0; t < n; t++) {
+        const int64_t slot = slots[t];
+        if (slot < 0) continue;
+        memcpy((char*)key_cache + slot * row_bytes, (const char*)key + t * k_row, row_bytes);
+        memcpy((char*)value_cache + slot * row_bytes, (const char*)value + t * v_row, row_bytes);
+    }
+    return 0;
+}
+
+// Rotary embedding of bfloat16 heads as transformers computes it: out = bf16(bf16(x * cos) +
+// bf16(rotate_half(x) * sin)), each product and the sum rounded as torch rounds them (the
+// products of two bfloat16 values are exact in float32, so nothing is fused away). x: (T, H, d)
+// rows of x_row elements; cos, sin: (T, d), the sin's first half negated (rotate_half's sign);
+// out: (T, H, d) contiguous.
+extern "C" int pagefleet_rotary(const void* x, long x_row, int tokens, int heads, int d, const void* cos,
+                                const void* sin, void* out) {
+    if (d % 2 != 0) return -1;
+    const uint16_t *xs = (const uint16_t*)x, *c = (const uint16_t*)cos, *sn = (const uint16_t*)sin;
+    uint16_t* o = (uint16_t*)out;
+    const int half = d / 2;
+    for (int t = 0; t < tokens; t++)
+        for (int h = 0; h < heads; h++) {
+            const uint16_t* xh = xs + (size_t)t * x_row + (size_t)h * d;
+            uint16_t* oh = o + ((size_t)t * heads + h) * d;
+            for (int i = 0; i < d; i++) {
+                uint16_t a, b;
+                store(&a, load(xh + i) * load(c + (size_t)t * d + i));
+                store(&b, load(xh + (i + half) % d) * load(sn + (size_t)t * d + i));
+                store(oh + i, load(&a) + load(&b));
+            }
+        }
     return 0;
 }

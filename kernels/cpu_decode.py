@@ -1,10 +1,13 @@
-"""The CPU decode attention kernel (kernels/cpu_decode.cpp): built on first use, called by ctypes.
+"""The CPU decode library (kernels/cpu_decode.cpp): built on first use, called by ctypes.
 
 A decode step's attention on CPU through torch is a gather of the sequence's blocks and four or
 five more ops, each with ~12 us of fixed cost in 16 bits; at the model sizes served on a CPU
 (a 135M model's 30 layers) that is most of a short context's token. The kernel attends every
 decode of a step in one call per layer, reading each position's K and V where it lies in the
-pool, in float32 throughout (benchmarks/cpu_attention.py measures it against the torch path).
+pool, in float32 throughout (benchmarks/decode_attention.py measures it against the torch path).
+The same library takes the rest of a CPU token's small ops where a call beats a handful of torch
+ops: the int8 LM head (`int8_rows`), the KV write (`write_kv`), and in 16 bits the RMSNorm
+(`rms_norm`) and the rotary embedding (`rotary`).
 
 It is compiled by the machine's C++ compiler ($CXX, else c++ or g++) with -march=native into
 the cache folder ($PAGEFLEET_CACHE_DIR, else ~/.cache/pagefleet; `kernels/` under it), named by
@@ -130,6 +133,10 @@ def library() -> ctypes.CDLL | None:
                 lib.pagefleet_int8_rows.restype = i
                 lib.pagefleet_rms_norm.argtypes = [p, n, i, i, p, ctypes.c_float, p, n, i]
                 lib.pagefleet_rms_norm.restype = i
+                lib.pagefleet_write_kv.argtypes = [p, n, p, n, p, p, n, p, i, n]
+                lib.pagefleet_write_kv.restype = i
+                lib.pagefleet_rotary.argtypes = [p, n, i, i, i, p, p, p]
+                lib.pagefleet_rotary.restype = i
                 _lib = lib
             except Exception as e:  # (no compiler, a failed build, an unloadable file)
                 log.warning("the CPU decode attention kernel is unavailable (%s); decoding through torch", e)
@@ -288,12 +295,12 @@ def norm_supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
         and x.stride(1) == 1
         and x.shape[1] % 16 == 0
         and weight.is_contiguous()
-        and _norm_fits(enabled())
+        and _built(enabled())
     )
 
 
 @functools.lru_cache(maxsize=2)
-def _norm_fits(on: bool) -> bool:
+def _built(on: bool) -> bool:
     return on and library() is not None
 
 
@@ -307,4 +314,71 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     )
     if status != 0:
         raise RuntimeError(f"the CPU norm kernel refused rows of {n}")
+    return out
+
+
+def write_kv(
+    key: torch.Tensor,  # (tokens, kvh, d)
+    value: torch.Tensor,
+    key_cache: torch.Tensor,  # (num_blocks, block_size, kvh, d)
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # (tokens,) int64, -1 to skip
+) -> bool:
+    """Copy each token's K and V into its slot of a 16-bit or float32 CPU pool of their dtype, in
+    one call (a torch scatter is a handful of ops and a host sync for the skipped slots); False,
+    with nothing written, where the kernel does not take them (the caller's torch path does)."""
+    if not (
+        key.is_cpu
+        and key.dtype == value.dtype == key_cache.dtype == value_cache.dtype
+        and key.dtype in _DTYPES
+        and slot_mapping.dtype == torch.int64
+        and slot_mapping.is_contiguous()
+        and key.stride(2) == value.stride(2) == 1
+        and key.stride(1) == value.stride(1) == key.shape[2]
+        and key_cache.is_contiguous()
+        and value_cache.is_contiguous()
+        and _built(enabled())
+    ):
+        return False
+    num_blocks, block_size, kvh, d = key_cache.shape
+    size = key.element_size()
+    status = library().pagefleet_write_kv(
+        key.data_ptr(),
+        key.stride(0) * size,
+        value.data_ptr(),
+        value.stride(0) * size,
+        key_cache.data_ptr(),
+        value_cache.data_ptr(),
+        num_blocks * block_size,
+        slot_mapping.data_ptr(),
+        slot_mapping.shape[0],
+        kvh * d * size,
+    )
+    if status != 0:
+        raise IndexError(f"a KV slot lies past the pool's {num_blocks * block_size} slots")
+    return True
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
+    """x (T, heads, d) bfloat16 on CPU rotated by cos and the signed sin (T, 1, d) as
+    worker/model/layers/rotary.py's `apply_rotary` computes it, rounding for rounding, in one
+    call: a new (T, heads, d) tensor; None where the kernel does not take them."""
+    if not (
+        x.is_cpu
+        and x.dtype == cos.dtype == sin.dtype == torch.bfloat16
+        and x.stride(2) == 1
+        and x.stride(1) == x.shape[2]
+        and cos.is_contiguous()
+        and sin.is_contiguous()
+        and cos.shape[0] == sin.shape[0] == x.shape[0]
+        and cos.shape[-1] == sin.shape[-1] == x.shape[2]
+        and x.shape[2] % 2 == 0
+        and _built(enabled())
+    ):
+        return None
+    tokens, heads, d = x.shape
+    out = torch.empty(tokens, heads, d, dtype=x.dtype)
+    library().pagefleet_rotary(
+        x.data_ptr(), x.stride(0), tokens, heads, d, cos.data_ptr(), sin.data_ptr(), out.data_ptr()
+    )
     return out

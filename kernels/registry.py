@@ -50,6 +50,8 @@ class TorchBackend(AttentionBackend):
         cpu_decode.library()  # (built now, with the model, rather than at the first decode)
 
     def write_kv(self, key, value, key_cache, value_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
+        if k_scale is None and cpu_decode.write_kv(key, value, key_cache, value_cache, slot_mapping):
+            return
         write_kv_torch(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
 
     def attention(

@@ -232,3 +232,52 @@ def test_a_16bit_rms_norm_is_torchs_to_one_rounding_and_the_same_for_each_row():
     assert (got != want).float().mean() < 0.01
     for r in (0, 33, 69):
         assert torch.equal(cpu_decode.rms_norm(x[r : r + 1], w, 1e-5)[0], got[r])
+
+
+# ---- the KV write -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kv_write_puts_each_token_where_the_torch_scatter_does(dtype):
+    """Tokens' K and V (views of a fused QKV row, as the model makes them) into their slots,
+    -1 skipped: the pools equal the torch scatter's, byte for byte."""
+    from kernels.torch_ref import write_kv_torch
+
+    g = torch.Generator().manual_seed(8)
+    qkv = torch.randn(7, (9 + 2 * 3) * 64, generator=g).to(dtype)
+    k, v = qkv[:, 9 * 64 : 12 * 64].view(7, 3, 64), qkv[:, 12 * 64 :].view(7, 3, 64)
+    slots = torch.tensor([5, 17, -1, 40, 41, 0, 63], dtype=torch.int64)
+    pools = [torch.zeros(4, 16, 3, 64, dtype=dtype) for _ in range(4)]
+    assert cpu_decode.write_kv(k, v, pools[0], pools[1], slots)
+    write_kv_torch(k, v, pools[2], pools[3], slots)
+    assert torch.equal(pools[0], pools[2]) and torch.equal(pools[1], pools[3]) and pools[0].any()
+
+
+def test_a_kv_slot_past_the_pool_raises_and_writes_nothing():
+    k = torch.randn(2, 3, 64)
+    pool_k, pool_v = torch.zeros(4, 16, 3, 64), torch.zeros(4, 16, 3, 64)
+    with pytest.raises(IndexError, match="past the pool"):
+        cpu_decode.write_kv(k, k, pool_k, pool_v, torch.tensor([3, 64]))
+    assert not pool_k.any() and not pool_v.any()
+    assert not cpu_decode.write_kv(k, k, pool_k.to(torch.int8), pool_v, torch.tensor([3, 4]))  # (not its kind)
+
+
+# ---- rotary in 16 bits --------------------------------------------------------------------
+
+
+def test_16bit_rotary_is_the_torch_rotation_bit_for_bit():
+    """Heads of a fused QKV row rotated by the rotation's cos and signed sin: the kernel's
+    answer is apply_rotary's torch arithmetic (each product rounded, then the sum), exactly."""
+    from worker.model.layers.rotary import apply_rotary
+
+    g = torch.Generator().manual_seed(12)
+    qkv = (torch.randn(9, 15 * 64, generator=g) * 4).bfloat16()
+    qk = qkv[:, : 12 * 64].view(9, 12, 64)
+    angles = torch.rand(9, 1, 64, generator=g) * 6
+    cos, sin = angles.cos().bfloat16(), angles.sin().bfloat16()
+    sin[..., :32].neg_()
+    got = cpu_decode.rotary(qk, cos, sin)
+    want = (qk * cos).add_(qk.roll(32, -1).mul_(sin))
+    assert got is not None and torch.equal(got, want)
+    assert torch.equal(apply_rotary(qk, cos, sin), want)
+    assert cpu_decode.rotary(qk.float(), cos.float(), sin.float()) is None  # (float32: torch's own)

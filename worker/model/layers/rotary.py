@@ -16,6 +16,8 @@ from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
+from kernels import cpu_decode
+
 
 class RotaryEmbedding(nn.Module):
     """positions (T,) -> cos, sin (T, head_dim) float32, each already scaled by the variant's
@@ -70,5 +72,8 @@ def apply_rotary(
     x * cos + rotate_half(x) * sin in x's dtype, as transformers computes it (each product
     rounded, then the sum). rotate_half(x) is (-x2, x1): x rolled by half a head is (x2, x1),
     and the sign is in `sin`."""
+    out = cpu_decode.rotary(x, cos, sin)  # (bfloat16 on CPU: the same roundings, one call)
+    if out is not None:
+        return out
     out = x * cos
     return out.add_(x.roll(x.shape[-1] // 2, -1).mul_(sin))
