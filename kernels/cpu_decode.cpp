@@ -2,11 +2,11 @@
 // K/V where they lie in the pool, in float32 from end to end, in one call per layer and step.
 //
 // Built at first use by kernels/cpu_decode.py (the C++ compiler of the machine, -O3
-// -march=native; no headers but the C library's) and called through ctypes, which releases
-// the GIL. The torch path of the same step (kernels/torch_sdpa.py: a gather of the blocks, then
-// four or five ops of ~12 us fixed cost each) reads the K/V twice and rounds the scores and
-// probabilities to 16 bits; this reads each position's K and V row once, straight from its
-// block, and keeps every intermediate in float32, rounding only the output.
+// -march=native -fopenmp; no headers but the C library's and OpenMP's) and called through
+// ctypes, which releases the GIL. The torch path of the same step (kernels/torch_sdpa.py: a
+// gather of the blocks, then four or five ops of a fixed cost each) reads the K/V twice and
+// rounds the scores and probabilities to 16 bits; this reads each position's K and V row once,
+// straight from its block, and keeps every intermediate in float32, rounding only the output.
 //
 // Each (sequence, query head) is computed the same way whatever else the step holds, so a
 // stream decodes to the same bits alone or in a batch (the engine's batch invariance).
@@ -34,6 +34,13 @@ inline int omp_thread() {
 #endif
 }
 
+inline float load(const float* p) { return *p; }
+inline float load(const uint16_t* p) {  // bfloat16 -> float32: the high half of the bits
+    uint32_t u = (uint32_t)*p << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
 inline void store(float* p, float f) { *p = f; }
 inline void store(uint16_t* p, float f) {  // float32 -> bfloat16, to nearest, ties to even
     uint32_t u;
@@ -104,14 +111,6 @@ inline void store_head(uint16_t* p, const f16v* v, int n) {
 #define SHUFFLE(a, b, ...) __builtin_shuffle(a, b, (i16v){__VA_ARGS__})
 #endif
 
-inline float load(const float* p) { return *p; }
-inline float load(const uint16_t* p) {
-    uint32_t u = (uint32_t)*p << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
 typedef int8_t i8x16 __attribute__((vector_size(16)));
 typedef int8_t i8x32 __attribute__((vector_size(32)));
 
@@ -132,8 +131,8 @@ inline f16v int8_head(const int8_t* w, int c, bool pairs) {
     return __builtin_convertvector(__builtin_convertvector(b, i16v), f16v);
 }
 
-// Two levels of four: lanes of v[0..15] summed so that lane o of the result is the sum of v[o]'s
-// lanes, in a fixed order (so the same bits whatever the call's other work).
+// Four levels of pairs: lanes of v[0..15] summed so that lane o of the result is the sum of
+// v[o]'s lanes, in a fixed order (so the same bits whatever the call's other work).
 inline f16v sum_lanes(f16v* v) {
     for (int i = 0; i < 8; i++)  // [a's 8 half sums | b's 8]
         v[i] = SHUFFLE(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
@@ -169,7 +168,7 @@ inline float max_of(const float* s, int n) {
 }
 
 // Position p's row (every KV head's K or V) in the pool, walked in order without a division
-// per position: `at` moves block by block through the sequence's table.
+// per position: `next` moves block by block through the sequence's table.
 template <typename T>
 struct Rows {
     const T* cache;
@@ -206,14 +205,16 @@ constexpr int SPAN = 256;
 // the threads' fork and barriers (a few us) would cost more than they save.
 constexpr int PARALLEL_MIN = 256;
 
-// One sequence's query (heads, D) over its first `len` cached positions -> out (heads, D).
-// scratch: `scratch_floats` floats, 64-byte aligned.
+// Floats of one sequence's scratch: per query head its scaled query, its scores (padded to W
+// positions) and its values' partial sums (one per SPAN), then the softmax sums' inverses.
 template <int D>
 inline size_t scratch_floats(int heads, int len) {
     const size_t padded = (len + W - 1) / W * W, spans = (len + SPAN - 1) / SPAN;
     return heads * (D + padded + spans * D) + (heads + W - 1) / W * W;
 }
 
+// One sequence's query (heads, D) over its first `len` cached positions -> out (heads, D).
+// scratch: `scratch_floats` floats, 64-byte aligned.
 template <typename T, int D>
 void attend(const T* q, const T* kc, const T* vc, const int32_t* table, int len, int bs, int kvh, int heads,
             float scale, T* out, float* scratch, int threads) {

@@ -1,8 +1,9 @@
 """The CPU decode library (kernels/cpu_decode.cpp): built on first use, called by ctypes.
 
 A decode step's attention on CPU through torch is a gather of the sequence's blocks and four or
-five more ops, each with ~12 us of fixed cost in 16 bits; at the model sizes served on a CPU
-(a 135M model's 30 layers) that is most of a short context's token. The kernel attends every
+five more ops, each with a fixed cost that at the model sizes served on a CPU (a 135M model's 30
+layers) makes up most of a short context's token (benchmarks/RESULTS.md, "The CPU decode
+kernel"). The kernel attends every
 decode of a step in one call per layer, reading each position's K and V where it lies in the
 pool, in float32 throughout (benchmarks/decode_attention.py measures it against the torch path).
 The same library takes the rest of a CPU token's small ops where a call beats a handful of torch
@@ -139,7 +140,7 @@ def library() -> ctypes.CDLL | None:
                 lib.pagefleet_rotary.restype = i
                 _lib = lib
             except Exception as e:  # (no compiler, a failed build, an unloadable file)
-                log.warning("the CPU decode attention kernel is unavailable (%s); decoding through torch", e)
+                log.warning("the CPU kernel library is unavailable (%s); decoding through torch", e)
             _tried = True
     return _lib
 
@@ -160,15 +161,20 @@ def supports(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Te
     )
 
 
+@functools.lru_cache(maxsize=2)
+def _built(on: bool) -> bool:
+    """Whether the library serves: turned on (`enabled`) and built."""
+    return on and library() is not None
+
+
 @functools.lru_cache(maxsize=64)
 def _fits(dtype, k_dtype, v_dtype, head_dim: int, heads: int, kv_heads: int, on: bool) -> bool:
     return (
-        on
-        and dtype in _DTYPES
+        dtype in _DTYPES
         and k_dtype == v_dtype == dtype
         and head_dim in HEAD_DIMS
         and heads % kv_heads == 0
-        and library() is not None
+        and _built(on)
     )
 
 
@@ -247,12 +253,11 @@ def int8_supports(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) 
 @functools.lru_cache(maxsize=16)
 def _int8_fits(dtype, scales_dtype, weight_dtype, in_features: int, on: bool) -> bool:
     return (
-        on
-        and dtype in _DTYPES
+        dtype in _DTYPES
         and scales_dtype == dtype
         and weight_dtype == torch.int8
         and in_features % 32 == 0
-        and library() is not None
+        and _built(on)
     )
 
 
@@ -297,11 +302,6 @@ def norm_supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
         and weight.is_contiguous()
         and _built(enabled())
     )
-
-
-@functools.lru_cache(maxsize=2)
-def _built(on: bool) -> bool:
-    return on and library() is not None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

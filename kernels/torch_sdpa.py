@@ -143,8 +143,9 @@ def _with_kernel(query, pool: _Pool, block_tables, query_start_loc, lens, scale,
     if out is None:
         out = torch.empty_like(query)
     heads, d, threads = query.shape[1], query.shape[2], torch.get_num_threads()
+    # (one scratch for every call below: no row sees more than the longest sequence)
+    scratch = pool.workspace.floats("decode-scratch", cpu_decode.scratch_size(heads, max(lens), d, threads))
     if query.shape[0] == len(lens):  # a step of decodes only: row s is sequence s's
-        scratch = pool.workspace.floats("decode-scratch", cpu_decode.scratch_size(heads, max(lens), d, threads))
         cpu_decode.decode(query, pool.key, pool.value, block_tables, range(len(lens)), lens, scale, out, scratch)
         return out
     starts = query_start_loc.tolist()
@@ -152,9 +153,7 @@ def _with_kernel(query, pool: _Pool, block_tables, query_start_loc, lens, scale,
     decodes = [s for s, n in enumerate(q_lens) if n == 1]
     rows_of_all = query.dtype != torch.float32  # (prefill rows through the kernel too)
     if decodes:
-        decode_lens = [lens[s] for s in decodes]
-        scratch = pool.workspace.floats("decode-scratch", cpu_decode.scratch_size(heads, max(decode_lens), d, threads))
-        rows = [starts[s] for s in decodes]
+        rows, decode_lens = [starts[s] for s in decodes], [lens[s] for s in decodes]
         cpu_decode.decode(query, pool.key, pool.value, block_tables[decodes], rows, decode_lens, scale, out, scratch)
     for s, n in enumerate(q_lens):
         if n <= 1:
@@ -162,7 +161,6 @@ def _with_kernel(query, pool: _Pool, block_tables, query_start_loc, lens, scale,
         if not rows_of_all:
             _prefill(query, pool, block_tables[s], starts[s], n, lens[s], scale, out)
             continue
-        scratch = pool.workspace.floats("decode-scratch", cpu_decode.scratch_size(heads, lens[s], d, threads))
         seen = range(lens[s] - n + 1, lens[s] + 1)  # (row i sees the context and the rows up to itself)
         table = block_tables[s : s + 1].expand(n, -1)  # (one table for every row: stride 0)
         cpu_decode.decode(

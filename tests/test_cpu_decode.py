@@ -1,5 +1,6 @@
-"""The CPU decode attention kernel (kernels/cpu_decode.cpp) against a float64 reference, its
-batch invariance, what it refuses, and its build.
+"""The CPU kernel library (kernels/cpu_decode.cpp): its paged attention against a float64
+reference, its batch and thread invariance, what it refuses, and its build; then the int8 LM
+head's rows, the 16-bit RMSNorm and rotary, and the KV write, each against torch's own.
 
 The reference is kernels/torch_ref.py's plain attention over the same pool in float64: a
 float32 decode lands within float32's rounding of it, a bfloat16 one within one rounding of
@@ -42,7 +43,8 @@ def test_decodes_match_a_float64_reference(dtype, heads, kv_heads, head_dim, blo
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_decode_rounds_the_same_alone_or_in_any_batch(dtype):
     """The same query over the same blocks gives the same bits alone, among other decodes and
-    beside a prefill chunk (which takes the torch path), in any position of the batch."""
+    beside a prefill chunk (float32: the torch path; 16 bits: the kernel, row by row), in any
+    position of the batch."""
     backend = TorchBackend()
     mixed = make_batch([5, 1, 1, 9, 1], [40, 700, 33, 9, 120], 9, 3, 64, dtype=dtype, seed=3)
     query, k, v, tables, qsl, lens = mixed

@@ -100,8 +100,9 @@ class Int8Weight(QuantizedWeight):
     """Symmetric int8, one scale per output row: w[o, i] = qweight[o, i] * scales[o].
 
     `cpu_rows` (a vocabulary layer's: the LM head): on CPU every row goes through the C++
-    kernel (kernels/cpu_decode.py `int8_rows`), twice torch's int8 kernel's speed on a decode's
-    row, and a row's logits the same however many rows the step has."""
+    kernel (kernels/cpu_decode.py `int8_rows`), faster than torch's int8 kernel on a decode's
+    few rows (benchmarks/RESULTS.md), and a row's logits the same however many rows the step
+    has."""
 
     cpu_rows = False
 
