@@ -3,7 +3,7 @@ huge texts and chat lists, unbounded stop lists, oversized field values, bytes t
 parse, a salt that claims a tenant's namespace, random mutations of valid requests, and a
 shutdown with streams still running.
 
-One server for the module (a 512-token context, a 1 s grace period); the shutdown test comes
+One server for the module (a 512-token context, a 0.25 s grace period); the shutdown test comes
 last and stops it.
 """
 
@@ -24,6 +24,9 @@ from tests.redis_server import free_port
 from tests.serve_process import all_blocks_free, mutated, start_serve, wait_for
 
 CONTEXT = 512
+# The shutdown test's stream must outlast it: the built-in model decodes its ~500 tokens in
+# about 1 s on a 2-core CPU (a 1 s grace let the stream finish first there).
+GRACE_S = 0.25
 START_TIMEOUT_S = 240
 INVALID, RANGE = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE
 GENERATE = "/pagefleet.v1.PageFleet/Generate"
@@ -36,7 +39,7 @@ def probed(tmp_path_factory):
     flags = [
         "--model=builtin",
         "--no-metrics",
-        "--grace=1",
+        f"--grace={GRACE_S}",
         f"--max-model-len={CONTEXT}",
         "--num-blocks=256",
         "--max-num-seqs=4",
@@ -254,7 +257,7 @@ def test_shutdown_ends_running_streams_with_an_abort_and_their_usage(probed):
     proc, client, log = probed
     stream = client.generate_stream(token_ids=[9, 8, 7], max_tokens=CONTEXT - 10, ignore_eos=True)
     chunks = [next(stream)]
-    proc.send_signal(signal.SIGTERM)  # --grace=1: the stream cannot finish in time
+    proc.send_signal(signal.SIGTERM)  # (GRACE_S: the stream cannot finish in time)
     chunks += list(stream)
     last = chunks[-1]
     assert last.finished and last.finish_reason == pb.FINISH_REASON_ABORT

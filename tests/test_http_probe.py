@@ -5,7 +5,7 @@ vanish mid-stream or mid-wait, random mutations of valid bodies, and a shutdown 
 still running. Every answer is OpenAI's error body with a status a client can act on; nothing
 leaks; health keeps answering.
 
-One server for the module (a 512-token context, a 1 s grace period, a 1 MiB body limit); the
+One server for the module (a 512-token context, a 0.25 s grace period, a 1 MiB body limit); the
 shutdown test comes last and stops it. Its request heads may take HEAD_TIMEOUT_S to arrive.
 """
 
@@ -36,6 +36,9 @@ CONTEXT = 512
 START_TIMEOUT_S = 240
 BODY_LIMIT = 1 << 20
 HEAD_TIMEOUT_S = 1.5
+# The shutdown test's stream must outlast it: the built-in model decodes its ~500 tokens in
+# about 1 s on a 2-core CPU (a 1 s grace let the stream finish first there).
+GRACE_S = 0.25
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +50,7 @@ def probed(tmp_path_factory):
         *builtin_model_flags(),
         f"--http-port={port}",
         "--no-metrics",
-        "--grace=1",
+        f"--grace={GRACE_S}",
         f"--max-model-len={CONTEXT}",
         "--num-blocks=256",
         "--max-num-seqs=4",
@@ -417,7 +420,7 @@ def test_shutdown_ends_a_running_stream_with_an_abort_and_done(probed):
     with http.stream("POST", "/v1/completions", json=body) as response:
         lines = response.iter_lines()
         events = [next(lines)]
-        proc.send_signal(signal.SIGTERM)  # --grace=1: the stream cannot finish in time
+        proc.send_signal(signal.SIGTERM)  # (GRACE_S: the stream cannot finish in time)
         events += list(lines)
     data = [e.removeprefix("data: ") for e in events if e.startswith("data: ")]
     assert data[-1] == "[DONE]"
