@@ -386,6 +386,7 @@ class _Pending:
     waiting: list[tuple[Arrival, list[bytes], Callable[[int], None] | None]] = field(default_factory=list)
     pull: SimPull | None = None  # the copy, once started
     key: tuple | None = None  # a cold wait's key, while others may join it
+    lead: Sequence[bytes] = ()  # a cold wait's first prompt chain: as much of it is pulled
 
 
 @dataclass(frozen=True)
@@ -491,7 +492,7 @@ class Simulation:
             if joined is not None:
                 joined.waiting.append((a, hashes, placed.pulled))
                 return
-        job = _Pending(placed.group, placed.source, chain, now, key=key)
+        job = _Pending(placed.group, placed.source, chain, now, key=key, lead=hashes if placed.wait else ())
         job.waiting.append((a, hashes, placed.pulled))
         if placed.wait:
             job.deadline_s = now + self.pulls.wait_s
@@ -518,6 +519,11 @@ class Simulation:
         if committed < len(job.block_hashes) and job.source.alive and now < job.deadline_s:
             self._push(now + self.pulls.poll_s, job)
         elif job.source.alive and self.pulls.pays(committed):
+            if committed >= len(job.block_hashes) and len(job.lead) > committed:  # (Router._wait_and_pull)
+                lead = job.source.held(job.lead)
+                if lead > committed:
+                    self._begin_pull(job, job.lead[:lead], now)
+                    return
             self._begin_pull(job, job.block_hashes[:committed], now)
         else:  # nothing worth pulling came: recompute
             job.pull = SimPull(job.source, (), (), now)

@@ -100,6 +100,9 @@ COLD_WAIT_S = 30.0
 # cold document's burst, computed once": TTFT p50 1.5x the recompute's at 256 tokens, 0.78x
 # at 512, 0.63-0.71x at 2,000; the shared machine's noise is about +-30%).
 COLD_MIN_BLOCKS = 32
+# What a holder's step holds of the prefill queue, when the policy does not say (the engine's
+# default max_num_batched_tokens).
+DEFAULT_BATCH_TOKENS = 2048
 COLD_POLL_S = 0.01  # how often a waiting pull reads the index for the holder's commit
 COLD_KEEP_S = 1.0  # a finished shared pull answers later requests this long (until indexed)
 
@@ -293,6 +296,9 @@ class Router:
                 f"the policy counts blocks of {policy.block_size} tokens; the model's are {model_info.block_size}"
             )
         self.policy = policy
+        # a group's prefill tokens per step (the engine's budget, as the policy knows it): how
+        # much of a holder's queue can be ahead of a prefix it has started
+        self.batch_tokens: int = getattr(policy, "batch_tokens", DEFAULT_BATCH_TOKENS)
         # the calibrated costs a pull is weighed with: the policy's (prefix_aware's), else the defaults
         self.cost: CostModel = getattr(getattr(policy, "config", None), "cost", None) or CostModel()
         self.max_attempts = max_attempts
@@ -439,9 +445,9 @@ class Router:
         placement = self.joined_pull(placement, block_hashes)
         bs = self.model_info.block_size
         if placement.pull_from is None:
-            placement = pull_source(placement, matches, statuses, self.cost, bs)
-        if placement.pull_from is None and self.cold_wait_s > 0:
-            placement = cold_source(placement, matches, statuses, self.cost, bs)
+            placement = pull_source(placement, matches, statuses, self.cost, bs, self.batch_tokens)
+            if self.cold_wait_s > 0:  # or wait for more than is committed, if that is sooner
+                placement = cold_source(placement, matches, statuses, self.cost, bs, self.batch_tokens)
         return placement
 
     def joined_pull(self, placement: Placement, block_hashes: Sequence[bytes]) -> Placement:
@@ -704,7 +710,7 @@ class Router:
         if holder is None:
             pulled = 0
         elif placement.pull_wait:
-            pulled = await asyncio.shield(self._cold_pull(group, holder, chain))
+            pulled = await asyncio.shield(self._cold_pull(group, holder, chain, hashes))
         else:
             pulled = await asyncio.shield(self._shared_pull(group, holder, chain))
         if not pulled:
@@ -729,13 +735,16 @@ class Router:
             task.add_done_callback(forget)
         return task
 
-    def _cold_pull(self, group: GroupHandle, holder: GroupHandle, chain: Sequence[bytes]) -> asyncio.Future[int]:
-        """The one wait-and-pull of `chain` onto `group` (a new one, or the one going)."""
+    def _cold_pull(
+        self, group: GroupHandle, holder: GroupHandle, chain: Sequence[bytes], lead: Sequence[bytes] = ()
+    ) -> asyncio.Future[int]:
+        """The one wait-and-pull of `chain` onto `group` (a new one, or the one going; `lead`:
+        the prompt's chain, see `_wait_and_pull`)."""
         key = (group.group_id, chain[-1])
         cold = self._cold.get(key)
         if cold is None:
             cold = self._cold[key] = _ColdPull(
-                holder.group_id, len(chain), asyncio.ensure_future(self._wait_and_pull(group, holder, chain))
+                holder.group_id, len(chain), asyncio.ensure_future(self._wait_and_pull(group, holder, chain, lead))
             )
 
             def forget(t: asyncio.Future[int]) -> None:
@@ -749,10 +758,15 @@ class Router:
             cold.task.add_done_callback(forget)
         return cold.task
 
-    async def _wait_and_pull(self, group: GroupHandle, holder: GroupHandle, chain: Sequence[bytes]) -> int:
+    async def _wait_and_pull(
+        self, group: GroupHandle, holder: GroupHandle, chain: Sequence[bytes], lead: Sequence[bytes] = ()
+    ) -> int:
         """Wait (up to `cold_wait_s`, COLD_WAIT_S) until `holder` has committed `chain`, then pull
-        it; what is committed by the deadline is pulled if the pull pays (`pull_pays`), else
-        nothing (0). A holder that dies or drains meanwhile ends the wait at once: nothing (0)."""
+        it, and as much more of `lead` (the prompt's chain, of which `chain` is the start) as the
+        holder has committed by then: the pending record that `chain` ends at is one of the
+        index's probe positions, short of the document's end. What is committed by the deadline
+        is pulled if the pull pays (`pull_pays`), else nothing (0). A holder that dies or drains
+        meanwhile ends the wait at once: nothing (0)."""
         deadline, committed = time.monotonic() + self.cold_wait_s, 0
         while True:
             try:
@@ -767,6 +781,11 @@ class Router:
                 committed = 0
                 break
             await asyncio.sleep(COLD_POLL_S)
+        if committed >= len(chain) and len(lead) > len(chain):
+            with contextlib.suppress(PrefixIndexError):  # (else the chain alone)
+                m = self.index.match(lead).get(holder.group_id)
+                if m is not None and m.blocks + m.host_blocks > committed:
+                    chain, committed = lead, min(len(lead), m.blocks + m.host_blocks)
         statuses = self.live_statuses()
         near = same_node(statuses.get(group.group_id), statuses.get(holder.group_id))
         if not pull_pays(committed, self.cost, self.model_info.block_size, near):
@@ -899,13 +918,15 @@ def pull_source(
     statuses: Collection[str] | Mapping[str, GroupStatus],
     cost: CostModel | None = None,
     block_size: int = 16,
+    batch_tokens: int = DEFAULT_BATCH_TOKENS,
 ) -> Placement:
     """The placement with the live group to pull the prefix from: of those whose committed
     leading blocks (on the device or the host tier: what a holder exports) exceed what the
     chosen group holds in any tier (a lead it holds on its host or disk tier is restored
     there, not pulled again), the one whose pull saves the most time over recomputing the
-    blocks it adds (the cost model's link to it, `pull_pays`); unchanged when no pull is
-    sooner. `statuses`: the live groups (with their statuses, their nodes)."""
+    blocks it adds (`pull_eta`: the cost model's link to it, and the step it may have in
+    flight); unchanged when no pull is sooner. `statuses`: the live groups (with their
+    statuses, their nodes)."""
     cost = cost or CostModel()
     chosen = matches.get(placement.group_id)
     own = chosen.tier_blocks if chosen is not None else 0
@@ -917,11 +938,29 @@ def pull_source(
         extra = held - own
         if extra <= 0 or gid == placement.group_id or gid not in statuses:
             continue
-        near = same_node(here, statuses[gid]) if isinstance(statuses, Mapping) else True
-        gain = cost.recompute_seconds(extra * block_size) - cost.pull_seconds(extra, near)
+        holder = statuses[gid] if isinstance(statuses, Mapping) else None
+        gain = cost.recompute_seconds(extra * block_size) - pull_eta(m, holder, here, extra, cost, batch_tokens)
         if gain > saved:
             best, most, saved = gid, held, gain
     return placement if best is None else replace(placement, pull_from=best, pull_blocks=most)
+
+
+def pull_eta(
+    m: GroupMatch,
+    holder: GroupStatus | None,
+    here: GroupStatus | None,
+    blocks: int,
+    cost: CostModel,
+    batch_tokens: int = DEFAULT_BATCH_TOKENS,
+) -> float:
+    """Seconds until `blocks` committed blocks of a chain that the holder (its match `m`, its
+    status) has are pulled: the link's time, after the step the holder may have in flight when
+    it is still computing the chain (it indexes blocks as it schedules them and exports them
+    between steps: the last committed ones may be in that step)."""
+    seconds = cost.pull_seconds(blocks, same_node(here, holder))
+    if holder is not None and m.pending_blocks > m.tier_blocks:
+        seconds += cost.step_seconds(min(holder.pending_prefill_tokens, batch_tokens), holder.running)
+    return seconds
 
 
 def cold_source(
@@ -930,17 +969,22 @@ def cold_source(
     statuses: Collection[str] | Mapping[str, GroupStatus],
     cost: CostModel | None = None,
     block_size: int = 16,
+    batch_tokens: int = DEFAULT_BATCH_TOKENS,
 ) -> Placement:
     """The placement with the live group that has the prefix pending but not committed (it is
     computing it) to wait for and pull from (`pull_wait`): the one whose pending lead exceeds
-    what the chosen group holds or has pending by the most, at least COLD_MIN_BLOCKS, when
-    waiting for it is sooner than recomputing (`wait_seconds` against the chosen group's queued
-    prefill and the missing blocks', with the copy's charge); unchanged when none is (see COLD_WAIT_S). Both queues are
-    as the router's ledger corrects them (`Router.live_statuses`)."""
+    what the chosen group holds or has pending, or would pull at once (`pull_source`), by the
+    most, at least COLD_MIN_BLOCKS, when waiting for it is sooner (`wait_seconds`) than the
+    alternative: the chosen group's queued prefill and the blocks it lacks after what it
+    pulls at once (`pull_eta`), with the copy's charge. Unchanged when none is (see
+    COLD_WAIT_S). Both queues are as the router's ledger corrects them
+    (`Router.live_statuses`)."""
     cost = cost or CostModel()
     chosen = matches.get(placement.group_id)
     own = 0 if chosen is None else max(chosen.tier_blocks, chosen.pending_blocks)
-    best, most = None, own + COLD_MIN_BLOCKS - 1
+    pulled = placement.pull_blocks if placement.pull_from is not None else 0
+    base = max(own, pulled)
+    best, most = None, base + COLD_MIN_BLOCKS - 1
     for gid in touched_ids(matches):
         m = matches[gid]
         computing = m.pending_blocks > m.tier_blocks  # pending beyond what it committed
@@ -950,22 +994,42 @@ def cold_source(
         return placement
     if isinstance(statuses, Mapping):
         holder, here = statuses[best], statuses.get(placement.group_id)
-        wait = wait_seconds(holder, most, cost, same_node(here, holder))
-        missing = (most - own) * block_size
+        m = matches[best]
+        wait = wait_seconds(holder, most, cost, same_node(here, holder), m.tier_blocks, block_size, batch_tokens)
+        missing = (most - base) * block_size
         # its own queue first, then the prefix; and the second copy's charge (the placement
-        # formula's recompute term on an idle cluster: the compute and pool space a copy takes)
+        # formula's recompute term: the compute and pool space a copy takes, and the requests
+        # that wait behind it, at least as many as the least busy group holds)
         queued, running = (here.pending_prefill_tokens, here.running) if here is not None else (0, 0)
-        recompute = cost.step_seconds(queued + missing, running) + cost.recompute_seconds(missing)
+        delayed = min(s.running + s.waiting for s in statuses.values())
+        recompute = cost.step_seconds(queued + missing, running) + (1 + delayed) * cost.recompute_seconds(missing)
+        if pulled > own:  # the lead it would pull at once comes first
+            source = placement.pull_from
+            recompute += pull_eta(matches[source], statuses.get(source), here, pulled - own, cost, batch_tokens)
         if wait >= recompute:
             return placement
     return replace(placement, pull_from=best, pull_blocks=most, pull_wait=True)
 
 
-def wait_seconds(holder: GroupStatus, blocks: int, cost: CostModel, near: bool = True) -> float:
+def wait_seconds(
+    holder: GroupStatus,
+    blocks: int,
+    cost: CostModel,
+    near: bool = True,
+    committed: int = 0,
+    block_size: int = 16,
+    batch_tokens: int = DEFAULT_BATCH_TOKENS,
+) -> float:
     """Seconds until `blocks` blocks a group is computing are pulled from it: its queued
-    prefill (the prefix among it, and what is ahead of it) in one step with its running
-    decodes, then the pull."""
-    return cost.step_seconds(holder.pending_prefill_tokens, holder.running) + cost.pull_seconds(blocks, near)
+    prefill in one step with its running decodes, then the pull. Of the queue, only what is
+    ahead of the prefix's end counts: all of it while the prefix waits, but once the holder has
+    `committed` COLD_MIN_BLOCKS or more of it (a document's prefill under way, not a shared
+    system prompt) only the rest of the prefix and at most one step's budget of the prefills
+    admitted before it (what comes after it in the queue does not delay it)."""
+    queued = holder.pending_prefill_tokens
+    if committed >= COLD_MIN_BLOCKS:
+        queued = min(queued, (blocks - committed) * block_size + batch_tokens)
+    return cost.step_seconds(queued, holder.running) + cost.pull_seconds(blocks, near)
 
 
 def max_prompt_chars(tokenizer, max_model_len: int) -> int:

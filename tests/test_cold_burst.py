@@ -183,6 +183,68 @@ def test_a_cold_prefix_is_waited_for_only_when_the_holder_is_sooner():
     assert cold_source(chosen, matches, busy, cost, 16).pull_from == "b"
 
 
+def test_a_prefix_under_way_waits_only_for_its_rest_and_the_step_ahead():
+    """Once the holder has committed COLD_MIN_BLOCKS or more of the prefix its prefill is under
+    way: what is queued behind it does not delay it, and the wait counts the prefix's rest and
+    at most one step's budget of the prefills admitted before it."""
+    from cluster.cost_model import CostModel
+    from cluster.group import GroupStatus
+    from router.router import wait_seconds
+
+    cost = CostModel(step_s=1e-3, prefill_token_s=1e-4, pull_latency_s=1e-3, pull_bandwidth=1e9)
+    holder = GroupStatus("b", True, 1, ("cpu",), 100, 100, 0, 1, 3, 10_000)
+    whole = cost.step_seconds(10_000, 1) + cost.pull_seconds(100)
+    assert wait_seconds(holder, 100, cost) == pytest.approx(whole)  # nothing committed: all of it
+    assert wait_seconds(holder, 100, cost, committed=COLD_MIN_BLOCKS - 1) == pytest.approx(whole)
+    rest = (100 - 60) * 16 + 2048  # its 40 blocks left and one step's budget ahead
+    assert wait_seconds(holder, 100, cost, committed=60) == pytest.approx(
+        cost.step_seconds(rest, 1) + cost.pull_seconds(100)
+    )
+    # so a group chosen for the prefix waits for it where the whole queue would say recompute
+    chosen = Placement("a", "spill", 0)
+    statuses = {"a": GroupStatus("a", True, 1, ("cpu",), 100, 100, 0, 1, 0, 0), "b": holder}
+    assert cold_source(chosen, {"b": GroupMatch("b", 1, 0, 100)}, statuses, cost).pull_from is None
+    got = cold_source(chosen, {"b": GroupMatch("b", 1, 60, 100)}, statuses, cost)
+    assert (got.pull_from, got.pull_blocks, got.pull_wait) == ("b", 100, True)
+
+
+def test_a_partial_pull_is_weighed_against_waiting_for_the_whole_prefix():
+    """The lead a holder has committed can be pulled at once and the rest recomputed, or the
+    whole waited for: the wait wins when it is sooner than the partial pull (after the step
+    in flight, if its holder still computes) and the rest's prefill with the copy's charge,
+    which grows with the requests every group holds (they wait behind a second copy's prefill
+    wherever it is computed)."""
+    from cluster.cost_model import CostModel
+    from cluster.group import GroupStatus
+    from router.router import pull_source
+
+    cost = CostModel(step_s=1e-3, prefill_token_s=1e-4, decode_seq_s=1e-4, pull_latency_s=1e-3)
+
+    def status(gid: str, queued: int = 0, running: int = 0) -> GroupStatus:
+        return GroupStatus(gid, True, 1, ("cpu",), 100, 100, 0, running, 0, queued)
+
+    b = GroupMatch("b", 1, 40, 100)  # b computes 100 blocks, 40 of them committed
+    c = GroupMatch("c", 1, 40, 40)  # c holds those 40 and computes nothing
+    chosen = Placement("a", "spill", 0)
+
+    def place(b_queued: int, running: int = 0) -> tuple[Placement, Placement]:
+        statuses = {g: status(g, b_queued if g == "b" else 0, running) for g in "abc"}
+        partial = pull_source(chosen, {"b": b, "c": c}, statuses, cost)
+        return partial, cold_source(partial, {"b": b, "c": c}, statuses, cost)
+
+    # c's 40 at once (6 ms, no step to wait for), then the 60 blocks' prefill on a with the
+    # copy's charge (0.19 s); or b's last 1,000 queued tokens (0.1 s) and the pull of all 100
+    partial, got = place(1000)
+    assert (partial.pull_from, partial.pull_blocks, partial.pull_wait) == ("c", 40, False)
+    assert (got.pull_from, got.pull_blocks, got.pull_wait) == ("b", 100, True)
+    # b's queue ahead of the prefix's end is 3,000 tokens (0.3 s): the partial pull is sooner
+    partial, got = place(3000)
+    assert got == partial
+    # every group busy (4 requests at least): the rest's copy is charged 5x, and the wait wins
+    _, got = place(3000, running=4)
+    assert (got.pull_from, got.pull_blocks, got.pull_wait) == ("b", 100, True)
+
+
 def test_a_wait_ends_at_once_when_the_computing_group_leaves(config, single_group_answers):
     index = InMemoryPrefixIndex()
     groups = [LocalGroup(config, index, group_id=f"k{i}") for i in range(2)]
@@ -213,3 +275,51 @@ def test_a_wait_ends_at_once_when_the_computing_group_leaves(config, single_grou
 
 async def _last(outputs):
     return [o async for o in outputs][-1]
+
+
+class FirstThenOther(Policy):
+    """The first request on `first`, every later one on `other` (with what the index says
+    `other` holds): a question placed away from the group computing its document."""
+
+    name = "first_then_other"
+
+    def __init__(self, first: str, other: str, block_size: int) -> None:
+        super().__init__(block_size)
+        self.first, self.other, self.placed = first, other, 0
+
+    def choose(self, block_hashes, statuses, matches, placed) -> Placement:
+        self.placed += 1
+        gid = self.first if self.placed == 1 else self.other
+        m = matches.get(gid)
+        return Placement(gid, "chosen", m.expected_blocks if m is not None else 0)
+
+
+def test_a_wait_named_at_a_probe_position_pulls_the_whole_document(config):
+    """Two questions of three blocks each on one cold document, sent together: the first is
+    computed on w0; the second, on w1, finds w0's pending placement only up to the last probe
+    position inside the document (block 96 of 125: pending placements are indexed at probe
+    positions), waits for it, then pulls all the document's blocks that w0 committed by then
+    (`_wait_and_pull`), so w1 computes its question alone."""
+    asked = [DOC + [3 + q] * 40 for q in range(2)]  # 40 tokens: two full blocks past the document
+    index = InMemoryPrefixIndex()
+    groups = [LocalGroup(config, index, group_id=f"w{i}") for i in range(2)]
+    hasher, _, info = router_side(config, "builtin")
+    try:
+        router = Router(groups, index, hasher, info, policy=FirstThenOther("w0", "w1", info.block_size))
+        before = computed(groups)
+        first, second = ask_all(router, asked)
+        record = router.records[second.request_id]
+        assert record.group_id == "w1" and record.pulled_from == "w0"
+        assert groups[1].engine.engine.stats()["kv_blocks_imported"] == DOC_TOKENS // 16
+        assert second.num_cached_tokens == DOC_TOKENS
+        assert computed(groups) - before == DOC_TOKENS + 2 * (40 + PARAMS.max_tokens - 1)
+    finally:
+        for g in groups:
+            g.shutdown()
+    single_index = InMemoryPrefixIndex()
+    single = LocalGroup(config, single_index, group_id="alone")
+    try:
+        alone = ask_all(Router([single], single_index, hasher, info), asked)
+    finally:
+        single.shutdown()
+    assert [o.outputs[0].token_ids for o in (first, second)] == [o.outputs[0].token_ids for o in alone]

@@ -175,6 +175,29 @@ def test_a_pull_within_a_node_is_weighed_against_one_across_nodes():
     assert pull_source(chosen, short, {**statuses, "far": status("far", "n1")}, cost).pull_from == "far"
 
 
+def test_a_pull_from_a_group_still_computing_the_chain_waits_for_its_step():
+    """A holder indexes blocks as it schedules the step that computes them and exports between
+    steps: while it still computes the chain (pending beyond its committed lead), its last
+    committed blocks may be in the step in flight, and the pull's estimate adds that step."""
+    from router.router import pull_eta
+
+    cost = CostModel(step_s=1e-3, prefill_token_s=1e-4, decode_seq_s=1e-4, pull_latency_s=1e-3)
+    holder = GroupStatus("b", True, 1, ("cpu",), 100, 100, 0, 2, 0, 5000)
+    link = cost.pull_seconds(20)
+    assert pull_eta(GroupMatch("b", 1, 20, 20), holder, None, 20, cost) == pytest.approx(link)
+    step = cost.step_seconds(2048, 2)  # a step of the engine's budget (its queue is longer)
+    assert pull_eta(GroupMatch("b", 1, 20, 60), holder, None, 20, cost) == pytest.approx(link + step)
+    assert pull_eta(GroupMatch("b", 1, 20, 60), holder, None, 20, cost, batch_tokens=512) == pytest.approx(
+        link + cost.step_seconds(512, 2)
+    )
+    # 30 committed blocks are worth 48 ms of prefill: pulled from a finished holder (3 ms), not
+    # from one whose 0.2 s step must end first
+    chosen = Placement("a", "spill", 0)
+    statuses = {"a": GroupStatus("a", True, 1, ("cpu",), 100, 100, 0, 0, 0, 0), "b": holder}
+    assert pull_source(chosen, {"b": GroupMatch("b", 1, 30, 30)}, statuses, cost).pull_from == "b"
+    assert pull_source(chosen, {"b": GroupMatch("b", 1, 30, 90)}, statuses, cost).pull_from is None
+
+
 def indexed(index, hashes, gid: str, **want) -> GroupMatch:
     """The index's match of `hashes` for `gid` once it shows `want` (fields of GroupMatch)."""
     deadline = time.monotonic() + 10

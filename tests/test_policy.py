@@ -196,9 +196,24 @@ def test_a_sole_holder_over_the_bound_keeps_its_prefix_up_to_the_hit_bound():
     # Past the hit bound the holder takes nothing either.
     p = loaded({**counts, "a": 40}, hit_slack=1.0).choose(doc, statuses, only_a)
     assert p.reason == "spill"
-    # A new document (nothing to recompute elsewhere) keeps the bound: it avoids the holder.
+    # A new document on equal queues: the balance term keeps it off the most placed group.
     for i in range(20):
         assert loaded(counts, hit_slack=1.0).choose(chain(30, first=5 + i), statuses, {}).group_id != "a"
+
+
+def test_a_new_document_goes_where_its_prefill_starts_soonest_whatever_the_request_counts():
+    """The load bound counts requests: the group that took the most lately may be the idle one
+    (short questions), the others busy with long prefills. A new document costs the same
+    recompute anywhere and is not bounded: it goes where its wait is shortest."""
+    counts = {"a": 30, "b": 10, "c": 10, "d": 10}  # mean 15: a over the bound (18.5)
+    statuses = {"a": status("a"), **{g: status(g, queued=20_000) for g in "bcd"}}
+    for i in range(10):
+        p = loaded(counts).choose(chain(30, first=5 + i), statuses, {})
+        assert (p.group_id, p.reason) == ("a", "new_prefix")
+    # a question on a document that b holds keeps the bound: b, not the idle a over it
+    doc = chain(30, first=5)
+    p = loaded(counts).choose(doc, statuses, {g: match(g, 30 if g == "b" else 0) for g in "abcd"})
+    assert (p.group_id, p.reason) == ("b", "prefix_hit")
 
 
 def test_a_prefix_with_more_holders_than_hit_holders_spills_at_the_bound():

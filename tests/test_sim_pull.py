@@ -25,9 +25,12 @@ def make_groups(cost: CostModel = COST, host_blocks: int = 64) -> list[SimGroup]
     return [SimGroup(f"g{i}", cfg, HASHER, index) for i in range(2)]
 
 
-def run(g0: SimGroup, g1: SimGroup, wait: bool = False, at: float = 1.0, rules: PullRules | None = None):
-    """The document asked on g0 at 0, a question about it placed on g1 at `at`, pulling it."""
-    chain = HASHER.hash_prompt(DOC)
+def run(
+    g0: SimGroup, g1: SimGroup, wait: bool = False, at: float = 1.0, rules: PullRules | None = None, named: int = 20
+):
+    """The document asked on g0 at 0, a question about it placed on g1 at `at`, pulling it
+    (the placement names its first `named` blocks)."""
+    chain = HASHER.hash_prompt(DOC)[:named]
     heard = []
     arrivals = [Arrival("r0", 0.0, DOC + [800] * 8, 2), Arrival("r1", at, DOC + QUESTION, 2)]
 
@@ -84,6 +87,16 @@ def test_a_cold_document_is_computed_once_and_pulled_after_its_commit():
     assert g0.prefill_tokens + g1.prefill_tokens == 320 + 8 + 8  # the document once
     # g1's question waited for g0's prefill (polled every 10 ms), then the link
     assert done["r1"].ttft_s > done["r0"].ttft_s
+
+
+def test_a_cold_wait_named_short_of_the_document_pulls_all_the_holder_committed():
+    """A pending placement is indexed at probe positions, so a cold wait may name fewer blocks
+    than the document has: once those are committed, the pull takes the holder's whole
+    committed lead of the waiting prompt's chain (router/router.py, `_wait_and_pull`)."""
+    g0, g1 = make_groups()
+    done, heard = run(g0, g1, wait=True, at=0.0, named=12)
+    assert heard == [20] and g1.pulled_blocks == 20
+    assert done["r1"].cached_tokens == 320 and g1.prefill_tokens == len(QUESTION)
 
 
 def test_a_pull_of_blocks_the_holders_step_computes_copies_them_when_it_ends():

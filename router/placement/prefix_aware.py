@@ -38,9 +38,13 @@ so a hot document's questions spread over its holders and, when they are all at 
 to one more group, which caches it too; replication follows load, never more than the bound
 needs. A prefix held by only a few groups (hit_holders), all at the bound, may still go to one
 of them up to (1 + hit_slack) x the mean: diverting it would recompute the prefix and keep a
-second copy warm, while the requests that cost the same anywhere (new prefixes, chats, a hot
-document's questions, which have other holders) keep the bound. Replication by cost is capped
-too: once max_replicas groups hold half the longest match, only they are candidates.
+second copy warm, while the requests that cost the same anywhere (chats, a hot document's
+questions, which have other holders) keep the bound. A new prefix (no group holds any of it)
+is not bounded: the bound counts requests, not their work, and the group that took the fewest
+requests lately is the one busy with long prefills, so a bound would send every new document's
+prefill to the group whose queue is longest; its cost (its wait there, the balance term)
+places it instead. Replication by cost is capped too: once max_replicas groups hold half the
+longest match, only they are candidates.
 
 Ties go by rendezvous hashing of the chain's first block, so every router replica breaks a tie
 the same way. `choose` is the formula over every candidate; `PrefixAware` answers the same with a
@@ -129,7 +133,8 @@ class LoadBound(NamedTuple):
         """The bound for one request. The least placed group is always under it. A prefix's
         only holders (at most hit_holders groups with its longest match), all over the bound,
         stay candidates up to the hit bound. Once max_replicas groups hold at least half the
-        longest match, only they are candidates (replication by cost is bounded)."""
+        longest match, only they are candidates (replication by cost is bounded). A prefix no
+        group holds has no bound (module docstring)."""
         best_hit = max(held.values(), default=0)
         min_hit = 0
         if best_hit > 0:
@@ -137,7 +142,7 @@ class LoadBound(NamedTuple):
             holders = len([h for h in held.values() if h >= half])
             if holders >= (cfg.max_replicas or max(2, placed.live // 2)):
                 min_hit = half
-        if cfg.load_slack is None:
+        if cfg.load_slack is None or best_hit == 0:  # (a new prefix: no bound)
             return cls(min_hit, math.inf, -math.inf, best_hit)
         bound = (1.0 + cfg.load_slack) * mean + cfg.load_burst
         if cfg.hit_slack is not None and best_hit > 0:
