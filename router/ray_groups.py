@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from cluster.group import GroupHandle, GroupStatus
 from cluster.index import IndexWriter
 from cluster.ray.directory import GroupDirectory, new_subscriber
-from cluster.ray.runtime import ray
+from cluster.ray.runtime import GCS_PING_S, RuntimeLostError, get_unless_lost, local_runtime_lost, ray
 from cluster.ray.supervisor import (
     SUPERVISOR_NAME,
     GroupInfo,
@@ -123,10 +123,21 @@ class RayGroups:
         return [_status(i) for i in self.directory.infos if i.state not in ("serving", "draining")]
 
     def shutdown(self) -> None:
-        self.directory.close()
+        """Stop following the groups, and stop the supervisor this process started (with its
+        groups). When the local runtime is lost (a signal to the whole process group reached
+        its head processes too), what ran on it goes down with it: nothing is waited for
+        (cluster/ray/runtime.py, `local_runtime_lost`)."""
+        lost = local_runtime_lost(GCS_PING_S)
+        self.directory.close()  # (its thread and handles stop without waiting on the GCS)
+        if lost:
+            log.warning("the local Ray runtime is shutting down (its GCS does not answer): its groups go with it")
+            return
         if self.owned:
             try:
-                ray.get(self.supervisor.stop.remote(), timeout=60)
+                get_unless_lost(self.supervisor.stop.remote(), 60)
+            except RuntimeLostError:
+                log.warning("the local Ray runtime went away while its groups were stopping")
+                return
             except Exception as e:  # noqa: BLE001  (stopping anyway)
                 log.warning("stopping the supervisor: %s", e)
             ray.kill(self.supervisor, no_restart=True)

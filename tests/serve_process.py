@@ -22,11 +22,14 @@ def start_serve(
     log: Path,
     ready_within_s: float,
     env: dict | None = None,
+    new_session: bool = False,
     **security,
 ) -> tuple[subprocess.Popen, Client]:
     """`python -m pagefleet serve --port PORT *flags`, its output in `log`, once its health
     says SERVING (fails at once if it exits first). No HTTP door unless `flags` ask for one
-    (`--http-port`); `security`: the client's (pagefleet.client.Security's fields)."""
+    (`--http-port`); `security`: the client's (pagefleet.client.Security's fields);
+    `new_session`: in a session and process group of its own (as a shell or a process manager
+    starts it), which a signal to the group reaches whole."""
     if not any(f.startswith("--http-port") for f in flags):
         flags = [*flags, "--no-http"]
     with open(log, "w") as out:
@@ -36,6 +39,7 @@ def start_serve(
             env=env,
             stdout=out,
             stderr=subprocess.STDOUT,
+            start_new_session=new_session,
         )
     client = Client(f"127.0.0.1:{port}", timeout=120, **security)
     deadline = time.monotonic() + ready_within_s

@@ -312,6 +312,12 @@ def test_a_drained_group_finishes_its_streams_and_leaves(services):
 
     (_, a), _, _ = services["routers"]
     supervisor = ray.get_actor(SUPERVISOR_NAME, namespace=f"pagefleet-{CLUSTER}")
+    # the group the last test replaced serves (its supervisor says so) before this router has
+    # heard from it: with group-1 draining, a request then finds no live group (UNAVAILABLE)
+    deadline = time.monotonic() + 60
+    while not all(g.alive for g in a.cluster_status()):
+        assert time.monotonic() < deadline, a.cluster_status()
+        time.sleep(0.2)
     streams = [
         a.generate_stream(token_ids=[300 + q] * 40, max_tokens=600, temperature=0.0, ignore_eos=True) for q in range(6)
     ]

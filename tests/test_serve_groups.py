@@ -150,3 +150,34 @@ def test_killed_groups_are_replaced_and_health_follows(groups_server):
     done = client.generate(token_ids=[5, 6, 7], max_tokens=2, temperature=0.0, ignore_eos=True)
     assert done.completion_tokens == 2
     assert proc.poll() is None, log.read_text()
+
+
+def test_a_sigterm_to_the_whole_process_group_stops_the_server_without_the_gcs_wait(tmp_path):
+    """A process manager that stops the server's process group (`kill -- -PGID`) signals the
+    local Ray runtime's head processes too: the GCS stops answering at once. The server must
+    not wait on it (Ray's driver gives up on a lost GCS after 60 s and ends the process with an
+    error), nor start a second runtime from a thread that still calls Ray: it exits 0, soon,
+    and leaves no Ray process behind."""
+    model = make_model_dir(tmp_path / "model")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
+    log = tmp_path / "serve.log"
+    flags = ["--groups", "2", "--model", str(model), "--no-metrics", "--grace", "2"]
+    proc, client = start_serve(flags, free_port(), log, READY_WITHIN_S, env, new_session=True)
+    client.close()
+    tree = descendants(proc.pid)
+    assert sorted(n for n in tree.values() if n in ("gcs_server", "raylet")) == ["gcs_server", "raylet"]
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        code = proc.wait(GCS_GIVE_UP_S - 15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(30)
+        pytest.fail(f"still running {GCS_GIVE_UP_S - 15} s after SIGTERM to its group:\n{log.read_text()[-3000:]}")
+    text = log.read_text()
+    assert code == 0, f"exit status {code}:\n{text[-3000:]}"
+    assert "stopped" in text and "its groups go with it" in text, text[-3000:]
+    assert text.count("Started a local Ray instance") == 1, text[-3000:]  # no second runtime
+    deadline = time.monotonic() + 30
+    while (left := [p for p in tree if process_state(p) not in (None, "Z")]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left, f"the server's Ray processes outlived it: {[tree[p] for p in left]}"

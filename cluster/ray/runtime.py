@@ -28,8 +28,12 @@ import contextlib
 import logging
 import os
 import threading
+import time
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+# A Ray call made before `ensure_ray` or after `shutdown_ray` raises instead of starting a
+# runtime of its own (with a dashboard, on another thread than the main one).
+os.environ.setdefault("RAY_ENABLE_AUTO_CONNECT", "0")
 
 import ray  # noqa: E402  (after the environment above)
 
@@ -40,6 +44,8 @@ LOCAL_START_ATTEMPTS = 3
 # the words of Ray's errors when a head process is late: its raylet registering with the GCS,
 # or a process writing the port file Ray waits for (the GCS's, 30 s by default)
 START_TIMED_OUT = ("timed out during startup", "Timed out waiting for file")
+LOST_POLL_S = 0.25  # how often a graceful stop checks that the local runtime is still there
+GCS_PING_S = 1.0  # a live GCS answers a ping in about a millisecond
 
 logger = logging.getLogger(__name__)
 
@@ -193,8 +199,75 @@ def _enable_token_if_available() -> bool:
 
 
 def shutdown_ray() -> None:
-    if ray.is_initialized():
-        ray.shutdown()
+    """Disconnect from the runtime, and stop the local one this process started. A lost local
+    runtime's head processes (`local_runtime_lost`) are killed first: asked to stop, they would
+    each be waited for (they are shutting down already, or hung)."""
+    if not ray.is_initialized():
+        return
+    node = _own_node()
+    if node is not None and local_runtime_lost(GCS_PING_S):
+        for infos in node.all_processes.values():
+            for info in infos:
+                if info.process.poll() is None:
+                    info.process.kill()
+    ray.shutdown()
+
+
+class RuntimeLostError(RuntimeError):
+    """The local Ray runtime's head processes exited while a call waited on it."""
+
+
+def get_unless_lost(ref: ray.ObjectRef, timeout_s: float) -> object:
+    """`ray.get(ref, timeout=timeout_s)`, given up with RuntimeLostError as soon as the local
+    runtime is lost (`local_runtime_lost`) rather than after the timeout: it waits in slices
+    of LOST_POLL_S, each of which the owner answers without the GCS."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = deadline - time.monotonic()
+        ready, _ = ray.wait([ref], timeout=max(0.0, min(LOST_POLL_S, left)))
+        if ready:
+            return ray.get(ready[0])
+        if local_runtime_lost():
+            raise RuntimeLostError("the local Ray runtime's GCS or raylet exited")
+        if left <= 0:
+            raise ray.exceptions.GetTimeoutError(f"not ready in {timeout_s:g} s")
+
+
+def local_runtime_lost(ping_s: float = 0.0) -> bool:
+    """Whether this process started a local Ray runtime that is going away: its GCS or raylet
+    has exited, or (with `ping_s`) the GCS does not answer within `ping_s` seconds. A signal
+    sent to the whole process group (`kill -- -PGID`, a process manager stopping the group)
+    reaches the runtime's head processes too: the GCS stops answering at once and exits later,
+    the raylet exits after ~10 s. A call into the runtime would then wait 60 s for the GCS to
+    come back, and end the process. Callers skip the graceful stop: what ran on the runtime
+    goes down with it. Once lost, the runtime stays lost (no second ping)."""
+    global _lost
+    node = _own_node()
+    if node is None:  # (joined a cluster, or none: not ours to judge)
+        return False
+    if _lost is node:
+        return True
+    dead = any(kind in ("gcs_server", "raylet") for kind, _ in node.dead_processes())
+    if dead or (ping_s > 0 and not _gcs_answers(ping_s)):
+        _lost = node
+    return _lost is node
+
+
+_lost: object | None = None  # the local runtime (its head node) found lost
+
+
+def _own_node():
+    """The head node of the local runtime this process started, or None."""
+    node = getattr(ray._private.worker, "_global_node", None)
+    return node if node is not None and getattr(node, "head", False) else None
+
+
+def _gcs_answers(timeout_s: float) -> bool:
+    try:
+        ray._private.worker.global_worker.gcs_client.internal_kv_get(b"ping", b"pagefleet", timeout=timeout_s)
+    except Exception:  # noqa: BLE001  (any failure to answer: an RpcError, a timeout, no client)
+        return False
+    return True
 
 
 def live_actors() -> list[dict]:
@@ -213,10 +286,13 @@ def live_placement_groups() -> list[dict]:
 
 __all__ = [
     "RayStartError",
+    "RuntimeLostError",
     "cluster_namespace",
     "ensure_ray",
+    "get_unless_lost",
     "live_actors",
     "live_placement_groups",
+    "local_runtime_lost",
     "ray",
     "shutdown_ray",
 ]
