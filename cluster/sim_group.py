@@ -386,7 +386,7 @@ class _Pending:
     waiting: list[tuple[Arrival, list[bytes], Callable[[int], None] | None]] = field(default_factory=list)
     pull: SimPull | None = None  # the copy, once started
     key: tuple | None = None  # a cold wait's key, while others may join it
-    lead: Sequence[bytes] = ()  # a cold wait's first prompt chain: as much of it is pulled
+    lead: Sequence[bytes] = ()  # a cold wait's first prompt chain: what of it is committed is pulled
 
 
 @dataclass(frozen=True)
@@ -515,16 +515,12 @@ class Simulation:
             for a, hashes, heard in job.waiting:
                 self._submit(job.group, a, hashes, heard, pulled, now)
             return
-        committed = job.source.held(job.block_hashes)
+        lead = job.lead if len(job.lead) > len(job.block_hashes) else job.block_hashes  # (Router._wait_and_pull)
+        committed = job.source.held(lead)
         if committed < len(job.block_hashes) and job.source.alive and now < job.deadline_s:
             self._push(now + self.pulls.poll_s, job)
         elif job.source.alive and self.pulls.pays(committed):
-            if committed >= len(job.block_hashes) and len(job.lead) > committed:  # (Router._wait_and_pull)
-                lead = job.source.held(job.lead)
-                if lead > committed:
-                    self._begin_pull(job, job.lead[:lead], now)
-                    return
-            self._begin_pull(job, job.block_hashes[:committed], now)
+            self._begin_pull(job, lead[:committed], now)
         else:  # nothing worth pulling came: recompute
             job.pull = SimPull(job.source, (), (), now)
             self._advance(job, now)

@@ -37,6 +37,7 @@ from cluster.index import GroupMatch, IndexReader, PrefixIndexError, touched_ids
 from router.documents import Documents
 from router.hash_cache import PrefixHashCache
 from router.placement import Ledger, Placement, Policy, make_policy
+from router.placement.prefix_aware import delayed_requests
 from worker.chat import check_messages, message_chars, render_chat
 from worker.hashing import BlockHasher
 from worker.outputs import CachedTiers, RequestMetrics, RequestOutput
@@ -762,36 +763,32 @@ class Router:
         self, group: GroupHandle, holder: GroupHandle, chain: Sequence[bytes], lead: Sequence[bytes] = ()
     ) -> int:
         """Wait (up to `cold_wait_s`, COLD_WAIT_S) until `holder` has committed `chain`, then pull
-        it, and as much more of `lead` (the prompt's chain, of which `chain` is the start) as the
-        holder has committed by then: the pending record that `chain` ends at is one of the
-        index's probe positions, short of the document's end. What is committed by the deadline
-        is pulled if the pull pays (`pull_pays`), else nothing (0). A holder that dies or drains
-        meanwhile ends the wait at once: nothing (0)."""
+        all it has committed of `lead` (the prompt's chain, of which `chain` is the start; none:
+        `chain`): the pending record `chain` ends at is one of the index's probe positions,
+        short of the document's end. What is committed by the deadline is pulled if the pull
+        pays (`pull_pays`), else nothing (0). A holder that dies or drains meanwhile ends the
+        wait at once: nothing (0)."""
+        lead = lead if len(lead) > len(chain) else chain
         deadline, committed = time.monotonic() + self.cold_wait_s, 0
         while True:
             try:
-                m = self.index.match(chain).get(holder.group_id)
+                m = self.index.match(lead).get(holder.group_id)
             except PrefixIndexError as e:  # out of reach: recompute
                 log.warning("waiting for %s to commit a prefix: index unavailable (%s)", holder.group_id, e)
                 return 0
-            committed = 0 if m is None else min(len(chain), m.blocks + m.host_blocks)
+            committed = 0 if m is None else min(len(lead), m.blocks + m.host_blocks)
             if committed >= len(chain) or m is None or time.monotonic() >= deadline:
                 break
             if holder.group_id not in self.live_statuses():  # it died or drains: no commit to come
                 committed = 0
                 break
             await asyncio.sleep(COLD_POLL_S)
-        if committed >= len(chain) and len(lead) > len(chain):
-            with contextlib.suppress(PrefixIndexError):  # (else the chain alone)
-                m = self.index.match(lead).get(holder.group_id)
-                if m is not None and m.blocks + m.host_blocks > committed:
-                    chain, committed = lead, min(len(lead), m.blocks + m.host_blocks)
         statuses = self.live_statuses()
         near = same_node(statuses.get(group.group_id), statuses.get(holder.group_id))
         if not pull_pays(committed, self.cost, self.model_info.block_size, near):
             log.info("group %s did not commit a prefix in %.1f s: recomputing it", holder.group_id, self.cold_wait_s)
             return 0
-        return await group.pull_from(holder, chain[:committed], PULL_TIMEOUT_S)
+        return await group.pull_from(holder, lead[:committed], PULL_TIMEOUT_S)
 
     async def _place_for(self, hashes: Sequence[bytes], state: _Stream) -> Placement:
         """A placement among the groups this request has not tried (by handle: a group
@@ -1001,7 +998,7 @@ def cold_source(
         # formula's recompute term: the compute and pool space a copy takes, and the requests
         # that wait behind it, at least as many as the least busy group holds)
         queued, running = (here.pending_prefill_tokens, here.running) if here is not None else (0, 0)
-        delayed = min(s.running + s.waiting for s in statuses.values())
+        delayed = delayed_requests(statuses)
         recompute = cost.step_seconds(queued + missing, running) + (1 + delayed) * cost.recompute_seconds(missing)
         if pulled > own:  # the lead it would pull at once comes first
             source = placement.pull_from

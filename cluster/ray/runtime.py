@@ -45,7 +45,7 @@ LOCAL_START_ATTEMPTS = 3
 # or a process writing the port file Ray waits for (the GCS's, 30 s by default)
 START_TIMED_OUT = ("timed out during startup", "Timed out waiting for file")
 LOST_POLL_S = 0.25  # how often a graceful stop checks that the local runtime is still there
-GCS_PING_S = 1.0  # a live GCS answers a ping in about a millisecond
+GCS_PING_S = 1.0  # a live GCS answers a ping at once
 
 logger = logging.getLogger(__name__)
 
@@ -213,6 +213,9 @@ def shutdown_ray() -> None:
     ray.shutdown()
 
 
+_lost: object | None = None  # the local runtime (its head node) found lost by local_runtime_lost
+
+
 class RuntimeLostError(RuntimeError):
     """The local Ray runtime's head processes exited while a call waited on it."""
 
@@ -237,8 +240,8 @@ def local_runtime_lost(ping_s: float = 0.0) -> bool:
     """Whether this process started a local Ray runtime that is going away: its GCS or raylet
     has exited, or (with `ping_s`) the GCS does not answer within `ping_s` seconds. A signal
     sent to the whole process group (`kill -- -PGID`, a process manager stopping the group)
-    reaches the runtime's head processes too: the GCS stops answering at once and exits later,
-    the raylet exits after ~10 s. A call into the runtime would then wait 60 s for the GCS to
+    reaches the runtime's head processes too: the GCS stops answering at once, and it and the
+    raylet exit later. A call into the runtime would then wait 60 s for the GCS to
     come back, and end the process. Callers skip the graceful stop: what ran on the runtime
     goes down with it. Once lost, the runtime stays lost (no second ping)."""
     global _lost
@@ -251,9 +254,6 @@ def local_runtime_lost(ping_s: float = 0.0) -> bool:
     if dead or (ping_s > 0 and not _gcs_answers(ping_s)):
         _lost = node
     return _lost is node
-
-
-_lost: object | None = None  # the local runtime (its head node) found lost
 
 
 def _own_node():

@@ -201,7 +201,7 @@ class PrefixAware(Policy):
         there costs the rest of the cluster (module docstring). `placements`: the group's
         recent placements, `mean` theirs over the live groups; `pressure`: the group's recent
         uncached tokens over the mean (1 when nothing was sent); `delayed`: the fewest requests
-        running and waiting on any live group (`_delayed`); `restored`: of the `hit` blocks,
+        running and waiting on any live group (`delayed_requests`); `restored`: of the `hit` blocks,
         those restored from the host and from the disk tier (`_restored`)."""
         cfg, c, bs = self.config, self.config.cost, self.block_size
         st = self._status_terms(s)
@@ -223,7 +223,7 @@ class PrefixAware(Policy):
         share = _Placed(requests, scale, live)
         mean = share.mean(statuses)
         total = sum(tokens.get(g, 0.0) for g in statuses)
-        bound, delayed = LoadBound.of(self.config, held, share, mean), _delayed(statuses)
+        bound, delayed = LoadBound.of(self.config, held, share, mean), delayed_requests(statuses)
         for limits in (bound, *bound.relaxed()):
             costs = {
                 g: self.cost(
@@ -252,7 +252,7 @@ class PrefixAware(Policy):
         share = _Placed(requests, scale, live)  # read per candidate, not built for every group
         mean = share.mean(statuses)
         bound = LoadBound.of(self.config, held, share, mean)
-        rows = statuses, held, share, mean, tokens, 1.0 + _delayed(statuses), _restored(matches, held)
+        rows = statuses, held, share, mean, tokens, 1.0 + delayed_requests(statuses), _restored(matches, held)
         tied = self._lowest(n, rows, bound)
         if not tied:  # every candidate is over the bound
             for limits in bound.relaxed():
@@ -378,7 +378,7 @@ class StatusTerms(NamedTuple):
     neighbours: float  # the charge for delaying the requests already there
 
 
-def _delayed(statuses: Mapping[str, GroupStatus]) -> int:
+def delayed_requests(statuses: Mapping[str, GroupStatus]) -> int:
     """The fewest requests running and waiting on any live group: how many, at least, wait
     behind new work wherever it goes (the recompute charge's weight, module docstring)."""
     return min(s.running + s.waiting for s in statuses.values())
@@ -443,4 +443,4 @@ class _Placed:
         return min(map(self.requests.get, groups, itertools.repeat(0.0))) * self.scale
 
 
-__all__ = ["LoadBound", "PlacedShare", "PrefixAware", "PrefixAwareConfig"]
+__all__ = ["LoadBound", "PlacedShare", "PrefixAware", "PrefixAwareConfig", "delayed_requests"]
