@@ -679,9 +679,13 @@ class Router:
         return with_pulled(placement, group.group_id, pulled, len(hashes)), pulled, decided
 
     def _known_chain(self, ids: Sequence[int], cache_salt: str | None, state: _Stream) -> list[bytes]:
-        """The block hashes of what a stream knows: its prompt and the tokens generated so far
-        (what a group it moves or resumes on can get instead of recomputing)."""
-        return self.hasher.hash_prompt(list(ids) + state.tokens, cache_salt=cache_salt)
+        """The block hashes of what a stream knows that a group it moves or resumes on can take
+        instead of recomputing: the full blocks of its prompt and the tokens generated so far,
+        but for the last token. A prompt's last token is always computed (its logits give the
+        next token), so its block is never taken from a cache; on a block boundary, pulling it
+        would copy a block only to recompute it (and the block's last token may have no KV at
+        the source yet)."""
+        return self.hasher.hash_prompt((list(ids) + state.tokens)[:-1], cache_salt=cache_salt)
 
     async def _read_dead(
         self, placement: Placement, ids: Sequence[int], hashes: Sequence[bytes], cache_salt: str | None, state: _Stream

@@ -93,6 +93,23 @@ def check(
     assert computed == PROMPT_LEN + max_tokens - 1 - 16 * record.pulled_blocks
 
 
+def test_a_moved_stream_pulls_the_blocks_its_new_group_can_use():
+    """The block holding the last known token is recomputed wherever the stream goes (a
+    prompt's last token always is): on a block boundary the move does not pull it."""
+    from types import SimpleNamespace
+
+    from worker.hashing import BlockHasher, ModelFingerprint
+
+    hasher = BlockHasher(SECRET.encode(), ModelFingerprint("m", block_size=16))
+    router = SimpleNamespace(hasher=hasher)
+    ids = prompt(99)  # 40 tokens
+    for generated, blocks in ((23, 3), (24, 3), (25, 4)):  # 63, 64 and 65 tokens known
+        state = SimpleNamespace(tokens=list(range(generated)))
+        chain = Router._known_chain(router, ids, None, state)
+        assert len(chain) == blocks
+        assert chain == hasher.hash_prompt(ids + state.tokens)[:blocks]
+
+
 # ---- in this process -------------------------------------------------------------------------
 
 
